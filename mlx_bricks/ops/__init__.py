@@ -1,0 +1,41 @@
+"""Public functional API of the bricks: ``mx.array`` in, ``mx.array`` out.
+
+Each op validates its arguments, resolves the backend (``mlx_bricks.backends``) and runs either
+the MSL brick (``metal``/``emulator``) or its reference in MLX ops (``reference``). Every op has
+a ``*_reference`` beside it. Names are resolved lazily so ``import mlx_bricks.ops`` stays cheap.
+"""
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "linear": "gemm",
+    "linear_reference": "gemm",
+    "swiglu": "swiglu",
+    "swiglu_reference": "swiglu",
+    "swiglu_mlp": "swiglu",
+    "swiglu_mlp_reference": "swiglu",
+    "flash_attention": "attention",
+    "flash_attention_reference": "attention",
+    "quantize_q8_0": "q8_0",
+    "quantize_q8_0_reference": "q8_0",
+    "dequantize_q8_0": "q8_0",
+    "dequantize_q8_0_reference": "q8_0",
+    "rms_norm_qkv": "norm_qkv",
+    "rms_norm_qkv_reference": "norm_qkv",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mlx_bricks.ops' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"mlx_bricks.ops.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

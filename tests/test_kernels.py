@@ -1,0 +1,77 @@
+"""Kernel registry: lazy, built once per backend, unique names, sources from package data."""
+import importlib.resources
+
+import mlx.core as mx
+import pytest
+
+from mlx_bricks import kernels
+from mlx_bricks.kernels import KernelSpec
+
+
+def test_every_registered_spec_has_its_sources():
+    import mlx_bricks.ops.attention, mlx_bricks.ops.gemm, mlx_bricks.ops.norm_qkv  # noqa: F401
+    import mlx_bricks.ops.q8_0, mlx_bricks.ops.swiglu  # noqa: F401
+
+    for name in kernels.registered():
+        kname, header, body = kernels.kernel_source(name)
+        assert kname.startswith(f"mlx_bricks_{name}_") and body.strip()
+
+
+def test_source_loads_through_importlib_resources():
+    files = importlib.resources.files("mlx_bricks.metal_src")
+    metal = [p.name for p in files.iterdir() if p.name.endswith((".metal", ".h"))]
+    for fname in metal:
+        assert kernels.read_source(fname) == files.joinpath(fname).read_text()
+
+
+def test_missing_source_is_a_clear_error():
+    with pytest.raises(FileNotFoundError, match="no_such_file.metal"):
+        kernels.read_source("no_such_file.metal")
+
+
+def test_unknown_kernel_lists_registered():
+    with pytest.raises(ValueError, match="unknown kernel"):
+        kernels.spec("no-such-kernel")
+
+
+def test_reregistering_a_different_spec_is_refused():
+    a = KernelSpec("test_dup", body="a.metal", input_names=("x",), output_names=("y",))
+    kernels.register(a)
+    kernels.register(a)  # same spec again: fine
+    with pytest.raises(ValueError, match="already registered"):
+        kernels.register(KernelSpec("test_dup", body="b.metal", input_names=("x",),
+                                    output_names=("y",)))
+
+
+def test_kernel_names_differ_by_source(monkeypatch, tmp_path):
+    src = {"one.metal": "out[0] = inp[0];", "two.metal": "out[0] = 2 * inp[0];"}
+    monkeypatch.setattr(kernels, "read_source", lambda f: src[f])
+    kernels.register(KernelSpec("test_one", "one.metal", ("inp",), ("out",)))
+    kernels.register(KernelSpec("test_two", "two.metal", ("inp",), ("out",)))
+    assert kernels.kernel_source("test_one")[0] != kernels.kernel_source("test_two")[0]
+
+
+def test_each_kernel_is_built_once(monkeypatch):
+    built = []
+
+    def fake_factory(**kw):
+        built.append(kw["name"])
+        return lambda **call: [call["inputs"][0] * 2]
+
+    monkeypatch.setattr(mx.fast, "metal_kernel", fake_factory)
+    monkeypatch.setattr(kernels, "read_source", lambda f: "out[0] = 2 * inp[0];")
+    kernels.register(KernelSpec("test_once", "once.metal", ("inp",), ("out",)))
+    kernels.get_kernel.cache_clear()
+    before = kernels.BUILD_COUNTS[("test_once", "metal")]
+    for _ in range(3):
+        (y,) = kernels.launch("test_once", "metal", inputs=[mx.array([1.0])])
+        assert y.item() == 2.0
+    assert len(built) == 1
+    assert kernels.BUILD_COUNTS[("test_once", "metal")] == before + 1
+    assert kernels.LAUNCH_COUNTS[("test_once", "metal")] >= 3
+
+
+def test_reference_backend_has_no_kernels():
+    kernels.register(KernelSpec("test_ref", "x.metal", ("inp",), ("out",)))
+    with pytest.raises(ValueError, match="has no kernels"):
+        kernels.get_kernel("test_ref", "reference")
