@@ -10,7 +10,7 @@ from mlx_bricks.kernels import KernelSpec
 
 def test_every_registered_spec_has_its_sources():
     import mlx_bricks.ops.attention, mlx_bricks.ops.gemm, mlx_bricks.ops.norm_qkv  # noqa: F401
-    import mlx_bricks.ops.q8_0, mlx_bricks.ops.swiglu  # noqa: F401
+    import mlx_bricks.ops.q8_0, mlx_bricks.ops.mlp  # noqa: F401
 
     for name in kernels.registered():
         kname, header, body = kernels.kernel_source(name)

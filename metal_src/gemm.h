@@ -1,0 +1,423 @@
+// gemm.h -- the shared ingestion pipeline and MMA pieces of the bricks (Bricks 1 and 2).
+//
+// Three separable parts, each a small template named by its parameters (as in MLX steel):
+//
+//   TileLoader<T, ROWS, BK, LD, NTHREADS>   global (ROWS x BK slice of a row-major operand)
+//                                           -> registers -> threadgroup tile with row pitch LD.
+//                                           128-bit vector loads when allowed, scalar predicated
+//                                           loads otherwise; an optional element transform is
+//                                           applied on the way into threadgroup memory.
+//   SimdgroupMMA<BM, BN, BK, WM, WN, LDA, LDB>
+//                                           WM x WN simdgroups; each owns a (BM/WM) x (BN/WN)
+//                                           sub-tile as 8x8 simdgroup_matrix<float> accumulators.
+//                                           A is read (row, k) from As, B is read (n, k) from Bs,
+//                                           i.e. the nn.Linear weight layout: C = A * B^T.
+//   store / store_checked + epilogue ops    accumulators -> device memory, through a functor
+//                                           (bias, residual, or a brick's own, e.g. SwiGLU).
+//
+// gemm_k_loop() ties them together with ping-pong (double) buffering: the global loads of K
+// step s+1 are issued into registers before the MMAs of step s, and land in the other
+// threadgroup buffer afterwards, so one barrier per K step suffices.
+//
+// Rows past the end of an operand are clamped to its last row by the caller (their results are
+// never stored), so only the K tail and the final store need predication.
+//
+// Using it in a kernel body (gemm.metal is the complete example):
+//   1. declare the ping-pong buffers at kernel scope (MSL allows threadgroup storage only
+//      there), as 16-byte chunks so 128-bit stores are aligned:
+//        threadgroup bricks::Vec128<T> As_store[2 * LoaderA::TILE / LoaderA::VW];
+//   2. construct the loaders, fill src[i] for each chunk row (clamped), k_stride and vec;
+//   3. construct SimdgroupMMA(sg, lane) and call gemm_k_loop<BK>(la, lb, mma, As, Bs, K, op);
+//   4. store through mma.store / mma.store_checked with an epilogue op, or walk mma.acc
+//      yourself (lane element (row0 + 8 i, col0 + 8 j + e) is acc[i][j].thread_elements()[e]).
+// Kernels with two B operands (SwiGLU gate/up) reuse TileLoader and the fragment loads
+// (load_a / load_b / multiply_accumulate) with their own accumulator sets.
+
+#ifndef MLX_BRICKS_GEMM_H
+#define MLX_BRICKS_GEMM_H
+
+#include <metal_stdlib>
+#include <metal_simdgroup>
+#include <metal_simdgroup_matrix>
+
+using namespace metal;
+
+#define BRICKS_UNROLL _Pragma("clang loop unroll(full)")
+
+namespace bricks {
+
+// ---------------------------------------------------------------------------------------------
+// Loader
+// ---------------------------------------------------------------------------------------------
+
+// 16 bytes of T (8 halfs/bfloats or 4 floats). Copies go element by element through a
+// 16-byte aligned Vec128 pointer: the known alignment lets the compiler emit one 128-bit
+// access, with no vec<T, 8> (absent from MSL) and no type punning.
+template <typename T>
+struct alignas(16) Vec128 {
+  T v[16 / sizeof(T)];
+};
+
+template <typename A, typename B>
+struct SameType {
+  static constant constexpr bool value = false;
+};
+template <typename A>
+struct SameType<A, A> {
+  static constant constexpr bool value = true;
+};
+
+template <typename T, typename Src>
+inline void copy128(thread Vec128<T>& d, Src s) {
+  BRICKS_UNROLL
+  for (short j = 0; j < short(16 / sizeof(T)); ++j) d.v[j] = s->v[j];
+}
+
+// 16-byte load from an operand pointer. MLX passes inputs of fewer than 8 elements in the
+// constant address space, so loaders take the pointer type as a parameter; the aligned 128-bit
+// form exists for device pointers, constant ones (tiny arrays) copy element by element.
+template <bool DEVICE>
+struct Load128 {
+  template <typename T, typename P>
+  static void load(thread Vec128<T>& d, P p) {
+    BRICKS_UNROLL
+    for (short j = 0; j < short(16 / sizeof(T)); ++j) d.v[j] = p[j];
+  }
+};
+template <>
+struct Load128<true> {
+  template <typename T, typename P>
+  static void load(thread Vec128<T>& d, P p) {
+    copy128(d, reinterpret_cast<const device Vec128<T>*>(p));
+  }
+};
+
+// The identity transform: what a plain GEMM applies to its operands.
+struct NoTransform {
+  template <typename T>
+  void operator()(thread Vec128<T>&, short, int) const {}
+};
+
+// Row offset (in elements) of flat row m of a strided array whose first n_lead dims are the
+// row dims (row-major flattening, as x.reshape(-1, K) would number the rows).
+inline long strided_row_offset(
+    int m, const constant int* shape, const constant int64_t* strides, int n_lead) {
+  long off = 0;
+  for (int d = n_lead - 1; d >= 0; --d) {
+    const int s = shape[d];
+    off += long(m % s) * strides[d];
+    m /= s;
+  }
+  return off;
+}
+
+// Copies a ROWS x BK tile of a row-major (row, k) operand into threadgroup memory with row
+// pitch LD, NTHREADS threads cooperating. Each thread owns NCH chunks of VW consecutive k
+// (one 128-bit vector): chunk i is tile row `row + i * RSTEP`, tile columns [col, col + VW).
+//
+// The caller fills src[i] (pointer to element k = 0 of the chunk's row, rows clamped to the
+// operand), k_stride (elements between consecutive k) and vec (128-bit path allowed: k_stride
+// is 1, K % VW == 0, and every row start is 16-byte aligned). Ptr: the operand's pointer type.
+template <typename T, short ROWS, short BK, short LD, short NTHREADS,
+          typename Ptr = const device T*>
+struct TileLoader {
+  static constant constexpr short VW = 16 / sizeof(T);   // elements per 128-bit vector
+  static constant constexpr short CPR = BK / VW;         // chunks per tile row
+  static constant constexpr short RSTEP = NTHREADS / CPR;  // tile rows between a thread's chunks
+  static constant constexpr short NCH = ROWS / RSTEP;    // chunks per thread
+  static constant constexpr int TILE = ROWS * LD;        // elements of one threadgroup buffer
+
+  static_assert(BK % VW == 0, "BK must be a multiple of the 128-bit vector width");
+  static_assert(NTHREADS % CPR == 0 && ROWS % RSTEP == 0, "tile does not split evenly");
+  static_assert(LD % VW == 0, "the row pitch must keep 16-byte alignment (pad by VW)");
+
+  Ptr src[NCH];
+  long k_stride;
+  int K;
+  bool vec;
+  short row;
+  short col;
+  int k_staged;  // first k of this thread's staged chunks
+  Vec128<T> regs[NCH];
+
+  TileLoader(ushort tid, int K_)
+      : k_stride(1), K(K_), vec(false), row(short(tid / CPR)), col(short((tid % CPR) * VW)),
+        k_staged(0) {}
+
+  short tile_row(short i) const { return row + i * RSTEP; }
+
+  // Issue the global loads of the tile starting at k0 into registers. check_k: the tile
+  // crosses K (zero-fill past it; whole chunks in the vector path since VW divides K).
+  void load(int k0, bool check_k) {
+    const int k = k0 + col;
+    k_staged = k;
+    if (vec) {
+      BRICKS_UNROLL
+      for (short i = 0; i < NCH; ++i) {
+        if (!check_k || k < K) {
+          Load128<SameType<Ptr, const device T*>::value>::load(regs[i], src[i] + k);
+        } else {
+          BRICKS_UNROLL
+          for (short j = 0; j < VW; ++j) regs[i].v[j] = T(0);
+        }
+      }
+    } else {
+      BRICKS_UNROLL
+      for (short i = 0; i < NCH; ++i) {
+        BRICKS_UNROLL
+        for (short j = 0; j < VW; ++j) {
+          const int kj = k + j;
+          regs[i].v[j] = (!check_k || kj < K) ? src[i][long(kj) * k_stride] : T(0);
+        }
+      }
+    }
+  }
+
+  // Write the staged chunks into the threadgroup buffer dst, applying op(chunk, tile_row, k)
+  // to chunks that start inside K (the zero-filled tail stays zero).
+  template <typename Op>
+  void store(threadgroup T* dst, thread const Op& op) {
+    BRICKS_UNROLL
+    for (short i = 0; i < NCH; ++i) {
+      if (k_staged < K) op(regs[i], tile_row(i), k_staged);
+      threadgroup Vec128<T>* d = reinterpret_cast<threadgroup Vec128<T>*>(
+          dst + tile_row(i) * LD + col);
+      BRICKS_UNROLL
+      for (short j = 0; j < VW; ++j) d->v[j] = regs[i].v[j];
+    }
+  }
+
+  void store(threadgroup T* dst) { store(dst, NoTransform()); }
+};
+
+// ---------------------------------------------------------------------------------------------
+// MMA block
+// ---------------------------------------------------------------------------------------------
+
+// WM x WN simdgroups compute a BM x BN block; simdgroup sg owns the contiguous sub-tile at
+// ((sg / WN) * SM, (sg % WN) * SN) of SM x SN = (BM/WM) x (BN/WN) outputs, as TM x TN 8x8
+// float accumulators. Fragments are filled from threadgroup memory through thread_elements()
+// (lane layout as used by MLX's steel kernels: each lane holds (fr, fc) and (fr, fc + 1)),
+// converted to float, so the multiply-accumulate runs in float for every input dtype.
+template <short BM, short BN, short BK, short WM, short WN, short LDA, short LDB>
+struct SimdgroupMMA {
+  static constant constexpr short SM = BM / WM;
+  static constant constexpr short SN = BN / WN;
+  static constant constexpr short TM = SM / 8;
+  static constant constexpr short TN = SN / 8;
+
+  static_assert(SM % 8 == 0 && SN % 8 == 0 && BK % 8 == 0, "tiles must be multiples of 8");
+
+  simdgroup_matrix<float, 8, 8> acc[TM][TN];
+  simdgroup_matrix<float, 8, 8> a_frag[TM];
+  simdgroup_matrix<float, 8, 8> b_frag[TN];
+  short fr;    // this lane's row inside every 8x8 fragment
+  short fc;    // this lane's first column inside every 8x8 fragment (it also holds fc + 1)
+  short row0;  // block-relative row of this lane's first element in acc[0][0]
+  short col0;  // block-relative column of this lane's first element in acc[0][0]
+
+  SimdgroupMMA(ushort sg, ushort lane) {
+    const short qid = short(lane / 4);
+    fr = (qid & 4) + short((lane / 2) % 4);
+    fc = (qid & 2) * 2 + short(lane % 2) * 2;
+    row0 = short(sg / WN) * SM + fr;
+    col0 = short(sg % WN) * SN + fc;
+    BRICKS_UNROLL
+    for (short i = 0; i < TM; ++i) {
+      BRICKS_UNROLL
+      for (short j = 0; j < TN; ++j) acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    }
+  }
+
+  // Load the A fragments of k-slice kk: As holds (row, k) with pitch LDA.
+  template <typename T>
+  void load_a(const threadgroup T* As, short kk) {
+    BRICKS_UNROLL
+    for (short i = 0; i < TM; ++i) {
+      const threadgroup T* p = As + (row0 + i * 8) * LDA + kk + fc;
+      a_frag[i].thread_elements()[0] = float(p[0]);
+      a_frag[i].thread_elements()[1] = float(p[1]);
+    }
+  }
+
+  // Load the B fragments of k-slice kk: Bs holds (n, k) with pitch LDB, the fragment is B^T.
+  template <typename T>
+  void load_b(const threadgroup T* Bs, short kk) {
+    BRICKS_UNROLL
+    for (short j = 0; j < TN; ++j) {
+      const threadgroup T* p = Bs + (col0 + j * 8) * LDB + kk + fr;
+      b_frag[j].thread_elements()[0] = float(p[0]);
+      b_frag[j].thread_elements()[1] = float(p[LDB]);
+    }
+  }
+
+  void multiply_accumulate() {
+    BRICKS_UNROLL
+    for (short i = 0; i < TM; ++i) {
+      BRICKS_UNROLL
+      for (short j = 0; j < TN; ++j) {
+        simdgroup_multiply_accumulate(acc[i][j], a_frag[i], b_frag[j], acc[i][j]);
+      }
+    }
+  }
+
+  // acc += As (BM x BK) * Bs (BN x BK)^T for one threadgroup buffer pair.
+  template <typename T>
+  void mma(const threadgroup T* As, const threadgroup T* Bs) {
+    BRICKS_UNROLL
+    for (short kk = 0; kk < BK; kk += 8) {
+      load_a(As, kk);
+      load_b(Bs, kk);
+      multiply_accumulate();
+    }
+  }
+
+  // Epilogue without bounds checks: C points at the block's (0, 0), row pitch ldc;
+  // op(acc, row, col) (block-relative indices) returns the float value to store.
+  template <typename T, typename Op>
+  void store(device T* C, int ldc, thread const Op& op) const {
+    BRICKS_UNROLL
+    for (short i = 0; i < TM; ++i) {
+      const short r = row0 + i * 8;
+      device T* crow = C + long(r) * ldc;
+      BRICKS_UNROLL
+      for (short j = 0; j < TN; ++j) {
+        const short c = col0 + j * 8;
+        const thread auto& e = acc[i][j].thread_elements();
+        crow[c] = T(op(e[0], r, c));
+        crow[c + 1] = T(op(e[1], r, c + 1));
+      }
+    }
+  }
+
+  // Epilogue with predication: only rows < rows_left and columns < cols_left are written
+  // (and only those are passed to op, so op may read device memory at (row, col)).
+  template <typename T, typename Op>
+  void store_checked(device T* C, int ldc, int rows_left, int cols_left,
+                     thread const Op& op) const {
+    BRICKS_UNROLL
+    for (short i = 0; i < TM; ++i) {
+      const short r = row0 + i * 8;
+      if (r >= rows_left) continue;
+      device T* crow = C + long(r) * ldc;
+      BRICKS_UNROLL
+      for (short j = 0; j < TN; ++j) {
+        const short c = col0 + j * 8;
+        const thread auto& e = acc[i][j].thread_elements();
+        if (c < cols_left) crow[c] = T(op(e[0], r, c));
+        if (c + 1 < cols_left) crow[c + 1] = T(op(e[1], r, c + 1));
+      }
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Epilogue ops: float operator()(float acc, short row, short col), block-relative indices.
+// ---------------------------------------------------------------------------------------------
+
+// acc (+ bias[col]) (+ residual[row, col]), summed in float and rounded once by the store.
+template <bool HAS_BIAS, bool HAS_RESIDUAL, typename BiasPtr, typename ResidualPtr>
+struct BiasResidualEpilogue {
+  BiasPtr bias;          // at the block's first column
+  ResidualPtr residual;  // at the block's (0, 0)
+  int ldr;               // residual row pitch
+
+  float operator()(float v, short r, short c) const {
+    if (HAS_BIAS) v += float(bias[c]);
+    if (HAS_RESIDUAL) v += float(residual[long(r) * ldr + c]);
+    return v;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Ingestion transforms: op(thread Vec128<T>& chunk, short tile_row, int k) applied by
+// TileLoader::store to A chunks that start inside K (elements at k + j >= K are zero padding).
+// ---------------------------------------------------------------------------------------------
+
+// RMSNorm on the fly, as mx.fast.rms_norm (MLX 0.32) rounds it:
+// h = T(w * T(x * inv_rms)), the inner product in float, w * T(...) exact in float then rounded.
+template <typename WPtr>
+struct RmsNormTransform {
+  const threadgroup float* inv_rms;  // per tile row, from tile_inv_rms
+  WPtr weight;                       // (K,) RMSNorm weight
+  int K;
+
+  template <typename T>
+  void operator()(thread Vec128<T>& c, short row, int k) const {
+    const float s = inv_rms[row];
+    BRICKS_UNROLL
+    for (short j = 0; j < short(16 / sizeof(T)); ++j) {
+      if (k + j < K) c.v[j] = T(float(weight[k + j]) * float(T(float(c.v[j]) * s)));
+    }
+  }
+};
+
+// inv_rms[r] = rsqrt(mean(x[m0 + r, :]^2) + eps) for the ROWS rows of an A tile (rows clamped
+// to M - 1 as the loader clamps them), in float as mx.fast.rms_norm. Simdgroup sg of NSG takes
+// rows sg, sg + NSG, ...; its lanes read the row in 128-bit chunks (vec) or coalesced scalars.
+// Ends with a threadgroup barrier.
+template <typename T, short ROWS, short NSG, typename Ptr>
+void tile_inv_rms(threadgroup float* inv_rms, Ptr x, const constant int* shape,
+                  const constant int64_t* strides, int n_lead, int m0, int M, int K,
+                  long k_stride, bool vec, float eps, ushort sg, ushort lane) {
+  constexpr short VW = 16 / sizeof(T);
+  for (short r = short(sg); r < ROWS; r += NSG) {
+    const Ptr row = x + strided_row_offset(min(m0 + r, M - 1), shape, strides, n_lead);
+    float acc = 0.0f;
+    if (vec) {
+      for (int k = int(lane) * VW; k < K; k += 32 * VW) {
+        Vec128<T> c;
+        Load128<SameType<Ptr, const device T*>::value>::load(c, row + k);
+        BRICKS_UNROLL
+        for (short j = 0; j < VW; ++j) acc += float(c.v[j]) * float(c.v[j]);
+      }
+    } else {
+      for (int k = int(lane); k < K; k += 32) {
+        const float v = float(row[long(k) * k_stride]);
+        acc += v * v;
+      }
+    }
+    acc = simd_sum(acc);
+    if (lane == 0) inv_rms[r] = metal::precise::rsqrt(acc / float(K) + eps);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pipeline
+// ---------------------------------------------------------------------------------------------
+
+// The K loop of one block: ping-pong buffers As/Bs (2 tiles each, LoaderX::TILE elements
+// apart). Step s computes on buffer s & 1 while the loads of step s + 1 are in flight and
+// then written into buffer (s + 1) & 1; the single barrier per step orders both the reads of
+// step s - 1 before those writes and the writes before the reads of step s + 1.
+// op_a transforms A chunks on their way into threadgroup memory (NoTransform for a GEMM).
+template <short BK, typename LoaderA, typename LoaderB, typename MMA, typename T, typename OpA>
+void gemm_k_loop(thread LoaderA& la, thread LoaderB& lb, thread MMA& mma,
+                 threadgroup T* As, threadgroup T* Bs, int K, thread const OpA& op_a) {
+  const int full = K / BK;                  // steps without a K tail
+  const int steps = full + (K % BK != 0);   // the last one may be partial
+  la.load(0, full == 0);
+  lb.load(0, full == 0);
+  la.store(As, op_a);
+  lb.store(Bs);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (int s = 0; s < steps; ++s) {
+    const bool more = s + 1 < steps;
+    const int cur = s & 1;
+    if (more) {
+      la.load((s + 1) * BK, s + 1 == full);
+      lb.load((s + 1) * BK, s + 1 == full);
+    }
+    mma.mma(As + cur * LoaderA::TILE, Bs + cur * LoaderB::TILE);
+    if (more) {
+      la.store(As + (cur ^ 1) * LoaderA::TILE, op_a);
+      lb.store(Bs + (cur ^ 1) * LoaderB::TILE);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+}
+
+}  // namespace bricks
+
+#endif  // MLX_BRICKS_GEMM_H

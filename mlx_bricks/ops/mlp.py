@@ -1,0 +1,368 @@
+"""Brick 3: SwiGLU MLP, ``down(SiLU(gate(x)) * up(x))`` as in llama-family models.
+
+Two MSL variants compute ``act = SiLU(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)``; the down
+projection (with the residual in its epilogue) is the GEMM brick's :func:`linear`.
+
+* ``fused`` (``metal_src/swiglu_fused.metal``): one kernel. Per K step the x tile is loaded into
+  threadgroup memory once, beside BN rows of w_gate and BN rows of w_up; every simdgroup
+  multiplies its x fragments by both, so gate and up of one element live in the same lane and
+  ``SiLU(gate) * up`` is formed in float registers and written once. The two (M, N_mlp)
+  intermediates never touch memory.
+* ``split`` (``metal_src/swiglu_split.metal``): ``up`` through the GEMM brick, then the gate GEMM
+  (same tiling) whose epilogue reads ``up`` and writes ``SiLU(gate) * up``.
+
+The variant rule, the tiles and their threadgroup memory are in ``docs/bricks.md`` (Brick 3).
+SwiGLU: Shazeer, "GLU Variants Improve Transformer" (2020); the llama MLP as in
+``mlx_lm.models.llama.MLP``.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from mlx_bricks.backends import resolve_backend
+from mlx_bricks.kernels import KernelSpec, launch, register
+from mlx_bricks.ops._checks import check_array, check_float_dtype, check_same_dtype
+from mlx_bricks.ops.gemm import (
+    K_TILE_BYTES,
+    MIN_THREADGROUPS_64,
+    THREADGROUP_MEMORY_LIMIT,
+    TILES as GEMM_TILES,
+    VECTOR_BYTES,
+    GemmTile,
+    linear,
+    linear_reference,
+    plan_gemm,
+)
+
+register(KernelSpec(
+    name="swiglu_fused",
+    body="swiglu_fused.metal",
+    input_names=("x", "w_gate", "w_up", "b_gate", "b_up"),
+    output_names=("act",),
+    headers=("gemm.h", "swiglu.h"),
+    # x is read through x_strides, so views of x are not copied.
+    ensure_row_contiguous=False,
+))
+register(KernelSpec(
+    name="swiglu_split",
+    body="swiglu_split.metal",
+    input_names=("x", "w_gate", "b_gate", "up"),
+    output_names=("act",),
+    headers=("gemm.h", "swiglu.h"),
+    ensure_row_contiguous=False,
+))
+
+#: The variants, in the order the docs describe them.
+VARIANTS = ("fused", "split")
+#: What ``variant=None`` runs when ``MLX_BRICKS_SWIGLU_VARIANT`` is unset (rule: docs/bricks.md).
+DEFAULT_VARIANT = "fused"
+#: Environment variable that overrides the default variant (e.g. to benchmark both per chip).
+VARIANT_ENV_VAR = "MLX_BRICKS_SWIGLU_VARIANT"
+
+#: Fused tiles, named by the act tile (BM x BN); each threadgroup also loads 2 * BN weight rows.
+#: "64x32" and "32x16" give every simdgroup as many accumulators as the GEMM brick's 64x64 and
+#: 32x32 tiles (32x16 gate + 32x16 up, 16x8 + 16x8); "64x64" doubles them (opt-in only).
+FUSED_TILES = {"64x32": GemmTile(64, 32), "32x16": GemmTile(32, 16), "64x64": GemmTile(64, 64)}
+
+
+def resolve_variant(variant: str | None) -> str:
+    """The variant that runs: ``variant`` if given, else ``MLX_BRICKS_SWIGLU_VARIANT`` if set,
+    else :data:`DEFAULT_VARIANT`.
+
+    Raises:
+        ValueError: an unknown variant (from the argument or the environment), listing
+            :data:`VARIANTS`.
+    """
+    source = "variant"
+    if variant is None:
+        env = os.environ.get(VARIANT_ENV_VAR, "").strip()
+        if not env:
+            return DEFAULT_VARIANT
+        variant, source = env, VARIANT_ENV_VAR
+    if variant not in VARIANTS:
+        raise ValueError(
+            f"{source} must be None or one of {', '.join(map(repr, VARIANTS))}, got {variant!r}"
+        )
+    return variant
+
+
+def select_fused_tile(M: int, N: int) -> str:
+    """The fused tile rule (the GEMM brick's, for an act tile half as wide): ``"64x32"`` when
+    M > 32, N > 16 and its grid has at least ``MIN_THREADGROUPS_64`` threadgroups; ``"32x16"``
+    otherwise. ``"64x64"`` is never chosen (it doubles the accumulators; opt in with ``tile=``)."""
+    if M > 32 and N > 16 and math.ceil(M / 64) * math.ceil(N / 32) >= MIN_THREADGROUPS_64:
+        return "64x32"
+    return "32x16"
+
+
+def fused_threadgroup_memory_bytes(tile: GemmTile, bk: int, pad: int, itemsize: int) -> int:
+    """Bytes of the fused kernel's ping-pong buffers: x tile and 2 * BN weight rows, twice:
+    ``2 * (BM + 2 * BN) * (BK + PAD) * itemsize``."""
+    return 2 * (tile.bm + 2 * tile.bn) * (bk + pad) * itemsize
+
+
+@dataclass(frozen=True)
+class FusedPlan:
+    """Tile, template values and launch geometry of one fused SwiGLU launch."""
+
+    tile: GemmTile
+    bk: int
+    pad: int
+    vec: bool
+    align_mn: bool
+    grid: tuple[int, int, int]
+    threadgroup: tuple[int, int, int]
+    threadgroup_bytes: int
+
+    def template(self, dtype, has_bias_gate: bool, has_bias_up: bool) -> list:
+        """Template arguments of ``swiglu_fused.metal``."""
+        t = self.tile
+        return [("T", dtype), ("BM", t.bm), ("BN", t.bn), ("BK", self.bk), ("WM", t.wm),
+                ("WN", t.wn), ("PAD", self.pad), ("VEC", self.vec),
+                ("ALIGN_MN", self.align_mn), ("HAS_BIAS_GATE", has_bias_gate),
+                ("HAS_BIAS_UP", has_bias_up)]
+
+
+def plan_fused(M: int, N: int, K: int, dtype, *, tile: str | None = None) -> FusedPlan:
+    """Plan of the fused kernel for x (M, K) and weights (N, K) (N = N_mlp).
+
+    Args:
+        M, N, K: problem size (each >= 1).
+        dtype: float16, bfloat16 or float32.
+        tile: ``None`` (:func:`select_fused_tile`) or a key of :data:`FUSED_TILES`.
+
+    Raises:
+        ValueError: unknown ``tile``.
+        RuntimeError: the tile would need more than ``THREADGROUP_MEMORY_LIMIT`` bytes of
+            threadgroup memory (checked at every launch; the kernel also static_asserts it).
+    """
+    if tile is None:
+        tile = select_fused_tile(M, N)
+    if tile not in FUSED_TILES:
+        raise ValueError(f"tile must be None or one of {sorted(FUSED_TILES)}, got {tile!r}")
+    t = FUSED_TILES[tile]
+    itemsize = dtype.size
+    vw = VECTOR_BYTES // itemsize
+    bk = K_TILE_BYTES // itemsize
+    pad = vw  # one 128-bit vector keeps every tile row 16-byte aligned
+    tg_bytes = fused_threadgroup_memory_bytes(t, bk, pad, itemsize)
+    if tg_bytes > THREADGROUP_MEMORY_LIMIT:
+        raise RuntimeError(
+            f"fused SwiGLU tile {t.name}_bk{bk} needs {tg_bytes} bytes of threadgroup memory, "
+            f"over the {THREADGROUP_MEMORY_LIMIT}-byte limit"
+        )
+    tiles_m, tiles_n = math.ceil(M / t.bm), math.ceil(N / t.bn)
+    return FusedPlan(
+        tile=t, bk=bk, pad=pad, vec=K % vw == 0,
+        align_mn=M % t.bm == 0 and N % t.bn == 0,
+        grid=(tiles_n * t.threads, tiles_m, 1), threadgroup=(t.threads, 1, 1),
+        threadgroup_bytes=tg_bytes,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# References (MLX ops)
+# ---------------------------------------------------------------------------------------------
+
+
+def silu_reference(g):
+    """SiLU in float32: ``g * sigmoid(g)`` (sigmoid is stable for any magnitude)."""
+    g32 = g.astype(mx.float32)
+    return g32 * mx.sigmoid(g32)
+
+
+def swiglu_reference(x, w_gate, w_up, b_gate=None, b_up=None):
+    """Reference of :func:`swiglu` in MLX ops:
+    ``SiLU(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)``."""
+    gate = linear_reference(x, w_gate, b_gate)
+    up = linear_reference(x, w_up, b_up)
+    return (silu_reference(gate) * up.astype(mx.float32)).astype(x.dtype)
+
+
+def swiglu_mlp_reference(x, w_gate, w_up, w_down, residual=None, b_gate=None, b_up=None,
+                         b_down=None):
+    """Reference of :func:`swiglu_mlp` in MLX ops."""
+    act = swiglu_reference(x, w_gate, w_up, b_gate, b_up)
+    return linear_reference(act, w_down, b_down, residual)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_vector(name: str, value, length: int, what: str) -> None:
+    if value is None:
+        return
+    check_array(name, value)
+    if tuple(value.shape) != (length,):
+        raise ValueError(f"{name} must have shape ({what}={length},), got {tuple(value.shape)}")
+
+
+def _check_swiglu(x, w_gate, w_up, b_gate, b_up) -> tuple[int, int]:
+    """Validate the gate/up operands; returns (N_mlp, K)."""
+    check_array("x", x, min_ndim=1)
+    check_array("w_gate", w_gate, ndim=2)
+    check_array("w_up", w_up, ndim=2)
+    check_float_dtype("x", x)
+    check_same_dtype("x", x, w_gate=w_gate, w_up=w_up, b_gate=b_gate, b_up=b_up)
+    K = x.shape[-1]
+    if K < 1:
+        raise ValueError(f"x must have a non-empty last dimension (K), got shape {tuple(x.shape)}")
+    if w_gate.shape[1] != K:
+        raise ValueError(
+            f"w_gate must have shape (N_mlp, K={K}) as nn.Linear stores it, "
+            f"got {tuple(w_gate.shape)}"
+        )
+    if tuple(w_up.shape) != tuple(w_gate.shape):
+        raise ValueError(
+            f"w_up must have the shape of w_gate {tuple(w_gate.shape)}, got {tuple(w_up.shape)}"
+        )
+    N = w_gate.shape[0]
+    _check_vector("b_gate", b_gate, N, "N_mlp")
+    _check_vector("b_up", b_up, N, "N_mlp")
+    return N, K
+
+
+def _check_tile(variant: str, tile) -> None:
+    valid = FUSED_TILES if variant == "fused" else GEMM_TILES
+    if tile is not None and tile not in valid:
+        raise ValueError(
+            f"tile must be None or, for variant {variant!r}, one of {sorted(valid)}, got {tile!r}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Ops
+# ---------------------------------------------------------------------------------------------
+
+
+def _swiglu_fused(x, w_gate, w_up, b_gate, b_up, M, N, K, tile, backend):
+    plan = plan_fused(M, N, K, x.dtype, tile=tile)
+    w_gate, w_up = mx.contiguous(w_gate), mx.contiguous(w_up)
+    # Absent biases: the kernel is compiled without them; w_gate is a placeholder buffer.
+    (act,) = launch(
+        "swiglu_fused", backend,
+        inputs=[x, w_gate, w_up,
+                w_gate if b_gate is None else mx.contiguous(b_gate),
+                w_gate if b_up is None else mx.contiguous(b_up)],
+        template=plan.template(x.dtype, b_gate is not None, b_up is not None),
+        grid=plan.grid,
+        threadgroup=plan.threadgroup,
+        output_shapes=[(M, N)],
+        output_dtypes=[x.dtype],
+    )
+    return act
+
+
+def _swiglu_split(x, w_gate, w_up, b_gate, b_up, M, N, K, tile, backend):
+    up = linear(x, w_up, b_up, tile=tile, backend=backend).reshape(M, N)
+    plan = plan_gemm(M, N, K, x.dtype, tile=tile)
+    w_gate = mx.contiguous(w_gate)
+    (act,) = launch(
+        "swiglu_split", backend,
+        inputs=[x, w_gate, w_gate if b_gate is None else mx.contiguous(b_gate),
+                mx.contiguous(up)],
+        template=plan.template(x.dtype, b_gate is not None, False),
+        grid=plan.grid,
+        threadgroup=plan.threadgroup,
+        output_shapes=[(M, N)],
+        output_dtypes=[x.dtype],
+    )
+    return act
+
+
+def swiglu(x, w_gate, w_up, *, b_gate=None, b_up=None, variant=None, tile=None, backend=None):
+    """``SiLU(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)`` on the SwiGLU brick.
+
+    Algorithm: SwiGLU (Shazeer 2020) on the GEMM brick's tiling (8x8 ``simdgroup_matrix`` with
+    float accumulators, 128-bit loads into ping-pong threadgroup buffers). ``fused``: one
+    kernel, gate and up accumulated side by side from one x tile, ``SiLU(gate) * up`` in float
+    registers, one write. ``split``: ``up`` by the GEMM brick, then the gate GEMM with an
+    epilogue that reads ``up``. SiLU is ``g / (1 + exp(-g))`` in float32, computed from
+    ``exp(-|g|)`` so no intermediate overflows (finite for any finite gate).
+
+    Args:
+        x: (..., K) float16, bfloat16 or float32, K >= 1; M is the product of the leading dims
+            (M = 0 or N_mlp = 0 give an empty result without a launch). Read through its
+            strides: views are not copied.
+        w_gate, w_up: (N_mlp, K), x's dtype (nn.Linear layout).
+        b_gate, b_up: optional (N_mlp,) biases, x's dtype (``mlp_bias`` models).
+        variant: ``None`` (``MLX_BRICKS_SWIGLU_VARIANT`` if set, else :data:`DEFAULT_VARIANT`;
+            the rule is in docs/bricks.md), ``"fused"`` or ``"split"``.
+        tile: ``None`` (the variant's tile rule) or, for ``fused``, a key of
+            :data:`FUSED_TILES`; for ``split``, a GEMM tile (``mlx_bricks.ops.gemm.TILES``).
+        backend: ``None`` (auto), ``"metal"``, ``"emulator"``, ``"reference"``
+            (see ``mlx_bricks.backends``); ``variant`` and ``tile`` do not apply to
+            ``reference``.
+
+    Returns:
+        (..., N_mlp) of x's dtype: gate and up summed in float32 (biases added in float32),
+        SiLU and product in float32, one rounding (``split`` rounds ``up`` to x's dtype first,
+        as the stock MLP does).
+
+    Raises:
+        TypeError: non-array arguments, non-float dtypes, or mixed dtypes.
+        ValueError: shapes that do not match, an unknown ``variant`` or ``tile``, a bad backend.
+        NotImplementedError: backend ``cuda`` (no CUDA twin yet).
+    """
+    N, K = _check_swiglu(x, w_gate, w_up, b_gate, b_up)
+    variant = resolve_variant(variant)
+    _check_tile(variant, tile)
+    name = resolve_backend(backend)
+    if name == "reference":
+        return swiglu_reference(x, w_gate, w_up, b_gate, b_up)
+    out_shape = (*x.shape[:-1], N)
+    M = math.prod(x.shape[:-1])
+    if M == 0 or N == 0:
+        return mx.zeros(out_shape, dtype=x.dtype)
+    run = _swiglu_fused if variant == "fused" else _swiglu_split
+    return run(x, w_gate, w_up, b_gate, b_up, M, N, K, tile, name).reshape(out_shape)
+
+
+def swiglu_mlp(x, w_gate, w_up, w_down, residual=None, *, b_gate=None, b_up=None, b_down=None,
+               variant=None, backend=None):
+    """The llama MLP ``down(SiLU(gate(x)) * up(x)) (+ residual)`` on the bricks.
+
+    ``act`` by :func:`swiglu`, then ``act @ w_down.T + b_down + residual`` by the GEMM brick's
+    :func:`~mlx_bricks.ops.gemm.linear` (bias and residual added in its epilogue). Same
+    computation as ``mlx_lm.models.llama.MLP`` (plus the residual add of the block).
+
+    Args:
+        x: (..., K) float16, bfloat16 or float32 (K = hidden size).
+        w_gate, w_up: (N_mlp, K); w_down: (K, N_mlp); all x's dtype (nn.Linear layout).
+        residual: optional (..., K), x's dtype, added to the output.
+        b_gate, b_up: optional (N_mlp,); b_down: optional (K,).
+        variant, backend: as in :func:`swiglu`.
+
+    Returns:
+        (..., K) of x's dtype.
+
+    Raises:
+        TypeError: non-array arguments, non-float dtypes, or mixed dtypes.
+        ValueError: shapes that do not match, an unknown ``variant``, a bad backend.
+        NotImplementedError: backend ``cuda`` (no CUDA twin yet).
+    """
+    N, K = _check_swiglu(x, w_gate, w_up, b_gate, b_up)
+    check_array("w_down", w_down, ndim=2)
+    check_same_dtype("x", x, w_down=w_down, b_down=b_down, residual=residual)
+    if tuple(w_down.shape) != (K, N):
+        raise ValueError(
+            f"w_down must have shape (K={K}, N_mlp={N}) as nn.Linear stores it, "
+            f"got {tuple(w_down.shape)}"
+        )
+    _check_vector("b_down", b_down, K, "K")
+    if residual is not None:
+        check_array("residual", residual)
+        if tuple(residual.shape) != tuple(x.shape):
+            raise ValueError(
+                f"residual must have the output shape {tuple(x.shape)}, "
+                f"got {tuple(residual.shape)}"
+            )
+    name = resolve_backend(backend)
+    act = swiglu(x, w_gate, w_up, b_gate=b_gate, b_up=b_up, variant=variant, backend=name)
+    return linear(act, w_down, b_down, residual, backend=name)
