@@ -17,6 +17,8 @@ _LAZY = {
     "BACKENDS": "mlx_bricks.backends",
     "BackendError": "mlx_bricks.backends",
     "ops": "mlx_bricks.ops",
+    "default_model": "mlx_bricks.models",
+    "convert_gguf": "mlx_bricks.gguf",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
