@@ -50,11 +50,20 @@ namespace bricks {
 // Loader
 // ---------------------------------------------------------------------------------------------
 
-// 16 bytes of T (8 halfs/bfloats or 4 floats). Copies go element by element through a
-// 16-byte aligned Vec128 pointer: the known alignment lets the compiler emit one 128-bit
-// access, with no vec<T, 8> (absent from MSL) and no type punning.
+// 16 bytes of T (8 halfs/bfloats or 4 floats): the register chunk and the threadgroup tile
+// element (threadgroup tiles are ours, so 16-byte aligned). Copies go element by element, with
+// no vec<T, 8> (absent from MSL) and no type punning.
 template <typename T>
 struct alignas(16) Vec128 {
+  T v[16 / sizeof(T)];
+};
+
+// The same 16 bytes read from device memory, with only element alignment: MLX binds a view by
+// its byte offset, so a view's first element may sit at any element boundary (x[..., 1:65]).
+// Promising 16-byte alignment there would be undefined behaviour; MLX steel's ReadVector makes
+// the same choice (alignment 1 element).
+template <typename T>
+struct alignas(sizeof(T)) DeviceVec128 {
   T v[16 / sizeof(T)];
 };
 
@@ -88,7 +97,7 @@ template <>
 struct Load128<true> {
   template <typename T, typename P>
   static void load(thread Vec128<T>& d, P p) {
-    copy128(d, reinterpret_cast<const device Vec128<T>*>(p));
+    copy128(d, reinterpret_cast<const device DeviceVec128<T>*>(p));
   }
 };
 

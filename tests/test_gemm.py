@@ -165,6 +165,9 @@ def _views():
         "swapped": mx.swapaxes(base[:, :64, :64], 1, 2),
         # stride 0 along a leading dim
         "broadcast": mx.broadcast_to(base[0, :5, :64], (3, 5, 64)),
+        # first element 2 bytes past a 16-byte boundary: the chunk loads must not assume
+        # 16-byte alignment of device data
+        "odd_start": base[:, :, 1:65],
     }
 
 

@@ -58,7 +58,9 @@ class Checks:
         unwritten: outputs poisoned before the run; elements still poisoned are reported.
         schedules: 2 runs every launch twice, threads (and threadgroups) in forward then in
             reverse order, and reports outputs that differ (a race); 1 runs it once.
-        address_spaces: run the address-space check pass at compile time.
+        address_spaces: compile device/constant/threadgroup as distinct address spaces, so
+            mismatches are compile errors as on Metal (False compiles the keywords away:
+            mismatches pass, and overloads or specialisations on the address space collide).
     """
 
     bounds: bool = True

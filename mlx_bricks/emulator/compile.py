@@ -1,4 +1,5 @@
-"""Finding clang, compiling kernels (check pass + shared object), and the on-disk cache.
+"""Finding clang, compiling kernels (one clang run, address spaces included), and the on-disk
+cache.
 
 The cache lives in ``$MLX_BRICKS_HOME/emulator`` (default ``~/.cache/mlx_bricks/emulator``);
 files are named by the SHA-256 of everything that goes into them (translation unit, shim,
@@ -81,6 +82,11 @@ def find_clang() -> tuple[str | None, str]:
     )
 
 
+@lru_cache(maxsize=None)
+def _host_flags_cached() -> tuple[str, ...]:
+    return tuple(_host_flags())
+
+
 def _host_flags() -> list[str]:
     flags = []
     try:
@@ -106,6 +112,8 @@ COMMON_FLAGS = [
     "-Xclang",
     "-fbfloat16-excess-precision=none",
 ]
+# Ranges in diagnostics: compile_kernel reads them (address-space copies) and strips them.
+DIAG_FLAGS = ["-fdiagnostics-print-source-range-info", "-ferror-limit=200"]
 # -fstack-clash-protection: a huge thread-local array touches the fiber stack's guard page.
 CODEGEN_FLAGS = ["-fPIC", "-fvisibility=hidden", "-fstack-clash-protection"]
 # -nostdlib: kernels need no C++ runtime; libm symbols resolve in the host process.
@@ -132,6 +140,7 @@ def _digest(*parts: str) -> str:
     return h.hexdigest()[:32]
 
 
+@lru_cache(maxsize=None)
 def _shim_text() -> str:
     return "".join(
         (SHIM_DIR / n).read_text() for n in ("metal_shim.h", "emu_abi.h", "emu_runtime.cpp")
@@ -200,11 +209,16 @@ def _precompiled_shim(clang: str, version: str, flags: list[str]) -> list[str]:
 
 _pch_failed: set[str] = set()
 _loaded: dict[str, CompiledKernel] = {}
-#: Seconds spent in clang by this process (check pass and compile, in parallel), per kernel.
+# (MLX's kernel text, flags) -> kernel: repeated launches skip the rewriting and hashing
+_by_source: dict[tuple[str, int, tuple[str, ...]], CompiledKernel] = {}
+#: Seconds spent in clang by this process, per kernel.
 COMPILE_SECONDS: dict[str, float] = {}
 
 
-def _format_clang_error(kernel: str, stderr: str, unit: str) -> str:
+_AS_TYPE = re.compile(r"'[^'\n]*\b(?:device|constant|threadgroup)\b[^'\n]*'")
+
+
+def _format_clang_error(kernel: str, stderr: str) -> str:
     lines = [ln for ln in stderr.splitlines() if ln.strip()]
     undeclared = sorted(set(re.findall(r"use of undeclared identifier '(\w+)'", stderr)))
     unknown = sorted(set(re.findall(r"unknown type name '(\w+)'", stderr)))
@@ -217,17 +231,126 @@ def _format_clang_error(kernel: str, stderr: str, unit: str) -> str:
             + "; see docs/emulator.md for the supported subset)"
         )
     body = "\n".join(lines[:60])
-    return f"kernel {kernel!r} does not compile for the emulator ({unit}):\n{body}{note}"
+    if "address space" in stderr or _AS_TYPE.search(stderr):
+        note += (
+            "\n(Metal's device, constant, threadgroup and thread address spaces are distinct: "
+            "a pointer or reference to one does not convert to another)"
+        )
+    return f"kernel {kernel!r} does not compile for the emulator:\n{body}{note}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Copies of structs between address spaces
+#
+# MSL copies a class object from or into device/constant/threadgroup memory with its implicit
+# copy constructor and assignment (MLX steel's BlockLoader: `*(threadgroup ReadVector*)dst =
+# *(const device ReadVector*)src;`). clang's implicit members only take objects in the generic
+# address space, so it refuses these. When it does, the operands it names are wrapped in
+# ::emu::as_plain(...) (the same object, seen in the default address space) and the kernel is
+# compiled again. Only refusals of a class copy are treated so; every other address-space error
+# stays an error.
+
+_DIAG = re.compile(r"^(header|source):(\d+):(\d+):((?:\{\d+:\d+-\d+:\d+\})*):? ?(error|note|warning): "
+                   r"(.*)$")
+_RANGE = re.compile(r"\{(\d+):(\d+)-(\d+):(\d+)\}")
+# a quoted object type (not a pointer) in an address space: 'device Pack const'
+_AS_OBJECT = re.compile(r"'[^'*\n]*\b(?:device|constant|threadgroup)\b[^'*\n]*'")
+_IMPLICIT_AS = re.compile(
+    r"candidate (?:constructor|function) \(the implicit (?:copy|move) (?:constructor|assignment "
+    r"operator)\) not viable: (?:cannot bind reference in address space|'this' object is in "
+    r"address space)"
+)
+_DIAG_RANGES = re.compile(r"^(\S+?:\d+:\d+):(?:\{[^}\n]*\})+:", re.M)
+_MAX_COPY_ROUNDS = 4
+
+
+def _strip_ranges(stderr: str) -> str:
+    """clang's diagnostics without the ``{line:col-line:col}`` range lists."""
+    return _DIAG_RANGES.sub(r"\1:", stderr)
+
+
+def _copy_patches(stderr: str) -> set[tuple[str, int, int, int, int]]:
+    """(file, line, col, end line, end col) of each operand to wrap in ``::emu::as_plain``:
+    those of errors that refuse to copy a struct out of, or into, an address space."""
+    groups: list[list[tuple]] = []
+    for line in stderr.splitlines():
+        m = _DIAG.match(line)
+        if not m:
+            continue
+        kind = m.group(5)
+        entry = (m.group(1), m.group(4), m.group(6))
+        if kind == "error":
+            groups.append([entry])
+        elif kind == "note" and groups:
+            groups[-1].append(entry)
+    patches = set()
+    for (file, ranges, msg), *notes in groups:
+        copy = (
+            (msg.startswith(("no matching constructor for initialization of",
+                             "no viable overloaded '='"))
+             and any(_IMPLICIT_AS.search(n[2]) for n in notes))
+            # `Pack a[2] = {dev[0], dev[1]}`, `c ? dev[0] : p`
+            or (msg.startswith(("no viable conversion from '", "incompatible operand types ("))
+                and _AS_OBJECT.search(msg.split("' to '")[0] + "'"))
+        )
+        if not copy:
+            continue
+        # operands written in a macro: their ranges are in the note naming the macro
+        for nfile, nranges, nmsg in notes:
+            if nmsg.startswith("expanded from macro") and nranges:
+                file, ranges = nfile, nranges
+                break
+        for r in _RANGE.finditer(ranges):
+            patches.add((file, *map(int, r.groups())))
+    return patches
+
+
+def _apply_copy_patches(text: str, patches) -> str | None:
+    """The translation unit with each range wrapped in ``::emu::as_plain(...)``; None if a range
+    cannot be placed (the error then stands)."""
+    lines = text.encode().split(b"\n")
+    offsets = [0]
+    for ln in lines:
+        offsets.append(offsets[-1] + len(ln) + 1)
+    data = b"\n".join(lines)
+    spans = []
+    for _file, l0, c0, l1, c1 in patches:
+        # range lines are the translation unit's physical lines (not the #line-presumed ones)
+        if not (1 <= l0 <= len(lines) and 1 <= l1 <= len(lines)):
+            return None
+        a = offsets[l0 - 1] + c0 - 1
+        b = offsets[l1 - 1] + c1 - 1
+        if not 0 <= a < b <= len(data):
+            return None
+        seg = data[a:b]
+        if seg.startswith(b"{") and seg.endswith(b"}"):  # `Pack p{dev[0]}`: the element
+            a, b = a + 1, b - 1
+        spans.append((a, b))
+    spans.sort()
+    for (a0, b0), (a1, b1) in zip(spans, spans[1:]):
+        if a1 < b0 and not (a0 <= a1 and b1 <= b0):
+            return None  # overlapping, not nested
+    # insert from the back so earlier offsets stay valid; nested spans: outer opens first
+    inserts = []
+    for a, b in spans:
+        inserts.append((a, 1, -b, b"::emu::as_plain("))
+        inserts.append((b, 0, -a, b")"))
+    for pos, _, _, piece in sorted(inserts, key=lambda t: (t[0], t[1], t[2]), reverse=True):
+        data = data[:pos] + piece + data[pos:]
+    return data.decode()
 
 
 def compile_kernel(gen: Generated, check_address_spaces: bool = True) -> CompiledKernel:
     """Compile (or fetch from the cache) the shared object for a generated kernel.
 
-    Runs the address-space check pass (``-fsyntax-only``) and the real compile in parallel.
+    One clang run: ``device``, ``constant`` and ``threadgroup`` are distinct clang address
+    spaces (see metal_shim.h), so address-space mistakes are compile errors as on Metal.
+    ``check_address_spaces=False`` compiles them away (EMU_FLAT): mismatches are then accepted,
+    and overloads or specialisations that differ only in the address space collide.
 
     Raises:
         EmulatorCompileError: clang missing, the MLX signature is malformed, an MSL error, or
-            an address-space mismatch found by the check pass.
+            an address-space mismatch.
     """
     if gen.malformed:
         raise EmulatorCompileError(
@@ -236,45 +359,50 @@ def compile_kernel(gen: Generated, check_address_spaces: bool = True) -> Compile
             "referenced in the source); Metal would reject it. Reference an attribute such as "
             "thread_position_in_grid in the source."
         )
+    flags = COMMON_FLAGS + CODEGEN_FLAGS + [_opt_flag(), *_host_flags_cached()]
+    if not check_address_spaces:
+        flags.append("-DEMU_FLAT=1")
+    known = _by_source.get((gen.source, len(gen.header), tuple(flags)))
+    if known is not None:  # launched before in this process: no rewriting, no hashing
+        return known
     runtime_library()
     clang, version = find_clang()
-    run_tu = cpp_translation_unit(gen, check_pass=False)
-    check_tu = cpp_translation_unit(gen, check_pass=True) if check_address_spaces else None
-    flags = COMMON_FLAGS + CODEGEN_FLAGS + [_opt_flag()] + _host_flags()
-    check_flags = COMMON_FLAGS + ["-DEMU_CHECK=1"]
-    key = _digest(run_tu.text, check_tu.text if check_tu else "", _shim_text(), version,
-                  " ".join(flags))
+    tu = cpp_translation_unit(gen)
+    key = _digest(tu.text, _shim_text(), version, " ".join(flags))
     if key in _loaded:
+        _by_source[(gen.source, len(gen.header), tuple(flags))] = _loaded[key]
         return _loaded[key]
     d = cache_dir()
     so = d / f"k_{key}.so"
     if not so.exists():
         t0 = time.perf_counter()
-        run_pch = _precompiled_shim(clang, version, flags)
-        check_pch = _precompiled_shim(clang, version, check_flags) if check_tu else []
+        pch = _precompiled_shim(clang, version, flags)
         with tempfile.TemporaryDirectory(dir=d) as tmpd:
             tmp = Path(tmpd)
-            (tmp / "run.cpp").write_text(run_tu.text)
-            procs = []
-            cmd = [clang, *flags, *LINK_FLAGS, *run_pch, "-I", str(SHIM_DIR), "run.cpp",
-                   "-o", "k.so"]
-            procs.append(("compile", subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.PIPE,
-                                                      stderr=subprocess.PIPE, text=True)))
-            if check_tu:
-                (tmp / "check.cpp").write_text(check_tu.text)
-                cmd = [clang, *check_flags, *check_pch, "-fsyntax-only", "-I", str(SHIM_DIR),
-                       "check.cpp"]
-                procs.append(("address-space check pass", subprocess.Popen(
-                    cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
-            results = [(what, p, *p.communicate()) for what, p in procs]
-            # Report the check pass first: its errors are the more specific ones.
-            for what, p, _, err in sorted(results, key=lambda r: r[0] == "compile"):
-                if p.returncode != 0:
-                    raise EmulatorCompileError(_format_clang_error(gen.kernel_name, err, what))
+            text = tu.text
+            cmd = [clang, *flags, *LINK_FLAGS, *pch, *DIAG_FLAGS, "-I", str(SHIM_DIR),
+                   "run.cpp", "-o", "k.so"]
+            for _ in range(_MAX_COPY_ROUNDS):
+                (tmp / "run.cpp").write_text(text)
+                r = _run(cmd, cwd=tmp)
+                if r.returncode == 0:
+                    break
+                patches = _copy_patches(r.stderr)
+                patched = _apply_copy_patches(text, patches) if patches else None
+                if patched is None or patched == text:
+                    break
+                text = patched
+            if r.returncode != 0:
+                msg = _format_clang_error(gen.kernel_name, _strip_ranges(r.stderr))
+                if text != tu.text:
+                    msg += ("\n(::emu::as_plain(...): the emulator's wrapping of struct copies "
+                            "between address spaces; see docs/emulator.md)")
+                raise EmulatorCompileError(msg)
             # keep the translation unit next to the object, for debugging
             os.replace(tmp / "run.cpp", d / f"k_{key}.cpp")
             os.replace(tmp / "k.so", so)
         COMPILE_SECONDS[gen.kernel_name] = time.perf_counter() - t0
-    ck = CompiledKernel(so, run_tu.tg_decls, key)
+    ck = CompiledKernel(so, tu.tg_decls, key)
     _loaded[key] = ck
+    _by_source[(gen.source, len(gen.header), tuple(flags))] = ck
     return ck

@@ -13,9 +13,11 @@ MLX prints with ``verbose=True``, including its quirks:
   not compile on Metal. ``generate`` reproduces the text; ``cpp_translation_unit`` refuses it.
 
 ``cpp_translation_unit`` turns the same pieces into one C++ file for clang: the shim include,
-the header and body (lightly rewritten: MSL vector constructors, ``static_cast`` of vectors,
-``threadgroup`` declarations, ``1.0h`` literals), the signature and an ``extern "C"`` entry that
-binds buffers and attributes.
+the header and body (lightly rewritten: functional and C-style casts to any type that may be a
+vector, ``static_cast``, ``threadgroup`` declarations, ``1.0h`` literals; run through the
+preprocessor first when a macro casts to one of its parameters), the signature and an
+``extern "C"`` entry that binds buffers and attributes. The address-space keywords stay: the
+shim makes them clang address spaces.
 """
 from __future__ import annotations
 
@@ -284,19 +286,35 @@ _SCALARS = "bool|char|uchar|short|ushort|int|uint|long|ulong|half|float|bfloat"
 _VEC_NAME = rf"(?:packed_)?(?:{_SCALARS})[234]"
 _METAL_INCLUDE = re.compile(r"^[ \t]*#[ \t]*include[ \t]*<metal_\w+>.*$", re.M)
 _HALF_LITERAL = re.compile(r"(?<![\w.])((?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?)[hH]\b")
-_STATIC_CAST = re.compile(r"\bstatic_cast\s*<")
-_ALIAS_TYPEDEF = re.compile(r"\btypedef\s+(?:metal::)?(\w+|vec\s*<[^;]*>)\s+(\w+)\s*;")
-_ALIAS_USING = re.compile(r"\busing\s+(\w+)\s*=\s*(?:metal::)?(\w+|vec\s*<[^;]*>)\s*;")
+# (each pattern starts with its literal, which `re` finds fast; the lookbehind after it is `\b`)
+_HALF_SUFFIX = re.compile(r"[\d.][hH]\b")
+_STATIC_CAST = re.compile(r"static_cast(?<!\wstatic_cast)\s*<")
+# Names that may denote a type: a functional cast `N(x)` or C-style cast `(N)x` through one of
+# them goes to emu::mk / emu::cvt (see _rewrite_constructors).
+_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+_TYPEDEF = re.compile(r"typedef(?<!\wtypedef)\b[^;{}]*?\b([A-Za-z_]\w*)\s*;")
+_USING = re.compile(r"using(?<!\wusing)\s+([A-Za-z_]\w*)\s*=")
+_TEMPLATE = re.compile(r"template(?<!\wtemplate)\s*<")
+_TYPE_PARAM = re.compile(r"^\s*(?:typename|class)\s*(?:\.\.\.)?\s*([A-Za-z_]\w*)\s*(?:=[\s\S]*)?$")
+_DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_]\w*)(\([^)]*\))?((?:[^\n\\]|\\\n?)*)",
+                     re.M)
+_VEC_RE = re.compile(rf"^(?:metal::)?(?:{_VEC_NAME}|vec\s*<.*>)$", re.S)
+# a one-level template argument list, for qualified names (`Traits<T>::vec4`)
+_TARGS = r"<(?:[^<>;{}]|<[^<>;{}]*>)*>"
+_QUAL = rf"(?:typename\s+)?(?:::\s*)?(?:[A-Za-z_]\w*\s*(?:{_TARGS})?\s*::\s*)*"
+_QUAL_BEFORE = re.compile(rf"(?:typename\s+)?(?:::\s*)?(?:[A-Za-z_]\w*\s*(?:{_TARGS})?\s*::\s*)+$")
+# `X (*p)...` / `X (&r)...` at the start of a statement declares p, r: not a cast
+_DECLARATOR_PAREN = re.compile(r"\s*[*&]")
 
 
-def _balanced_angle(text: str, start: int) -> int:
-    """Index just past the '>' matching the '<' at ``start`` (or -1)."""
+def _balanced(text: str, start: int, open_: str = "<", close: str = ">") -> int:
+    """Index just past the ``close`` matching the ``open_`` at ``start`` (or -1)."""
     depth = 0
     for i in range(start, len(text)):
         c = text[i]
-        if c == "<":
+        if c == open_:
             depth += 1
-        elif c == ">":
+        elif c == close:
             depth -= 1
             if depth == 0:
                 return i + 1
@@ -305,31 +323,121 @@ def _balanced_angle(text: str, start: int) -> int:
     return -1
 
 
-def _vector_aliases(text: str) -> set[str]:
-    vec_re = re.compile(rf"^(?:{_VEC_NAME}|vec\s*<.*>)$")
+def type_names(text: str) -> set[str]:
+    """Names the text declares as types whose kind the rewriter cannot see: typedef and using
+    aliases (of anything), template type parameters, and object-like macros naming a type."""
+    text = _COMMENT.sub(" ", text)
     names: set[str] = set()
-    for m in _ALIAS_TYPEDEF.finditer(text):
-        if vec_re.match(m.group(1)):
-            names.add(m.group(2))
-    for m in _ALIAS_USING.finditer(text):
-        if vec_re.match(m.group(2)):
-            names.add(m.group(1))
+    names.update(m.group(1) for m in _TYPEDEF.finditer(text))
+    names.update(m.group(1) for m in _USING.finditer(text))
+    for m in _TEMPLATE.finditer(text):
+        end = _balanced(text, m.end() - 1)
+        if end < 0:
+            continue
+        for param in _split_top(text[m.end() : end - 1]):
+            pm = _TYPE_PARAM.match(param)
+            if pm:
+                names.add(pm.group(1))
+    defines = [(m.group(1), m.group(3).strip()) for m in _DEFINE.finditer(text) if not m.group(2)]
+    for _ in range(3):  # `#define V4 T4` after `using T4 = ...`
+        for name, value in defines:
+            if _VEC_RE.match(value) or value in names or re.fullmatch(_SCALARS, value):
+                names.add(name)
     return names
 
 
-def _rewrite_constructors(text: str, aliases: set[str]) -> str:
-    """``float4(a, b)`` -> ``::emu::mk<float4>(a, b)``; same for ``vec<T, N>(...)`` and
-    typedef'd vector names; ``(float4)x`` -> ``::emu::cvt<float4>() ->* x``."""
-    names = _VEC_NAME + "".join("|" + re.escape(a) for a in sorted(aliases))
-    ctor = re.compile(rf"(?<![\w.])(?:metal::)?({names})\s*\(")
-    text = ctor.sub(lambda m: f"::emu::mk<{m.group(1)}>(", text)
+def _macro_casts_parameter(text: str) -> bool:
+    """A function-like macro whose body calls or casts to a parameter (`#define C(T, x) T(x)`):
+    the parameter may be a vector type only the preprocessor can reveal."""
+    for m in _DEFINE.finditer(text):
+        if not m.group(2):
+            continue
+        body = m.group(3)
+        for p in re.findall(r"[A-Za-z_]\w*", m.group(2)):
+            if re.search(rf"(?<![\w.]){p}\s*\(|\(\s*{p}\s*\)", body):
+                return True
+    return False
 
-    out = []
+
+_preprocessed: dict[tuple[str, str], tuple[str, str]] = {}
+
+
+def _preprocess(header: str, body: str) -> tuple[str, str]:
+    """header and body through clang's preprocessor (line markers keep the line numbers)."""
+    key = (header, body)
+    if key in _preprocessed:
+        return _preprocessed[key]
+    import subprocess
+
+    from .compile import EmulatorCompileError, find_clang
+
+    clang, why = find_clang()
+    if clang is None:
+        raise EmulatorCompileError(why)
+    text = f'#line 1 "header"\n{header}\n#line 1 "source"\n{body}\n'
+    r = subprocess.run([clang, "-std=c++17", "-E", "-x", "c++", "-"], input=text,
+                       capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        raise EmulatorCompileError(f"the kernel's macros do not preprocess:\n{r.stderr}")
+    out = r.stdout
+    m = re.search(r'^# 1 "header".*$', out, re.M)
+    n = re.search(r'^# 1 "source".*$', out, re.M)
+    if not m or not n:
+        raise EmulatorCompileError(f"unexpected preprocessor output:\n{out[:2000]}")
+    result = (out[m.end() + 1 : n.start()], out[n.end() + 1 :])
+    _preprocessed[key] = result
+    return result
+
+
+def _rewrite_constructors(text: str, names: set[str]) -> str:
+    """Functional casts ``N(a, ...)`` -> ``::emu::mk<N>(a, ...)`` and C-style casts ``(N)x`` ->
+    ``::emu::cvt<N>() ->* x`` for every N that is, or may be, an MSL vector type: the vector
+    names, ``vec<T, n>``, ``decltype(...)`` and the ``names`` (aliases, template type
+    parameters; qualified ones too, `typename Traits<T>::vec4(x)`). ``emu::mk`` gives each its
+    MSL meaning (a vector conversion is component by component; clang alone would reinterpret
+    the bits of a same-size vector)."""
+    alts = _VEC_NAME + "".join("|" + re.escape(a) for a in sorted(names, key=len, reverse=True))
+    ctor = re.compile(rf"(?<![\w.>~])(?:{alts})\s*\(")
+
+    def functional(m: re.Match) -> tuple[int, int, str] | None:
+        """(start, end, replacement) for a cast, None for what only looks like one."""
+        start = m.start()
+        window = text[max(0, start - 200) : start]
+        if window.rstrip().endswith("::"):  # a qualified name: `typename Traits<T>::vec4(`
+            q = _QUAL_BEFORE.search(window)
+            if q and q.group(0):
+                start -= len(q.group(0))
+                window = window[: len(window) - len(q.group(0))]
+        before = window.rstrip()
+        if re.search(r"\boperator$", before):  # conversion function `operator T()`
+            return None
+        if _DECLARATOR_PAREN.match(text, m.end()) and (before == "" or before[-1] in ";{}"):
+            return None  # `T (*p)[4] = ...;` declares p
+        name = text[start : m.end()].rstrip()[:-1].rstrip()
+        return (start, m.end(), f"::emu::mk<{name}>(")
+
+    pieces = []
     pos = 0
-    for m in re.finditer(r"(?<![\w.:])(?:metal::)?vec\s*<", text):
+    for m in ctor.finditer(text):
         if m.start() < pos:
             continue
-        end = _balanced_angle(text, m.end() - 1)
+        r = functional(m)
+        if r is None or r[0] < pos:
+            continue
+        pieces.append(text[pos : r[0]])
+        pieces.append(r[2])
+        pos = r[1]
+    pieces.append(text[pos:])
+    text = "".join(pieces)
+
+    # vec<T, N>(...) and decltype(...)(...): balanced brackets
+    out = []
+    pos = 0
+    for m in re.finditer(r"(?<![\w.:])(?:metal::)?(?:vec\s*<|decltype\s*\()", text):
+        if m.start() < pos:
+            continue
+        opener = text[m.end() - 1]
+        end = _balanced(text, m.end() - 1, opener, ">" if opener == "<" else ")")
         if end < 0:
             continue
         rest = re.match(r"\s*\(", text[end:])
@@ -341,10 +449,12 @@ def _rewrite_constructors(text: str, aliases: set[str]) -> str:
     out.append(text[pos:])
     text = "".join(out)
 
-    cast = re.compile(rf"\(\s*(?:metal::)?({names})\s*\)(?=\s*[\w(\-+!~*.])")
+    cast = re.compile(
+        rf"\(\s*({_QUAL}(?:{alts}|vec\s*{_TARGS}))\s*\)(?=\s*[\w(\-+!~*.:])"
+    )
 
     def c_cast(m: re.Match) -> str:
-        before = text[: m.start()].rstrip()
+        before = text[max(0, m.start() - 100) : m.start()].rstrip()
         if re.search(r"(?:\b(?:sizeof|alignof|decltype)|[\w\]\)])$", before) and not re.search(
             r"\breturn$", before
         ):
@@ -384,13 +494,14 @@ def _split_top(text: str, sep: str = ",") -> list[str]:
 _DECLARATOR = re.compile(r"([A-Za-z_]\w*)\s*((?:\[[^\]]*\]\s*)*)$")
 
 
-def _rewrite_threadgroup(text: str, decls: list[TgDecl], check_pass: bool) -> str:
-    """``threadgroup T x[N];`` (threadgroup storage declared in a function) -> a reference:
-    run: to the threadgroup's shared block (``emu_tg_alloc``); check pass: to a
-    ``threadgroup``-qualified object (clang refuses automatic address-space variables)."""
+def _rewrite_threadgroup(text: str, decls: list[TgDecl]) -> str:
+    """``threadgroup T x[N];`` (threadgroup storage declared in a function) -> a
+    ``threadgroup``-qualified reference into the threadgroup's shared block (``emu_tg_alloc``):
+    clang refuses automatic address-space variables, and no constructor runs (Metal runs none
+    either: threadgroup memory starts undefined)."""
     out = []
     pos = 0
-    for m in re.finditer(r"\bthreadgroup\b", text):
+    for m in re.finditer(r"threadgroup(?<!\wthreadgroup)\b", text):
         if m.start() < pos:
             continue
         start = m.start()
@@ -430,12 +541,6 @@ def _rewrite_threadgroup(text: str, decls: list[TgDecl], check_pass: bool) -> st
         newlines = text.count("\n", start, end)
         pieces = []
         for name, dims in declarators:
-            if check_pass:
-                # a reference into threadgroup memory: the type is what the pass checks, and no
-                # constructor has to run in address space 3 (which clang refuses)
-                pieces.append(f"threadgroup {ctype} (&{name}){dims} = "
-                              f"*(threadgroup {ctype} (*){dims})0;")
-                continue
             slot = len(decls)
             decls.append(TgDecl(slot, ctype, name, dims))
             full = f"{ctype} {dims}" if dims else ctype
@@ -443,8 +548,8 @@ def _rewrite_threadgroup(text: str, decls: list[TgDecl], check_pass: bool) -> st
             if align:
                 alignment = f"(({align}) > {alignment} ? ({align}) : {alignment})"
             pieces.append(
-                f"{ctype} (&{name}){dims} = *reinterpret_cast<{ctype} (*){dims}>("
-                f"::emu_tg_alloc({slot}u, sizeof({full}), {alignment}, sizeof({ctype})));"
+                f"threadgroup {ctype} (&{name}){dims} = *(threadgroup {ctype} (*){dims})"
+                f"::emu_tg_alloc({slot}u, sizeof({full}), {alignment}, sizeof({ctype}));"
             )
         repl = " ".join(pieces) + "\n" * newlines
         out.append(text[pos:start])
@@ -454,13 +559,15 @@ def _rewrite_threadgroup(text: str, decls: list[TgDecl], check_pass: bool) -> st
     return "".join(out)
 
 
-def rewrite_msl(text: str, decls: list[TgDecl], check_pass: bool) -> str:
-    """The C++ clang compiles for a piece of MSL (header or body); line count is preserved."""
+def rewrite_msl(text: str, decls: list[TgDecl], names: set[str] | None = None) -> str:
+    """The C++ clang compiles for a piece of MSL (header or body); line count is preserved.
+    ``names``: the type names of the whole kernel (``type_names``); default: this text's."""
     text = _METAL_INCLUDE.sub("", text)
-    text = _HALF_LITERAL.sub(r"\1f16", text)
+    if _HALF_SUFFIX.search(text):
+        text = _HALF_LITERAL.sub(r"\1f16", text)
     text = _STATIC_CAST.sub("::emu::scast<", text)
-    text = _rewrite_constructors(text, _vector_aliases(text))
-    return _rewrite_threadgroup(text, decls, check_pass)
+    text = _rewrite_constructors(text, type_names(text) if names is None else names)
+    return _rewrite_threadgroup(text, decls)
 
 
 @dataclass
@@ -469,16 +576,18 @@ class TranslationUnit:
     tg_decls: list[TgDecl]
 
 
-def cpp_translation_unit(gen: Generated, check_pass: bool) -> TranslationUnit:
+def cpp_translation_unit(gen: Generated) -> TranslationUnit:
     """One C++ file for clang: shim + rewritten header + MLX's signature + rewritten body +
-    the ``emu_kernel_entry`` that binds buffers and attributes (run form only)."""
+    the ``emu_kernel_entry`` that binds buffers and attributes."""
     decls: list[TgDecl] = []
-    header = rewrite_msl(gen.header, decls, check_pass)
-    body = rewrite_msl(gen.body, decls, check_pass)
-    parts = []
-    if check_pass:
-        parts.append("#define EMU_CHECK 1\n")
-    parts.append('#include "metal_shim.h"\n')
+    header = _METAL_INCLUDE.sub("", gen.header)
+    body = _METAL_INCLUDE.sub("", gen.body)
+    if _macro_casts_parameter(header + "\n" + body):
+        header, body = _preprocess(header, body)
+    names = type_names(header + "\n" + gen.template_line + "\n" + body)
+    header = rewrite_msl(header, decls, names)
+    body = rewrite_msl(body, decls, names)
+    parts = ['#include "metal_shim.h"\n']
     if header:
         parts.append('#line 1 "header"\n' + header)
         if not header.endswith("\n"):
@@ -489,8 +598,7 @@ def cpp_translation_unit(gen: Generated, check_pass: bool) -> TranslationUnit:
     fn = gen.kernel_name + gen.template_args
     if gen.template_args:
         parts.append(f"template decltype({fn}) {fn};\n")
-    if not check_pass:
-        parts.append(_entry(gen, fn))
+    parts.append(_entry(gen, fn))
     return TranslationUnit("".join(parts), decls)
 
 
@@ -501,9 +609,9 @@ def _entry(gen: Generated, fn: str) -> str:
             args.append(_ATTRIBUTE_VALUES[p.name])
         elif p.scalar:
             base = p.decl[:-1]  # drop '&'
-            args.append(f"*reinterpret_cast<{base}*>(emu_b[{p.buffer}])")
-        else:
-            args.append(f"reinterpret_cast<{p.decl}>(emu_b[{p.buffer}])")
+            args.append(f"*({base}*)(emu_b[{p.buffer}])")
+        else:  # C-style casts: they may also give the pointer its address space
+            args.append(f"({p.decl})(emu_b[{p.buffer}])")
     joined = ",\n      ".join(args)
     return (
         "static inline uint3 emu_u3(const uint32_t* v) { return uint3{v[0], v[1], v[2]}; }\n"

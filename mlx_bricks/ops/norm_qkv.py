@@ -144,7 +144,7 @@ def rms_norm_qkv(x, norm_weight, eps, wq, wk, wv, bq=None, bk=None, bv=None, *, 
     Raises:
         TypeError: non-array arguments, non-float or mixed dtypes, non-int head counts.
         ValueError: shapes that do not match the head counts, a bad eps or tile, biases given
-            partially, n_kv_heads * head_dim < 8 on a kernel backend (MLX would pass such tiny
+            partially, min(n_heads, n_kv_heads) * head_dim < 8 on a kernel backend (MLX would pass such tiny
             weights in the constant address space, which the kernel does not select between),
             or a bad backend.
     """
@@ -156,10 +156,10 @@ def rms_norm_qkv(x, norm_weight, eps, wq, wk, wv, bq=None, bk=None, bv=None, *, 
     if name == "reference":
         return rms_norm_qkv_reference(x, norm_weight, eps, wq, wk, wv, bq, bk, bv,
                                       n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim)
-    if n_kv_heads * head_dim < 8:
+    if min(n_heads, n_kv_heads) * head_dim < 8:
         raise ValueError(
-            f"n_kv_heads * head_dim must be >= 8 for the fused kernel, got "
-            f"{n_kv_heads} * {head_dim}"
+            f"min(n_heads, n_kv_heads) * head_dim must be >= 8 for the fused kernel, got "
+            f"min({n_heads}, {n_kv_heads}) * {head_dim}"
         )
     B, L, K = x.shape
     dtype = x.dtype

@@ -1,17 +1,17 @@
 // mlx_bricks MSL emulator: the subset of the Metal Shading Language standard library (and of
 // the helpers MLX prepends to custom kernels) that the emulator supports, as C++ for clang.
 //
-// Compiled twice per kernel:
-//  * EMU_CHECK defined: `clang -fsyntax-only`, with device/constant/threadgroup as distinct
-//    address spaces, so address-space mistakes fail as they do on Metal;
-//  * otherwise: the executable form, where the address-space keywords vanish.
+// Compiled once per kernel, with device/constant/threadgroup as distinct clang address spaces
+// (`thread` is the default one): address-space mistakes fail as they do on Metal, overloads and
+// specialisations on the address space stay distinct, and x86-64 code generation treats the
+// three as ordinary memory. EMU_FLAT (checks off) makes the keywords vanish instead.
 // Anything not declared here is a compile error naming it ("use of undeclared identifier").
 #pragma once
 #include <stdint.h>
 
 #include "emu_abi.h"
 
-#ifdef EMU_CHECK
+#ifndef EMU_FLAT
 #define device __attribute__((address_space(1)))
 #define constant __attribute__((address_space(2)))
 #define threadgroup __attribute__((address_space(3)))
@@ -77,68 +77,110 @@ template <class T> struct uncv { typedef T type; };
 template <class T> struct uncv<const T> { typedef T type; };
 template <class T> struct uncv<volatile T> { typedef T type; };
 template <class T> struct uncv<const volatile T> { typedef T type; };
-template <class T> using plain = typename uncv<typename unref<T>::type>::type;
+// unas<T>: T without its address space (const stays).
+template <class T> struct unas { typedef T type; };
+#ifndef EMU_FLAT
+template <class T> struct unas<device T> { typedef T type; };
+template <class T> struct unas<constant T> { typedef T type; };
+template <class T> struct unas<threadgroup T> { typedef T type; };
+#endif
+template <class T>
+using plain = typename uncv<typename unas<typename unref<T>::type>::type>::type;
 template <class T> constexpr bool is_vec = vinfo<plain<T>>::n > 1;
 template <class T> using elem_t = typename vinfo<plain<T>>::elem;
+template <bool B> struct enable_if {};
+template <> struct enable_if<true> { typedef int type; };
 template <class A, class B> constexpr bool same = false;
 template <class A> constexpr bool same<A, A> = true;
 template <class T> constexpr bool is_float = same<T, float> || same<T, half> || same<T, bfloat>;
 
-template <class A> EMU_INLINE const A& only(const A& a) { return a; }
+template <class A> constexpr EMU_INLINE const A& only(const A& a) { return a; }
 // Scalar conversions between the float types (clang has no direct __bf16 <-> _Float16 cast).
-template <class To, class From> EMU_INLINE To conv(From x) {
-  if constexpr (is_float<To> && is_float<From> && !same<To, From>) {
+template <class To, class From> constexpr EMU_INLINE To conv(const From& x) {
+  if constexpr (is_float<To> && is_float<plain<From>> && !same<To, plain<From>>) {
     return static_cast<To>(static_cast<float>(x));
   } else {
     return static_cast<To>(x);
   }
 }
 
+// Vectors from element arrays (constant evaluation cannot assign vector elements).
+template <class T, T... I> struct iseq {};
+template <class V, class E, int N, int... I>
+constexpr EMU_INLINE V to_vec(const E (&e)[N], iseq<int, I...>) {
+  return V{e[I]...};
+}
+
 // Vector conversion component by component (MSL float4(half4), static_cast<half4>(float4)).
-template <class V, class A> EMU_INLINE V vconv(const A& a) {
+template <class V, class A> constexpr EMU_INLINE V vconv(const A& a) {
   typedef elem_t<V> E;
   typedef elem_t<A> F;
   if constexpr (same<E, F>) {
     return a;
-  } else if constexpr (is_float<E> && is_float<F>) {
-    V v;
-    for (int k = 0; k < vinfo<V>::n; ++k) v[k] = conv<E>(a[k]);
-    return v;
+  } else if constexpr (is_float<E> && is_float<F> && !same<E, float> && !same<F, float>) {
+    // half <-> bfloat through float (exact, then one rounding)
+    typedef vec<float, vinfo<V>::n> VF;
+    return __builtin_convertvector(__builtin_convertvector(static_cast<plain<A>>(a), VF), V);
   } else {
-    return __builtin_convertvector(a, V);
+    return __builtin_convertvector(static_cast<plain<A>>(a), V);
   }
 }
 
-template <class V, int I = 0, class A, class... R>
-EMU_INLINE void fill(V& v, const A& a, const R&... r) {
-  typedef elem_t<V> E;
+template <int I = 0, class E, int N, class A, class... R>
+constexpr EMU_INLINE void fill(E (&e)[N], const A& a, const R&... r) {
   if constexpr (is_vec<A>) {
-    for (int k = 0; k < vinfo<A>::n; ++k) v[I + k] = conv<E>(a[k]);
+    for (int k = 0; k < vinfo<plain<A>>::n; ++k) e[I + k] = conv<E>(static_cast<elem_t<A>>(a[k]));
   } else {
-    v[I] = conv<E>(a);
+    e[I] = conv<E>(a);
   }
-  if constexpr (sizeof...(R) > 0) fill<V, I + vinfo<plain<A>>::n>(v, r...);
+  if constexpr (sizeof...(R) > 0) fill<I + vinfo<plain<A>>::n>(e, r...);
 }
 template <class... A> constexpr int count_elems() { return (0 + ... + vinfo<plain<A>>::n); }
 
-
-// MSL vector constructors: float4(x) splat, float4(half4) conversion, float4(a.xy, b, c).
-template <class V, class... A>
-EMU_INLINE V mk(const A&... a) {
-  typedef elem_t<V> E;
-  constexpr int N = vinfo<V>::n;
-  if constexpr (sizeof...(A) == 0) {
-    return V(static_cast<E>(0));
-  } else if constexpr (sizeof...(A) == 1 && count_elems<A...>() == 1) {
-    return V(conv<E>(only(a...)));
-  } else if constexpr (sizeof...(A) == 1 && count_elems<A...>() == N) {
-    return vconv<V>(only(a...));
+// What `V(a...)` means in MSL for any type V (the rewriter sends every functional cast whose
+// type it cannot rule out as a vector here: MSL vector names, vec<T, N>, typedef/using
+// aliases, template type parameters, decltype(...)):
+//  * V a vector: MSL's constructors: float4(x) splat, float4(half4) conversion (component by
+//    component, never a bit cast), float4(a.xy, b, c);
+//  * V a scalar float type: the conversion (also half <-> bfloat, which clang lacks);
+//  * anything else: V(a...) itself.
+// Vectors and scalars take their arguments by value (swizzles are address-space-qualified
+// temporaries), classes by const reference (no non-const reference binds to a vector element,
+// so a constructor taking `thread X&` through an alias or template parameter does not compile),
+// references (`decltype(a[i])(x)`) the object itself.
+template <class V> constexpr bool by_value = !__is_class(V) && !__is_reference(V);
+template <class V, class... A, typename enable_if<by_value<V>>::type = 0>
+constexpr EMU_INLINE V mk(A... a) {
+  if constexpr (is_vec<V>) {
+    typedef plain<V> PV;
+    typedef elem_t<PV> E;
+    constexpr int N = vinfo<PV>::n;
+    if constexpr (sizeof...(A) == 0) {
+      return PV(static_cast<E>(0));
+    } else if constexpr (sizeof...(A) == 1 && count_elems<A...>() == 1) {
+      return PV(conv<E>(a...));
+    } else if constexpr (sizeof...(A) == 1 && count_elems<A...>() == N) {
+      return vconv<PV>(a...);
+    } else {
+      static_assert(count_elems<A...>() == N,
+                    "MSL vector constructor: wrong number of components");
+      E e[N] = {};
+      fill(e, a...);
+      return to_vec<PV>(e, __make_integer_seq<iseq, int, N>{});
+    }
+  } else if constexpr (sizeof...(A) == 1 && is_float<plain<V>> && (is_float<plain<A>> && ...)) {
+    return conv<plain<V>>(a...);
   } else {
-    static_assert(count_elems<A...>() == N, "MSL vector constructor: wrong number of components");
-    V v;
-    fill<V>(v, a...);
-    return v;
+    return V(a...);
   }
+}
+template <class V, class... A, typename enable_if<__is_class(V)>::type = 0>
+constexpr EMU_INLINE V mk(const A&... a) {
+  return V(a...);
+}
+template <class V, class A, typename enable_if<__is_reference(V)>::type = 0>
+constexpr EMU_INLINE V mk(A&& a) {
+  return V(static_cast<A&&>(a));
 }
 
 // static_cast<T>(x), with MSL's vector conversions (clang alone would reinterpret the bits).
@@ -148,17 +190,41 @@ constexpr EMU_INLINE To scast(From&& x) {
     return vconv<To>(x);
   } else if constexpr (is_vec<To>) {
     return To(conv<elem_t<To>>(x));
+  } else if constexpr (is_float<plain<To>> && is_float<plain<From>>) {
+    return conv<plain<To>>(x);
   } else {
     return static_cast<To>(static_cast<From&&>(x));
   }
 }
 
-// (float4)x: the rewriter turns C-style vector casts into `emu::cvt<float4>() ->* x`.
+// (float4)x: the rewriter turns C-style casts to the same types as mk's into
+// `emu::cvt<float4>() ->* x`.
 template <class V> struct cvt {};
-template <class V, class A> EMU_INLINE V operator->*(cvt<V>, const A& a) { return mk<V>(a); }
+template <class V, class A, typename enable_if<by_value<V>>::type = 0>
+constexpr EMU_INLINE V operator->*(cvt<V>, A a) {
+  return mk<V>(a);
+}
+template <class V, class A, typename enable_if<__is_class(V)>::type = 0>
+constexpr EMU_INLINE V operator->*(cvt<V>, const A& a) {
+  return V(a);
+}
+template <class V, class A, typename enable_if<__is_reference(V)>::type = 0>
+constexpr EMU_INLINE V operator->*(cvt<V>, A&& a) {
+  return V(static_cast<A&&>(a));
+}
 
 template <class T> EMU_INLINE T load(const void* p) { T v; __builtin_memcpy(&v, p, sizeof(T)); return v; }
 template <class T> EMU_INLINE void store(void* p, const T& v) { __builtin_memcpy(p, &v, sizeof(T)); }
+
+// as_plain(x): the same object, seen in the default (thread) address space. MSL copies a struct
+// between address spaces with its implicit copy constructor / assignment (MLX steel's
+// BlockLoader: `*(threadgroup RV*)dst = *(const device RV*)src;`); clang's implicit members only
+// take generic-address-space objects, so compile.py wraps the operands of such copies in
+// as_plain when clang refuses them (see _copy_patches there).
+template <class T> EMU_INLINE typename unas<T>::type& as_plain(T& x) {
+  return *(typename unas<T>::type*)__builtin_addressof(x);
+}
+template <class T> EMU_INLINE T&& as_plain(T&& x) { return static_cast<T&&>(x); }
 }  // namespace emu
 
 // ---------------------------------------------------------------------------------------------
