@@ -1,0 +1,67 @@
+// Q8_0: ggml's block format for K/V (and weights), shared by the Q8_0 kernels and attention.
+//
+// ggml packs a block as `block_q8_0` below: one half scale d and 32 int8 quants, 34 bytes per
+// 32 values. mlx-bricks keeps the two fields in separate MLX arrays instead, qs int8 (..., D)
+// and d float16 (..., D / 32), so that each can be sliced and strided like any KV cache array;
+// the values and the arithmetic are ggml's (quantize_row_q8_0_ref / dequantize_row_q8_0):
+//   amax = max |x| over the block (float32)
+//   d    = amax / 127 (float32), stored as half (round to nearest even)
+//   id   = d != 0 ? 1 / d : 0, from the float32 d (not from the stored half)
+//   q    = roundf(x * id): nearest integer, halves away from zero; |x * id| <= 127.0x so a
+//          value at +-amax gives +-127, never -128
+//   x'   = q * d, in float32
+
+#define QK8_0 32
+
+struct block_q8_0 {
+  half d;            // scale: amax / 127
+  int8_t qs[QK8_0];  // quants
+};
+
+// The float32 scale d of a block whose largest magnitude is amax.
+inline float q8_0_scale(float amax) {
+  return amax / 127.0f;
+}
+
+// The float32 inverse scale ggml multiplies by: 0 for an all-zero block (so q = 0, not NaN).
+inline float q8_0_inverse_scale(float d) {
+  return d != 0.0f ? 1.0f / d : 0.0f;
+}
+
+// roundf(x * id) as an int8. Written with trunc so it does not depend on how a math library
+// rounds halves. Where ggml's conversion is undefined (x * id not finite: NaN input, or id = inf
+// when d is a float32 subnormal) the result is defined: NaN -> 0, +-inf -> +-127.
+inline int8_t q8_0_quantize(float x, float id) {
+  const float v = x * id;
+  if (isnan(v)) {
+    return 0;
+  }
+  const float t = trunc(v);
+  float r = t + ((fabs(v - t) >= 0.5f) ? copysign(1.0f, v) : 0.0f);
+  r = clamp(r, -127.0f, 127.0f);
+  return int8_t(r);
+}
+
+// Dequantized value q * d in float32 (exact: an 8-bit times an 11-bit significand).
+inline float q8_0_dequantize(float q, float d) {
+  return q * d;
+}
+
+// Memory offset of flat (row-major) element `elem` of an array with the given shape/strides.
+// `last_div` divides the index along the last axis first: 32 maps an element of qs to its
+// block's scale in d (same leading indices, last index / 32).
+template <typename ShapeP, typename StridesP>
+inline int64_t q8_0_elem_offset(
+    uint64_t elem, ShapeP shape, StridesP strides, int ndim, int last_div) {
+  int64_t off = 0;
+  for (int a = ndim - 1; a >= 0; --a) {
+    const uint64_t n = uint64_t(shape[a]);
+    int64_t idx = int64_t(elem % n);
+    elem /= n;
+    if (a == ndim - 1) {
+      idx /= last_div;
+    }
+    off += idx * strides[a];
+  }
+  return off;
+}

@@ -1,0 +1,12 @@
+// Q8_0 quantization (ggml quantize_row_q8_0_ref, see q8_0.h) of x (..., D), D % 32 == 0.
+// One thread per element in row-major order; the threadgroup size is a multiple of 32, so each
+// SIMD-group holds exactly one 32-value block and amax is one simd_max (no threadgroup memory).
+// Inputs: x (any float dtype, any strides). Outputs: qs int8 (..., D), d half (..., D / 32).
+const uint64_t elem = thread_position_in_grid.x;
+const float xv = float(x[q8_0_elem_offset(elem, x_shape, x_strides, x_ndim, 1)]);
+const float amax = simd_max(fabs(xv));
+const float scale = q8_0_scale(amax);
+qs[elem] = q8_0_quantize(xv, q8_0_inverse_scale(scale));
+if (thread_index_in_simdgroup == 0) {
+  d[elem / QK8_0] = half(scale);
+}
