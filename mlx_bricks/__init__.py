@@ -19,6 +19,9 @@ _LAZY = {
     "ops": "mlx_bricks.ops",
     "default_model": "mlx_bricks.models",
     "convert_gguf": "mlx_bricks.gguf",
+    "patch_model": "mlx_bricks.patch",
+    "unpatch_model": "mlx_bricks.patch",
+    "PatchReport": "mlx_bricks.patch",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

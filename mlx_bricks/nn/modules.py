@@ -1,0 +1,375 @@
+"""Drop-in prefill modules for mlx-lm decoder blocks: BricksAttention, BricksMLP, BricksBlock.
+
+Each is a mixin that is put in front of a module's own class *on one instance*
+(``module.__class__ = bricks_class(BricksAttention, type(module))``): the instance keeps its
+parameters, its parameter names and every other attribute, ``isinstance`` checks against the
+original class still hold, and other instances of the class are untouched. This is the MLX
+counterpart of Liger-Kernel's per-instance method binding: MLX looks ``__call__`` up on the type,
+so binding a method on the instance would not take effect.
+
+Prefill (L > 1) runs through the bricks (``mlx_bricks.ops``); decode (L == 1) and every case the
+bricks do not cover call the original ``__call__`` unchanged, and the reason is counted in the
+module's :class:`BricksState`. The bricks write K/V into mlx-lm's ``KVCache`` with
+``cache.update_and_fetch`` exactly as stock does, so decode continues on the stock path.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_lm.models.cache import KVCache
+
+from mlx_bricks import ops
+from mlx_bricks.ops._checks import FLOAT_DTYPES, dtype_name
+
+# Stock-call reason for single-token steps: decode is stock by design, not a fallback.
+DECODE = "decode (L == 1): stock path by design"
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where an mlx-lm pre-norm decoder block keeps its parts (attribute names).
+
+    The block computes ``h = x + attn(input_norm(x)); out = h + mlp(post_attention_norm(h))``;
+    the attention projects with q/k/v/o ``nn.Linear`` layers (biases optional), optionally
+    applies per-head RMSNorms (``qk_norm``, qwen3) before RoPE, and the MLP is
+    ``down(silu(gate(x)) * up(x))``.
+    """
+
+    source: str
+    attention: str = "self_attn"
+    mlp: str = "mlp"
+    input_norm: str = "input_layernorm"
+    post_attention_norm: str = "post_attention_layernorm"
+    q_proj: str = "q_proj"
+    k_proj: str = "k_proj"
+    v_proj: str = "v_proj"
+    o_proj: str = "o_proj"
+    gate_proj: str = "gate_proj"
+    up_proj: str = "up_proj"
+    down_proj: str = "down_proj"
+    qk_norm: tuple[str, str] | None = None
+
+    @property
+    def attention_linears(self) -> tuple[str, str, str, str]:
+        return (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
+
+    @property
+    def mlp_linears(self) -> tuple[str, str, str]:
+        return (self.gate_proj, self.up_proj, self.down_proj)
+
+
+@dataclass(eq=False)
+class BricksState:
+    """Settings and live counters of one patched module instance.
+
+    Attributes:
+        backend: resolved backend name passed to every op (``metal``/``emulator``/...).
+        layer: index of the decoder layer.
+        role: ``"block"``, ``"self_attn"`` or ``"mlp"``.
+        layout: the architecture's :class:`BlockLayout`.
+        head_dim: attention head size (0 for an MLP).
+        kv_quant: None or ``"q8_0"`` (K/V of the attention brick).
+        mlp_variant: SwiGLU brick variant (None = the brick's own rule).
+        calls: brick op name -> number of calls (prefill through the bricks).
+        stock: reason -> number of calls that took the stock path (decode included).
+    """
+
+    backend: str
+    layer: int
+    role: str
+    layout: BlockLayout
+    head_dim: int = 0
+    kv_quant: str | None = None
+    mlp_variant: str | None = None
+    calls: Counter = field(default_factory=Counter)
+    stock: Counter = field(default_factory=Counter)
+
+
+# ---------------------------------------------------------------------------------------------
+# Structure checks (shared by patch time and call time)
+# ---------------------------------------------------------------------------------------------
+
+def linear_reason(name: str, module, dtype=None) -> str | None:
+    """Why ``module`` cannot feed a brick (None if it is a plain ``nn.Linear`` of ``dtype``)."""
+    if type(module) is nn.Linear:
+        if dtype is not None:
+            for what in ("weight", "bias"):
+                if what in module and module[what].dtype != dtype:
+                    return (f"{name}.{what} is {dtype_name(module[what].dtype)} but the input is "
+                            f"{dtype_name(dtype)}")
+        return None
+    if module is None:
+        return f"{name} is missing"
+    cls = type(module).__name__
+    if isinstance(module, nn.QuantizedLinear):
+        return (f"{name} is nn.QuantizedLinear ({module.bits}-bit, group {module.group_size}): "
+                "no brick reads quantized weights yet")
+    if type(module).__module__.startswith("mlx_lm.tuner"):
+        return f"{name} is {cls} (LoRA/DoRA adapter): the bricks do not apply adapters"
+    return f"{name} is {cls}, not nn.Linear"
+
+
+def rms_norm_reason(name: str, module, dtype=None) -> str | None:
+    """Why ``module`` cannot be fused as an RMSNorm (None if it is a plain ``nn.RMSNorm``)."""
+    if type(module) is not nn.RMSNorm:
+        return f"{name} is {type(module).__name__}, not nn.RMSNorm"
+    if dtype is not None and module.weight.dtype != dtype:
+        return (f"{name}.weight is {dtype_name(module.weight.dtype)} but the input is "
+                f"{dtype_name(dtype)}")
+    return None
+
+
+def _bias(linear):
+    return linear["bias"] if "bias" in linear else None
+
+
+def _first_reason(*reasons):
+    for r in reasons:
+        if r is not None:
+            return r
+    return None
+
+
+def _call_reason(x, mask, cache, args, kwargs) -> str | None:
+    """Per-call conditions shared by attention and block (cheap checks first)."""
+    if args or kwargs:
+        extra = [f"{len(args)} extra positional"] if args else []
+        extra += sorted(kwargs)
+        return f"extra call arguments ({', '.join(extra)}): passed to the stock path"
+    if not isinstance(x, mx.array) or x.ndim != 3:
+        return "input is not a (B, L, D) array"
+    if x.shape[1] == 1:
+        return DECODE
+    if x.dtype not in FLOAT_DTYPES:
+        return f"input dtype {dtype_name(x.dtype)} is not float16/bfloat16/float32"
+    if mask is not None and not (isinstance(mask, str) and mask == "causal"):
+        what = "an array" if isinstance(mask, mx.array) else repr(mask)
+        return f"mask is {what} (sliding window or padding): the attention brick takes causal only"
+    if cache is not None and type(cache) is not KVCache:
+        return f"cache is {type(cache).__name__}, not KVCache"
+    return None
+
+
+def _attention_reason(attn, layout: BlockLayout, dtype) -> str | None:
+    reasons = (linear_reason(n, getattr(attn, n, None), dtype) for n in layout.attention_linears)
+    r = _first_reason(*reasons)
+    if r is None and layout.qk_norm is not None:
+        r = _first_reason(*(rms_norm_reason(n, getattr(attn, n, None), dtype)
+                            for n in layout.qk_norm))
+    return r
+
+
+def _mlp_reason(mlp, layout: BlockLayout, dtype) -> str | None:
+    return _first_reason(*(linear_reason(n, getattr(mlp, n, None), dtype)
+                           for n in layout.mlp_linears))
+
+
+# ---------------------------------------------------------------------------------------------
+# The prefill computation
+# ---------------------------------------------------------------------------------------------
+
+def _heads(y, B, L, n):
+    return y.reshape(B, L, n, -1).transpose(0, 2, 1, 3)
+
+
+def _attend(attn, state: BricksState, q, k, v, mask, cache):
+    """Per-head norms, RoPE, KV-cache update and the attention brick; q/k/v in head layout.
+
+    Returns (B, L, n_heads * head_dim), ready for the out-projection.
+    """
+    B, _, L, _ = q.shape
+    if state.layout.qk_norm is not None:
+        # RMSNorm over head_dim: the same rows whether heads come before or after L.
+        q_norm, k_norm = (getattr(attn, n) for n in state.layout.qk_norm)
+        q, k = q_norm(q), k_norm(k)
+    # The module's own rope object with mlx-lm's offset keeps every rope class correct.
+    if cache is not None:
+        q = attn.rope(q, offset=cache.offset)
+        k = attn.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+    else:
+        q = attn.rope(q)
+        k = attn.rope(k)
+    o = ops.flash_attention(q, k, v, scale=attn.scale, mask=mask, kv_quant=state.kv_quant,
+                            backend=state.backend)
+    state.calls["flash_attention"] += 1
+    return o.transpose(0, 2, 1, 3).reshape(B, L, -1)
+
+
+def _mlp(mlp, state: BricksState, x, residual=None):
+    lay = state.layout
+    gate, up, down = (getattr(mlp, n) for n in lay.mlp_linears)
+    out = ops.swiglu_mlp(x, gate.weight, up.weight, down.weight, residual,
+                         b_gate=_bias(gate), b_up=_bias(up), b_down=_bias(down),
+                         variant=state.mlp_variant, backend=state.backend)
+    state.calls["swiglu_mlp"] += 1
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The mixins
+# ---------------------------------------------------------------------------------------------
+
+class BricksAttention:
+    """Attention with prefill on the GEMM and attention bricks (mixin over mlx-lm's Attention).
+
+    Prefill: ``linear`` for q/k/v (biases kept), per-head q/k RMSNorm when the layout has it,
+    the module's rope at ``cache.offset``, ``cache.update_and_fetch``, ``flash_attention``
+    (causal, bottom-right aligned when the cache already holds tokens), ``linear`` for o.
+    Call signature as mlx-lm's: ``(x: (B, L, D), mask=None | "causal" | array, cache=None)``.
+    """
+
+    def __call__(self, x, mask=None, cache=None, *args, **kwargs):
+        state = self._bricks_state
+        reason = _call_reason(x, mask, cache, args, kwargs) or _attention_reason(
+            self, state.layout, x.dtype)
+        if reason is not None:
+            state.stock[reason] += 1
+            return super().__call__(x, mask, cache, *args, **kwargs)
+        lay, be = state.layout, state.backend
+        B, L, _ = x.shape
+        qp, kp, vp, op = (getattr(self, n) for n in lay.attention_linears)
+        q = _heads(ops.linear(x, qp.weight, _bias(qp), backend=be), B, L, self.n_heads)
+        k = _heads(ops.linear(x, kp.weight, _bias(kp), backend=be), B, L, self.n_kv_heads)
+        v = _heads(ops.linear(x, vp.weight, _bias(vp), backend=be), B, L, self.n_kv_heads)
+        o = _attend(self, state, q, k, v, mask, cache)
+        out = ops.linear(o, op.weight, _bias(op), backend=be)
+        state.calls["linear"] += 4
+        return out
+
+
+class BricksMLP:
+    """SwiGLU MLP with prefill on the SwiGLU brick (mixin over mlx-lm's MLP).
+
+    Prefill: ``swiglu_mlp(x, gate, up, down)`` with biases when the layers have them.
+    Call signature as mlx-lm's: ``(x: (..., L, D))``.
+    """
+
+    def __call__(self, x, *args, **kwargs):
+        state = self._bricks_state
+        if args or kwargs:
+            reason = f"extra call arguments ({len(args)} positional, {sorted(kwargs)}): stock"
+        elif not isinstance(x, mx.array) or x.ndim < 2:
+            reason = "input is not a (..., L, D) array"
+        elif x.shape[-2] == 1:
+            reason = DECODE
+        elif x.dtype not in FLOAT_DTYPES:
+            reason = f"input dtype {dtype_name(x.dtype)} is not float16/bfloat16/float32"
+        else:
+            reason = _mlp_reason(self, state.layout, x.dtype)
+        if reason is not None:
+            state.stock[reason] += 1
+            return super().__call__(x, *args, **kwargs)
+        return _mlp(self, state, x)
+
+
+class BricksBlock:
+    """The unified prefill block (mixin over a standard pre-norm mlx-lm TransformerBlock).
+
+    Prefill, for x (B, L, D)::
+
+        q, k, v = rms_norm_qkv(x, input_norm, Wq, Wk, Wv)    # head layout (B, H, L, head_dim)
+        q, k    = q_norm(q), k_norm(k)                        # qwen3 only
+        q, k    = rope(q, k, offset=cache.offset); k, v = cache.update_and_fetch(k, v)
+        h       = linear(flash_attention(q, k, v, causal), Wo, residual=x)
+        out     = swiglu_mlp(rms_norm(h, post_attention_norm), W_gate, W_up, W_down, residual=h)
+
+    Decode, array masks, caches other than ``KVCache`` and modules that are not plain
+    ``nn.Linear``/``nn.RMSNorm`` run the block's own ``__call__`` (counted with the reason).
+    Source: ``TransformerBlock``/``Attention``/``MLP`` of mlx-lm 0.32's ``models/llama.py``,
+    ``qwen2.py``, ``qwen3.py``; the same math with the pieces fused into the bricks.
+    """
+
+    def __call__(self, x, mask=None, cache=None, *args, **kwargs):
+        state = self._bricks_state
+        lay = state.layout
+        reason = _call_reason(x, mask, cache, args, kwargs)
+        if reason is None:
+            attn, mlp = getattr(self, lay.attention), getattr(self, lay.mlp)
+            reason = _first_reason(
+                rms_norm_reason(lay.input_norm, getattr(self, lay.input_norm), x.dtype),
+                rms_norm_reason(lay.post_attention_norm, getattr(self, lay.post_attention_norm),
+                                x.dtype),
+                _attention_reason(attn, lay, x.dtype),
+                _mlp_reason(mlp, lay, x.dtype),
+            )
+        if reason is not None:
+            state.stock[reason] += 1
+            return super().__call__(x, mask, cache, *args, **kwargs)
+
+        be = state.backend
+        qp, kp, vp, op = (getattr(attn, n) for n in lay.attention_linears)
+        norm = getattr(self, lay.input_norm)
+        q, k, v = ops.rms_norm_qkv(x, norm.weight, norm.eps, qp.weight, kp.weight, vp.weight,
+                                   _bias(qp), _bias(kp), _bias(vp), n_heads=attn.n_heads,
+                                   n_kv_heads=attn.n_kv_heads, head_dim=state.head_dim,
+                                   backend=be)
+        state.calls["rms_norm_qkv"] += 1
+        o = _attend(attn, state, q, k, v, mask, cache)
+        h = ops.linear(o, op.weight, _bias(op), residual=x, backend=be)
+        state.calls["linear"] += 1
+        post = getattr(self, lay.post_attention_norm)
+        return _mlp(mlp, state, mx.fast.rms_norm(h, post.weight, post.eps), residual=h)
+
+
+MIXINS = (BricksAttention, BricksMLP, BricksBlock)
+
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def bricks_class(mixin: type, base: type) -> type:
+    """The class ``(mixin, base)`` an instance of ``base`` is switched to (built once per pair).
+
+    Raises:
+        TypeError: ``mixin`` is not one of ``MIXINS`` or ``base`` is not an ``nn.Module`` class.
+    """
+    if mixin not in MIXINS:
+        raise TypeError(f"mixin must be one of {[m.__name__ for m in MIXINS]}, got {mixin!r}")
+    if not (isinstance(base, type) and issubclass(base, nn.Module)):
+        raise TypeError(f"base must be an nn.Module subclass, got {base!r}")
+    if issubclass(base, MIXINS):
+        raise TypeError(f"base {base.__name__} is already a bricks class")
+    key = (mixin, base)
+    if key not in _CLASSES:
+        short = base.__module__.rsplit(".", 1)[-1]
+        _CLASSES[key] = type(f"{mixin.__name__}_{short}_{base.__name__}", (mixin, base),
+                             {"_bricks_base": base, "__module__": __name__})
+    return _CLASSES[key]
+
+
+def is_patched(module) -> bool:
+    """True if ``module``'s class was switched to a bricks class."""
+    return isinstance(module, MIXINS)
+
+
+def attach(module: nn.Module, mixin: type, state: BricksState) -> nn.Module:
+    """Switch ``module`` (this instance only) to ``bricks_class(mixin, type(module))``.
+
+    Parameters stay the same arrays under the same names. Returns ``module``.
+
+    Raises:
+        TypeError: ``state`` is not a :class:`BricksState`, or see :func:`bricks_class`.
+        ValueError: ``module`` is already patched (call :func:`detach` first).
+    """
+    if not isinstance(state, BricksState):
+        raise TypeError(f"state must be a BricksState, got {type(state).__name__}")
+    if is_patched(module):
+        raise ValueError(f"module {type(module).__name__} is already patched; detach it first")
+    cls = bricks_class(mixin, type(module))
+    module.__class__ = cls
+    # object.__setattr__: keep the state out of the parameter tree (nn.Module is a dict).
+    object.__setattr__(module, "_bricks_state", state)
+    return module
+
+
+def detach(module: nn.Module) -> bool:
+    """Give ``module`` back its original class; returns False if it was not patched."""
+    if not is_patched(module):
+        return False
+    module.__class__ = type(module)._bricks_base
+    module.__dict__.pop("_bricks_state", None)
+    return True

@@ -1,0 +1,278 @@
+"""The patch routine: one pass over the decoder layers, driven by the table in ``table.py``.
+
+Every decision that depends only on the model's structure is made here, once, and written to the
+report; decisions that depend on the call (mask, cache type, L == 1) are made by the modules in
+``mlx_bricks.nn`` and counted there.
+"""
+from __future__ import annotations
+
+import inspect
+
+import mlx.nn as nn
+
+from mlx_bricks.backends import active_backend
+from mlx_bricks.ops.attention import SUPPORTED_HEAD_DIMS
+from mlx_bricks.ops.q8_0 import QK8_0
+from mlx_bricks.nn.modules import (
+    BricksAttention,
+    BricksBlock,
+    BricksMLP,
+    BricksState,
+    attach,
+    detach,
+    is_patched,
+    linear_reason,
+    rms_norm_reason,
+)
+from mlx_bricks.patch.report import DISABLED, FALLBACK, PATCHED, ModuleReport, PatchReport
+from mlx_bricks.patch.table import lookup, supported_model_types
+
+KV_QUANTS = (None, "q8_0")
+
+_BLOCK_BRICKS = ("rms_norm_qkv", "flash_attention", "linear", "swiglu_mlp")
+_ATTN_BRICKS = ("linear", "flash_attention")
+_MLP_BRICKS = ("swiglu_mlp",)
+
+
+def _model_type(model):
+    mt = getattr(model, "model_type", None)
+    if mt is None:
+        mt = getattr(getattr(model, "args", None), "model_type", None)
+    return mt
+
+
+def _signature_reason(module, names: tuple[str, ...]) -> str | None:
+    """None if ``type(module).__call__`` takes ``(self, <x>, *names)`` and nothing else required.
+
+    The bricks pass the call through positionally, so the positions (and, for mask/cache, the
+    names) must be mlx-lm's; further parameters are fine if they have defaults.
+    """
+    cls = type(module)
+    try:
+        params = list(inspect.signature(cls.__call__).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return f"{cls.__name__}.__call__ has no inspectable signature"
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    want = 1 + len(names)
+    if len(positional) < want or [p.name for p in positional[1:want]] != list(names):
+        got = ", ".join(p.name for p in params)
+        expect = ", ".join(("x", *names))
+        return f"unknown call signature {cls.__name__}({got}); expected ({expect})"
+    for p in params:
+        if p in positional[:want] or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.default is p.empty:
+            return f"unknown call signature: {cls.__name__}.__call__ requires {p.name!r}"
+    return None
+
+
+def describe_rope(rope) -> str:
+    """How the bricks apply this rope object (always the module's own object)."""
+    if type(rope) is nn.RoPE:
+        return (f"nn.RoPE(dims={rope.dims}, traditional={rope.traditional}, base={rope.base}, "
+                f"scale={rope.scale}) via mx.fast.rope")
+    return f"{type(rope).__name__}: the module's own rope object (no RoPE brick; same as stock)"
+
+
+def _attention_structure(attn, layout, kv_quant) -> tuple[str | None, int]:
+    """(reason or None, head_dim) for an attention module."""
+    if attn is None:
+        return f"block has no {layout.attention!r}", 0
+    if is_patched(attn):
+        return "module is already patched", 0
+    for name in layout.attention_linears:
+        r = linear_reason(name, getattr(attn, name, None))
+        if r is not None:
+            return r, 0
+    for name in layout.qk_norm or ():
+        r = rms_norm_reason(name, getattr(attn, name, None))
+        if r is not None:
+            return r, 0
+    n_heads, n_kv = getattr(attn, "n_heads", None), getattr(attn, "n_kv_heads", None)
+    if not (isinstance(n_heads, int) and isinstance(n_kv, int) and n_heads > 0 and n_kv > 0):
+        return "attention has no integer n_heads / n_kv_heads", 0
+    if n_heads % n_kv:
+        return f"n_heads {n_heads} is not a multiple of n_kv_heads {n_kv}", 0
+    q_rows = getattr(attn, layout.q_proj).weight.shape[0]
+    head_dim = q_rows // n_heads
+    if head_dim * n_heads != q_rows:
+        return f"{layout.q_proj} has {q_rows} rows, not a multiple of n_heads {n_heads}", 0
+    for name in (layout.k_proj, layout.v_proj):
+        rows = getattr(attn, name).weight.shape[0]
+        if rows != n_kv * head_dim:
+            return f"{name} has {rows} rows, expected n_kv_heads * head_dim = {n_kv * head_dim}", 0
+    if not isinstance(getattr(attn, "scale", None), (int, float)):
+        return "attention has no numeric scale", 0
+    if not callable(getattr(attn, "rope", None)):
+        return "attention has no rope module (NoPE or another position scheme)", 0
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        dims = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
+        return f"head_dim {head_dim} is not supported by the attention brick ({dims})", 0
+    if kv_quant == "q8_0" and head_dim % QK8_0:
+        return f"kv_quant='q8_0' needs head_dim % {QK8_0} == 0, head_dim is {head_dim}", 0
+    return _signature_reason(attn, ("mask", "cache")), head_dim
+
+
+def _mlp_structure(mlp, layout) -> str | None:
+    if mlp is None:
+        return f"block has no {layout.mlp!r}"
+    if is_patched(mlp):
+        return "module is already patched"
+    for name in layout.mlp_linears:
+        r = linear_reason(name, getattr(mlp, name, None))
+        if r is not None:
+            return r
+    return _signature_reason(mlp, ())
+
+
+def _block_structure(layer, layout) -> str | None:
+    if is_patched(layer):
+        return "module is already patched"
+    attn = getattr(layer, layout.attention)
+    has_bias = ["bias" in getattr(attn, n) for n in (layout.q_proj, layout.k_proj, layout.v_proj)]
+    if len(set(has_bias)) > 1:
+        return "q/k/v biases are not all present or all absent (rms_norm_qkv takes all or none)"
+    for name in (layout.input_norm, layout.post_attention_norm):
+        r = rms_norm_reason(name, getattr(layer, name, None))
+        if r is not None:
+            return r
+    return _signature_reason(layer, ("mask", "cache"))
+
+
+def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend: str) -> None:
+    attention, mlp, fuse_block, kv_quant = (
+        opts["attention"], opts["mlp"], opts["fuse_block"], opts["kv_quant"])
+    attn_mod = getattr(layer, layout.attention, None)
+    mlp_mod = getattr(layer, layout.mlp, None)
+    add = report.modules.append
+
+    attn_reason, head_dim = _attention_structure(attn_mod, layout, kv_quant)
+    if attn_reason is None and getattr(layer, "use_sliding", False):
+        attn_reason = ("sliding-window layer (use_sliding=True): the attention brick has no "
+                       "window mask and mlx-lm gives this layer a RotatingKVCache")
+    mlp_reason = _mlp_structure(mlp_mod, layout)
+    rope = describe_rope(attn_mod.rope) if attn_mod is not None and callable(
+        getattr(attn_mod, "rope", None)) else ""
+    attn_variant = f"kv_quant={kv_quant or 'none'}"
+    mlp_variant = "swiglu=auto"
+
+    def state(role):
+        return BricksState(backend=backend, layer=i, role=role, layout=layout,
+                           head_dim=head_dim, kv_quant=kv_quant)
+
+    if attention and mlp and fuse_block and attn_reason is None and mlp_reason is None:
+        block_reason = _block_structure(layer, layout)
+        if block_reason is None:
+            st = state("block")
+            attach(layer, BricksBlock, st)
+            add(ModuleReport(i, "block", PATCHED, _BLOCK_BRICKS, f"{attn_variant}, {mlp_variant}",
+                             backend, rope=rope, state=st))
+            return
+        add(ModuleReport(i, "block", FALLBACK, reason=f"not fused: {block_reason}"))
+
+    if not attention:
+        add(ModuleReport(i, "self_attn", DISABLED, reason="attention=False"))
+    elif attn_reason is not None:
+        add(ModuleReport(i, "self_attn", FALLBACK, reason=attn_reason, rope=rope))
+    else:
+        st = state("self_attn")
+        attach(attn_mod, BricksAttention, st)
+        add(ModuleReport(i, "self_attn", PATCHED, _ATTN_BRICKS, attn_variant, backend,
+                         rope=rope, state=st))
+
+    if not mlp:
+        add(ModuleReport(i, "mlp", DISABLED, reason="mlp=False"))
+    elif mlp_reason is not None:
+        add(ModuleReport(i, "mlp", FALLBACK, reason=mlp_reason))
+    else:
+        st = state("mlp")
+        attach(mlp_mod, BricksMLP, st)
+        add(ModuleReport(i, "mlp", PATCHED, _MLP_BRICKS, mlp_variant, backend, state=st))
+
+
+def _check_flag(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=None,
+                backend=None) -> PatchReport:
+    """Run prefill of a loaded mlx-lm model through the bricks, in place.
+
+    Each supported decoder layer gets, on that instance only (other models are untouched):
+    ``BricksBlock`` when ``fuse_block`` (and ``attention`` and ``mlp``) and the block is a
+    standard pre-norm block, else ``BricksAttention`` and/or ``BricksMLP``. Parameters stay the
+    same arrays under the same names. Prefill (L > 1) runs the bricks; decode (L == 1) and the
+    cases the bricks do not cover (array masks, caches other than ``KVCache``, quantized or
+    LoRA/DoRA linears, unknown call signatures, sliding-window layers) run the stock code, with
+    the reason in the report. Calling it again re-patches from scratch with the new options.
+    The API follows Liger-Kernel's instance patching (``apply_liger_kernel_to_llama(...,
+    model=...)``): one flag per brick, a live model, weights left where they are.
+
+    Args:
+        model: an mlx-lm model (``nn.Module`` with ``layers`` and ``model_type``).
+        attention: patch the attention modules.
+        mlp: patch the MLP modules.
+        fuse_block: use the unified block where both can be patched.
+        kv_quant: None or ``"q8_0"``: K/V format of the attention brick (needs head_dim % 32
+            == 0). The mlx-lm cache keeps full precision, so decode stays stock.
+        backend: ``None`` (``MLX_BRICKS_BACKEND``, then auto) or a name from
+            ``mlx_bricks.backends.BACKENDS``; resolved once here.
+
+    Returns:
+        PatchReport (also kept as ``model._bricks_report``).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``; a flag is not a bool.
+        ValueError: ``kv_quant`` is not None or ``"q8_0"``.
+        mlx_bricks.backends.BackendError: unknown or unavailable backend.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an mlx.nn.Module, got {type(model).__name__}")
+    for name, value in (("attention", attention), ("mlp", mlp), ("fuse_block", fuse_block)):
+        _check_flag(name, value)
+    if kv_quant not in KV_QUANTS:
+        raise ValueError(f"kv_quant must be None or 'q8_0', got {kv_quant!r}")
+    choice = active_backend(backend)
+
+    unpatch_model(model)
+    model_type = _model_type(model)
+    arch, layout = lookup(model_type)
+    opts = {"attention": attention, "mlp": mlp, "fuse_block": fuse_block, "kv_quant": kv_quant}
+    report = PatchReport(model_type=model_type, architecture=arch, backend=choice,
+                         options=opts)
+    layers = getattr(model, "layers", None)
+    if layout is None:
+        report.modules.append(ModuleReport(
+            None, "model", FALLBACK,
+            reason=f"model_type {model_type!r} is not in the patch table "
+                   f"(supported: {', '.join(supported_model_types())})"))
+    elif not isinstance(layers, (list, tuple)):
+        report.modules.append(ModuleReport(
+            None, "model", FALLBACK, reason="model has no list of decoder layers (model.layers)"))
+    else:
+        report.n_layers = len(layers)
+        for i, layer in enumerate(layers):
+            _patch_layer(report, i, layer, layout, opts, choice.name)
+    object.__setattr__(model, "_bricks_report", report)
+    return report
+
+
+def unpatch_model(model) -> int:
+    """Give every patched module of ``model`` its original class back (stock behaviour).
+
+    Safe on a model that was never patched. Returns the number of modules restored.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an mlx.nn.Module, got {type(model).__name__}")
+    restored = sum(detach(m) for m in model.modules())
+    model.__dict__.pop("_bricks_report", None)
+    return restored
+
+
+def patch_report(model) -> PatchReport | None:
+    """The report of the last ``patch_model(model)``, or None if it is not patched."""
+    return getattr(model, "__dict__", {}).get("_bricks_report")

@@ -1,0 +1,174 @@
+"""PatchReport: what patch_model did per layer, why it left things stock, and live counters."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from mlx_bricks.backends import BackendChoice
+from mlx_bricks.nn.modules import DECODE, BricksState
+
+PATCHED, FALLBACK, DISABLED = "patched", "fallback", "disabled"
+
+
+@dataclass(eq=False)
+class ModuleReport:
+    """One module of one layer (or the whole model when ``layer`` is None).
+
+    Attributes:
+        layer: decoder layer index, or None for a model-level entry.
+        module: ``"block"`` (unified block), ``"self_attn"``, ``"mlp"`` or ``"model"``.
+        status: ``"patched"``, ``"fallback"`` (left stock for ``reason``) or ``"disabled"``
+            (left stock because the caller asked, e.g. ``attention=False``).
+        bricks: op names the module runs in prefill (empty unless patched).
+        variant: brick options in words (``"kv_quant=q8_0"``, ``"swiglu=auto"``).
+        backend: backend name of the bricks (empty unless patched).
+        reason: why the module is not patched (empty when patched).
+        rope: how RoPE is applied (attention and block entries).
+        state: the module's live :class:`BricksState` (None unless patched).
+    """
+
+    layer: int | None
+    module: str
+    status: str
+    bricks: tuple[str, ...] = ()
+    variant: str = ""
+    backend: str = ""
+    reason: str = ""
+    rope: str = ""
+    state: BricksState | None = field(default=None, repr=False)
+
+    @property
+    def calls(self) -> dict[str, int]:
+        """Brick op name -> prefill calls so far."""
+        return dict(self.state.calls) if self.state is not None else {}
+
+    @property
+    def stock_calls(self) -> dict[str, int]:
+        """Reason -> calls that ran the stock path so far (decode included)."""
+        return dict(self.state.stock) if self.state is not None else {}
+
+    def to_dict(self) -> dict:
+        return {
+            "layer": self.layer, "module": self.module, "status": self.status,
+            "bricks": list(self.bricks), "variant": self.variant, "backend": self.backend,
+            "reason": self.reason, "rope": self.rope, "calls": self.calls,
+            "stock_calls": self.stock_calls,
+        }
+
+
+@dataclass(eq=False)
+class PatchReport:
+    """Result of :func:`mlx_bricks.patch.patch_model`.
+
+    Attributes:
+        model_type: the model's ``model_type`` (None if it has none).
+        architecture: the patch-table entry used (``"llama"`` for mistral), or None.
+        backend: the :class:`~mlx_bricks.backends.BackendChoice` every brick runs on.
+        options: the ``patch_model`` keyword arguments.
+        n_layers: decoder layers found.
+        modules: one :class:`ModuleReport` per (layer, module), in layer order.
+
+    Counters are live: run the model, then read ``calls()`` / ``str(report)`` again.
+    """
+
+    model_type: str | None
+    architecture: str | None
+    backend: BackendChoice
+    options: dict
+    n_layers: int = 0
+    modules: list[ModuleReport] = field(default_factory=list)
+
+    @property
+    def n_patched(self) -> int:
+        """Modules that run prefill through the bricks."""
+        return sum(m.status == PATCHED for m in self.modules)
+
+    @property
+    def n_fallback(self) -> int:
+        """Modules left stock at patch time because the bricks do not cover them."""
+        return sum(m.status == FALLBACK for m in self.modules)
+
+    @property
+    def fallbacks(self) -> list[ModuleReport]:
+        """The patch-time fallbacks, each with its reason."""
+        return [m for m in self.modules if m.status == FALLBACK]
+
+    def layer(self, index: int) -> list[ModuleReport]:
+        """Entries of decoder layer ``index``."""
+        return [m for m in self.modules if m.layer == index]
+
+    def calls(self) -> Counter:
+        """Brick op name -> prefill calls, summed over all patched modules."""
+        total = Counter()
+        for m in self.modules:
+            total.update(m.calls)
+        return total
+
+    def stock_calls(self) -> Counter:
+        """Reason -> calls of patched modules that ran the stock path (decode included)."""
+        total = Counter()
+        for m in self.modules:
+            total.update(m.stock_calls)
+        return total
+
+    def runtime_fallbacks(self) -> Counter:
+        """Like :meth:`stock_calls` without decode: call-time fallbacks only."""
+        return Counter({r: n for r, n in self.stock_calls().items() if r != DECODE})
+
+    def to_dict(self) -> dict:
+        """JSON-serialisable snapshot (counters as of now)."""
+        b = self.backend
+        return {
+            "model_type": self.model_type,
+            "architecture": self.architecture,
+            "backend": {"name": b.name, "source": b.source, "reason": b.reason},
+            "options": dict(self.options),
+            "n_layers": self.n_layers,
+            "n_patched": self.n_patched,
+            "n_fallback": self.n_fallback,
+            "modules": [m.to_dict() for m in self.modules],
+            "calls": dict(self.calls()),
+            "stock_calls": dict(self.stock_calls()),
+        }
+
+    def __str__(self) -> str:
+        opts = " ".join(f"{k}={v}" for k, v in self.options.items())
+        arch = self.architecture or "unsupported"
+        lines = [
+            f"mlx-bricks patch: model_type={self.model_type!r} (table entry: {arch}), "
+            f"{self.n_layers} layers",
+            f"backend: {self.backend}",
+            f"options: {opts}",
+            f"patched modules: {self.n_patched}, fallbacks: {self.n_fallback}",
+        ]
+        rows = [("layer", "module", "status", "backend", "variant", "bricks: prefill calls",
+                 "stock calls")]
+        for m in self.modules:
+            layer = "-" if m.layer is None else str(m.layer)
+            if m.status == PATCHED:
+                calls = m.calls
+                bricks = " ".join(f"{b}:{calls.get(b, 0)}" for b in m.bricks)
+                row = (m.backend, m.variant, bricks, str(sum(m.stock_calls.values())))
+            else:
+                row = ("-", "-", "-", "-")
+            rows.append((layer, m.module, m.status, *row))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for r in rows:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        not_patched = [m for m in self.modules if m.status != PATCHED]
+        if not_patched:
+            lines.append("left stock:")
+            for m in not_patched:
+                where = "model" if m.layer is None else f"layer {m.layer} {m.module}"
+                lines.append(f"  {where} ({m.status}): {m.reason}")
+        ropes = sorted({m.rope for m in self.modules if m.rope})
+        for rope in ropes:
+            lines.append(f"rope: {rope}")
+        runtime = self.runtime_fallbacks()
+        if runtime:
+            lines.append("call-time fallbacks (stock path):")
+            lines += [f"  {n} x {reason}" for reason, n in sorted(runtime.items())]
+        decode = self.stock_calls().get(DECODE, 0)
+        if decode:
+            lines.append(f"decode calls (stock by design): {decode}")
+        return "\n".join(lines)

@@ -1,0 +1,89 @@
+"""Tiny random mlx-lm models for the patch tests, built from mlx-lm's own ``ModelArgs``.
+
+Shapes are chosen so the bricks see what real models give them: head_dim 64, GQA (llama,
+qwen3), q/k/v biases (qwen2), per-head q/k norms (qwen3), q width != hidden size (qwen3).
+"""
+from __future__ import annotations
+
+import importlib
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+VOCAB = 256
+
+# model_type -> ModelArgs fields (besides model_type and vocab_size).
+CONFIGS = {
+    "llama": dict(hidden_size=128, num_hidden_layers=3, intermediate_size=320,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
+                  rope_theta=10000.0, tie_word_embeddings=True),
+    "qwen2": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                  num_attention_heads=2, num_key_value_heads=2, rms_norm_eps=1e-6,
+                  rope_theta=1000000.0, tie_word_embeddings=False),
+    "qwen3": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=192,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
+                  max_position_embeddings=4096, rope_theta=1000000.0, tie_word_embeddings=True),
+}
+
+# Parameters scaled up to sharpen attention (q_norm/k_norm: qwen3 normalises q and k per head).
+ATTENTION_SHARPEN = ("q_proj.", "k_proj.", "q_norm.", "k_norm.")
+
+# model_type -> mlx-lm module that builds it (mlx_lm.utils.MODEL_REMAPPING: mistral -> llama).
+MODULES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def model_args(model_type: str, **overrides):
+    """mlx-lm ``ModelArgs`` of a tiny ``model_type`` model with ``overrides`` applied."""
+    module = importlib.import_module(f"mlx_lm.models.{MODULES[model_type]}")
+    fields = dict(CONFIGS[MODULES[model_type]], model_type=model_type, vocab_size=VOCAB)
+    fields.update(overrides)
+    return module, module.ModelArgs(**fields)
+
+
+def build_model(model_type: str, dtype=mx.float32, *, seed: int = 0, **overrides) -> nn.Module:
+    """A random tiny mlx-lm model of ``model_type`` in ``dtype`` (weights rounded to it).
+
+    Norm weights are drawn around 1 (not left at 1) so a fused kernel that drops or misplaces
+    a norm weight changes the result. The final norm is scaled by 4 so the next-token logits
+    have gaps well above float16/bfloat16 rounding: greedy tokens then test the bricks, not
+    ties between near-equal logits. Queries and keys are scaled by 3 (scores by 9) so attention
+    is peaked as in trained models; with near-uniform attention a wrong position or mask would
+    hardly change the output.
+    """
+    module, args = model_args(model_type, **overrides)
+    mx.random.seed(seed)
+    model = module.Model(args)
+    params = tree_flatten(model.parameters())
+    keys = mx.random.split(mx.random.key(seed + 1), len(params))
+    new = []
+    for k, (name, p) in zip(keys, params):
+        if name.endswith("norm.weight"):
+            scale = 4.0 if name == "model.norm.weight" else 1.0
+            p = scale * (1.0 + 0.2 * mx.random.normal(p.shape, key=k))
+        if any(t in name for t in ATTENTION_SHARPEN):
+            p = 3.0 * p
+        new.append((name, p))
+    model.update(tree_unflatten(new))
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def clone(model: nn.Module, dtype) -> nn.Module:
+    """A stock copy of ``model`` (same model file and args) with its weights cast to ``dtype``.
+
+    Cast from the rounded weights of ``model``, so a float64 clone is the exact-arithmetic
+    reference of the same network.
+    """
+    module = importlib.import_module(type(model).__module__)
+    copy = module.Model(model.args)
+    copy.update(tree_map(lambda a: a.astype(dtype), model.parameters()))
+    mx.eval(copy.parameters())
+    return copy
+
+
+def tokens(n: int, batch: int = 1, seed: int = 0) -> mx.array:
+    """(batch, n) random token ids."""
+    return mx.random.randint(0, VOCAB, (batch, n), key=mx.random.key(1000 + seed)).astype(
+        mx.int32)
