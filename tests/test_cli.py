@@ -1,0 +1,517 @@
+"""The CLIs as users meet them: ``mlx_lm.generate --use-bricks`` (through the installed import
+hook), ``mlx_bricks.generate`` and ``python -m mlx_bricks.patch``.
+
+The subprocess tests run an installed wheel, not the source tree: a session fixture builds the
+wheel from a copy of the sources and installs it into a throwaway venv whose ``.pth`` file puts
+the parent environment's site-packages (mlx, mlx-lm, ...) on the path. The parent's own ``.pth``
+files are not processed there, so an editable install of mlx-bricks in the parent cannot shadow
+the wheel. Model runs use the embedded default model (SmolLM2-135M-Instruct, about 135M params);
+they are few and short, and independent runs go in parallel.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import sysconfig
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from mlx_bricks import _hook
+
+ROOT = Path(__file__).resolve().parents[1]
+PARENT_BIN = Path(sysconfig.get_path("scripts"))
+SEP = "=" * 10  # mlx-lm's verbose output frames the generated text with this line
+PROMPT = "What is the capital of France?"
+TIMEOUT = 600
+
+
+# ---------------------------------------------------------------------------------------------
+# fixtures
+
+
+def _copy_sources(dst: Path) -> None:
+    """What the wheel is built from (not the tests, not build outputs of the working tree)."""
+    dst.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy2(ROOT / name, dst / name)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    for name in ("mlx_bricks", "metal_src"):
+        shutil.copytree(ROOT / name, dst / name, symlinks=True, ignore=ignore)
+
+
+@pytest.fixture(scope="session")
+def installed(tmp_path_factory) -> SimpleNamespace:
+    """The wheel installed into a throwaway venv.
+
+    Attributes: ``python`` (the venv's interpreter), ``bin`` (its scripts), ``site`` (its
+    site-packages), ``env`` (environment without PYTHONPATH / MLX_BRICKS_BACKEND), ``run``
+    (``run(args, **kw) -> CompletedProcess`` with that interpreter's environment).
+    """
+    base = tmp_path_factory.mktemp("cli")
+    src, dist, venv = base / "src", base / "dist", base / "venv"
+    _copy_sources(src)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(dist), str(src)], check=True, capture_output=True)
+    (wheel,) = dist.glob("mlx_bricks-*.whl")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = Path(subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        check=True, capture_output=True, text=True).stdout.strip())
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "MLX_BRICKS_BACKEND", "PYTHONSTARTUP")}
+    # Before the parent's paths are visible: pip must not see a source tree or an editable
+    # install of mlx-bricks there and call it "already installed".
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install",
+                    "--no-deps", "--no-index", "-q", str(wheel)], check=True, capture_output=True,
+                   env=env)
+    parent_paths = dict.fromkeys([sysconfig.get_path("purelib"), sysconfig.get_path("platlib")])
+    (site / "zz_parent_env.pth").write_text("".join(f"{p}\n" for p in parent_paths))
+
+    def run(args, **kwargs) -> subprocess.CompletedProcess:
+        kwargs.setdefault("timeout", TIMEOUT)
+        return subprocess.run([str(a) for a in args], env=env, capture_output=True, text=True,
+                              cwd=base, **kwargs)
+
+    return SimpleNamespace(python=python, bin=venv / "bin", site=site, env=env, run=run,
+                           base=base)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from mlx_bricks.models import default_model
+
+    try:
+        return default_model()
+    except ModuleNotFoundError as e:  # scripts/setup.sh installs it
+        pytest.skip(str(e))
+
+
+def _mlx_lm_generate(installed) -> list:
+    """mlx-lm's console script, run by the venv's interpreter (so its site-packages and .pth
+    files apply); argv[0] stays the script, as when a user types ``mlx_lm.generate``."""
+    script = PARENT_BIN / "mlx_lm.generate"
+    if not script.exists():
+        found = shutil.which("mlx_lm.generate")
+        if found is None:
+            pytest.skip("mlx-lm's mlx_lm.generate script is not installed")
+        script = Path(found)
+    return [installed.python, script]
+
+
+def _parallel(run, commands: dict) -> dict:
+    """``{key: CompletedProcess}`` of ``{key: argv}``, four at a time."""
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {key: pool.submit(run, argv) for key, argv in commands.items()}
+        return {key: f.result() for key, f in futures.items()}
+
+
+def _framed_text(stdout: str) -> str:
+    """The generated text between mlx-lm's two ``==========`` lines."""
+    parts = stdout.split(SEP + "\n")
+    assert len(parts) >= 3, stdout
+    return parts[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# the hook: installed, removable, free for other processes
+
+
+def test_wheel_installs_the_hook_line_and_records_it(installed):
+    pth = installed.site / _hook.PTH_NAME
+    assert pth.read_text() == _hook.PTH_LINE
+    (record,) = installed.site.glob("mlx_bricks-*.dist-info/RECORD")
+    # pip uninstall removes exactly the files listed in RECORD.
+    assert any(line.split(",")[0] == _hook.PTH_NAME for line in record.read_text().splitlines())
+
+
+def _imported_modules(importtime_stderr: str) -> set[str]:
+    names = set()
+    for line in importtime_stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            name = line.rsplit("|", 1)[1].strip()
+            if name != "imported package":
+                names.add(name)
+    return names
+
+
+def test_hook_imports_nothing_unless_asked(installed):
+    py = installed.python
+    plain = installed.run([py, "-X", "importtime", "-c", "pass"])
+    flagged = installed.run([py, "-X", "importtime", "-c", "pass", "--use-bricks"])
+    assert plain.returncode == 0 and flagged.returncode == 0, plain.stderr + flagged.stderr
+    plain_mods, flagged_mods = _imported_modules(plain.stderr), _imported_modules(flagged.stderr)
+    assert "site" in plain_mods  # the parsing works
+    assert not any(m.split(".")[0] in ("mlx", "mlx_bricks", "mlx_lm", "numpy")
+                   for m in plain_mods)
+    # --use-bricks on another program loads the hook module (to look at argv) and nothing heavy.
+    assert "mlx_bricks._hook" in flagged_mods
+    assert not any(m.split(".")[0] in ("mlx", "mlx_lm", "numpy") for m in flagged_mods)
+
+
+def test_interpreter_start_with_the_hook_is_within_noise(installed):
+    """Median start time of ``python -c pass`` with the .pth file and with it moved away,
+    interleaved; the hook may cost at most 10 ms plus 25% (a generous margin: the real cost is
+    one list scan, and a loaded 2-core CI box jitters by several ms)."""
+    pth = installed.site / _hook.PTH_NAME
+    off = pth.with_suffix(".off")
+    argv = [str(installed.python), "-c", "pass"]
+
+    def once() -> float:
+        start = time.perf_counter()
+        subprocess.run(argv, env=installed.env, check=True)
+        return time.perf_counter() - start
+
+    with_hook, without = [], []
+    try:
+        for _ in range(15):
+            with_hook.append(once())
+            pth.rename(off)
+            without.append(once())
+            off.rename(pth)
+    finally:
+        if off.exists():
+            off.rename(pth)
+    assert statistics.median(with_hook) <= 1.25 * statistics.median(without) + 0.010, (
+        with_hook, without)
+
+
+def test_every_entry_point_parses_the_bricks_flags(installed):
+    py, gen = installed.python, _mlx_lm_generate(installed)
+    results = _parallel(installed.run, {
+        "mlx_lm.generate --use-bricks": [*gen, "--use-bricks", "--help"],
+        "python -m mlx_lm generate --use-bricks": [py, "-m", "mlx_lm", "generate",
+                                                   "--use-bricks", "--help"],
+        "python -m mlx_lm.generate --use-bricks": [py, "-m", "mlx_lm.generate", "--use-bricks",
+                                                   "--help"],
+        "mlx_bricks.generate": [installed.bin / "mlx_bricks.generate", "--help"],
+        "python -m mlx_bricks.generate": [py, "-m", "mlx_bricks.generate", "--help"],
+        "mlx_lm.generate (no flag)": [*gen, "--help"],
+    })
+    for name, r in results.items():
+        assert r.returncode == 0, (name, r.stderr)
+        assert "--max-tokens" in r.stdout, name  # mlx-lm's flags
+        has_bricks = "--bricks-backend" in r.stdout and "--bricks-kv {none,q8_0}" in r.stdout
+        assert has_bricks == (name != "mlx_lm.generate (no flag)"), name
+
+
+@pytest.mark.slow
+def test_editable_install_has_the_hook_and_uninstall_removes_it(tmp_path):
+    src, venv = tmp_path / "src", tmp_path / "venv"
+    _copy_sources(src)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = Path(subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        check=True, capture_output=True, text=True).stdout.strip())
+    # --no-build-isolation builds with the parent's setuptools, so the parent must be visible
+    (site / "zz_parent_env.pth").write_text(f"{sysconfig.get_path('purelib')}\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLX_BRICKS_BACKEND")}
+    pip = [sys.executable, "-m", "pip", "--python", str(python)]
+    subprocess.run([*pip, "install", "--no-deps", "--no-build-isolation", "--ignore-installed",
+                    "-q", "-e", str(src)], check=True, capture_output=True, env=env)
+    assert (site / _hook.PTH_NAME).read_text() == _hook.PTH_LINE
+    where = subprocess.run(
+        [str(python), "-c", "import mlx_bricks; print(mlx_bricks.__file__)"], env=env,
+        capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert where.stdout.startswith(str(src))  # the editable source, not a copy
+    gen = [str(python), str(PARENT_BIN / "mlx_lm.generate"), "--use-bricks", "--help"]
+    out = subprocess.run(gen, env=env, capture_output=True, text=True, check=True,
+                         cwd=tmp_path).stdout
+    assert "--bricks-kv" in out
+    subprocess.run([*pip, "uninstall", "-y", "-q", "mlx-bricks"], check=True,
+                   capture_output=True, env=env)
+    assert not (site / _hook.PTH_NAME).exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# generation and the patch check on the default model
+
+
+def test_generate_use_bricks_gives_the_stock_text(installed, default_model_dir):
+    gen = _mlx_lm_generate(installed)
+    results = _parallel(installed.run, {
+        "stock": [*gen, "--model", default_model_dir, "--prompt", PROMPT, "--max-tokens", "16"],
+        # no --model: the embedded default model
+        "bricks": [*gen, "--use-bricks", "--prompt", PROMPT, "--max-tokens", "16"],
+    })
+    stock, bricks = results["stock"], results["bricks"]
+    assert stock.returncode == 0, stock.stderr
+    assert bricks.returncode == 0, bricks.stderr
+    text = _framed_text(stock.stdout)
+    assert text.strip()
+    assert _framed_text(bricks.stdout) == text
+    # --verbose (mlx-lm's default): which backend, how many modules, mlx-lm's prompt tokens/s
+    line = re.search(r"^\[mlx-bricks\] backend: (\w+) .*; patched (\d+) modules, (\d+) kept "
+                     r"stock$", bricks.stderr, re.M)
+    assert line, bricks.stderr
+    assert int(line.group(2)) > 0 and int(line.group(3)) == 0
+    from mlx_bricks.backends import resolve_backend
+
+    assert line.group(1) == resolve_backend()
+    assert re.search(r"^Prompt: \d+ tokens, [\d.]+ tokens-per-sec$", bricks.stdout, re.M)
+
+
+def test_patch_cli_json_passes_on_the_default_model(installed, default_model_dir):
+    # A raw prompt (6 tokens; 37 with SmolLM's chat template): CPU prefill is slow.
+    r = installed.run([installed.python, "-m", "mlx_bricks.patch", default_model_dir, "--json",
+                       "--prompt", "The capital of France is", "--ignore-chat-template",
+                       "--max-tokens", "8",
+                       "--repeats", "1"])
+    assert r.returncode == 0, r.stderr + r.stdout
+    (line,) = r.stdout.splitlines()  # one JSON object
+    f = json.loads(line)
+    assert f["passed"] is True and f["fail_reasons"] == []
+    assert f["greedy_match"] is True and f["stock_tokens"] == f["patched_tokens"]
+    assert len(f["stock_tokens"]) > 0 and f["stock_text"].strip()
+    assert f["top1_agreement"] == 1.0
+    # float16 model: the bricks' logits stay within a few float16 ulps of the logits' scale
+    assert 0.0 <= f["max_abs_delta_logits_last"] <= f["max_abs_delta_logits_all"]
+    assert f["max_abs_delta_logits_all"] < 0.02 * f["max_abs_logits_stock"]
+    assert f["prompt_tps_stock"] > 0 and f["prompt_tps_patched"] > 0
+    assert f["prompt_tps_ratio"] == pytest.approx(f["prompt_tps_patched"]
+                                                  / f["prompt_tps_stock"])
+    report = f["report"]
+    assert report["model_type"] == f["model_type"] == "llama"
+    assert report["n_patched"] == report["n_layers"] == 30 and report["n_fallback"] == 0
+    assert report["backend"]["name"] == f["backend"]["name"]
+    assert sum(report["calls"].values()) > 0  # the bricks really ran
+
+
+def test_ctrl_c_during_generation_exits_130(installed, default_model_dir):
+    """SIGINT once mlx_bricks.generate has printed its first token: exit 130, no traceback."""
+    proc = subprocess.Popen(
+        [str(installed.bin / "mlx_bricks.generate"), "--prompt", "Count from 1 to 1000.",
+         "--max-tokens", "2000"],
+        env=installed.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=installed.base)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while proc.stdout.readline() != SEP + "\n":
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        assert proc.stdout.read(1)  # the first generated text: we are in generation
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert err.rstrip().splitlines()[-1] == "mlx_bricks.generate: interrupted"
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input: one line, exit 2
+
+
+def _bad_model_dirs(base: Path) -> dict[str, Path]:
+    dirs = {}
+
+    def model_dir(name: str, config: str | None, weights: bytes | None) -> Path:
+        d = base / name
+        d.mkdir(parents=True, exist_ok=True)
+        if config is not None:
+            (d / "config.json").write_text(config)
+        if weights is not None:
+            (d / "model.safetensors").write_bytes(weights)
+        dirs[name] = d
+        return d
+
+    model_dir("no_config", None, None)
+    model_dir("gemma", json.dumps({"model_type": "gemma"}), b"")
+    model_dir("bad_weights", json.dumps({"model_type": "llama"}), b"\xff" * 64)
+    dirs["missing"] = base / "does-not-exist"
+    return dirs
+
+
+def test_bad_input_is_one_line_and_exit_2(installed, default_model_dir):
+    from mlx_bricks.backends import backend_status
+    from mlx_bricks.patch import supported_model_types
+
+    d = _bad_model_dirs(installed.base / "bad")
+    supported = "supported: " + ", ".join(sorted(supported_model_types()))
+    patch = [installed.python, "-m", "mlx_bricks.patch"]
+    gen = [*_mlx_lm_generate(installed), "--use-bricks"]
+    cases = {
+        # name: (argv, expected fragment of the one line). More messages of the model checks:
+        # test_resolve_model_rejects (in-process, cheaper than a subprocess each).
+        "patch: missing dir": ([*patch, d["missing"]], f"MODEL_DIR '{d['missing']}' does not "
+                               "exist"),
+        "patch: no config.json": ([*patch, d["no_config"]], "has no config.json"),
+        "patch: unsupported model_type": ([*patch, d["gemma"]],
+                                          f"model_type 'gemma' of '{d['gemma']}' is not "
+                                          f"supported by mlx-bricks; {supported}"),
+        "patch: unreadable weights": ([*patch, d["bad_weights"]], "cannot read weights"),
+        "patch: empty prompt": ([*patch, default_model_dir, "--prompt", " "],
+                                "--prompt is empty"),
+        "patch: bad --max-tokens": ([*patch, "--max-tokens", "0"],
+                                    "argument --max-tokens/-m: expected a positive integer, "
+                                    "got 0"),
+        "generate: missing --model": ([*gen, "--model", d["missing"]],
+                                      f"--model '{d['missing']}' does not exist"),
+        "generate: empty prompt": ([*gen, "--prompt", ""], "--prompt is empty"),
+        "generate: bad --bricks-kv": ([*gen, "--bricks-kv", "q4_0"],
+                                      "argument --bricks-kv: invalid choice: 'q4_0'"),
+    }
+    if not backend_status("metal")[0]:
+        cases["patch: unavailable backend"] = ([*patch, "--backend", "metal"],
+                                               "backend 'metal' (argument) is unavailable")
+    results = _parallel(installed.run, {name: argv for name, (argv, _) in cases.items()})
+    for name, (_, expected) in cases.items():
+        r = results[name]
+        assert r.returncode == 2, (name, r.returncode, r.stderr)
+        lines = r.stderr.splitlines()
+        assert len(lines) == 1, (name, r.stderr)
+        assert lines[0].split(": error: ")[0] in ("python -m mlx_bricks.patch",
+                                                 "mlx_lm.generate"), (name, lines[0])
+        assert expected in lines[0], (name, lines[0])
+        assert r.stdout == "", (name, r.stdout)
+
+
+# ---------------------------------------------------------------------------------------------
+# in-process units (no subprocess, no model)
+
+
+@pytest.mark.parametrize("argv, orig_argv, expected", [
+    (["/venv/bin/mlx_lm.generate", "--use-bricks"], [], True),
+    (["C:\\venv\\Scripts\\mlx_lm.generate.exe", "--use-bricks"], [], True),
+    (["/venv/bin/mlx_lm.server", "--use-bricks"], [], False),
+    (["-c", "--use-bricks"], ["py", "-c", "pass", "--use-bricks"], False),
+    (["-m", "generate"], ["py", "-m", "mlx_lm", "generate", "--use-bricks"], True),
+    (["-m", "--use-bricks"], ["py", "-m", "mlx_lm.generate", "--use-bricks"], True),
+    (["-m", "--use-bricks"], ["py", "-X", "importtime", "-B", "-m", "mlx_lm.generate"], True),
+    (["-m", "--use-bricks"], ["py", "-Ximporttime", "-Bmmlx_lm.generate"], True),
+    (["-m", "server"], ["py", "-m", "mlx_lm", "server", "--use-bricks"], False),
+    (["-m", "--use-bricks"], ["py", "-m", "mlx_lm"], False),
+    (["script.py", "--use-bricks"], ["py", "script.py", "--use-bricks"], False),
+])
+def test_is_generate_command(argv, orig_argv, expected):
+    assert _hook.is_generate_command(argv, orig_argv) is expected
+
+
+def test_setup_py_writes_the_hook_line():
+    """setup.py cannot import the package, so it keeps its own copy of the line."""
+    text = (ROOT / "setup.py").read_text()
+    start = text.index("PTH_NAME = ")
+    namespace: dict = {}
+    exec(text[start:text.index(")\n", start) + 2], namespace)  # the two constants
+    assert namespace["PTH_NAME"] == _hook.PTH_NAME
+    assert namespace["PTH_LINE"] == _hook.PTH_LINE
+
+
+def test_compare_and_verdict_figures():
+    import mlx.core as mx
+
+    from mlx_bricks.patch.__main__ import compare, verdict
+
+    rng = np.random.default_rng(0)
+    stock_logits = rng.standard_normal((5, 11)).astype(np.float32)
+    patched_logits = stock_logits + rng.uniform(-1e-3, 1e-3, (5, 11)).astype(np.float32)
+    patched_logits[2, int(np.argmin(stock_logits[2]))] = 100.0  # flips one position's top-1
+    stock = {"logits": mx.array(stock_logits), "tokens": [3, 4], "prefill_s": [2.0, 1.0, 4.0]}
+    patched = {"logits": mx.array(patched_logits), "tokens": [3, 5], "prefill_s": [1.0]}
+    f = compare(stock, patched, n_prompt=10)
+    delta = np.abs(patched_logits.astype(np.float64) - stock_logits)
+    assert f["max_abs_delta_logits_last"] == pytest.approx(delta[-1].max(), rel=1e-6)
+    assert f["max_abs_delta_logits_all"] == pytest.approx(delta.max(), rel=1e-6)
+    assert f["max_abs_logits_stock"] == pytest.approx(np.abs(stock_logits).max(), rel=1e-6)
+    assert f["top1_agreement"] == pytest.approx(4 / 5)
+    assert f["greedy_match"] is False
+    assert f["prompt_tps_stock"] == pytest.approx(10 / 2.0)  # median of the timed runs
+    assert f["prompt_tps_patched"] == pytest.approx(10 / 1.0)
+    assert f["prompt_tps_ratio"] == pytest.approx(2.0)
+    assert verdict(f, n_patched=3) == ["top-1 agreement 80.00% < 100%",
+                                       "greedy continuations differ"]
+    ok = dict(f, top1_agreement=1.0, greedy_match=True)
+    assert verdict(ok, n_patched=3) == []
+    assert verdict(ok, n_patched=0) == ["no module was patched (see the report for why)"]
+
+
+def test_resolve_model_rejects(tmp_path):
+    from mlx_bricks._cli import CliError, resolve_model
+    from mlx_bricks.patch import supported_model_types
+
+    d = _bad_model_dirs(tmp_path)
+    llama = json.dumps({"model_type": "llama"})
+    for name, config in (("bad_json", "{not json"), ("no_type", "{}"), ("no_weights", llama)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(config)
+    (tmp_path / "notes.txt").write_text("not a model")
+    supported = ", ".join(sorted(supported_model_types()))
+    cases = {
+        d["missing"]: f"MODEL_DIR '{d['missing']}' does not exist",
+        tmp_path / "notes.txt": "is a file; expected an mlx-lm model directory or a .gguf file",
+        d["no_config"]: "has no config.json (not an mlx-lm model directory)",
+        tmp_path / "bad_json": "cannot read '",
+        tmp_path / "no_type": "config.json' has no model_type",
+        d["gemma"]: f"model_type 'gemma' of '{d['gemma']}' is not supported by mlx-bricks; "
+                    f"supported: {supported}",
+        tmp_path / "no_weights": "no model*.safetensors weights in",
+        d["bad_weights"]: "cannot read weights '",
+    }
+    for path, expected in cases.items():
+        with pytest.raises(CliError) as err:
+            resolve_model(str(path), what="MODEL_DIR", allow_hub=False, need_patchable=True)
+        assert expected in str(err.value), (path, str(err.value))
+    with pytest.raises(CliError, match="MODEL_DIR is empty"):
+        resolve_model(" ", what="MODEL_DIR", allow_hub=False, need_patchable=True)
+    # the unsupported model_type is only an error where the bricks are asked for
+    with pytest.raises(CliError, match="cannot read weights"):
+        resolve_model(str(d["bad_weights"]).replace("bad_weights", "gemma"), what="--model",
+                      allow_hub=True, need_patchable=False)
+
+
+def test_resolve_model_passes_hub_repo_ids_through_only_when_allowed(tmp_path):
+    from mlx_bricks._cli import CliError, resolve_model
+
+    repo = "mlx-community/SmolLM2-135M-Instruct"  # not a local path here
+    assert resolve_model(repo, what="--model", allow_hub=True, need_patchable=True) == repo
+    with pytest.raises(CliError, match="does not exist"):
+        resolve_model(repo, what="MODEL_DIR", allow_hub=False, need_patchable=True)
+    with pytest.raises(CliError, match="does not exist"):  # a relative path is not a repo id
+        resolve_model("./models/x", what="--model", allow_hub=True, need_patchable=True)
+
+
+def test_gguf_model_is_converted_once_into_the_cache(tmp_path, monkeypatch):
+    import mlx_bricks.gguf
+    from mlx_bricks import _cli
+
+    monkeypatch.setenv("MLX_BRICKS_HOME", str(tmp_path / "home"))
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF placeholder")
+    calls = []
+
+    def fake_convert(path, out_dir, **options):  # writes what convert_gguf would, minimally
+        calls.append((Path(path), Path(out_dir), options))
+        Path(out_dir).mkdir(parents=True)
+        (Path(out_dir) / "config.json").write_text(json.dumps({"model_type": "llama"}))
+        return Path(out_dir)
+
+    monkeypatch.setattr(mlx_bricks.gguf, "convert_gguf", fake_convert)
+    first = _cli.convert_gguf_cached(gguf)
+    assert first.parent == tmp_path / "home" / "gguf" and first.name.startswith("tiny-")
+    assert _cli.convert_gguf_cached(gguf) == first and len(calls) == 1  # reused
+    gguf.write_bytes(b"GGUF placeholder, edited")  # another size: converted again
+    second = _cli.convert_gguf_cached(gguf)
+    assert second != first and len(calls) == 2
+
+    def failing_convert(path, out_dir, **options):
+        raise ValueError("tiny.gguf: unsupported architecture 'mamba'")
+
+    monkeypatch.setattr(mlx_bricks.gguf, "convert_gguf", failing_convert)
+    gguf.write_bytes(b"GGUF placeholder, edited again")
+    with pytest.raises(_cli.CliError, match="cannot convert '.*tiny.gguf': tiny.gguf: "
+                                            "unsupported architecture 'mamba'"):
+        _cli.convert_gguf_cached(gguf)
