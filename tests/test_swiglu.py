@@ -365,7 +365,8 @@ def test_fused_threadgroup_memory_within_limit(dtype, tile):
 
 
 def test_fused_threadgroup_memory_limit_is_enforced(monkeypatch):
-    monkeypatch.setattr(swiglu_ops, "THREADGROUP_MEMORY_LIMIT", 16 * 1024)
+    monkeypatch.setattr(importlib.import_module("mlx_bricks.ops.gemm"),
+                        "THREADGROUP_MEMORY_LIMIT", 16 * 1024)
     with pytest.raises(RuntimeError, match="threadgroup memory"):
         plan_fused(64, 64, 64, mx.float16, tile="64x64")
 

@@ -75,13 +75,13 @@ class GemmPlan:
     threadgroup: tuple[int, int, int]
     threadgroup_bytes: int
 
-    def template(self, dtype, has_bias: bool, has_residual: bool) -> list:
-        """Template arguments of ``gemm.metal`` (and of the kernels built on ``gemm.h``)."""
+    def template(self, dtype, **flags) -> list:
+        """Template arguments shared by the kernels built on ``gemm.h`` (T, BM, BN, BK, WM, WN,
+        PAD, VEC, ALIGN_MN), then the kernel's own ``flags`` in order (``HAS_BIAS=True``...)."""
         t = self.tile
         return [("T", dtype), ("BM", t.bm), ("BN", t.bn), ("BK", self.bk), ("WM", t.wm),
                 ("WN", t.wn), ("PAD", self.pad), ("VEC", self.vec),
-                ("ALIGN_MN", self.align_mn), ("HAS_BIAS", has_bias),
-                ("HAS_RESIDUAL", has_residual)]
+                ("ALIGN_MN", self.align_mn), *flags.items()]
 
 
 def select_tile(M: int, N: int) -> str:
@@ -93,13 +93,17 @@ def select_tile(M: int, N: int) -> str:
     return "32x32"
 
 
-def threadgroup_memory_bytes(tile: GemmTile, bk: int, pad: int, itemsize: int) -> int:
-    """Bytes of the ping-pong A and B buffers: ``2 * (BM + BN) * (BK + PAD) * itemsize``."""
-    return 2 * (tile.bm + tile.bn) * (bk + pad) * itemsize
+def threadgroup_memory_bytes(tile: GemmTile, bk: int, pad: int, itemsize: int,
+                             weight_tiles: int = 1) -> int:
+    """Bytes of the ping-pong A and B buffers:
+    ``2 * (BM + weight_tiles * BN) * (BK + PAD) * itemsize`` (``weight_tiles`` is 2 when a
+    kernel stages two weights per K step, as the fused SwiGLU does with gate and up)."""
+    return 2 * (tile.bm + weight_tiles * tile.bn) * (bk + pad) * itemsize
 
 
 def plan_gemm(M: int, N: int, K: int, dtype, *, tile: str | None = None,
-              pad_chunks: int | None = None) -> GemmPlan:
+              pad_chunks: int | None = None, tiles: dict | None = None,
+              weight_tiles: int = 1) -> GemmPlan:
     """Tile variant, template values and launch geometry of an (M, N, K) GEMM.
 
     Args:
@@ -108,17 +112,22 @@ def plan_gemm(M: int, N: int, K: int, dtype, *, tile: str | None = None,
         tile: ``None`` (:func:`select_tile`), ``"64x64"`` or ``"32x32"``.
         pad_chunks: row pitch padding in 128-bit chunks (``None``: ``PAD_CHUNKS``); whole
             chunks keep every threadgroup row 16-byte aligned.
+        tiles: the tile table ``tile`` names (default :data:`TILES`; kernels built on
+            ``gemm.h`` with other tiles pass theirs, and then must name ``tile``).
+        weight_tiles: BN-row weight tiles staged per K step (see
+            :func:`threadgroup_memory_bytes`).
 
     Raises:
         ValueError: unknown ``tile`` or a negative ``pad_chunks``.
         RuntimeError: the variant would need more than ``THREADGROUP_MEMORY_LIMIT`` bytes of
             threadgroup memory (a bug in the tile table, checked at every launch).
     """
-    if tile is None:
+    tiles = TILES if tiles is None else tiles
+    if tile is None and tiles is TILES:
         tile = select_tile(M, N)
-    if tile not in TILES:
-        raise ValueError(f"tile must be None or one of {sorted(TILES)}, got {tile!r}")
-    t = TILES[tile]
+    if tile not in tiles:
+        raise ValueError(f"tile must be None or one of {sorted(tiles)}, got {tile!r}")
+    t = tiles[tile]
     itemsize = dtype.size
     vw = VECTOR_BYTES // itemsize
     bk = K_TILE_BYTES // itemsize
@@ -126,10 +135,10 @@ def plan_gemm(M: int, N: int, K: int, dtype, *, tile: str | None = None,
     if isinstance(pad_chunks, bool) or not isinstance(pad_chunks, int) or pad_chunks < 0:
         raise ValueError(f"pad_chunks must be an int >= 0, got {pad_chunks!r}")
     pad = pad_chunks * vw
-    tg_bytes = threadgroup_memory_bytes(t, bk, pad, itemsize)
+    tg_bytes = threadgroup_memory_bytes(t, bk, pad, itemsize, weight_tiles)
     if tg_bytes > THREADGROUP_MEMORY_LIMIT:
         raise RuntimeError(
-            f"GEMM variant {t.name}_bk{bk} needs {tg_bytes} bytes of threadgroup memory, "
+            f"tile variant {t.name}_bk{bk} needs {tg_bytes} bytes of threadgroup memory, "
             f"over the {THREADGROUP_MEMORY_LIMIT}-byte limit"
         )
     tiles_m, tiles_n = math.ceil(M / t.bm), math.ceil(N / t.bn)
@@ -235,7 +244,8 @@ def launch_gemm(x, weight, bias, residual, plan: GemmPlan, backend: str):
     (y,) = launch(
         "gemm", backend,
         inputs=[x, weight, bias_in, residual_in],
-        template=plan.template(x.dtype, bias is not None, residual is not None),
+        template=plan.template(x.dtype, HAS_BIAS=bias is not None,
+                               HAS_RESIDUAL=residual is not None),
         grid=plan.grid,
         threadgroup=plan.threadgroup,
         output_shapes=[(M, N)],

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -27,11 +26,9 @@ from mlx_bricks.backends import resolve_backend
 from mlx_bricks.kernels import KernelSpec, launch, register
 from mlx_bricks.ops._checks import check_array, check_float_dtype, check_same_dtype
 from mlx_bricks.ops.gemm import (
-    K_TILE_BYTES,
     MIN_THREADGROUPS_64,
-    THREADGROUP_MEMORY_LIMIT,
     TILES as GEMM_TILES,
-    VECTOR_BYTES,
+    GemmPlan,
     GemmTile,
     linear,
     linear_reference,
@@ -99,35 +96,7 @@ def select_fused_tile(M: int, N: int) -> str:
     return "32x16"
 
 
-def fused_threadgroup_memory_bytes(tile: GemmTile, bk: int, pad: int, itemsize: int) -> int:
-    """Bytes of the fused kernel's ping-pong buffers: x tile and 2 * BN weight rows, twice:
-    ``2 * (BM + 2 * BN) * (BK + PAD) * itemsize``."""
-    return 2 * (tile.bm + 2 * tile.bn) * (bk + pad) * itemsize
-
-
-@dataclass(frozen=True)
-class FusedPlan:
-    """Tile, template values and launch geometry of one fused SwiGLU launch."""
-
-    tile: GemmTile
-    bk: int
-    pad: int
-    vec: bool
-    align_mn: bool
-    grid: tuple[int, int, int]
-    threadgroup: tuple[int, int, int]
-    threadgroup_bytes: int
-
-    def template(self, dtype, has_bias_gate: bool, has_bias_up: bool) -> list:
-        """Template arguments of ``swiglu_fused.metal``."""
-        t = self.tile
-        return [("T", dtype), ("BM", t.bm), ("BN", t.bn), ("BK", self.bk), ("WM", t.wm),
-                ("WN", t.wn), ("PAD", self.pad), ("VEC", self.vec),
-                ("ALIGN_MN", self.align_mn), ("HAS_BIAS_GATE", has_bias_gate),
-                ("HAS_BIAS_UP", has_bias_up)]
-
-
-def plan_fused(M: int, N: int, K: int, dtype, *, tile: str | None = None) -> FusedPlan:
+def plan_fused(M: int, N: int, K: int, dtype, *, tile: str | None = None) -> GemmPlan:
     """Plan of the fused kernel for x (M, K) and weights (N, K) (N = N_mlp).
 
     Args:
@@ -144,24 +113,8 @@ def plan_fused(M: int, N: int, K: int, dtype, *, tile: str | None = None) -> Fus
         tile = select_fused_tile(M, N)
     if tile not in FUSED_TILES:
         raise ValueError(f"tile must be None or one of {sorted(FUSED_TILES)}, got {tile!r}")
-    t = FUSED_TILES[tile]
-    itemsize = dtype.size
-    vw = VECTOR_BYTES // itemsize
-    bk = K_TILE_BYTES // itemsize
-    pad = vw  # one 128-bit vector keeps every tile row 16-byte aligned
-    tg_bytes = fused_threadgroup_memory_bytes(t, bk, pad, itemsize)
-    if tg_bytes > THREADGROUP_MEMORY_LIMIT:
-        raise RuntimeError(
-            f"fused SwiGLU tile {t.name}_bk{bk} needs {tg_bytes} bytes of threadgroup memory, "
-            f"over the {THREADGROUP_MEMORY_LIMIT}-byte limit"
-        )
-    tiles_m, tiles_n = math.ceil(M / t.bm), math.ceil(N / t.bn)
-    return FusedPlan(
-        tile=t, bk=bk, pad=pad, vec=K % vw == 0,
-        align_mn=M % t.bm == 0 and N % t.bn == 0,
-        grid=(tiles_n * t.threads, tiles_m, 1), threadgroup=(t.threads, 1, 1),
-        threadgroup_bytes=tg_bytes,
-    )
+    # The GEMM plan with 2 * BN weight rows (gate then up) staged per K step.
+    return plan_gemm(M, N, K, dtype, tile=tile, tiles=FUSED_TILES, weight_tiles=2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,7 +203,8 @@ def _swiglu_fused(x, w_gate, w_up, b_gate, b_up, M, N, K, tile, backend):
         inputs=[x, w_gate, w_up,
                 w_gate if b_gate is None else mx.contiguous(b_gate),
                 w_gate if b_up is None else mx.contiguous(b_up)],
-        template=plan.template(x.dtype, b_gate is not None, b_up is not None),
+        template=plan.template(x.dtype, HAS_BIAS_GATE=b_gate is not None,
+                               HAS_BIAS_UP=b_up is not None),
         grid=plan.grid,
         threadgroup=plan.threadgroup,
         output_shapes=[(M, N)],
@@ -267,7 +221,7 @@ def _swiglu_split(x, w_gate, w_up, b_gate, b_up, M, N, K, tile, backend):
         "swiglu_split", backend,
         inputs=[x, w_gate, w_gate if b_gate is None else mx.contiguous(b_gate),
                 mx.contiguous(up)],
-        template=plan.template(x.dtype, b_gate is not None, False),
+        template=plan.template(x.dtype, HAS_BIAS=b_gate is not None, HAS_RESIDUAL=False),
         grid=plan.grid,
         threadgroup=plan.threadgroup,
         output_shapes=[(M, N)],

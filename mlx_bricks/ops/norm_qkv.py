@@ -8,6 +8,7 @@ no transpose ever exist in memory.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 
@@ -170,7 +171,6 @@ def rms_norm_qkv(x, norm_weight, eps, wq, wk, wv, bq=None, bk=None, bv=None, *, 
         return tuple(mx.zeros(s, dtype=dtype) for s in shapes)
     plan, grid, align_mn, _ = plan_rms_norm_qkv(M, n_heads, n_kv_heads, head_dim, K, dtype,
                                                 tile=tile)
-    t = plan.tile
     has_bias = bq is not None
     wq, wk, wv = (mx.contiguous(w) for w in (wq, wk, wv))
     # Without biases the kernel never reads them; wq stands in (same pointer type as the weights).
@@ -179,10 +179,9 @@ def rms_norm_qkv(x, norm_weight, eps, wq, wk, wv, bq=None, bk=None, bv=None, *, 
         "rms_norm_qkv", name,
         inputs=[x, mx.contiguous(norm_weight), mx.array(eps, dtype=mx.float32), wq, wk, wv,
                 bq, bk, bv],
-        template=[("T", dtype), ("BM", t.bm), ("BN", t.bn), ("BK", plan.bk), ("WM", t.wm),
-                  ("WN", t.wn), ("PAD", plan.pad), ("VEC", plan.vec), ("ALIGN_MN", align_mn),
-                  ("HAS_BIAS", has_bias), ("N_HEADS", n_heads), ("N_KV_HEADS", n_kv_heads),
-                  ("HEAD_DIM", head_dim)],
+        template=dataclasses.replace(plan, align_mn=align_mn).template(
+            dtype, HAS_BIAS=has_bias, N_HEADS=n_heads, N_KV_HEADS=n_kv_heads,
+            HEAD_DIM=head_dim),
         grid=grid,
         threadgroup=plan.threadgroup,
         output_shapes=shapes,
