@@ -4,7 +4,8 @@
 // Inputs: x (any float dtype, any strides). Outputs: qs int8 (..., D), d half (..., D / 32).
 const uint64_t elem = thread_position_in_grid.x;
 const float xv = float(x[q8_0_elem_offset(elem, x_shape, x_strides, x_ndim, 1)]);
-const float amax = simd_max(fabs(xv));
+// NaN counts as 0 in amax (one rule on every GPU; ggml drops NaN unless last in the block).
+const float amax = simd_max(isnan(xv) ? 0.0f : fabs(xv));
 const float scale = q8_0_scale(amax);
 qs[elem] = q8_0_quantize(xv, q8_0_inverse_scale(scale));
 if (thread_index_in_simdgroup == 0) {

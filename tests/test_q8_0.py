@@ -116,6 +116,14 @@ def test_tiny_block_stays_finite(kernel_backend, amax):
     assert np.all(out == 0.0)
 
 
+def test_nan_counts_as_zero_in_the_block_scale(kernel_backend):
+    # One NaN must not wipe its block: amax ignores it and the NaN element quantizes to 0.
+    x = block([1.0] * 5 + [float("nan"), 1.0, 4.0])
+    qs, d = q8(x, kernel_backend)
+    assert d[0, 0] == np.float16(np.float32(4.0) / np.float32(127.0))
+    assert qs[0, 5] == 0 and qs[0, 7] == 127 and qs[0, 0] == 32
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 def test_dequantize_matches_ggml(kernel_backend, dtype):
     rng = np.random.default_rng(2)

@@ -58,7 +58,8 @@ def quantize_q8_0_reference(x):
     _check_quantize(x)
     *lead, D = x.shape
     blocks = x.astype(mx.float32).reshape(*lead, D // QK8_0, QK8_0)
-    amax = mx.max(mx.abs(blocks), axis=-1, keepdims=True)
+    # NaN counts as 0 in amax, as in the kernel (so one NaN does not wipe its block).
+    amax = mx.max(mx.where(mx.isnan(blocks), 0.0, mx.abs(blocks)), axis=-1, keepdims=True)
     d = amax / mx.array(127.0, mx.float32)
     inv = mx.where(d != 0, mx.array(1.0, mx.float32) / mx.where(d != 0, d, 1.0), 0.0)
     v = blocks * inv
