@@ -31,6 +31,26 @@ class BackendError(ValueError):
 
 
 @dataclass(frozen=True)
+class Availability:
+    """Whether something can run here, and why (not).
+
+    Truthy exactly when ``available`` is True, and unpacks as ``ok, reason = ...``.
+    """
+
+    available: bool
+    reason: str
+
+    def __bool__(self) -> bool:
+        return self.available
+
+    def __iter__(self):
+        return iter((self.available, self.reason))
+
+    def __getitem__(self, i):
+        return (self.available, self.reason)[i]
+
+
+@dataclass(frozen=True)
 class BackendChoice:
     """The backend that runs, and why it was chosen.
 
@@ -92,15 +112,17 @@ _STATUS = {
 _status_cache: dict[str, tuple[bool, str]] = {}
 
 
-def backend_status(name: str) -> tuple[bool, str]:
+def backend_status(name: str) -> Availability:
     """Whether backend ``name`` can run here, with the reason (probed once per process).
+
+    Returns an :class:`Availability`: truthy when available; unpacks as ``ok, reason``.
 
     Raises:
         BackendError: ``name`` is not one of ``BACKENDS``.
     """
     _check_name(name, "backend")
     if name not in _status_cache:
-        _status_cache[name] = _STATUS[name]()
+        _status_cache[name] = Availability(*_STATUS[name]())
     return _status_cache[name]
 
 
@@ -109,8 +131,8 @@ def clear_status_cache() -> None:
     _status_cache.clear()
 
 
-def available_backends() -> dict[str, tuple[bool, str]]:
-    """``{name: (available, reason)}`` for every backend."""
+def available_backends() -> dict[str, Availability]:
+    """``{name: Availability(available, reason)}`` for every backend."""
     return {name: backend_status(name) for name in BACKENDS}
 
 

@@ -142,8 +142,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise _cli.CliError("--prompt is empty")
     if args.prefill_step_size < 1:
         raise _cli.CliError(f"--prefill-step-size must be >= 1, got {args.prefill_step_size}")
-    if args.max_tokens < -1:
-        raise _cli.CliError(f"--max-tokens must be >= -1 (-1: no limit), got {args.max_tokens}")
+    if args.max_tokens == 0 or args.max_tokens < -1:
+        raise _cli.CliError(
+            f"--max-tokens must be a positive integer or -1 (no limit), got {args.max_tokens}"
+        )
 
 
 def _generate(argv: list[str] | None, prog: str, use_bricks_default: bool) -> int:

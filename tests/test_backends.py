@@ -68,3 +68,16 @@ def test_available_backends_reports_every_backend():
     table = backends.available_backends()
     assert set(table) == set(BACKENDS)
     assert table["reference"][0] is True
+
+
+def test_availability_is_falsy_when_unavailable(monkeypatch, request):
+    from mlx_bricks import emulator
+    from mlx_bricks.emulator import compile as emulator_compile
+
+    monkeypatch.setenv("MLX_BRICKS_CLANG", "/nonexistent/clang++")
+    emulator_compile.find_clang.cache_clear()  # the compiler is probed once per process
+    request.addfinalizer(emulator_compile.find_clang.cache_clear)
+    status = emulator.is_available()
+    ok, why = status
+    assert not ok and not status and "nonexistent" in why
+    assert bool(backends.backend_status("reference")) is True

@@ -362,6 +362,8 @@ def test_bad_input_is_one_line_and_exit_2(installed, default_model_dir):
         "generate: missing --model": ([*gen, "--model", d["missing"]],
                                       f"--model '{d['missing']}' does not exist"),
         "generate: empty prompt": ([*gen, "--prompt", ""], "--prompt is empty"),
+        "generate: --max-tokens 0": ([*gen, "--prompt", "hi", "--max-tokens", "0"],
+                                     "--max-tokens must be a positive integer or -1"),
         "generate: bad --bricks-kv": ([*gen, "--bricks-kv", "q4_0"],
                                       "argument --bricks-kv: invalid choice: 'q4_0'"),
     }

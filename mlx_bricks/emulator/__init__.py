@@ -120,14 +120,18 @@ def checks(**kwargs):
         _checks = old
 
 
-def is_available() -> tuple[bool, str]:
-    """(True, compiler) when a usable clang++ (>= 15) is installed, else (False, reason)."""
+def is_available():
+    """Whether the emulator can run here: an ``Availability`` (``mlx_bricks.backends``) that is
+    truthy only when a usable clang++ (>= 15) is installed on x86-64 Linux, and unpacks as
+    ``ok, reason`` (the compiler found, or why not)."""
+    from mlx_bricks.backends import Availability
+
     if not sys.platform.startswith("linux") or os.uname().machine not in ("x86_64", "AMD64"):
-        return False, "the emulator runtime supports x86-64 Linux only"
+        return Availability(False, "the emulator runtime supports x86-64 Linux only")
     path, what = find_clang()
     if path is None:
-        return False, what
-    return True, f"{path}: {what}"
+        return Availability(False, what)
+    return Availability(True, f"{path}: {what}")
 
 
 def _threads() -> int:

@@ -1,0 +1,1 @@
+"""Package data of the emulator: the Metal shim header and the fiber runtime (C++)."""
