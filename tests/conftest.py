@@ -8,28 +8,22 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support import require_backend
+
 KERNEL_BACKENDS = ("metal", "emulator", "reference")
-
-
-def _require(name: str) -> None:
-    from mlx_bricks.backends import backend_status
-
-    ok, why = backend_status(name)
-    if not ok:
-        pytest.skip(f"backend {name} unavailable: {why}")
 
 
 @pytest.fixture(params=KERNEL_BACKENDS)
 def kernel_backend(request) -> str:
     """Backend name for a kernel test; skips when that backend cannot run here."""
-    _require(request.param)
+    require_backend(request.param)
     return request.param
 
 
 @pytest.fixture(params=("metal", "emulator"))
 def msl_backend(request) -> str:
     """Backends that run the MSL itself (metal, emulator): for kernel-only properties."""
-    _require(request.param)
+    require_backend(request.param)
     return request.param
 
 

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from mlx_bricks import kernels
-from mlx_bricks.backends import backend_status
 from mlx_bricks.ops import gemm
 from mlx_bricks.ops.gemm import linear, plan_gemm, select_tile
+from tests.support import require_backend
 from tests.tolerance import assert_dtype_close, to_f64
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -43,10 +43,6 @@ EMULATOR_COVER = {
 }
 
 
-def _require(backend: str) -> None:
-    ok, why = backend_status(backend)
-    if not ok:
-        pytest.skip(f"backend {backend} unavailable: {why}")
 
 
 def _sweep_params():
@@ -109,7 +105,7 @@ def _sweep_data(M, N, K, dtype):
 
 @pytest.mark.parametrize("backend,M,N,K,dtype,bias,residual", list(_sweep_params()))
 def test_linear_sweep(backend, M, N, K, dtype, bias, residual):
-    _require(backend)
+    require_backend(backend)
     x, w, b, r, xw64, xw = _sweep_data(M, N, K, dtype)
     b = b if bias else None
     r = r if residual else None

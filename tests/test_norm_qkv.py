@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from mlx_bricks import kernels
-from mlx_bricks.backends import backend_status
 from mlx_bricks.ops import gemm
 from mlx_bricks.ops.norm_qkv import plan_rms_norm_qkv, rms_norm_qkv
+from tests.support import require_backend
 from tests.tolerance import assert_dtype_close, to_f64
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -35,10 +35,6 @@ EMULATOR_COVER = {
 }
 
 
-def _require(backend: str) -> None:
-    ok, why = backend_status(backend)
-    if not ok:
-        pytest.skip(f"backend {backend} unavailable: {why}")
 
 
 def _randn(shape, dtype, rng, scale=1.0, shift=0.0):
@@ -106,7 +102,7 @@ def _sweep_params():
 
 @pytest.mark.parametrize("backend,head_dim,L,B,heads,dtype,bias", list(_sweep_params()))
 def test_rms_norm_qkv_sweep(backend, head_dim, L, B, heads, dtype, bias):
-    _require(backend)
+    require_backend(backend)
     K = 96
     x, nw, ws, bs = _operands(B, L, K, *heads, head_dim, DTYPES[dtype], bias, seed=head_dim + L)
     _run_and_check(backend, x, nw, ws, bs, *heads, head_dim,

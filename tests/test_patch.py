@@ -6,7 +6,6 @@ dtype-scaled rule: the patched model may be at most 2x as far from a float64 run
 """
 from __future__ import annotations
 
-import inspect
 import json
 
 import mlx.core as mx
@@ -27,9 +26,10 @@ from mlx_lm.models.cache import (
 )
 
 from mlx_bricks import kernels
-from mlx_bricks.backends import BackendError, backend_status
+from mlx_bricks.backends import BackendError
 from mlx_bricks.nn import DECODE, BricksAttention, BricksBlock, BricksMLP
 from mlx_bricks.patch import PatchReport, patch_model, unpatch_model
+from tests.support import require_backend
 from tests.models import build_model, clone, tokens
 from tests.tolerance import EPS, assert_dtype_close, to_f64
 
@@ -636,9 +636,7 @@ def test_env_backend_is_resolved_once(monkeypatch):
 
 @pytest.fixture(params=("emulator",))
 def msl_patch_backend(request):
-    ok, why = backend_status(request.param)
-    if not ok:
-        pytest.skip(f"backend {request.param} unavailable: {why}")
+    require_backend(request.param)
     return request.param
 
 

@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 
 from mlx_bricks import kernels
-from mlx_bricks.backends import backend_status
 from mlx_bricks.ops.mlp import (
     FUSED_TILES,
     VARIANT_ENV_VAR,
@@ -32,6 +31,7 @@ from mlx_bricks.ops.mlp import (
     swiglu,
     swiglu_mlp,
 )
+from tests.support import require_backend
 from tests.tolerance import assert_dtype_close, to_f64
 
 swiglu_ops = importlib.import_module("mlx_bricks.ops.mlp")
@@ -61,10 +61,6 @@ EMULATOR_COVER = {
 }
 
 
-def _require(backend: str) -> None:
-    ok, why = backend_status(backend)
-    if not ok:
-        pytest.skip(f"backend {backend} unavailable: {why}")
 
 
 def _randn(shape, dtype, seed, scale=1.0):
@@ -150,7 +146,7 @@ def _sweep_params():
 
 @pytest.mark.parametrize("backend,variant,M,K,N,dtype,bias,residual", list(_sweep_params()))
 def test_sweep(backend, variant, M, K, N, dtype, bias, residual):
-    _require(backend)
+    require_backend(backend)
     _run_case(backend, variant, M, K, N, dtype, bias, residual)
 
 
