@@ -9,6 +9,8 @@ from .compile import CompiledKernel, EmulatorFault, runtime_library
 
 
 class EmuBuf(ctypes.Structure):
+    """One kernel buffer as the C++ runtime sees it (mirrors ``EmuBuf`` in shim/emu_abi.h)."""
+
     _fields_ = [
         ("host", ctypes.c_void_p),
         ("nbytes", ctypes.c_uint64),
@@ -19,6 +21,8 @@ class EmuBuf(ctypes.Structure):
 
 
 class EmuLaunchDesc(ctypes.Structure):
+    """A launch: entry point, buffers, grid and threadgroup (mirrors shim/emu_abi.h)."""
+
     _fields_ = [
         ("entry", ctypes.c_void_p),
         ("nbufs", ctypes.c_uint32),

@@ -466,6 +466,8 @@ def _rewrite_constructors(text: str, names: set[str]) -> str:
 
 @dataclass
 class TgDecl:
+    """A ``threadgroup`` array declared in a kernel body, moved into the launch's shared memory."""
+
     slot: int
     type: str
     name: str
@@ -572,6 +574,8 @@ def rewrite_msl(text: str, decls: list[TgDecl], names: set[str] | None = None) -
 
 @dataclass
 class TranslationUnit:
+    """The C++ text clang compiles for one kernel, and its threadgroup declarations."""
+
     text: str
     tg_decls: list[TgDecl]
 

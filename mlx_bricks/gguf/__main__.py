@@ -9,6 +9,7 @@ DEFAULT_DTYPE = "float16"
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m mlx_bricks.gguf PATH.gguf OUT_DIR [...]``."""
     parser = argparse.ArgumentParser(
         prog="python -m mlx_bricks.gguf",
         description="Convert a GGUF model (llama, qwen2, qwen3) into a directory that "
@@ -30,6 +31,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Convert a GGUF file; returns the exit status (0 ok, 2 bad input, one line on stderr)."""
     args = setup_arg_parser().parse_args(argv)
     logging.basicConfig(format="%(message)s", level=logging.INFO)
     from .convert import convert_gguf

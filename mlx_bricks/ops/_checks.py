@@ -7,6 +7,7 @@ FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 
 def dtype_name(dtype) -> str:
+    """``mx.float16`` -> ``"float16"`` (for error messages)."""
     return str(dtype).replace("mlx.core.", "")
 
 

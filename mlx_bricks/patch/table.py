@@ -30,4 +30,5 @@ def lookup(model_type) -> tuple[str | None, BlockLayout | None]:
 
 
 def supported_model_types() -> tuple[str, ...]:
+    """mlx-lm ``model_type`` values the patch knows (architectures and their aliases), sorted."""
     return tuple(sorted([*ARCHITECTURES, *ALIASES]))
