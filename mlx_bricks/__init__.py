@@ -5,7 +5,7 @@ are resolved lazily on first attribute access (PEP 562).
 """
 from __future__ import annotations
 
-import importlib
+from mlx_bricks._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -27,15 +27,4 @@ _LAZY = {
 __all__ = sorted(_LAZY) + ["__version__"]
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mlx_bricks' has no attribute {name!r}")
-    mod = importlib.import_module(module)
-    value = mod if module.endswith("." + name) else getattr(mod, name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

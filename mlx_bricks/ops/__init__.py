@@ -6,36 +6,26 @@ a ``*_reference`` beside it. Names are resolved lazily so ``import mlx_bricks.op
 """
 from __future__ import annotations
 
-import importlib
+from mlx_bricks._lazy import lazy_exports
 
 _LAZY = {
-    "linear": "gemm",
-    "linear_reference": "gemm",
-    "swiglu": "mlp",
-    "swiglu_reference": "mlp",
-    "swiglu_mlp": "mlp",
-    "swiglu_mlp_reference": "mlp",
-    "flash_attention": "attention",
-    "flash_attention_reference": "attention",
-    "quantize_q8_0": "q8_0",
-    "quantize_q8_0_reference": "q8_0",
-    "dequantize_q8_0": "q8_0",
-    "dequantize_q8_0_reference": "q8_0",
-    "rms_norm_qkv": "norm_qkv",
-    "rms_norm_qkv_reference": "norm_qkv",
+    "linear": ".gemm",
+    "linear_reference": ".gemm",
+    "swiglu": ".mlp",
+    "swiglu_reference": ".mlp",
+    "swiglu_mlp": ".mlp",
+    "swiglu_mlp_reference": ".mlp",
+    "flash_attention": ".attention",
+    "flash_attention_reference": ".attention",
+    "quantize_q8_0": ".q8_0",
+    "quantize_q8_0_reference": ".q8_0",
+    "dequantize_q8_0": ".q8_0",
+    "dequantize_q8_0_reference": ".q8_0",
+    "rms_norm_qkv": ".norm_qkv",
+    "rms_norm_qkv_reference": ".norm_qkv",
 }
 
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mlx_bricks.ops' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"mlx_bricks.ops.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -8,30 +8,20 @@ errors do not pay for importing mlx-lm.
 """
 from __future__ import annotations
 
-import importlib
+from mlx_bricks._lazy import lazy_exports
 
 _LAZY = {
-    "patch_model": "core",
-    "patch_report": "core",
-    "unpatch_model": "core",
-    "ModuleReport": "report",
-    "PatchReport": "report",
-    "ALIASES": "table",
-    "ARCHITECTURES": "table",
-    "supported_model_types": "table",
+    "patch_model": ".core",
+    "patch_report": ".core",
+    "unpatch_model": ".core",
+    "ModuleReport": ".report",
+    "PatchReport": ".report",
+    "ALIASES": ".table",
+    "ARCHITECTURES": ".table",
+    "supported_model_types": ".table",
 }
 
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mlx_bricks.patch' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"mlx_bricks.patch.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
