@@ -54,6 +54,12 @@ def run64(model64, toks, cache=None):
         return run(model64, toks, cache)
 
 
+def run_chunks(model, runner, toks, chunks):
+    """Logits of each (start, end) chunk of ``toks``, prefilled in order into one fresh cache."""
+    cache = make_prompt_cache(model)
+    return [runner(model, toks[:, a:b], cache) for a, b in chunks]
+
+
 def greedy(model, prompt, n=N_GREEDY, *, cache=None, prefill_step_size=2048):
     """Greedy continuation through mlx-lm's own generate_step (argmax sampler by default)."""
     out = []
@@ -150,14 +156,11 @@ def test_chunked_prefill_logits(arch, dtype):
     toks = tokens(300)
     chunks = [(0, 100), (100, 164), (164, 299), (299, 300)]
 
-    def chunked(m, runner):
-        cache = make_prompt_cache(m)
-        return [runner(m, toks[:, a:b], cache) for a, b in chunks]
 
-    refs = chunked(model64, run64)
-    stock = chunked(model, run)
+    refs = run_chunks(model64, run64, toks, chunks)
+    stock = run_chunks(model, run, toks, chunks)
     report = patch_model(model, backend="reference")
-    patched = chunked(model, run)
+    patched = run_chunks(model, run, toks, chunks)
     for (a, b), p, s, r in zip(chunks, patched, stock, refs):
         assert_dtype_close(p, r, s, dtype=dt, what=f"{arch} {dtype} chunk {a}:{b}")
     assert_bricks_used(report)
@@ -228,14 +231,11 @@ def test_rope_classes_use_the_modules_own_rope(scaling):
     toks = tokens(120)
     chunks = [(0, 50), (50, 120)]
 
-    def chunked(m, runner):
-        cache = make_prompt_cache(m)
-        return [runner(m, toks[:, a:b], cache) for a, b in chunks]
 
-    refs = chunked(clone(model, mx.float64), run64)
-    stock = chunked(model, run)
+    refs = run_chunks(clone(model, mx.float64), run64, toks, chunks)
+    stock = run_chunks(model, run, toks, chunks)
     report = patch_model(model, backend="reference")
-    for p, s, r in zip(chunked(model, run), stock, refs):
+    for p, s, r in zip(run_chunks(model, run, toks, chunks), stock, refs):
         assert_dtype_close(p, r, s, dtype=dt, what=f"rope {rope_cls}")
     assert rope_cls in report.modules[0].rope
     assert_bricks_used(report)
@@ -273,14 +273,11 @@ def test_llama_with_all_biases(fuse_block):
     toks = tokens(40)
     chunks = [(0, 25), (25, 40)]
 
-    def chunked(m, runner):
-        cache = make_prompt_cache(m)
-        return [runner(m, toks[:, a:b], cache) for a, b in chunks]
 
-    refs = chunked(clone(model, mx.float64), run64)
-    stock = chunked(model, run)
+    refs = run_chunks(clone(model, mx.float64), run64, toks, chunks)
+    stock = run_chunks(model, run, toks, chunks)
     report = patch_model(model, fuse_block=fuse_block, backend="reference")
-    for p, s, r in zip(chunked(model, run), stock, refs):
+    for p, s, r in zip(run_chunks(model, run, toks, chunks), stock, refs):
         assert_dtype_close(p, r, s, dtype=dt, what=f"llama biases fuse_block={fuse_block}")
     assert_bricks_used(report)
 
@@ -647,16 +644,13 @@ def test_two_layer_prefill_on_msl(msl_patch_backend, arch, dtype):
     toks = tokens(12)
     chunks = [(0, 7), (7, 12)]  # the second chunk attends to cached K/V (Lk > Lq)
 
-    def chunked(m, runner):
-        cache = make_prompt_cache(m)
-        return [runner(m, toks[:, a:b], cache) for a, b in chunks]
 
-    refs = chunked(clone(model, mx.float64), run64)
-    stock = chunked(model, run)
+    refs = run_chunks(clone(model, mx.float64), run64, toks, chunks)
+    stock = run_chunks(model, run, toks, chunks)
     stock_greedy = greedy(model, toks[0], n=8, prefill_step_size=7)
     report = patch_model(model, backend=msl_patch_backend)
     launches = sum(n for (_, be), n in kernels.LAUNCH_COUNTS.items() if be == msl_patch_backend)
-    patched = chunked(model, run)
+    patched = run_chunks(model, run, toks, chunks)
     launched = sum(n for (_, be), n in kernels.LAUNCH_COUNTS.items() if be == msl_patch_backend)
     # at least one MSL kernel per brick, per layer and chunk
     assert launched - launches >= 4 * len(model.layers) * len(chunks)
