@@ -191,7 +191,9 @@ class CompiledKernel:
 def _precompiled_shim(clang: str, version: str, flags: list[str]) -> list[str]:
     """``["-include-pch", path]`` for a precompiled metal_shim.h built with ``flags`` (saves
     about a third of each kernel's compile time), or [] if clang cannot build one."""
-    key = _digest(_shim_text(), version, " ".join(flags), "pch")
+    # A PCH records the absolute path of metal_shim.h: two checkouts sharing one cache must
+    # not share a PCH, or the TU's own #include of the shim is a second, redefining copy.
+    key = _digest(_shim_text(), str(SHIM_DIR), version, " ".join(flags), "pch")
     if key in _pch_failed:
         return []
     pch = cache_dir() / f"shim_{key}.pch"

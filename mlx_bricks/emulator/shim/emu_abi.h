@@ -1,6 +1,9 @@
 // mlx_bricks MSL emulator: the interface between compiled kernels (metal_shim.h) and the
 // fiber runtime (emu_runtime.cpp). Plain C layout; both sides include this file.
 #pragma once
+// Guard too: a PCH built from another checkout's copy has another path.
+#ifndef MLX_BRICKS_EMU_ABI_H
+#define MLX_BRICKS_EMU_ABI_H
 #include <stdint.h>
 
 #define EMU_SIMD_WIDTH 32
@@ -79,3 +82,4 @@ int emu_launch(const struct EmuLaunchDesc* desc, char* err, uint32_t errlen);
 
 }  // extern "C"
 
+#endif  // MLX_BRICKS_EMU_ABI_H

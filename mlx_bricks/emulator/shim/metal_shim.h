@@ -7,6 +7,9 @@
 // three as ordinary memory. EMU_FLAT (checks off) makes the keywords vanish instead.
 // Anything not declared here is a compile error naming it ("use of undeclared identifier").
 #pragma once
+// Guard too: a PCH built from another checkout's copy has another path.
+#ifndef MLX_BRICKS_EMU_METAL_SHIM_H
+#define MLX_BRICKS_EMU_METAL_SHIM_H
 #include <stdint.h>
 
 #include "emu_abi.h"
@@ -895,3 +898,4 @@ template <typename T, typename U>
 inline T ceildiv(T N, U M) {
   return (N + M - 1) / M;
 }
+#endif  // MLX_BRICKS_EMU_METAL_SHIM_H
