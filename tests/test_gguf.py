@@ -1,7 +1,8 @@
-"""GGUF import (mlx_bricks.gguf): tiny synthetic llama / qwen2 files written here with
+"""GGUF import (mlx_bricks.gguf): tiny synthetic llama / qwen2 / qwen3 files written here with
 ``gguf.GGUFWriter`` convert to directories whose logits equal those of the same weights built
-directly in mlx-lm; Q4_0/Q4_1/Q8_0 re-encoding is exact against ``gguf``'s own dequantizer; bad
-inputs give one clear error.
+directly in mlx-lm, for F32, F16, BF16, Q4_0...Q8_0, the K-quants (Q2_K...Q6_K) and some
+IQ-quants; Q4_0/Q4_1/Q8_0 re-encoding is exact against ``gguf``'s own dequantizer; bad inputs give
+one clear error.
 
 The references are independent of the converter: the tests write the GGUF the way llama.cpp does
 (its name table, its Q/K row permutation, its rope_freqs formula) and build the expected model
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +23,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 
 from mlx_bricks.gguf import SUPPORTED_ARCHITECTURES, convert_gguf
@@ -33,6 +36,9 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_atten
             num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
             max_position_embeddings=256)
 HEAD_DIM = TINY["hidden_size"] // TINY["num_attention_heads"]
+# K-quant blocks hold 256 values of a row: every matrix's input dimension a multiple of 256
+# (hidden != intermediate, so a transposed matrix cannot pass the shape checks)
+TINY_K = dict(TINY, hidden_size=256, intermediate_size=512)
 
 # llama.cpp's tensor names (gguf-py's TensorNameMap), written out here as the reference
 LAYER_NAMES = {
@@ -81,11 +87,13 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def random_weights(arch: str, tied: bool, seed: int = 0) -> dict[str, np.ndarray]:
+def random_weights(arch: str, tied: bool, seed: int = 0, *, cfg: dict = TINY
+                   ) -> dict[str, np.ndarray]:
     """Hugging Face / mlx-lm layout weights (name -> float32 array) for the tiny config."""
     rng = np.random.default_rng(seed)
-    h, f, hd = TINY["hidden_size"], TINY["intermediate_size"], HEAD_DIM
-    nq, nkv = TINY["num_attention_heads"] * hd, TINY["num_key_value_heads"] * hd
+    h, f = cfg["hidden_size"], cfg["intermediate_size"]
+    hd = h // cfg["num_attention_heads"]
+    nq, nkv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
 
     def mat(rows, cols):
         return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
@@ -94,7 +102,7 @@ def random_weights(arch: str, tied: bool, seed: int = 0) -> dict[str, np.ndarray
          "model.norm.weight": (1 + 0.1 * rng.standard_normal(h)).astype(np.float32)}
     if not tied:
         w["lm_head.weight"] = mat(VOCAB, h)
-    for i in range(TINY["num_hidden_layers"]):
+    for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = (1 + 0.1 * rng.standard_normal(h)).astype(np.float32)
         w[p + "post_attention_layernorm.weight"] = (1 + 0.1 * rng.standard_normal(h)).astype(
@@ -126,21 +134,24 @@ def gguf_name(hf_name: str) -> str:
 
 def write_gguf(path: Path, arch: str, weights: dict[str, np.ndarray],
                types: dict[str, Q] | None = None, *, add_bos: bool = False,
-               rope_freqs: np.ndarray | None = None, extra_tensors: dict | None = None) -> Path:
+               rope_freqs: np.ndarray | None = None, extra_tensors: dict | None = None,
+               raw: dict[str, tuple[np.ndarray, Q]] | None = None, cfg: dict = TINY) -> Path:
     """A GGUF of ``weights`` as llama.cpp's converter writes it. ``types`` picks a ggml type per
-    Hugging Face name (default F32); Q/K rows are permuted for llama before quantizing."""
-    types = types or {}
+    Hugging Face name (default F32); Q/K rows are permuted for llama before quantizing. ``raw``
+    gives ready ggml data ``(uint8 blocks, one row per matrix row, Hugging Face row order; type)``
+    written instead of ``weights[name]`` (the blocks' rows are permuted the same way)."""
+    types, raw = types or {}, raw or {}
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny")
-    w.add_block_count(TINY["num_hidden_layers"])
-    w.add_context_length(TINY["max_position_embeddings"])
-    w.add_embedding_length(TINY["hidden_size"])
-    w.add_feed_forward_length(TINY["intermediate_size"])
-    w.add_head_count(TINY["num_attention_heads"])
-    w.add_head_count_kv(TINY["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(TINY["rms_norm_eps"])
-    w.add_rope_freq_base(TINY["rope_theta"])
-    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
     w.add_vocab_size(VOCAB)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -153,11 +164,15 @@ def write_gguf(path: Path, arch: str, weights: dict[str, np.ndarray],
     w.add_add_bos_token(add_bos)
     w.add_chat_template(CHAT_TEMPLATE)
     for name, value in weights.items():
-        if arch == "llama" and ("q_proj" in name or "k_proj" in name):
-            n_head = TINY["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
-            value = llama_cpp_permute(value, n_head)
         qtype = types.get(name, Q.F32)
-        if qtype == Q.F32:
+        if name in raw:
+            value, qtype = raw[name]
+        if arch == "llama" and ("q_proj" in name or "k_proj" in name):
+            n_head = cfg["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+            value = llama_cpp_permute(value, n_head)
+        if name in raw:
+            w.add_tensor(gguf_name(name), value, raw_dtype=qtype)
+        elif qtype == Q.F32:
             w.add_tensor(gguf_name(name), value.astype(np.float32))
         elif qtype == Q.F16:
             w.add_tensor(gguf_name(name), value.astype(np.float16))
@@ -188,12 +203,50 @@ def as_stored(weights: dict[str, np.ndarray], types: dict[str, Q]) -> dict[str, 
     return out
 
 
-def reference_model(arch: str, weights: dict[str, np.ndarray], dtype=mx.float32, **extra):
+# byte offsets of the float16 fields of one ggml block (the scale d; Q4_1 / Q5_1's minimum m; the
+# K-quants' super-block d and dmin), from the block structs of ggml-common.h: Q2_K is scales[16],
+# qs[64], d, dmin; Q3_K hmask[32], qs[64], scales[12], d; Q4_K d, dmin, scales[12], qs[128]; Q5_K
+# d, dmin, scales[12], qh[32], qs[128]; Q6_K ql[128], qh[64], scales[16], d; the IQ types below
+# start with d.
+FP16_FIELDS = {
+    Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
+    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+    Q.IQ2_XXS: (0,), Q.IQ3_S: (0,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,),
+}
+
+
+def random_blocks(qtype: Q, rows: int, cols: int, *, std: float, seed: int = 0) -> np.ndarray:
+    """Raw ggml blocks of ``qtype`` for a ``(rows, cols)`` matrix: ``(rows, cols / block_size *
+    type_size)`` uint8 with random quants and packed sub-block scales (every byte value is legal
+    there, so every code occurs) and finite float16 fields (one normal draw each, any sign),
+    scaled so that the dequantized matrix has standard deviation ``std``. For the types gguf-py
+    cannot quantize; the values to expect are ``gguf.quants.dequantize`` of the result."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    if cols % block_size:
+        raise ValueError(f"cols: {cols} is not a multiple of {qtype.name}'s {block_size}")
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, cols // block_size, type_size), dtype=np.uint8)
+    draws = rng.standard_normal((rows, cols // block_size, len(FP16_FIELDS[qtype])))
+
+    def with_gain(gain: float) -> np.ndarray:
+        halves = (draws * gain).astype(np.float16)
+        for i, offset in enumerate(FP16_FIELDS[qtype]):
+            blocks[..., offset:offset + 2] = halves[..., i:i + 1].view(np.uint8)
+        return blocks.reshape(rows, -1)
+
+    # every value is linear in the block's float16 fields: one trial run fixes the gain
+    gain = std / float(dequantize(with_gain(1.0), qtype).std())
+    return with_gain(gain).copy()
+
+
+def reference_model(arch: str, weights: dict[str, np.ndarray], dtype=mx.float32, *,
+                    cfg: dict = TINY, **extra):
     """The tiny model built directly from mlx-lm's model classes (weights in their layout)."""
     from mlx_lm.models import llama, qwen2, qwen3
 
     module = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3}[arch]
-    config = dict(TINY, model_type=arch, vocab_size=VOCAB, head_dim=HEAD_DIM,
+    config = dict(cfg, model_type=arch, vocab_size=VOCAB,
+                  head_dim=cfg["hidden_size"] // cfg["num_attention_heads"],
                   tie_word_embeddings="lm_head.weight" not in weights, **extra)
     model = module.Model(module.ModelArgs.from_dict(config))
     model.load_weights([(k, mx.array(v).astype(dtype)) for k, v in weights.items()])
@@ -319,17 +372,117 @@ def test_llama3_rope_freqs_become_llama3_rope_scaling(tmp_path):
     np.testing.assert_allclose(logits(model), logits(reference), rtol=1e-5, atol=1e-5)
 
 
+# --- BF16, Q5_1, the K-quants and IQ-quants --------------------------------------------------
+
+# gguf-py dequantizes these but cannot quantize them: the tests write random blocks
+DEQUANTIZE_ONLY = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ2_XXS, Q.IQ3_S, Q.IQ4_NL,
+                   Q.IQ4_XS)
+
+
+def encoded_weights(arch: str, tied: bool, qtype: Q, seed: int):
+    """``(weights, raw)`` for a TINY_K model whose matrices are stored as ``qtype``: ``raw`` maps
+    each matrix to its ggml data (gguf-py's quantizer where it has one, else random blocks with
+    the matrix's spread) and ``weights`` holds the values that data dequantizes to."""
+    weights = random_weights(arch, tied, seed, cfg=TINY_K)
+    raw = {}
+    for i, (name, value) in enumerate(weights.items()):
+        if value.ndim != 2:
+            continue  # norms and biases stay F32, as in llama.cpp's files
+        if qtype in DEQUANTIZE_ONLY:
+            data = random_blocks(qtype, *value.shape, std=float(value.std()), seed=seed + i)
+        else:
+            data = quantize(value, qtype)
+        raw[name] = (data, qtype)
+        deq = dequantize(data, qtype)
+        assert deq.shape == value.shape and np.isfinite(deq).all(), name
+        assert 0.5 < deq.std() / value.std() < 2, name  # a model with sensible activations
+        weights[name] = deq
+    return weights, raw
+
+
+@pytest.mark.parametrize("qtype,arch,tied", [
+    (Q.BF16, "qwen2", False), (Q.Q5_1, "llama", True), (Q.Q2_K, "llama", True),
+    (Q.Q3_K, "qwen2", False), (Q.Q4_K, "llama", True), (Q.Q5_K, "qwen3", True),
+    (Q.Q6_K, "llama", False), (Q.IQ2_XXS, "llama", True), (Q.IQ3_S, "qwen2", False),
+    (Q.IQ4_NL, "qwen3", True), (Q.IQ4_XS, "llama", True)], ids=lambda v: getattr(v, "name", v))
+def test_bf16_k_and_iq_quants_dequantize_exactly(tmp_path, caplog, qtype, arch, tied):
+    weights, raw = encoded_weights(arch, tied, qtype, seed=7)
+    src = write_gguf(tmp_path / "tiny.gguf", arch, weights, raw=raw, cfg=TINY_K)
+    stored = {t.name: t.tensor_type for t in gguf.GGUFReader(src).tensors}
+    assert {stored[gguf_name(n)] for n in raw} == {qtype}
+    expected = logits(reference_model(arch, weights, cfg=TINY_K))
+
+    out = convert_gguf(src, tmp_path / "dense", dtype="float32", progress=False)
+    got = logits(load_converted(out)[0])
+    assert np.array_equal(got, expected), np.abs(got - expected).max()
+
+    # nothing to keep: dequantized all the same, with a note for a quantized type
+    with caplog.at_level(logging.WARNING, logger="mlx_bricks.gguf"):
+        out = convert_gguf(src, tmp_path / "keep", dtype="float32", keep_quantized=True,
+                           progress=False)
+    notes = [r.getMessage() for r in caplog.records if r.name == "mlx_bricks.gguf"]
+    if qtype == Q.BF16:
+        assert notes == []  # a float type, like F16: nothing was lost
+    else:
+        assert len(notes) == 1 and re.search(rf"\b{len(raw)} {qtype.name}\b.*dequantized",
+                                             notes[0]), notes
+    model, _ = load_converted(out)
+    assert not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+                   for _, m in model.named_modules())
+    assert "quantization" not in json.loads((out / "config.json").read_text())
+    got = logits(model)
+    assert np.array_equal(got, expected), np.abs(got - expected).max()
+
+
+def test_keep_quantized_k_quant_mix(tmp_path, caplog, capsys):
+    """A Q4_K_M-like file (Q4_K, Q6_K for attn_v / ffn_down / embeddings) with one Q8_0 matrix,
+    through the command line: the K-quants are dequantized and named in the note, the Q8_0 one
+    stays quantized."""
+    weights = random_weights("llama", True, seed=8, cfg=TINY_K)
+    raw = {}
+    for i, name in enumerate(n for n in weights if weights[n].ndim == 2):
+        if name == "model.layers.1.self_attn.o_proj.weight":
+            raw[name] = (quantize(weights[name], Q.Q8_0), Q.Q8_0)
+        else:
+            qtype = Q.Q6_K if any(k in name for k in ("v_proj", "down_proj", "embed")) else Q.Q4_K
+            raw[name] = (random_blocks(qtype, *weights[name].shape,
+                                       std=float(weights[name].std()), seed=i), qtype)
+        weights[name] = dequantize(*raw[name])
+    src = write_gguf(tmp_path / "tiny.gguf", "llama", weights, raw=raw, cfg=TINY_K)
+    out = tmp_path / "out"
+    with caplog.at_level(logging.WARNING, logger="mlx_bricks.gguf"):
+        rc, err = _cli(capsys, src, out, "--dtype", "float32", "--keep-quantized")
+    assert rc == 0, err
+    notes = " | ".join(r.getMessage() for r in caplog.records)
+    assert re.search(r"\b5 Q6_K\b.*dequantized", notes), notes  # 2 v, 2 down, 1 embedding
+    assert re.search(r"\b9 Q4_K\b.*dequantized", notes), notes
+    assert "Q8_0 tensor" not in notes, notes
+    model, _ = load_converted(out)
+    layers = model.model.layers
+    assert isinstance(layers[1].self_attn.o_proj, nn.QuantizedLinear)
+    assert layers[1].self_attn.o_proj.bits == 8
+    assert type(layers[0].self_attn.o_proj) is nn.Linear
+    assert type(layers[1].mlp.down_proj) is nn.Linear
+    assert type(model.model.embed_tokens) is nn.Embedding
+    expected = logits(reference_model("llama", weights, cfg=TINY_K))
+    np.testing.assert_allclose(logits(model), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_type_gguf_cannot_dequantize_is_one_clear_error(tmp_path, capsys):
+    weights = random_weights("llama", True, seed=9, cfg=TINY_K)
+    name = "model.layers.1.mlp.up_proj.weight"
+    rows, cols = weights[name].shape
+    block_size, type_size = GGML_QUANT_SIZES[Q.Q8_K]  # ggml's dot-product helper type
+    raw = {name: (np.zeros((rows, cols // block_size * type_size), np.uint8), Q.Q8_K)}
+    src = write_gguf(tmp_path / "odd.gguf", "llama", weights, raw=raw, cfg=TINY_K)
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_up\.weight.*Q8_K.*cannot be dequantized"):
+        convert_gguf(src, tmp_path / "out", progress=False)
+    rc, err = _cli(capsys, src, tmp_path / "out")
+    assert rc == 2 and "Q8_K" in _one_error_line(err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["odd.gguf"]
+
+
 # --- exact re-encoding of Q4_0 / Q4_1 / Q8_0 ---------------------------------------------------
-
-def _random_blocks(qtype: Q, rows: int, n_blocks: int, seed: int = 0) -> np.ndarray:
-    """Raw blocks with every code value possible (random quants) and finite float16 scales."""
-    rng = np.random.default_rng(seed)
-    bits, block_bytes, header = quant.KEEPABLE[qtype]
-    raw = rng.integers(0, 256, size=(rows, n_blocks, block_bytes), dtype=np.uint8)
-    halves = (rng.standard_normal((rows, n_blocks, header // 2)) * 0.05).astype(np.float16)
-    raw[..., :header] = halves.view(np.uint8).reshape(rows, n_blocks, header)
-    return raw.reshape(rows, -1)
-
 
 def _unpack_mlx(weight: np.ndarray, bits: int) -> np.ndarray:
     """MLX affine packing, read independently: value i of a row sits at bit bits*i of the row's
@@ -340,9 +493,9 @@ def _unpack_mlx(weight: np.ndarray, bits: int) -> np.ndarray:
     return codes.reshape(weight.shape[0], -1)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
 def test_affine_re_encoding_is_exact(qtype):
-    blocks = _random_blocks(qtype, rows=6, n_blocks=5)
+    blocks = random_blocks(qtype, rows=6, cols=5 * 32, std=1.0)
     reference = dequantize(blocks, qtype)  # gguf's own dequantizer, float32
     weight, scales, biases = quant.to_affine(blocks, qtype)
     bits = quant.KEEPABLE[qtype][0]
@@ -363,7 +516,7 @@ def test_affine_re_encoding_is_exact(qtype):
 
 
 def test_affine_re_encoding_reports_float16_overflow():
-    blocks = _random_blocks(Q.Q8_0, rows=2, n_blocks=2)
+    blocks = random_blocks(Q.Q8_0, rows=2, cols=2 * 32, std=1.0)
     blocks[0, 0:2] = np.array([1000.0], dtype=np.float16).view(np.uint8)  # -128 d overflows
     assert quant.to_affine(blocks, Q.Q8_0) is None
     with pytest.raises(ValueError, match="Q5_0"):
