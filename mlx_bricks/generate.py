@@ -28,6 +28,8 @@ import importlib
 import sys
 
 from mlx_bricks import _cli
+from mlx_bricks.ops.swiglu_variants import VARIANT_ENV_VAR as SWIGLU_VARIANT_ENV
+from mlx_bricks.ops.swiglu_variants import VARIANTS as SWIGLU_VARIANTS
 
 PROG = "mlx_bricks.generate"
 BRICKS_KV_CHOICES = ("none", "q8_0")
@@ -84,6 +86,13 @@ def setup_arg_parser(
         f"Default: {DEFAULT_BRICKS_KV}.",
     )
     group.add_argument(
+        "--bricks-mlp-variant",
+        choices=("auto", *SWIGLU_VARIANTS),
+        default="auto",
+        help=f"SwiGLU brick variant: fused, split, or auto (${SWIGLU_VARIANT_ENV}, else the "
+        "brick's rule). Default: auto.",
+    )
+    group.add_argument(
         "--bricks-report",
         action="store_true",
         help="Print the per-layer patch report, with the calls each brick served, to stderr "
@@ -125,7 +134,10 @@ class _PatchingLoad:
         from mlx_bricks.patch import patch_model
 
         kv_quant = None if self._args.bricks_kv == "none" else self._args.bricks_kv
-        self.report = patch_model(model, kv_quant=kv_quant, backend=self._args.bricks_backend)
+        variant = self._args.bricks_mlp_variant
+        self.report = patch_model(model, kv_quant=kv_quant,
+                                  mlp_variant=None if variant == "auto" else variant,
+                                  backend=self._args.bricks_backend)
         if self._args.verbose:
             print(
                 f"[mlx-bricks] backend: {self.report.backend}; patched "

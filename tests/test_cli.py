@@ -267,7 +267,7 @@ def test_patch_cli_json_passes_on_the_default_model(installed, default_model_dir
     # A raw prompt (6 tokens; 37 with SmolLM's chat template): CPU prefill is slow.
     r = installed.run([installed.python, "-m", "mlx_bricks.patch", default_model_dir, "--json",
                        "--prompt", "The capital of France is", "--ignore-chat-template",
-                       "--max-tokens", "8",
+                       "--max-tokens", "8", "--mlp-variant", "split",
                        "--repeats", "1"])
     assert r.returncode == 0, r.stderr + r.stdout
     (line,) = r.stdout.splitlines()  # one JSON object
@@ -286,6 +286,7 @@ def test_patch_cli_json_passes_on_the_default_model(installed, default_model_dir
     assert report["model_type"] == f["model_type"] == "llama"
     assert report["n_patched"] == report["n_layers"] == 30 and report["n_fallback"] == 0
     assert report["backend"]["name"] == f["backend"]["name"]
+    assert report["options"]["mlp_variant"] == "split"
     assert sum(report["calls"].values()) > 0  # the bricks really ran
 
 
@@ -366,6 +367,11 @@ def test_bad_input_is_one_line_and_exit_2(installed, default_model_dir):
                                      "--max-tokens must be a positive integer or -1"),
         "generate: bad --bricks-kv": ([*gen, "--bricks-kv", "q4_0"],
                                       "argument --bricks-kv: invalid choice: 'q4_0'"),
+        "generate: bad --bricks-mlp-variant": (
+            [*gen, "--bricks-mlp-variant", "fast"],
+            "argument --bricks-mlp-variant: invalid choice: 'fast'"),
+        "patch: bad --mlp-variant": ([*patch, "--mlp-variant", "fast"],
+                                     "argument --mlp-variant: invalid choice: 'fast'"),
     }
     if not backend_status("metal")[0]:
         cases["patch: unavailable backend"] = ([*patch, "--backend", "metal"],

@@ -590,6 +590,8 @@ def test_bad_arguments():
         patch_model(model, fuse_block="yes")
     with pytest.raises(ValueError, match="kv_quant"):
         patch_model(model, kv_quant="q4_0")
+    with pytest.raises(ValueError, match="mlp_variant must be None or one of 'fused', 'split'"):
+        patch_model(model, mlp_variant="fast")
     with pytest.raises(BackendError, match="backend"):
         patch_model(model, backend="tpu")
     with pytest.raises(TypeError, match="model"):
@@ -617,6 +619,34 @@ def test_report_table_and_dict():
     layer1 = [m for m in data["modules"] if m["layer"] == 1]
     assert {m["module"]: m["status"] for m in layer1} == {"self_attn": "fallback",
                                                            "mlp": "patched"}
+    # the reference backend has no kernel variants, and says so
+    assert all("swiglu=reference" in m.variant for m in report.modules if m.status == "patched")
+
+
+@pytest.mark.parametrize("env,arg,expected", (
+    (None, None, "fused"), ("split", None, "split"), ("split", "fused", "fused")))
+def test_mlp_variant_is_resolved_once_and_reported(monkeypatch, env, arg, expected):
+    """The report names the SwiGLU variant that runs (argument > environment > default),
+    and the MLP modules launch that variant's kernel."""
+    require_backend("emulator")
+    if env is None:
+        monkeypatch.delenv("MLX_BRICKS_SWIGLU_VARIANT", raising=False)
+    else:
+        monkeypatch.setenv("MLX_BRICKS_SWIGLU_VARIANT", env)
+    model = build_model("qwen3", mx.float32, num_hidden_layers=1)
+    report = patch_model(model, fuse_block=False, mlp_variant=arg, backend="emulator")
+    monkeypatch.setenv("MLX_BRICKS_SWIGLU_VARIANT", "fused" if expected == "split" else "split")
+    (mlp,) = [m for m in report.modules if m.module == "mlp"]
+    assert mlp.variant == f"swiglu={expected}"
+    before = dict(kernels.LAUNCH_COUNTS)
+    ref = run64(clone(model, mx.float64), tokens(5))
+    stock = run(clone(model, mx.float32), tokens(5))
+    out = run(model, tokens(5))
+    launched = {name for (name, be), n in kernels.LAUNCH_COUNTS.items()
+                if be == "emulator" and n > before.get((name, be), 0)}
+    assert f"swiglu_{expected}" in launched
+    assert "swiglu_fused" not in launched or "swiglu_split" not in launched
+    assert_dtype_close(out, ref, stock, dtype=mx.float32, what=f"swiglu={expected}")
 
 
 def test_env_backend_is_resolved_once(monkeypatch):

@@ -18,7 +18,6 @@ SwiGLU: Shazeer, "GLU Variants Improve Transformer" (2020); the llama MLP as in
 from __future__ import annotations
 
 import math
-import os
 
 import mlx.core as mx
 
@@ -33,6 +32,12 @@ from mlx_bricks.ops.gemm import (
     linear,
     linear_reference,
     plan_gemm,
+)
+from mlx_bricks.ops.swiglu_variants import (  # noqa: F401  (re-exported)
+    DEFAULT_VARIANT,
+    VARIANT_ENV_VAR,
+    VARIANTS,
+    resolve_variant,
 )
 
 register(KernelSpec(
@@ -53,38 +58,10 @@ register(KernelSpec(
     ensure_row_contiguous=False,
 ))
 
-#: The variants, in the order the docs describe them.
-VARIANTS = ("fused", "split")
-#: What ``variant=None`` runs when ``MLX_BRICKS_SWIGLU_VARIANT`` is unset (rule: docs/bricks.md).
-DEFAULT_VARIANT = "fused"
-#: Environment variable that overrides the default variant (e.g. to benchmark both per chip).
-VARIANT_ENV_VAR = "MLX_BRICKS_SWIGLU_VARIANT"
-
 #: Fused tiles, named by the act tile (BM x BN); each threadgroup also loads 2 * BN weight rows.
 #: "64x32" and "32x16" give every simdgroup as many accumulators as the GEMM brick's 64x64 and
 #: 32x32 tiles (32x16 gate + 32x16 up, 16x8 + 16x8); "64x64" doubles them (opt-in only).
 FUSED_TILES = {"64x32": GemmTile(64, 32), "32x16": GemmTile(32, 16), "64x64": GemmTile(64, 64)}
-
-
-def resolve_variant(variant: str | None) -> str:
-    """The variant that runs: ``variant`` if given, else ``MLX_BRICKS_SWIGLU_VARIANT`` if set,
-    else :data:`DEFAULT_VARIANT`.
-
-    Raises:
-        ValueError: an unknown variant (from the argument or the environment), listing
-            :data:`VARIANTS`.
-    """
-    source = "variant"
-    if variant is None:
-        env = os.environ.get(VARIANT_ENV_VAR, "").strip()
-        if not env:
-            return DEFAULT_VARIANT
-        variant, source = env, VARIANT_ENV_VAR
-    if variant not in VARIANTS:
-        raise ValueError(
-            f"{source} must be None or one of {', '.join(map(repr, VARIANTS))}, got {variant!r}"
-        )
-    return variant
 
 
 def select_fused_tile(M: int, N: int) -> str:

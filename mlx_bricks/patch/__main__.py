@@ -29,6 +29,8 @@ import sys
 import time
 
 from mlx_bricks import _cli
+from mlx_bricks.ops.swiglu_variants import VARIANT_ENV_VAR as SWIGLU_VARIANT_ENV
+from mlx_bricks.ops.swiglu_variants import VARIANTS as SWIGLU_VARIANTS
 
 PROG = "python -m mlx_bricks.patch"
 DEFAULT_PROMPT = (
@@ -77,6 +79,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help=f"backend of the bricks (default: ${ENV_VAR}, else auto)")
     parser.add_argument("--kv", choices=KV_CHOICES, default="none",
                         help="K/V format of the attention brick (default: none)")
+    parser.add_argument("--mlp-variant", choices=("auto", *SWIGLU_VARIANTS), default="auto",
+                        help="SwiGLU brick variant (default: auto: "
+                        f"${SWIGLU_VARIANT_ENV}, else the brick's rule)")
     parser.add_argument("--no-attention", dest="attention", action="store_false",
                         help="leave attention stock")
     parser.add_argument("--no-mlp", dest="mlp", action="store_false", help="leave the MLP stock")
@@ -238,7 +243,9 @@ def run(args: argparse.Namespace) -> int:
     stock = measure(model, tokenizer, prompt, **opts)
     report = patch_model(model, attention=args.attention, mlp=args.mlp,
                          fuse_block=args.fuse_block,
-                         kv_quant=None if args.kv == "none" else args.kv, backend=args.backend)
+                         kv_quant=None if args.kv == "none" else args.kv,
+                         mlp_variant=None if args.mlp_variant == "auto" else args.mlp_variant,
+                         backend=args.backend)
     patched = measure(model, tokenizer, prompt, **opts)
 
     figures = compare(stock, patched, prompt.size)

@@ -12,6 +12,7 @@ import mlx.nn as nn
 
 from mlx_bricks.backends import active_backend
 from mlx_bricks.ops.attention import SUPPORTED_HEAD_DIMS
+from mlx_bricks.ops.swiglu_variants import resolve_variant
 from mlx_bricks.ops.q8_0 import QK8_0
 from mlx_bricks.nn.modules import (
     BricksAttention,
@@ -154,11 +155,13 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
     rope = describe_rope(attn_mod.rope) if attn_mod is not None and callable(
         getattr(attn_mod, "rope", None)) else ""
     attn_variant = f"kv_quant={kv_quant or 'none'}"
-    mlp_variant = "swiglu=auto"
+    # the reference backend runs MLX ops: no kernel variant to report
+    mlp_variant = "swiglu=" + ("reference" if backend == "reference" else opts["mlp_variant"])
 
     def state(role):
         return BricksState(backend=backend, layer=i, role=role, layout=layout,
-                           head_dim=head_dim, kv_quant=kv_quant)
+                           head_dim=head_dim, kv_quant=kv_quant,
+                           mlp_variant=opts["mlp_variant"])
 
     if attention and mlp and fuse_block and attn_reason is None and mlp_reason is None:
         block_reason = _block_structure(layer, layout)
@@ -196,7 +199,7 @@ def _check_flag(name, value):
 
 
 def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=None,
-                backend=None) -> PatchReport:
+                mlp_variant=None, backend=None) -> PatchReport:
     """Run prefill of a loaded mlx-lm model through the bricks, in place.
 
     Each supported decoder layer gets, on that instance only (other models are untouched):
@@ -216,6 +219,9 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
         fuse_block: use the unified block where both can be patched.
         kv_quant: None or ``"q8_0"``: K/V format of the attention brick (needs head_dim % 32
             == 0). The mlx-lm cache keeps full precision, so decode stays stock.
+        mlp_variant: SwiGLU brick variant, ``"fused"`` or ``"split"``; ``None`` takes
+            ``MLX_BRICKS_SWIGLU_VARIANT``, then the brick's default (``ops.swiglu_variants``).
+            Resolved once here and reported; the reference backend has no variants.
         backend: ``None`` (``MLX_BRICKS_BACKEND``, then auto) or a name from
             ``mlx_bricks.backends.BACKENDS``; resolved once here.
 
@@ -224,7 +230,7 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``; a flag is not a bool.
-        ValueError: ``kv_quant`` is not None or ``"q8_0"``.
+        ValueError: ``kv_quant`` is not None or ``"q8_0"``; an unknown ``mlp_variant``.
         mlx_bricks.backends.BackendError: unknown or unavailable backend.
     """
     if not isinstance(model, nn.Module):
@@ -234,11 +240,13 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
     if kv_quant not in KV_QUANTS:
         raise ValueError(f"kv_quant must be None or 'q8_0', got {kv_quant!r}")
     choice = active_backend(backend)
+    mlp_variant = resolve_variant(mlp_variant, "mlp_variant")
 
     unpatch_model(model)
     model_type = _model_type(model)
     arch, layout = lookup(model_type)
-    opts = {"attention": attention, "mlp": mlp, "fuse_block": fuse_block, "kv_quant": kv_quant}
+    opts = {"attention": attention, "mlp": mlp, "fuse_block": fuse_block, "kv_quant": kv_quant,
+            "mlp_variant": mlp_variant}
     report = PatchReport(model_type=model_type, architecture=arch, backend=choice,
                          options=opts)
     layers = getattr(model, "layers", None)

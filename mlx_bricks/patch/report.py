@@ -20,7 +20,7 @@ class ModuleReport:
         status: ``"patched"``, ``"fallback"`` (left stock for ``reason``) or ``"disabled"``
             (left stock because the caller asked, e.g. ``attention=False``).
         bricks: op names the module runs in prefill (empty unless patched).
-        variant: brick options in words (``"kv_quant=q8_0"``, ``"swiglu=auto"``).
+        variant: brick options in words (``"kv_quant=q8_0"``, ``"swiglu=fused"``).
         backend: backend name of the bricks (empty unless patched).
         reason: why the module is not patched (empty when patched).
         rope: how RoPE is applied (attention and block entries).

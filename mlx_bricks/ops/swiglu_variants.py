@@ -1,0 +1,33 @@
+"""The SwiGLU brick's variants and the rule that picks one, without importing MLX (the CLIs
+list them in ``--help``). The rule and its reasons are in ``docs/bricks.md`` (Brick 3)."""
+from __future__ import annotations
+
+import os
+
+#: The variants, in the order the docs describe them.
+VARIANTS = ("fused", "split")
+#: What ``variant=None`` runs when ``MLX_BRICKS_SWIGLU_VARIANT`` is unset (rule: docs/bricks.md).
+DEFAULT_VARIANT = "fused"
+#: Environment variable that overrides the default variant (e.g. to benchmark both per chip).
+VARIANT_ENV_VAR = "MLX_BRICKS_SWIGLU_VARIANT"
+
+
+def resolve_variant(variant: str | None, name: str = "variant") -> str:
+    """The variant that runs: ``variant`` if given, else ``MLX_BRICKS_SWIGLU_VARIANT`` if set,
+    else :data:`DEFAULT_VARIANT`. ``name`` is the argument named in the error.
+
+    Raises:
+        ValueError: an unknown variant (from the argument or the environment), listing
+            :data:`VARIANTS`.
+    """
+    source = name
+    if variant is None:
+        env = os.environ.get(VARIANT_ENV_VAR, "").strip()
+        if not env:
+            return DEFAULT_VARIANT
+        variant, source = env, VARIANT_ENV_VAR
+    if variant not in VARIANTS:
+        raise ValueError(
+            f"{source} must be None or one of {', '.join(map(repr, VARIANTS))}, got {variant!r}"
+        )
+    return variant
