@@ -20,6 +20,7 @@ from mlx_bricks.ops.attention import (
     flash_attention,
 )
 from mlx_bricks.ops.q8_0 import dequantize_q8_0_reference, quantize_q8_0, quantize_q8_0_reference
+from tests.support import sampled
 from tests.tolerance import EPS, assert_dtype_close, to_f64
 
 F16, BF16, F32 = mx.float16, mx.bfloat16, mx.float32
@@ -172,6 +173,17 @@ def check_case(backend, case):
 
 @pytest.mark.parametrize("case", COVERING, ids=case_id)
 def test_attention_matches_float64(kernel_backend, case):
+    check_case(kernel_backend, case)
+
+
+# About one case in SAMPLE_ONE_IN of the full sweep, a fixed hash-chosen sample
+# (tests.support.sampled), runs in the default suite; the whole sweep is marked slow.
+SAMPLE_ONE_IN = 60
+SAMPLED = [c for g in FULL_GROUPS for c in full_cases(*g) if sampled(case_id(c), SAMPLE_ONE_IN)]
+
+
+@pytest.mark.parametrize("case", SAMPLED, ids=case_id)
+def test_attention_sweep_sample(kernel_backend, case):
     check_case(kernel_backend, case)
 
 

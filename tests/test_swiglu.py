@@ -31,7 +31,7 @@ from mlx_bricks.ops.mlp import (
     swiglu,
     swiglu_mlp,
 )
-from tests.support import require_backend
+from tests.support import require_backend, sampled
 from tests.tolerance import assert_dtype_close, to_f64
 
 swiglu_ops = importlib.import_module("mlx_bricks.ops.mlp")
@@ -45,6 +45,9 @@ SWEEP_N = (72, 1536, 1000)
 # value of every axis appears for each variant; the large products are paired with small M so
 # the emulator stays fast. Tiles, scalar K loads and aligned stores are covered by
 # test_tile_variants.
+# Besides the cover, the default suite runs about one emulator case in SAMPLE_ONE_IN of the
+# sweep, a fixed hash-chosen sample (tests.support.sampled); `-m slow` runs the rest.
+SAMPLE_ONE_IN = 16
 EMULATOR_COVER = {
     "fused": {
         (1, 1000, 1536, "float16", True, False),
@@ -139,9 +142,10 @@ def _sweep_params():
         yield pytest.param("reference", None, *case, marks=marks, id=f"reference-{ident}")
         for variant in VARIANTS:
             yield pytest.param("metal", variant, *case, id=f"metal-{variant}-{ident}")
-            marks = [] if case in EMULATOR_COVER[variant] else [pytest.mark.slow]
-            yield pytest.param("emulator", variant, *case, marks=marks,
-                               id=f"emulator-{variant}-{ident}")
+            eid = f"emulator-{variant}-{ident}"
+            fast = case in EMULATOR_COVER[variant] or sampled(eid, SAMPLE_ONE_IN)
+            yield pytest.param("emulator", variant, *case, id=eid,
+                               marks=[] if fast else [pytest.mark.slow])
 
 
 @pytest.mark.parametrize("backend,variant,M,K,N,dtype,bias,residual", list(_sweep_params()))
