@@ -56,6 +56,17 @@ def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def positive_int(text: str) -> int:
+    """argparse ``type=`` for a positive integer flag (the error names the bad text)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def run_cli(prog: str, body: Callable[[], int | None]) -> int:
     """Run ``body`` with the CLI conventions: ``CliError`` and ``BackendError`` become one line
     and exit 2; Ctrl-C exits 130 without a traceback.

@@ -44,16 +44,6 @@ DEFAULT_PREFILL_STEP_SIZE = 2048
 KV_CHOICES = ("none", "q8_0")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def setup_arg_parser() -> argparse.ArgumentParser:
     """Parser of ``python -m mlx_bricks.patch``; a bad flag value exits 2 with one line."""
     from mlx_bricks.backends import BACKENDS, ENV_VAR
@@ -71,7 +61,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--prompt", "-p", default=DEFAULT_PROMPT,
                         help="prompt text (default: a fixed paragraph)")
-    parser.add_argument("--max-tokens", "-m", type=_positive_int, default=DEFAULT_MAX_TOKENS,
+    parser.add_argument("--max-tokens", "-m", type=_cli.positive_int, default=DEFAULT_MAX_TOKENS,
                         help=f"greedy tokens to compare (default: {DEFAULT_MAX_TOKENS})")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object instead of the text report")
@@ -87,10 +77,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-mlp", dest="mlp", action="store_false", help="leave the MLP stock")
     parser.add_argument("--no-fuse-block", dest="fuse_block", action="store_false",
                         help="patch attention and MLP separately, not as one block")
-    parser.add_argument("--repeats", type=_positive_int, default=DEFAULT_REPEATS,
+    parser.add_argument("--repeats", type=_cli.positive_int, default=DEFAULT_REPEATS,
                         help=f"timed prefill runs per model, after one warm-up "
                         f"(default: {DEFAULT_REPEATS})")
-    parser.add_argument("--prefill-step-size", type=_positive_int,
+    parser.add_argument("--prefill-step-size", type=_cli.positive_int,
                         default=DEFAULT_PREFILL_STEP_SIZE,
                         help=f"prompt tokens per prefill chunk, as in mlx_lm.generate "
                         f"(default: {DEFAULT_PREFILL_STEP_SIZE})")

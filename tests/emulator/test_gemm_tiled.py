@@ -4,8 +4,6 @@ The kernel lives here, not in metal_src: it is a workload for the emulator, not 
 """
 from __future__ import annotations
 
-import time
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -68,14 +66,11 @@ def run_gemm(M, N, K, bk, dtype=mx.float16, seed=0):
 
 @pytest.mark.parametrize("bk", [16, 32])
 def test_gemm_256_matches_numpy(bk):
-    run_gemm(64, 64, 16, bk)  # compile outside the timing
-    t0 = time.perf_counter()
+    # The speed target (under 5 s on 2 cores) is measured by `python -m mlx_bricks.bench`
+    # (emulator_gemm_256), not asserted here.
     got, want = run_gemm(256, 256, 256, bk)
-    seconds = time.perf_counter() - t0
     # fp16 output of a float accumulation: within a couple of fp16 ulps of the exact product
     np.testing.assert_allclose(got, want, rtol=2**-10, atol=2**-10 * np.abs(want).max())
-    print(f"256^3 half GEMM, BK={bk}, 2 schedules: {seconds:.2f} s")
-    assert seconds < 20  # target on 2 cores: well under 5 s (0.6 s measured)
 
 
 def test_gemm_ragged_edges():

@@ -1,0 +1,47 @@
+"""``python -m mlx_bricks.bench``: run the benchmarks, print (or write) one JSON object."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mlx_bricks import _cli
+
+PROG = "python -m mlx_bricks.bench"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from mlx_bricks.bench.core import BENCHMARKS
+
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Time the bricks against stock MLX in the same run; JSON out.")
+    parser.add_argument("--only", nargs="+", choices=list(BENCHMARKS), metavar="NAME",
+                        help=f"benchmarks to run (default: all: {', '.join(BENCHMARKS)})")
+    parser.add_argument("--repeats", type=_cli.positive_int, default=3,
+                        help="timed runs per side after one warm-up (default: 3)")
+    parser.add_argument("--out", help="write the JSON here instead of standard output")
+    return _cli.one_line_errors(parser)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def body() -> int:
+        from mlx_bricks.bench.core import run_benchmarks
+
+        text = json.dumps(run_benchmarks(args.only, args.repeats), indent=2)
+        if args.out:
+            try:
+                with open(args.out, "w") as f:
+                    f.write(text + "\n")
+            except OSError as e:
+                raise _cli.CliError(f"--out {args.out!r}: {_cli.one_line(e)}") from None
+        else:
+            print(text)
+        return 0
+
+    return _cli.run_cli(PROG, body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

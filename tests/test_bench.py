@@ -1,0 +1,53 @@
+"""python -m mlx_bricks.bench: the JSON it writes, its errors. Speeds are reported, never
+asserted (the timings are whatever this machine gives)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mlx_bricks import bench
+from mlx_bricks.bench import __main__ as cli
+from mlx_bricks.bench.core import BENCHMARKS, Benchmark, run_benchmarks, time_call
+from tests.support import require_backend
+
+
+def test_emulator_gemm_benchmark_json(tmp_path):
+    require_backend("emulator")
+    out = tmp_path / "bench.json"
+    assert cli.main(["--only", "emulator_gemm_256", "--repeats", "2", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["repeats"] == 2 and data["mlx"]
+    (r,) = data["results"]
+    assert r["name"] == "emulator_gemm_256" and r["backend"] == "emulator"
+    assert len(r["brick_runs_s"]) == len(r["stock_runs_s"]) == 2
+    assert r["brick_s"] > 0 and r["stock_s"] > 0
+    assert r["ratio"] == pytest.approx(r["stock_s"] / r["brick_s"])
+    # float16 outputs of K=256 float-accumulated dot products (|y| up to ~60): a few ulps
+    assert r["max_abs_diff"] < 0.25
+
+
+def test_unavailable_backend_is_listed_with_the_reason(monkeypatch):
+    def never():
+        raise AssertionError("setup of a skipped benchmark must not run")
+
+    monkeypatch.setitem(BENCHMARKS, "metal_only", Benchmark("metal_only", "metal", "x", never))
+    monkeypatch.setattr("mlx_bricks.backends.backend_status",
+                        lambda name: (False, "no Metal device"))
+    (r,) = run_benchmarks(["metal_only"], 1)["results"]
+    assert r["skipped"] == "backend metal unavailable: no Metal device"
+    assert "brick_s" not in r
+
+
+def test_bad_arguments(capsys):
+    with pytest.raises(ValueError, match=r"unknown benchmark\(s\) \['nope'\]; known: "):
+        run_benchmarks(["nope"])
+    with pytest.raises(ValueError, match="repeats must be a positive int, got 0"):
+        time_call(lambda: None, 0)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--repeats", "0"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["python -m mlx_bricks.bench: error: argument --repeats: expected a positive "
+                   "integer, got 0 (see --help)"]
+    assert set(bench.__all__) <= set(dir(bench))
