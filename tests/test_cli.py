@@ -296,7 +296,10 @@ def test_ctrl_c_during_generation_exits_130(installed, default_model_dir):
         [str(installed.bin / "mlx_bricks.generate"), "--prompt", "Count from 1 to 1000.",
          "--max-tokens", "2000"],
         env=installed.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        cwd=installed.base)
+        cwd=installed.base,
+        # as in a terminal: a runner that starts jobs in the background (SIGINT ignored, which
+        # children inherit and Python then leaves alone) must not make this test vacuous
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + TIMEOUT
         while proc.stdout.readline() != SEP + "\n":
