@@ -51,3 +51,15 @@ def test_bad_arguments(capsys):
     assert err == ["python -m mlx_bricks.bench: error: argument --repeats: expected a positive "
                    "integer, got 0 (see --help)"]
     assert set(bench.__all__) <= set(dir(bench))
+
+
+def test_bad_out_path_fails_before_running(tmp_path, monkeypatch, capsys):
+    def boom(*args):
+        raise AssertionError("the benchmarks must not run")
+
+    monkeypatch.setattr("mlx_bricks.bench.core.run_benchmarks", boom)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--out", str(tmp_path / "missing" / "b.json")])
+    assert e.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("python -m mlx_bricks.bench: ") and "not a writable directory" in line

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from mlx_bricks import _cli
@@ -28,6 +29,11 @@ def main(argv=None) -> int:
 
     def body() -> int:
         from mlx_bricks.bench.core import run_benchmarks
+
+        if args.out:  # before the run, so a bad path does not cost the results
+            parent = os.path.dirname(os.path.abspath(args.out))
+            if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+                raise _cli.CliError(f"--out {args.out!r}: {parent} is not a writable directory")
 
         text = json.dumps(run_benchmarks(args.only, args.repeats), indent=2)
         if args.out:
