@@ -142,7 +142,7 @@ class PatchReport:
             f"patched modules: {self.n_patched}, fallbacks: {self.n_fallback}",
         ]
         rows = [("layer", "module", "status", "backend", "variant", "bricks: prefill calls",
-                 "stock calls")]
+                 "stock-path calls")]
         for m in self.modules:
             layer = "-" if m.layer is None else str(m.layer)
             if m.status == PATCHED:
@@ -170,5 +170,5 @@ class PatchReport:
             lines += [f"  {n} x {reason}" for reason, n in sorted(runtime.items())]
         decode = self.stock_calls().get(DECODE, 0)
         if decode:
-            lines.append(f"decode calls (stock by design): {decode}")
+            lines.append(f"stock-path calls that were decode (stock by design): {decode}")
         return "\n".join(lines)
