@@ -44,6 +44,8 @@ def test_bad_arguments(capsys):
         run_benchmarks(["nope"])
     with pytest.raises(ValueError, match="repeats must be a positive int, got 0"):
         time_call(lambda: None, 0)
+    with pytest.raises(ValueError, match="repeats must be a positive int, got 0"):
+        run_benchmarks(["emulator_gemm_256"], 0)  # before the benchmark's setup runs
     with pytest.raises(SystemExit) as e:
         cli.main(["--repeats", "0"])
     assert e.value.code == 2

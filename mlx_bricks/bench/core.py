@@ -26,6 +26,11 @@ class Benchmark:
     setup: Callable[[], tuple[Callable, Callable]]
 
 
+def _check_repeats(repeats) -> None:
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+
+
 def time_call(fn: Callable, repeats: int) -> list[float]:
     """Wall seconds of ``repeats`` calls of ``fn`` (each result evaluated), after one warm-up
     call (compilation and caches).
@@ -35,8 +40,7 @@ def time_call(fn: Callable, repeats: int) -> list[float]:
     """
     import mlx.core as mx
 
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+    _check_repeats(repeats)
     mx.eval(fn())
     out = []
     for _ in range(repeats):
@@ -85,6 +89,7 @@ def run_benchmarks(names=None, repeats: int = 3) -> dict:
 
     from mlx_bricks.backends import backend_status
 
+    _check_repeats(repeats)  # before any setup: a kernel build is not free
     names = list(BENCHMARKS) if names is None else list(names)
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:

@@ -40,3 +40,20 @@ def check_same_dtype(reference_name: str, reference: mx.array, **others) -> None
                 f"{name} has dtype {dtype_name(value.dtype)} but {reference_name} has "
                 f"{dtype_name(reference.dtype)}; mixed dtypes are not supported"
             )
+
+
+def check_k(x: mx.array) -> int:
+    """K = ``x.shape[-1]``; ValueError if it is 0 (a GEMM needs K >= 1)."""
+    K = x.shape[-1]
+    if K < 1:
+        raise ValueError(f"x must have a non-empty last dimension (K), got shape {tuple(x.shape)}")
+    return K
+
+
+def check_linear_weight(name: str, weight: mx.array, K: int, rows: str = "N") -> None:
+    """ValueError unless ``weight`` (2-D) is ``(rows, K)``, the ``nn.Linear`` layout."""
+    if weight.shape[1] != K:
+        raise ValueError(
+            f"{name} must have shape ({rows}, K={K}) as nn.Linear stores it, "
+            f"got {tuple(weight.shape)}"
+        )

@@ -14,7 +14,13 @@ import mlx.core as mx
 
 from mlx_bricks.backends import resolve_backend
 from mlx_bricks.kernels import KernelSpec, launch, register
-from mlx_bricks.ops._checks import check_array, check_float_dtype, check_same_dtype
+from mlx_bricks.ops._checks import (
+    check_array,
+    check_float_dtype,
+    check_k,
+    check_linear_weight,
+    check_same_dtype,
+)
 
 register(KernelSpec(
     name="gemm",
@@ -165,13 +171,8 @@ def _check_linear(x, weight, bias, residual):
     check_array("weight", weight, ndim=2)
     check_float_dtype("x", x)
     check_same_dtype("x", x, weight=weight, bias=bias, residual=residual)
-    K = x.shape[-1]
-    if K < 1:
-        raise ValueError(f"x must have a non-empty last dimension (K), got shape {tuple(x.shape)}")
-    if weight.shape[1] != K:
-        raise ValueError(
-            f"weight must have shape (N, K={K}) as nn.Linear stores it, got {tuple(weight.shape)}"
-        )
+    K = check_k(x)
+    check_linear_weight("weight", weight, K)
     N = weight.shape[0]
     if bias is not None:
         check_array("bias", bias)

@@ -23,7 +23,13 @@ import mlx.core as mx
 
 from mlx_bricks.backends import resolve_backend
 from mlx_bricks.kernels import KernelSpec, launch, register
-from mlx_bricks.ops._checks import check_array, check_float_dtype, check_same_dtype
+from mlx_bricks.ops._checks import (
+    check_array,
+    check_float_dtype,
+    check_k,
+    check_linear_weight,
+    check_same_dtype,
+)
 from mlx_bricks.ops.gemm import (
     MIN_THREADGROUPS_64,
     TILES as GEMM_TILES,
@@ -140,14 +146,8 @@ def _check_swiglu(x, w_gate, w_up, b_gate, b_up) -> tuple[int, int]:
     check_array("w_up", w_up, ndim=2)
     check_float_dtype("x", x)
     check_same_dtype("x", x, w_gate=w_gate, w_up=w_up, b_gate=b_gate, b_up=b_up)
-    K = x.shape[-1]
-    if K < 1:
-        raise ValueError(f"x must have a non-empty last dimension (K), got shape {tuple(x.shape)}")
-    if w_gate.shape[1] != K:
-        raise ValueError(
-            f"w_gate must have shape (N_mlp, K={K}) as nn.Linear stores it, "
-            f"got {tuple(w_gate.shape)}"
-        )
+    K = check_k(x)
+    check_linear_weight("w_gate", w_gate, K, rows="N_mlp")
     if tuple(w_up.shape) != tuple(w_gate.shape):
         raise ValueError(
             f"w_up must have the shape of w_gate {tuple(w_gate.shape)}, got {tuple(w_up.shape)}"

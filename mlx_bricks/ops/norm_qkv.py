@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx_bricks.backends import resolve_backend
 from mlx_bricks.kernels import KernelSpec, launch, register
 from mlx_bricks.ops import gemm
-from mlx_bricks.ops._checks import check_array, check_float_dtype, check_same_dtype
+from mlx_bricks.ops._checks import check_array, check_float_dtype, check_k, check_same_dtype
 
 register(KernelSpec(
     name="rms_norm_qkv",
@@ -70,9 +70,7 @@ def _check_rms_norm_qkv(x, norm_weight, eps, wq, wk, wv, bq, bk, bv, n_heads, n_
     _check_positive_int("n_heads", n_heads)
     _check_positive_int("n_kv_heads", n_kv_heads)
     _check_positive_int("head_dim", head_dim)
-    K = x.shape[2]
-    if K < 1:
-        raise ValueError(f"x must have a non-empty last dimension (K), got shape {tuple(x.shape)}")
+    K = check_k(x)
     if tuple(norm_weight.shape) != (K,):
         raise ValueError(f"norm_weight must have shape ({K},), got {tuple(norm_weight.shape)}")
     for name, w, heads, b_name, b in (("wq", wq, n_heads, "bq", bq),
