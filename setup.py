@@ -1,6 +1,7 @@
-"""Packaging glue: ``mlx_bricks/metal_src`` is a link to the top-level ``metal_src/`` folder, so
-the MSL sources are the subpackage ``mlx_bricks.metal_src`` from the source tree, an editable
-install and a wheel alike (the wheel gets real copies).
+"""Packaging glue: ``mlx_bricks/metal_src`` and ``mlx_bricks/cuda_src`` are links to the top-level
+``metal_src/`` and ``cuda_src/`` folders, so the kernel sources are the subpackages
+``mlx_bricks.metal_src`` and ``mlx_bricks.cuda_src`` from the source tree, an editable install
+and a wheel alike (the wheel gets real copies).
 
 It also puts ``mlx_bricks_hook.pth`` at the root of the wheel (regular and editable), so
 ``site`` finds it in site-packages: that one line is the ``mlx_lm.generate --use-bricks`` hook

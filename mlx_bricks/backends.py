@@ -5,8 +5,9 @@ Backends
 ``metal``
     The MSL bricks through ``mx.fast.metal_kernel``; needs ``mx.metal.is_available()``.
 ``cuda``
-    CUDA twins through ``mx.fast.cuda_kernel``; needs ``mx.cuda.is_available()`` and twins for
-    the bricks (see ``mlx_bricks.kernels.CUDA_TWINS``).
+    CUDA twins (``cuda_src/``) through ``mx.fast.cuda_kernel``; needs ``mx.cuda.is_available()``
+    and a GPU of compute capability >= 8.0 (the twins use ``mma.sync`` tensor-core
+    instructions). A brick without a twin keeps the stock path on this backend.
 ``emulator``
     The same MSL run on the CPU by ``mlx_bricks.emulator`` (clang + a Metal shim). Slow; for
     tests and for debugging Metal code on a machine without a Mac.
@@ -22,32 +23,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from mlx_bricks._availability import Availability  # noqa: F401  (re-exported)
+
 BACKENDS = ("metal", "cuda", "emulator", "reference")
 ENV_VAR = "MLX_BRICKS_BACKEND"
 
 
 class BackendError(ValueError):
     """An unknown backend name, or a backend that was asked for but cannot run here."""
-
-
-@dataclass(frozen=True)
-class Availability:
-    """Whether something can run here, and why (not).
-
-    Truthy exactly when ``available`` is True, and unpacks as ``ok, reason = ...``.
-    """
-
-    available: bool
-    reason: str
-
-    def __bool__(self) -> bool:
-        return self.available
-
-    def __iter__(self):
-        return iter((self.available, self.reason))
-
-    def __getitem__(self, i):
-        return (self.available, self.reason)[i]
 
 
 @dataclass(frozen=True)
@@ -76,17 +59,38 @@ def _metal_status() -> tuple[bool, str]:
     return False, "mx.metal.is_available() is False (no Apple GPU / MLX built without Metal)"
 
 
+#: Oldest compute capability the CUDA twins are built for (mma.sync bf16 needs sm_80).
+MIN_CUDA_CAPABILITY = (8, 0)
+
+
+def cuda_capability() -> tuple[int, int] | None:
+    """``(major, minor)`` of the default CUDA device as MLX reports it, or None without one."""
+    import mlx.core as mx
+
+    cuda = getattr(mx, "cuda", None)
+    if cuda is None or not cuda.is_available():
+        return None
+    info = mx.device_info(mx.gpu)
+    try:
+        return int(info["compute_capability_major"]), int(info["compute_capability_minor"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def _cuda_status() -> tuple[bool, str]:
     import mlx.core as mx
 
     cuda = getattr(mx, "cuda", None)
     if cuda is None or not cuda.is_available():
         return False, "mx.cuda.is_available() is False (no NVIDIA GPU / mlx[cuda13] not installed)"
-    from mlx_bricks.kernels import CUDA_TWINS
-
-    if not CUDA_TWINS:
-        return False, "a CUDA GPU is present but no brick has a CUDA twin yet"
-    return True, "mx.cuda.is_available() is True"
+    cc = cuda_capability()
+    name = mx.device_info(mx.gpu).get("device_name", "CUDA GPU")
+    if cc is None:
+        return False, f"{name}: MLX reports no compute capability"
+    if cc < MIN_CUDA_CAPABILITY:
+        return False, (f"{name} is sm_{cc[0]}{cc[1]}; the CUDA twins need sm_80 or newer "
+                       "(mma.sync bf16)")
+    return True, f"mx.cuda.is_available() is True ({name}, sm_{cc[0]}{cc[1]})"
 
 
 def _emulator_status() -> tuple[bool, str]:
@@ -179,3 +183,24 @@ def active_backend(backend: str | None = None) -> BackendChoice:
 def resolve_backend(backend: str | None = None) -> str:
     """Name of the backend a call runs on (see ``active_backend`` for the rules and errors)."""
     return active_backend(backend).name
+
+
+def kernel_backend(kernel: str, backend: str | None = None) -> str:
+    """The backend an op built on ``kernel`` runs on: :func:`resolve_backend`, except that an
+    automatic (or ``MLX_BRICKS_BACKEND``) choice of ``cuda`` for a brick without a CUDA twin
+    runs ``reference`` (the same math as stock) instead.
+
+    Raises:
+        BackendError: see :func:`active_backend`.
+        NotImplementedError: ``backend="cuda"`` given explicitly for a brick without a twin.
+    """
+    from mlx_bricks.kernels import has_kernel
+
+    choice = active_backend(backend)
+    if choice.name == "cuda" and not has_kernel(kernel, "cuda"):
+        if choice.source == "argument":
+            raise NotImplementedError(
+                f"the {kernel!r} brick has no CUDA twin yet; use backend='reference'")
+        return "reference"
+    return choice.name
+

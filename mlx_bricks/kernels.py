@@ -1,16 +1,18 @@
-"""Kernel registry: every brick's ``mx.fast.metal_kernel`` object, built once, lazily.
+"""Kernel registry: every brick's ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` object,
+built once, lazily.
 
 A brick module registers a :class:`KernelSpec` at import time (cheap: no source is read and
 nothing is compiled). The first :func:`launch` (or :func:`get_kernel`) of a spec on a backend
-reads the MSL from ``mlx_bricks.metal_src`` through ``importlib.resources`` and builds the kernel
-object for that backend:
+reads its sources through ``importlib.resources`` and builds the kernel object:
 
-* ``metal``: ``mx.fast.metal_kernel``;
-* ``emulator``: ``mlx_bricks.emulator.metal_kernel`` (same arguments, runs on the CPU);
-* ``cuda``: ``mx.fast.cuda_kernel`` from ``CUDA_TWINS`` (none yet).
+* ``metal``: ``mx.fast.metal_kernel`` from ``mlx_bricks.metal_src``;
+* ``emulator``: ``mlx_bricks.emulator.metal_kernel`` (same MSL and arguments, runs on the CPU);
+* ``cuda``: ``mx.fast.cuda_kernel`` from ``mlx_bricks.cuda_src`` (the spec's CUDA twin), one
+  object per dynamic shared-memory size (a construction argument of ``cuda_kernel``).
 
-The same launch geometry and template arguments are passed to every backend, so product code
-is identical for Metal and the emulator. Each source variant gets a unique kernel name
+Metal and the emulator get the same launch geometry and template arguments, so product code is
+identical for both; a CUDA twin has its own geometry (``mlx_bricks/ops``) and the same inputs,
+outputs and semantics. Each source variant gets a unique kernel name
 (``mlx_bricks_<name>_<sha1 of header+body>``) because MLX < 0.32.1 could run the wrong kernel
 when two shared a name, and a stale cache must never serve an edited source.
 """
@@ -23,6 +25,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 SOURCE_PACKAGE = "mlx_bricks.metal_src"
+CUDA_SOURCE_PACKAGE = "mlx_bricks.cuda_src"
+#: Backends whose kernels are built from a spec's MSL; ``cuda`` uses the spec's CUDA twin.
+MSL_BACKENDS = ("metal", "emulator")
 
 
 @dataclass(frozen=True)
@@ -35,8 +40,11 @@ class KernelSpec:
         input_names, output_names: buffer names, in launch order.
         headers: files in ``metal_src/`` concatenated (in order) into ``header=``.
         ensure_row_contiguous: as in ``mx.fast.metal_kernel``; False for kernels that read
-            ``<input>_strides`` to take views without a copy.
+            ``<input>_strides`` to take views without a copy (applies to the CUDA twin too).
         atomic_outputs: as in ``mx.fast.metal_kernel``.
+        cuda_body: file in ``cuda_src/`` holding the CUDA twin's body (same inputs and outputs),
+            or None when the brick has no twin yet.
+        cuda_headers: files in ``cuda_src/`` concatenated into the twin's ``header=``.
     """
 
     name: str
@@ -46,11 +54,11 @@ class KernelSpec:
     headers: tuple[str, ...] = ()
     ensure_row_contiguous: bool = True
     atomic_outputs: bool = False
+    cuda_body: str | None = None
+    cuda_headers: tuple[str, ...] = ()
 
 
 _SPECS: dict[str, KernelSpec] = {}
-# brick name -> CUDA twin spec (filled by the CUDA-twin issue); empty means "no twins yet".
-CUDA_TWINS: dict[str, object] = {}
 
 #: How many kernel objects were built, per (name, backend). Each must stay at 1.
 BUILD_COUNTS: Counter = Counter()
@@ -87,45 +95,79 @@ def registered() -> list[str]:
 
 
 @lru_cache(maxsize=None)
-def read_source(filename: str) -> str:
-    """Text of ``metal_src/<filename>`` from the installed package (wheel or editable).
+def read_source(filename: str, package: str = SOURCE_PACKAGE) -> str:
+    """Text of ``<package>/<filename>`` from the installed package (wheel or editable):
+    ``metal_src`` by default, ``CUDA_SOURCE_PACKAGE`` for CUDA twins.
 
     Raises:
-        FileNotFoundError: no such file in ``mlx_bricks.metal_src``.
+        FileNotFoundError: no such file in ``package``.
+        ValueError: the file is not ASCII (MSL must be; the CUDA twins keep the same rule).
     """
-    path = importlib.resources.files(SOURCE_PACKAGE).joinpath(filename)
+    path = importlib.resources.files(package).joinpath(filename)
     if not path.is_file():
-        raise FileNotFoundError(f"{filename!r} is not in package {SOURCE_PACKAGE}")
+        raise FileNotFoundError(f"{filename!r} is not in package {package}")
     text = path.read_text(encoding="utf-8")
     if not text.isascii():
-        raise ValueError(f"{filename}: Metal source must be ASCII")
+        raise ValueError(f"{filename}: kernel source must be ASCII")
     return text
 
 
-def kernel_source(name: str) -> tuple[str, str, str]:
-    """``(unique_kernel_name, header, body)`` exactly as given to ``metal_kernel``."""
+def has_kernel(name: str, backend: str) -> bool:
+    """Whether kernel ``name`` can be built for ``backend`` (``cuda``: the spec has a twin)."""
     s = spec(name)
-    header = "\n".join(read_source(h) for h in s.headers)
-    body = read_source(s.body)
+    if backend in MSL_BACKENDS:
+        return True
+    return backend == "cuda" and s.cuda_body is not None
+
+
+def kernel_source(name: str, backend: str = "metal") -> tuple[str, str, str]:
+    """``(unique_kernel_name, header, body)`` exactly as given to ``metal_kernel`` (``metal``,
+    ``emulator``) or ``cuda_kernel`` (``cuda``).
+
+    Raises:
+        ValueError: unknown kernel name or backend.
+        NotImplementedError: ``cuda`` for a brick without a CUDA twin.
+    """
+    s = spec(name)
+    if backend in MSL_BACKENDS:
+        header = "\n".join(read_source(h) for h in s.headers)
+        body = read_source(s.body)
+        prefix = "mlx_bricks_"
+    elif backend == "cuda":
+        if s.cuda_body is None:
+            raise NotImplementedError(f"kernel {name!r} has no CUDA twin")
+        header = "\n".join(read_source(h, CUDA_SOURCE_PACKAGE) for h in s.cuda_headers)
+        body = read_source(s.cuda_body, CUDA_SOURCE_PACKAGE)
+        prefix = "mlx_bricks_cu_"
+    else:
+        raise ValueError(
+            f"backend {backend!r} has no kernels; expected 'metal', 'emulator' or 'cuda'"
+        )
     digest = hashlib.sha1((header + "\0" + body).encode()).hexdigest()[:12]
-    return f"mlx_bricks_{s.name}_{digest}", header, body
+    return f"{prefix}{s.name}_{digest}", header, body
 
 
 @lru_cache(maxsize=None)
-def get_kernel(name: str, backend: str):
+def get_kernel(name: str, backend: str, shared_memory: int = 0):
     """The kernel object for ``name`` on ``backend``, built on first use and cached.
 
     Args:
         name: a registered kernel name.
         backend: ``"metal"``, ``"emulator"`` or ``"cuda"`` (``"reference"`` has no kernels).
+        shared_memory: ``cuda`` only: bytes of dynamic shared memory every launch of this object
+            gets (``mx.fast.cuda_kernel(shared_memory=...)``); each size is its own object,
+            named apart so MLX's module cache never hands one size's function to another.
 
     Raises:
-        ValueError: unknown kernel name or a backend without kernels.
-        NotImplementedError: ``cuda`` for a brick that has no CUDA twin yet.
+        ValueError: unknown kernel name or a backend without kernels; shared_memory on an MSL
+            backend.
+        NotImplementedError: ``cuda`` for a brick that has no CUDA twin.
     """
     s = spec(name)
-    if backend in ("metal", "emulator"):
-        kname, header, body = kernel_source(name)
+    kname, header, body = kernel_source(name, backend)
+    if backend in MSL_BACKENDS:
+        if shared_memory:
+            raise ValueError("shared_memory applies to the cuda backend only")
         if backend == "metal":
             import mlx.core as mx
 
@@ -143,24 +185,33 @@ def get_kernel(name: str, backend: str):
             ensure_row_contiguous=s.ensure_row_contiguous,
             atomic_outputs=s.atomic_outputs,
         )
-    elif backend == "cuda":
-        if name not in CUDA_TWINS:
-            raise NotImplementedError(f"kernel {name!r} has no CUDA twin yet")
-        kernel = CUDA_TWINS[name]
     else:
-        raise ValueError(
-            f"backend {backend!r} has no kernels; expected 'metal', 'emulator' or 'cuda'"
+        import mlx.core as mx
+
+        if shared_memory:
+            kname = f"{kname}_smem{shared_memory}"
+            # The size is part of the source too: MLX keys its JIT module by name and source.
+            body = f"// dynamic shared memory: {shared_memory} bytes\n{body}"
+        kernel = mx.fast.cuda_kernel(
+            name=kname,
+            input_names=list(s.input_names),
+            output_names=list(s.output_names),
+            source=body,
+            header=header,
+            ensure_row_contiguous=s.ensure_row_contiguous,
+            shared_memory=shared_memory,
         )
     BUILD_COUNTS[(name, backend)] += 1
     return kernel
 
 
-def launch(name: str, backend: str, **kwargs):
+def launch(name: str, backend: str, *, shared_memory: int = 0, **kwargs):
     """Launch kernel ``name`` on ``backend``; ``kwargs`` are those of the MLX kernel call
-    (``inputs, grid, threadgroup, output_shapes, output_dtypes, template, init_value``).
+    (``inputs, grid, threadgroup, output_shapes, output_dtypes, template, init_value``);
+    ``shared_memory`` is the CUDA twin's dynamic shared memory in bytes (0 elsewhere).
 
     Returns the list of output arrays.
     """
-    outputs = get_kernel(name, backend)(**kwargs)
+    outputs = get_kernel(name, backend, shared_memory)(**kwargs)
     LAUNCH_COUNTS[(name, backend)] += 1
     return outputs

@@ -121,10 +121,10 @@ def checks(**kwargs):
 
 
 def is_available():
-    """Whether the emulator can run here: an ``Availability`` (``mlx_bricks.backends``) that is
+    """Whether the emulator can run here: an ``Availability`` (``mlx_bricks._availability``) that is
     truthy only when a usable clang++ (>= 15) is installed on x86-64 Linux, and unpacks as
     ``ok, reason`` (the compiler found, or why not)."""
-    from mlx_bricks.backends import Availability
+    from mlx_bricks._availability import Availability
 
     if not sys.platform.startswith("linux") or os.uname().machine not in ("x86_64", "AMD64"):
         return Availability(False, "the emulator runtime supports x86-64 Linux only")

@@ -1,0 +1,177 @@
+"""Compile checks for the CUDA twins without a GPU: the source MLX would build, through nvcc.
+
+``mx.fast.cuda_kernel`` wraps a body in a generated ``__global__`` signature (MLX 0.32's
+``build_kernel`` in ``mlx/backend/cuda/custom_kernel.cpp``: inputs as ``const T*`` plus
+``<name>_shape`` / ``_strides`` / ``_ndim`` parameters when the body mentions them, outputs as
+``T*``, template arguments as ``constexpr`` / ``using`` lines) and compiles it with NVRTC for the
+device (``sm_90a`` on an H100/H200). :func:`generated_source` reproduces that text and
+:func:`compile_twin` compiles it with ``nvcc -cubin`` for a chosen architecture, returning the
+resource report of ``ptxas -v`` (registers, spills, stack, shared memory).
+
+It proves the twins compile and stay out of local memory on a machine with only the CUDA
+toolkit (CI); whether they run correctly and fast is measured on the GPU machine. Headers MLX
+provides are replaced by the stand-in in ``shim/`` (types only).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+#: MLX 0.32's dtype_to_cuda_type.
+CUDA_TYPES = {
+    "bool": "bool", "int8": "int8_t", "int16": "int16_t", "int32": "int32_t",
+    "int64": "int64_t", "uint8": "uint8_t", "uint16": "uint16_t", "uint32": "uint32_t",
+    "uint64": "uint64_t", "float16": "__half", "bfloat16": "__nv_bfloat16",
+    "float32": "float", "float64": "double",
+}
+
+DEFAULT_HEADER = """
+#include "mlx/backend/cuda/device/utils.cuh"
+
+#include <cooperative_groups.h>
+
+"""
+
+SHIM_DIR = Path(__file__).resolve().parent / "shim"
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("mlx.core.", "")
+
+
+def generated_source(func_name: str, header: str, body: str, inputs, output_names,
+                     output_dtypes, template=()) -> str:
+    """The CUDA source ``mx.fast.cuda_kernel`` builds (MLX 0.32 ``build_kernel``).
+
+    Args:
+        func_name: the ``__global__`` function's name.
+        header, body: as given to ``cuda_kernel``.
+        inputs: ``[(name, dtype, ndim), ...]`` in launch order (dtype an ``mx.Dtype`` or its
+            name; ndim 0 for a scalar array, which gets no shape/strides parameters).
+        output_names, output_dtypes: the outputs.
+        template: ``[(name, value), ...]``: int, bool or dtype.
+    """
+    lines = [DEFAULT_HEADER, header, "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"]
+    sig = [f"__global__ void {func_name}(\n"]
+    for name, dtype, ndim in inputs:
+        sig.append(f"    const {CUDA_TYPES[_dtype_name(dtype)]}* {name},\n")
+        if ndim > 0:
+            if f"{name}_shape" in body:
+                sig.append(f"    const __grid_constant__ Shape {name}_shape,\n")
+            if f"{name}_strides" in body:
+                sig.append(f"    const __grid_constant__ Strides {name}_strides,\n")
+            if f"{name}_ndim" in body:
+                sig.append(f"    const __grid_constant__ int {name}_ndim,\n")
+    for i, (name, dtype) in enumerate(zip(output_names, output_dtypes)):
+        end = ",\n" if i < len(output_names) - 1 else ") {\n"
+        sig.append(f"    {CUDA_TYPES[_dtype_name(dtype)]}* {name}{end}")
+    consts = []
+    for name, value in template:
+        if isinstance(value, bool):
+            consts.append(f"  constexpr bool {name} = {'true' if value else 'false'};\n")
+        elif isinstance(value, int):
+            consts.append(f"  constexpr int {name} = {value};\n")
+        else:
+            consts.append(f"  using {name} = {CUDA_TYPES[_dtype_name(value)]};\n")
+    if consts:
+        consts.append("\n")
+    return "".join(lines + sig + consts + [body, "\n}\n\n} // namespace mlx::core::cu\n"])
+
+
+@dataclass(frozen=True)
+class Resources:
+    """``ptxas -v`` report of one kernel: registers per thread, spill bytes, stack frame bytes
+    and static shared memory bytes."""
+
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack: int
+    smem: int
+
+
+def find_nvcc() -> str | None:
+    """Path of nvcc (``$NVCC``, PATH, then ``/usr/local/cuda*/bin``), or None."""
+    cand = os.environ.get("NVCC") or shutil.which("nvcc")
+    if cand:
+        return cand
+    for root in sorted(Path("/usr/local").glob("cuda*"), reverse=True):
+        p = root / "bin" / "nvcc"
+        if p.is_file():
+            return str(p)
+    return None
+
+
+_REG = re.compile(r"Used (\d+) registers")
+_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas(log: str) -> Resources:
+    """Resources of the (one) kernel in a ``ptxas -v`` log."""
+    reg = _REG.search(log)
+    spill = _SPILL.search(log)
+    smem = _SMEM.search(log)
+    return Resources(
+        registers=int(reg.group(1)) if reg else 0,
+        stack=int(spill.group(1)) if spill else 0,
+        spill_stores=int(spill.group(2)) if spill else 0,
+        spill_loads=int(spill.group(3)) if spill else 0,
+        smem=int(smem.group(1)) if smem else 0,
+    )
+
+
+class CompileError(RuntimeError):
+    """nvcc rejected a generated source; the message holds its log."""
+
+
+def compile_source(source: str, arch: str = "sm_90a", nvcc: str | None = None) -> Resources:
+    """Compile ``source`` to a cubin for ``arch`` and return its resources.
+
+    Raises:
+        FileNotFoundError: no nvcc.
+        CompileError: the compile failed (message: nvcc's log).
+    """
+    nvcc = nvcc or find_nvcc()
+    if nvcc is None:
+        raise FileNotFoundError("nvcc not found (set NVCC or put the CUDA toolkit on PATH)")
+    num = arch.removeprefix("sm_")
+    gencode = f"-gencode=arch=compute_{num},code=sm_{num}"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.cu"
+        src.write_text(source)
+        cmd = [nvcc, "-std=c++17", gencode, "-cubin", "-Xptxas", "-v", "-I", str(SHIM_DIR),
+               "-o", str(Path(tmp) / "kernel.cubin"), str(src)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise CompileError(f"nvcc failed for {arch}:\n{res.stderr[-6000:]}")
+    return parse_ptxas(res.stderr)
+
+
+def compile_twin(name: str, inputs, output_dtypes, template=(), arch: str = "sm_90a",
+                 nvcc: str | None = None) -> Resources:
+    """Compile the CUDA twin of registered kernel ``name`` as MLX would build it.
+
+    Args:
+        name: a registered kernel with a CUDA twin (``mlx_bricks.kernels``).
+        inputs: ``[(dtype, ndim), ...]`` per input of the spec, in order.
+        output_dtypes: one dtype per output.
+        template: the launch's template arguments.
+        arch: ``sm_90a`` (H100/H200, what MLX targets there) or ``sm_80`` etc.
+
+    Raises:
+        FileNotFoundError, CompileError: see :func:`compile_source`.
+    """
+    from mlx_bricks import kernels
+
+    spec = kernels.spec(name)
+    kname, header, body = kernels.kernel_source(name, "cuda")
+    ins = [(n, d, nd) for n, (d, nd) in zip(spec.input_names, inputs)]
+    src = generated_source(f"custom_kernel_{kname}", header, body, ins, spec.output_names,
+                           output_dtypes, template)
+    return compile_source(src, arch, nvcc)
