@@ -38,6 +38,8 @@ kernels.register(kernels.KernelSpec(
     output_names=("out",),
     headers=("q8_0.h", "attention.h"),
     ensure_row_contiguous=False,
+    cuda_body="attention.cu",
+    cuda_headers=("mma.cuh", "attention.cuh"),
 ))
 
 
