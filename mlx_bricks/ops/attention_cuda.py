@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlx_bricks import kernels
+from mlx_bricks.ops._checks import dtype_name
 
 #: Head dims the CUDA twin supports.
 CUDA_HEAD_DIMS = (64, 80, 96, 128, 192, 256, 512)
@@ -53,10 +54,10 @@ class CudaTile:
 # Variants per head_dim, default first. Registers (ptxas, sm_90a, all flags on) are in
 # docs/bricks.md; every one listed here compiles without spills (tests/test_attention_cuda.py).
 _VARIANTS_16 = {
-    64: (CudaTile(32, 2, True), CudaTile(64, 2, True), CudaTile(64, 1, True)),
-    80: (CudaTile(32, 2, True), CudaTile(64, 1, True)),
-    96: (CudaTile(32, 2, True), CudaTile(64, 1, True)),
-    128: (CudaTile(64, 1, True), CudaTile(64, 2, False)),
+    64: (CudaTile(32, 2, True), CudaTile(64, 1, True)),
+    80: (CudaTile(64, 1, True), CudaTile(32, 2, True)),
+    96: (CudaTile(64, 1, True), CudaTile(32, 2, False)),
+    128: (CudaTile(64, 1, True), CudaTile(64, 1, False)),
     192: (CudaTile(64, 1, False), CudaTile(32, 1, False)),
     256: (CudaTile(32, 1, False), CudaTile(64, 1, False)),
     512: (CudaTile(32, 1, False), CudaTile(16, 1, False)),
@@ -135,7 +136,7 @@ def pick_tile(head_dim: int, dtype, kv_q8: bool, variant: str | None = None,
         if smem_bytes(head_dim, dtype, t, kv_q8) <= limit:
             return t
     need = min(smem_bytes(head_dim, dtype, t, kv_q8) for t in options)
-    raise ValueError(f"CUDA attention with head_dim {head_dim} and {dtype} needs {need} bytes of "
+    raise ValueError(f"CUDA attention with head_dim {head_dim} and {dtype_name(dtype)} needs {need} bytes of "
                      f"shared memory per block; this device allows {limit}")
 
 
@@ -166,9 +167,17 @@ def launch_attention_cuda(q, k, v, k_scale, v_scale, *, scale, causal, window=No
         softcap: None or a float > 0: scores become ``softcap * tanh(scale * q.k / softcap)``.
         variant: a :func:`variants` name, or None for the default that fits the device.
 
-    No argument checks beyond the variant (the caller validates); rows that see no key
-    (only reachable with Lq > Lk) come out 0.
+    Shapes and dtypes are the caller's to check (``flash_attention`` validates them); rows that
+    see no key (only reachable with Lq > Lk) come out 0.
+
+    Raises:
+        ValueError: window < 1, softcap <= 0, an unknown variant, or no variant fits the
+            device's shared memory.
     """
+    if window is not None and window < 1:
+        raise ValueError(f"window must be an int >= 1, got {window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0, got {softcap!r}")
     B, Hq, Lq, D = q.shape
     kv_q8 = k_scale is not None
     tile = pick_tile(D, q.dtype, kv_q8, variant)
