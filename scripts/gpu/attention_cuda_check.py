@@ -417,6 +417,12 @@ def bench(timeout: float) -> list[dict]:
               f"{s} {peaks:>14s}")
         if "stock_error" in r:
             print(f"{'':40s} stock failed: {r['stock_error'][:150]}")
+    by_name = {r["name"]: r for r in results if "brick_ms" in r}
+    for name, r in by_name.items():  # issue target: Q8_0 K/V within 1.2x of bf16 K/V
+        base = by_name.get(name.removesuffix(" q8_0"))
+        if name.endswith(" q8_0") and base is not None:
+            r["vs_bf16_twin"] = r["brick_ms"] / base["brick_ms"]
+            print(f"{name}: {r['vs_bf16_twin']:.2f}x the time of the twin on bf16 K/V")
     return results
 
 
@@ -449,7 +455,7 @@ def main(argv=None) -> int:
     if not args.skip_check:
         report["correctness"] = correctness(args.jobs, args.quick, timeout=150)
     if not args.skip_bench:
-        report["bench"] = bench(timeout=150)
+        report["bench"] = bench(timeout=210)
     report["seconds"] = time.time() - t0
     print(f"\ntotal {report['seconds']:.0f} s")
     if args.out is not None:
