@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from mlx_bricks.backends import resolve_backend
 from mlx_bricks.kernels import KernelSpec, launch, register
-from mlx_bricks.ops import gemm
+from mlx_bricks.ops import gemm, gemm_cuda
 from mlx_bricks.ops._checks import check_array, check_float_dtype, check_k, check_same_dtype
 
 register(KernelSpec(
@@ -27,6 +27,21 @@ register(KernelSpec(
     headers=("gemm.h",),
     # x is read through x_strides, so views of x are not copied.
     ensure_row_contiguous=False,
+    # The twin reads the per-row inverse RMS (rms_inv) and each weight as a (w, scales, biases)
+    # triple, float or MLX affine, each projection in its own format.
+    cuda_body="rms_norm_qkv.cu",
+    cuda_headers=("mma.cuh", "gemm.cuh"),
+    cuda_input_names=("x", "inv_rms", "norm_weight", "wq", "sq", "zq", "wk", "sk", "zk",
+                      "wv", "sv", "zv", "bq", "bk", "bv"),
+))
+# The CUDA twin's prologue: rsqrt(mean(x^2) + eps) once per row.
+register(KernelSpec(
+    name="rms_inv",
+    body=None,
+    input_names=("x", "eps"),
+    output_names=("inv_rms",),
+    cuda_body="rms_inv.cu",
+    cuda_headers=("mma.cuh",),
 ))
 
 
@@ -149,9 +164,9 @@ def rms_norm_qkv(x, norm_weight, eps, wq, wk, wv, bq=None, bk=None, bv=None, *, 
     """
     _check_rms_norm_qkv(x, norm_weight, eps, wq, wk, wv, bq, bk, bv, n_heads, n_kv_heads,
                         head_dim)
-    if tile is not None and tile not in gemm.TILES:
+    name = gemm_cuda.cuda_or(backend, x.dtype)
+    if name != "cuda" and tile is not None and tile not in gemm.TILES:
         raise ValueError(f"tile must be None or one of {sorted(gemm.TILES)}, got {tile!r}")
-    name = resolve_backend(backend)
     if name == "reference":
         return rms_norm_qkv_reference(x, norm_weight, eps, wq, wk, wv, bq, bk, bv,
                                       n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim)
@@ -167,6 +182,10 @@ def rms_norm_qkv(x, norm_weight, eps, wq, wk, wv, bq=None, bk=None, bv=None, *, 
     M = B * L
     if M == 0:
         return tuple(mx.zeros(s, dtype=dtype) for s in shapes)
+    if name == "cuda":
+        return gemm_cuda.rms_norm_qkv(x, norm_weight, eps, wq, wk, wv, bq, bk, bv,
+                                      n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                                      tile=tile)
     plan, grid, align_mn, _ = plan_rms_norm_qkv(M, n_heads, n_kv_heads, head_dim, K, dtype,
                                                 tile=tile)
     has_bias = bq is not None
