@@ -4,7 +4,8 @@
 //
 // Template: T (__half, __nv_bfloat16), BM, BN, WM, WN (WM * WN warps), STAGES (>= 3 for affine
 // weights: a stage is dequantized one ahead), BITS (0: float weight; else 2..8 affine), GS
-// (group size, affine only), HAS_BIAS, HAS_RESIDUAL, SWIGLU_UP.
+// (group size, affine only), HAS_BIAS, HAS_RESIDUAL, SWIGLU_UP, WGMMA (sm_90a warpgroup MMA,
+// then WM = BM / 16 and WN = 1; else mma.sync).
 // Inputs: x (M, K) row-contiguous (the op reshapes / copies); w: (N, K) of T, or uint32
 // (N, K * BITS / 32); scales, biases (N, K / GS) of T (placeholders for float weights); bias (N,);
 // residual (M, N) (the up projection when SWIGLU_UP); absent ones are placeholders never read.
@@ -12,7 +13,8 @@
 // Launch: 1-D grid of ceil(M / BM) * ceil(N / BN) blocks of WM * WN * 32 threads (grouped
 // order), dynamic shared memory GemmSmem<Cfg, loader>::TOTAL (mlx_bricks/ops/gemm_cuda.py).
 using Cfg = bricks::GemmConfig<T, BM, BN, WM, WN, 1, STAGES>;
-extern __shared__ __align__(128) unsigned char smem[];
+using Mma = typename bricks::MmaPolicy<Cfg, WGMMA>::type;
+extern __shared__ __align__(1024) unsigned char smem[];
 const int M = x_shape[0];
 const int K = x_shape[1];
 const int N = w_shape[0];
@@ -24,9 +26,9 @@ const T* bs[1] = {biases};
 typename bricks::WeightLoader<Cfg, BITS, GS>::type bl(ws, ss, bs, N, K, tn * BN);
 if constexpr (SWIGLU_UP) {
   bricks::SwiGLUUpOut<T, HAS_BIAS> epi{y, bias, residual, M, N, tm * BM, tn * BN};
-  bricks::gemm_block<Cfg>(smem, x, M, K, tm * BM, bl, bricks::NoATransform(), epi);
+  bricks::gemm_block<Cfg, Mma>(smem, x, M, K, tm * BM, bl, epi);
 } else {
   bricks::BiasResidualOut<T, HAS_BIAS, HAS_RESIDUAL> epi{y, bias, residual, M, N, tm * BM,
                                                           tn * BN};
-  bricks::gemm_block<Cfg>(smem, x, M, K, tm * BM, bl, bricks::NoATransform(), epi);
+  bricks::gemm_block<Cfg, Mma>(smem, x, M, K, tm * BM, bl, epi);
 }

@@ -15,8 +15,6 @@
 //                                               scales, biases) land packed and are dequantized
 //                                               ONCE per staged tile into a 16-bit tile (never per
 //                                               MMA), one stage ahead of the MMAs.
-//   NoATransform / RmsNormA                     an optional transform of each A tile after it
-//                                               lands (RMSNorm on the fly for RMSNorm + QKV).
 //   gemm_mainloop(...)                          the K loop: one barrier per K step.
 //   WarpTile::for_each(op)                      the epilogue walk: op(acc, b, row, col) per pair
 //                                               of adjacent columns.
@@ -376,61 +374,16 @@ struct WeightLoader<Cfg, 0, GS> {
 };
 
 // ---------------------------------------------------------------------------------------------
-// A transforms, applied to a landed A stage by the threads that issued its chunks
-// ---------------------------------------------------------------------------------------------
-
-struct NoATransform {
-  static constexpr bool ACTIVE = false;
-  template <class Cfg>
-  __device__ __forceinline__ void apply(unsigned char*, int, int) const {}
-};
-
-// RMSNorm on the fly, rounded as mx.fast.rms_norm: h = T(w * T(x * inv_rms)), float math.
-// inv_rms: (M,) float32 from the rms kernel; weight: (K,) of T.
-template <typename T>
-struct RmsNormA {
-  static constexpr bool ACTIVE = true;
-  const float* inv_rms;
-  const T* weight;
-  int M, K, m0;
-
-  template <class Cfg>
-  __device__ __forceinline__ void apply(unsigned char* stage, int k0, int tid) const {
-    constexpr int PER_THREAD = Cfg::BM * GEMM_CHUNKS / Cfg::THREADS;
-#pragma unroll
-    for (int j = 0; j < PER_THREAD; ++j) {
-      const int id = tid + j * Cfg::THREADS;
-      const int r = id / GEMM_CHUNKS;
-      const int c = id % GEMM_CHUNKS;
-      const int m = m0 + r;
-      const int k = k0 + c * 8;
-      if (m >= M || k >= K) continue;  // zero-filled: stays zero
-      uint4* p = reinterpret_cast<uint4*>(stage + swz(r, c));
-      uint4 raw = *p;
-      uint32_t* h = reinterpret_cast<uint32_t*>(&raw);
-      const float s = inv_rms[m];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 xv = unpack2<T>(h[e]);
-        const int ka = k + 2 * e;
-        const float w0 = ka < K ? to_float(weight[ka]) : 0.0f;
-        const float w1 = ka + 1 < K ? to_float(weight[ka + 1]) : 0.0f;
-        const float n0 = to_float(from_float<T>(xv.x * s));
-        const float n1 = to_float(from_float<T>(xv.y * s));
-        h[e] = pack2<T>(w0 * n0, w1 * n1);
-      }
-      *p = raw;
-    }
-  }
-};
-
-// ---------------------------------------------------------------------------------------------
 // Warp tile: NB operands x MF x NF m16n8 accumulators
 // ---------------------------------------------------------------------------------------------
 
 template <class Cfg>
 struct WarpTile {
   using T = typename Cfg::T;
+  // mma.sync is synchronous: issue() computes the stage, retire() has nothing to wait for.
+  static constexpr bool ASYNC = false;
+  // k16 steps per unrolled iteration of mma_stage: all four when the accumulators leave room.
+  static constexpr int KK_UNROLL = Cfg::NB * Cfg::MF * Cfg::NF * 4 > 64 ? 1 : 4;
   float acc[Cfg::NB][Cfg::MF][Cfg::NF][4];
   int wm, wn, lane;
 
@@ -449,7 +402,9 @@ struct WarpTile {
   __device__ __forceinline__ void mma_stage(const unsigned char* As, const unsigned char* Bs) {
     const uint32_t a_base = smem_addr(As);
     const uint32_t b_base = smem_addr(Bs);
-#pragma unroll
+    // Unrolled only as far as the registers allow: with a 64 x 64 warp tile (128 accumulators)
+    // ptxas would otherwise hoist all four k16 steps' fragments and spill.
+#pragma unroll KK_UNROLL
     for (int kk = 0; kk < GEMM_CHUNKS; kk += 2) {  // k16 steps: chunks kk, kk + 1
       uint32_t a[Cfg::MF][4];
 #pragma unroll
@@ -477,6 +432,12 @@ struct WarpTile {
       }
     }
   }
+
+  __device__ __forceinline__ void issue(const unsigned char* As, const unsigned char* Bs) {
+    mma_stage(As, Bs);
+  }
+
+  __device__ __forceinline__ void retire() {}
 
   // Epilogue walk: op(acc_pair, b, row, col) for each pair of adjacent output columns this lane
   // holds, rows/cols block-relative (operand b's column col).
@@ -509,21 +470,31 @@ struct WarpTile {
 
 // Shared memory of a configuration with weight loader BL, in bytes (the ops size
 // mx.fast.cuda_kernel's dynamic shared memory with the same formula).
+// Regions start 1024-byte aligned (wgmma's 128-byte-swizzle tiles need it), and the dynamic
+// shared memory is over-allocated by ALIGN so its start can be aligned at run time.
 template <class Cfg, class BL>
 struct GemmSmem {
-  static constexpr int A_BYTES = Cfg::STAGES * Cfg::A_STAGE_BYTES;
-  static constexpr int B_BYTES = Cfg::STAGES * BL::STAGE_BYTES;
-  static constexpr int TOTAL = A_BYTES + B_BYTES + BL::EXTRA_BYTES;
+  static constexpr int ALIGN = 1024;
+  static constexpr int round(int n) { return (n + ALIGN - 1) / ALIGN * ALIGN; }
+  static constexpr int A_BYTES = round(Cfg::STAGES * Cfg::A_STAGE_BYTES);
+  static constexpr int B_BYTES = round(Cfg::STAGES * BL::STAGE_BYTES);
+  static constexpr int TOTAL = A_BYTES + B_BYTES + BL::EXTRA_BYTES + ALIGN;
 };
+
+// The first 1024-byte-aligned address of the dynamic shared memory.
+__device__ __forceinline__ unsigned char* align_smem(unsigned char* smem) {
+  const uint32_t a = smem_addr(smem);
+  return smem + ((1024u - (a & 1023u)) & 1023u);
+}
 
 // Runs the whole K loop for one block tile. smem: dynamic shared memory laid out as
 // [A stages][B stages][loader extra]. Stage s of a K loop of `steps` stages lands in ring slot
 // s % STAGES; the weight loader's operand for stage s is ready LOOKAHEAD stages ahead.
 // Barriers: one per K step (it orders the ring slot reuse, the dequantized-tile reuse and the
 // visibility of cp.async data and scalar stores).
-template <class Cfg, class AL, class BL, class AT>
+template <class Cfg, class AL, class BL, class Mma>
 __device__ __forceinline__ void gemm_mainloop(unsigned char* smem, const AL& al, BL& bl,
-                                              const AT& at, WarpTile<Cfg>& wt, int K, int tid) {
+                                              Mma& mma, int K, int tid) {
   constexpr int S = Cfg::STAGES;
   constexpr int LA = BL::LOOKAHEAD;
   static_assert(S >= 2 + LA, "need at least 2 + lookahead stages");
@@ -553,30 +524,33 @@ __device__ __forceinline__ void gemm_mainloop(unsigned char* smem, const AL& al,
 
   for (int s = 0; s < steps; ++s) {
     // Stages <= s + LA have landed (for this thread); the barrier publishes them to all and
-    // retires every read of iteration s - 1 (ring slot (s - 1) % S, operand tile (s + 1) & 1).
+    // retires every read of iteration s - 1 (ring slot (s - 1) % S, operand tile (s + 1) & 1;
+    // an asynchronous MMA policy retired its reads before the barrier). The proxy fence makes
+    // this thread's generic-proxy writes (cp.async, the dequantized tile) visible to wgmma.
     cp_async_wait<S - 2 - LA>();
+    if constexpr (Mma::ASYNC) fence_proxy_async();
     __syncthreads();
+    const unsigned char* a_stage = a_ring + (s % S) * Cfg::A_STAGE_BYTES;
+    const unsigned char* b_stage = bl.operand(b_ring + (s % S) * BL::STAGE_BYTES, extra, s);
+    if constexpr (Mma::ASYNC) mma.issue(a_stage, b_stage);  // runs while we copy below
     const int nxt = s + S - 1;
     if (nxt < steps) {
       al.issue(a_ring + (nxt % S) * Cfg::A_STAGE_BYTES, nxt * Cfg::BK, tid);
       bl.issue(b_ring + (nxt % S) * BL::STAGE_BYTES, nxt * Cfg::BK, tid);
     }
     cp_async_commit();
-    unsigned char* a_stage = a_ring + (s % S) * Cfg::A_STAGE_BYTES;
-    if constexpr (AT::ACTIVE) {
-      // Each thread transforms the chunks it copied itself (landed: waited above), then the
-      // block must see them: one more barrier, paid only by transforming kernels.
-      at.template apply<Cfg>(a_stage, s * Cfg::BK, tid);
-      __syncthreads();
-    }
     if constexpr (LA == 1) {
       if (s + 1 < steps) {
-        bl.prepare(b_ring + ((s + 1) % S) * BL::STAGE_BYTES, extra + ((s + 1) & 1) * Cfg::B_TILE_BYTES,
-                   (s + 1) * Cfg::BK, tid, s + 1);
+        bl.prepare(b_ring + ((s + 1) % S) * BL::STAGE_BYTES,
+                   extra + ((s + 1) & 1) * Cfg::B_TILE_BYTES, (s + 1) * Cfg::BK, tid, s + 1);
         if (s + 2 < steps) bl.fetch_scales((s + 2) * Cfg::BK, tid);
       }
     }
-    wt.mma_stage(a_stage, bl.operand(b_ring + (s % S) * BL::STAGE_BYTES, extra, s));
+    if constexpr (Mma::ASYNC) {
+      mma.retire();
+    } else {
+      mma.issue(a_stage, b_stage);
+    }
   }
   cp_async_wait<0>();
 }
@@ -736,16 +710,17 @@ struct HeadOut {
   }
 };
 
-// One block tile: the K loop on (x, the weight loader, an A transform), then the epilogue.
+// One block tile: the K loop on (x, the weight loader), then the epilogue.
 // x: (M, K) row-major; m0: first row of the tile.
-template <class Cfg, class BL, class AT, class Epi>
+// Mma: the MMA policy, WarpTile<Cfg> (mma.sync, sm_80+) or WgmmaTile<Cfg> (sm_90a).
+template <class Cfg, class Mma, class BL, class Epi>
 __device__ __forceinline__ void gemm_block(unsigned char* smem, const typename Cfg::T* x, int M,
-                                           int K, int m0, BL& bl, const AT& at, Epi& epi) {
+                                           int K, int m0, BL& bl, Epi& epi) {
   const int tid = threadIdx.x;
   ALoader<Cfg> al(x, K, M, K, m0);
-  WarpTile<Cfg> wt(tid / 32, tid % 32);
-  gemm_mainloop<Cfg>(smem, al, bl, at, wt, K, tid);
-  wt.for_each(epi);
+  Mma mma(tid / 32, tid % 32);
+  gemm_mainloop<Cfg>(align_smem(smem), al, bl, mma, K, tid);
+  mma.for_each(epi);
 }
 
 }  // namespace bricks

@@ -21,6 +21,12 @@ from mlx_bricks.ops.quant import QuantizedWeight
 
 pytestmark = pytest.mark.skipif(cudacheck.find_nvcc() is None, reason="nvcc not found")
 
+
+@pytest.fixture(autouse=True)
+def _as_if_on_an_h200(monkeypatch):
+    """Tile rules and shared-memory limits as on an sm_90 GPU (this machine has none)."""
+    monkeypatch.setattr(gemm_cuda, "device_capability", lambda: (9, 0))
+
 _compiled: dict = {}
 
 
@@ -46,7 +52,9 @@ def _compile_all(records, arch):
         assert res.stack == 0 and res.spill_stores == 0 and res.spill_loads == 0, (
             f"{rec.name} {rec.template}: {res} (local memory)")
         assert res.registers <= 255
-        assert rec.shared_memory <= gemm_cuda.MAX_SHARED_MEMORY
+        # No __launch_bounds__ on the generated kernel: the block must fit in any case.
+        assert res.registers * rec.threadgroup[0] <= 65536, (rec.threadgroup, res)
+        assert rec.shared_memory <= gemm_cuda.max_shared_memory((9, 0))
         # MLX launches ceil(grid / threadgroup) blocks of min(threadgroup, grid) threads.
         assert all(g >= t for g, t in zip(rec.grid, rec.threadgroup)), (rec.grid, rec.threadgroup)
 
@@ -63,6 +71,13 @@ LINEAR_CASES = [
     (5, 128, 320, mx.bfloat16, (5, 32), False, False, "128x128"),
     (5, 128, 384, mx.bfloat16, (6, 64), False, False, "128x128"),
     (5, 128, 256, mx.bfloat16, (2, 32), True, False, "128x128"),
+    # wgmma tiles (sm_90a)
+    (300, 512, 256, mx.bfloat16, None, True, True, "wg128x256"),
+    (300, 512, 256, mx.float16, None, False, False, "wg128x128"),
+    (300, 512, 256, mx.bfloat16, None, False, True, "wg128x128"),
+    (300, 512, 256, mx.bfloat16, (4, 64), False, False, "wg128x256"),
+    (300, 512, 256, mx.bfloat16, (8, 64), True, False, "wg128x256"),
+    (300, 512, 384, mx.bfloat16, (3, 32), False, False, "wg128x128"),
 ]
 
 
@@ -79,16 +94,19 @@ def test_linear_twin_compiles(case):
     _compile_all(rec, "sm_90a")
 
 
-@pytest.mark.parametrize("variant,fmt_g,fmt_u", [
-    ("fused", None, None), ("fused", (4, 64), (4, 64)), ("split", None, None),
-    ("fused", (4, 64), (8, 64)),  # mixed formats run split
+@pytest.mark.parametrize("variant,fmt_g,fmt_u,tile", [
+    ("fused", None, None, "128x64"), ("fused", (4, 64), (4, 64), "64x64"),
+    ("split", None, None, "128x128"),
+    ("fused", (4, 64), (8, 64), None),  # mixed formats run split
+    ("fused", None, None, "wg128x64"), ("fused", (4, 64), (4, 64), "wg128x64"),
+    ("fused", (8, 32), (8, 32), "wg128x64"),
 ])
-def test_swiglu_twins_compile(variant, fmt_g, fmt_u):
+def test_swiglu_twins_compile(variant, fmt_g, fmt_u, tile):
     M, N, K, dtype = 70, 384, 256, mx.bfloat16
     x = mx.zeros((M, K), dtype=dtype)
     with cudacheck.recorded_launches(gemm_cuda) as rec:
         act = gemm_cuda.swiglu(x, _weight(N, K, fmt_g, dtype), _weight(N, K, fmt_u, dtype),
-                               mx.zeros((N,), dtype=dtype), None, variant=variant)
+                               mx.zeros((N,), dtype=dtype), None, variant=variant, tile=tile)
     assert act.shape == (M, N)
     names = [r.name for r in rec]
     mixed = fmt_g != fmt_u
@@ -106,16 +124,24 @@ def test_rms_norm_qkv_twin_compiles(fmts):
         q, k, v = gemm_cuda.rms_norm_qkv(x, mx.ones((K,), dtype=dtype), 1e-5, *ws, *bias,
                                          n_heads=H, n_kv_heads=Hkv, head_dim=D)
     assert q.shape == (B, H, L, D) and k.shape == v.shape == (B, Hkv, L, D)
-    assert [r.name for r in rec] == ["rms_inv", "rms_norm_qkv"]
+    assert [r.name for r in rec] == ["rms_norm_qkv"]
     _compile_all(rec, "sm_90a")
 
 
-def test_sm80_portable_path_compiles():
-    """The mma.sync path is the portable one (sm_80+): the affine GEMM builds for an A100."""
-    x = mx.zeros((16, 256), dtype=mx.bfloat16)
+def test_sm80_portable_path_compiles(monkeypatch):
+    """The mma.sync path is the portable one (sm_80+): an A100 gets no wgmma tile and the affine
+    GEMM builds for it."""
+    monkeypatch.setattr(gemm_cuda, "device_capability", lambda: (8, 0))
+    assert not any(gemm_cuda.TILES[n].wgmma for n in gemm_cuda.tile_names())
+    x = mx.zeros((1000, 256), dtype=mx.bfloat16)
     with cudacheck.recorded_launches(gemm_cuda) as rec:
-        gemm_cuda.linear(x, _quantized(128, 256, 4, 64, mx.bfloat16))
+        gemm_cuda.linear(x, _quantized(1024, 256, 4, 64, mx.bfloat16))
+    assert not dict(rec[0].template)["WGMMA"]
     _compile_all(rec, "sm_80")
+
+
+def test_tile_rule_prefers_wgmma_on_sm90():
+    assert gemm_cuda.TILES[gemm_cuda.select_tile(2048, 4096)].wgmma
 
 
 def test_float32_has_no_cuda_twin():

@@ -136,12 +136,17 @@ def test_linear_tile_variants(kernel_backend, M, N, K, dtype, tile):
     _check(out, x, w, b, r, what=f"{kernel_backend} {tile} M={M} N={N} K={K} {dtype}")
 
 
-@pytest.mark.parametrize("tile", ["128x128", "128x64", "64x64"])
+@pytest.mark.parametrize("tile", ["128x128", "128x64", "64x64", "wg128x256", "wg128x128"])
 @pytest.mark.parametrize("M,N,K,dtype", [(300, 200, 136, "bfloat16"), (129, 64, 520, "float16"),
-                                         (5, 257, 63, "bfloat16")])
+                                         (5, 257, 63, "bfloat16"), (513, 300, 1024, "bfloat16")])
 def test_cuda_tiles(tile, M, N, K, dtype):
-    """Every CUDA tile on ragged M, N, K (full, partial and scalar-loaded K stages)."""
+    """Every CUDA tile (mma.sync and, on sm_90, wgmma) on ragged M, N, K (full, partial and
+    scalar-loaded K stages)."""
     require_backend("cuda")
+    from mlx_bricks.ops import gemm_cuda
+
+    if tile not in gemm_cuda.tile_names():
+        pytest.skip(f"tile {tile} does not run on this GPU")
     x, w, b, r = _operands(M, N, K, DTYPES[dtype], True, True, seed=M + 3 * N + K)
     out = linear(x, w, b, r, tile=tile, backend="cuda")
     _check(out, x, w, b, r, what=f"cuda {tile} M={M} N={N} K={K} {dtype}")

@@ -22,18 +22,22 @@ def test_every_registered_spec_has_its_sources():
         assert kernels.has_kernel(name, "metal") or kernels.has_kernel(name, "cuda"), name
 
 
-def test_cuda_sources_load_and_a_cuda_only_kernel_has_no_msl():
-    import mlx_bricks.ops.norm_qkv  # noqa: F401  (registers rms_inv, a CUDA-only prologue)
-
+def test_cuda_sources_load_through_importlib_resources():
     files = importlib.resources.files("mlx_bricks.cuda_src")
     cuda = [p.name for p in files.iterdir() if p.name.endswith((".cu", ".cuh"))]
     assert "gemm.cuh" in cuda and "mma.cuh" in cuda
     for fname in cuda:
         assert kernels.read_source(fname, kernels.CUDA_SOURCE_PACKAGE) == \
             files.joinpath(fname).read_text()
-    assert not kernels.has_kernel("rms_inv", "metal")
+
+
+def test_a_cuda_only_kernel_has_no_msl(monkeypatch):
+    monkeypatch.setattr(kernels, "_SPECS", {})  # keep the throwaway spec out of the registry
+    kernels.register(KernelSpec("test_cuda_only", None, ("inp",), ("out",), cuda_body="x.cu"))
+    assert not kernels.has_kernel("test_cuda_only", "metal")
+    assert kernels.has_kernel("test_cuda_only", "cuda")
     with pytest.raises(NotImplementedError, match="CUDA-only"):
-        kernels.kernel_source("rms_inv", "metal")
+        kernels.kernel_source("test_cuda_only", "metal")
 
 
 def test_source_loads_through_importlib_resources():

@@ -24,39 +24,79 @@ from mlx_bricks.ops.quant import QuantizedWeight
 BK = 64
 #: Dtypes the CUDA twins take (16-bit tensor-core operands).
 CUDA_DTYPES = (mx.float16, mx.bfloat16)
-#: Shared memory one block may use on sm_80 / sm_90 (227 KB opt-in on H100/H200, 163 KB on
-#: A100); every variant stays under the smaller.
-MAX_SHARED_MEMORY = 163 * 1024
+#: Dynamic shared memory one block may use, by compute capability (CUDA programming guide,
+#: "Compute capabilities": 227 KB on sm_90, 163 KB on sm_80 / sm_87, 99 KB on sm_86 / sm_89 /
+#: sm_12x).
+SHARED_MEMORY_BY_CAPABILITY = {(9, 0): 227 * 1024, (8, 0): 163 * 1024, (8, 7): 163 * 1024}
+DEFAULT_SHARED_MEMORY = 99 * 1024
 
 
 @dataclass(frozen=True)
 class CudaTile:
-    """A block tile: BM x BN outputs (per weight operand), WM x WN warps, STAGES-deep ring."""
+    """A block tile: BM x BN outputs (per weight operand), WM x WN warps, a STAGES-deep ring;
+    ``wgmma``: the sm_90a warpgroup-MMA policy (then WM = BM / 16, WN = 1)."""
 
     bm: int
     bn: int
     wm: int
     wn: int
     stages: int
+    wgmma: bool = False
 
     @property
     def threads(self) -> int:
         return self.wm * self.wn * 32
 
 
-#: Tile variants of the GEMM twin, by name (the ``tile=`` argument of ``ops.linear``).
+def _wg(bm: int, bn: int, stages: int = 4) -> CudaTile:
+    return CudaTile(bm, bn, bm // 16, 1, stages, wgmma=True)
+
+
+#: Tile variants of the GEMM twin (and of the QKV twin), by name (the ``tile=`` argument).
+#: "wg..." tiles use wgmma (sm_90a only); the others mma.sync (sm_80+).
 TILES = {
     "128x128": CudaTile(128, 128, 2, 4, 4),
     "128x64": CudaTile(128, 64, 2, 2, 4),
     "64x64": CudaTile(64, 64, 2, 2, 4),
+    "wg128x256": _wg(128, 256),
+    "wg128x128": _wg(128, 128),
 }
 #: Fused SwiGLU tiles, named by the act tile; each block also stages 2 * BN weight rows.
 SWIGLU_TILES = {
     "128x64": CudaTile(128, 64, 4, 2, 4),
     "64x64": CudaTile(64, 64, 2, 2, 4),
+    "wg128x64": _wg(128, 64),
 }
-#: Blocks below which the 128-row tiles leave SMs idle (an H100/H200 has 132 SMs).
+#: Threads per block of every tile. mx.fast.cuda_kernel generates the __global__ signature, so a
+#: twin cannot carry __launch_bounds__ and ptxas may use up to 255 registers per thread: 256
+#: threads x 255 registers still fit an SM's 64 K registers, 512 would fail to launch.
+MAX_THREADS = 256
+assert all(t.threads <= MAX_THREADS for t in (*TILES.values(), *SWIGLU_TILES.values()))
+#: Blocks below which the large tiles leave SMs idle (an H100/H200 has 132 SMs).
 MIN_BLOCKS = 132
+
+
+def device_capability() -> tuple[int, int]:
+    """Compute capability of the default GPU ((0, 0) without one)."""
+    from mlx_bricks.backends import cuda_capability
+
+    return cuda_capability() or (0, 0)
+
+
+def max_shared_memory(cc: tuple[int, int]) -> int:
+    """Dynamic shared memory a block may use on a GPU of capability ``cc``, bytes."""
+    return SHARED_MEMORY_BY_CAPABILITY.get(cc, DEFAULT_SHARED_MEMORY)
+
+
+def tile_names(tiles: dict = TILES, cc: tuple[int, int] | None = None, weight_operands: int = 1,
+               bits: int | None = None) -> tuple[str, ...]:
+    """Tiles a GPU of capability ``cc`` (default: this one) can run for a weight format:
+    wgmma tiles need sm_90, every tile's shared memory must fit."""
+    cc = device_capability() if cc is None else cc
+    limit = max_shared_memory(cc)
+    return tuple(n for n, t in tiles.items()
+                 if (not t.wgmma or cc[0] == 9)
+                 and shared_memory_bytes(t, weight_operands, bits) <= limit)
 
 
 def unsupported_reason(dtype) -> str | None:
@@ -93,29 +133,38 @@ def cuda_or(backend: str | None, dtype) -> str:
     return choice.name
 
 
-def select_tile(M: int, N: int, tiles: dict = TILES) -> str:
-    """Tile rule (until the tuner decides): the largest tile whose grid still fills the SMs."""
-    names = sorted(tiles, key=lambda n: -tiles[n].bm * tiles[n].bn)
+def select_tile(M: int, N: int, tiles: dict = TILES, weight_operands: int = 1,
+                bits: int | None = None, cc: tuple[int, int] | None = None) -> str:
+    """Tile rule (until the tuner decides): among the tiles this GPU can run, wgmma first on
+    sm_90, the largest whose grid still fills the SMs, else the smallest."""
+    names = tile_names(tiles, cc, weight_operands, bits)
+    if not names:
+        raise NotImplementedError("no CUDA tile fits this GPU's shared memory: has no CUDA twin")
+    names = sorted(names, key=lambda n: (not tiles[n].wgmma, -tiles[n].bm * tiles[n].bn))
     for name in names:
         t = tiles[name]
         if math.ceil(M / t.bm) * math.ceil(N / t.bn) >= MIN_BLOCKS:
             return name
-    return names[-1]
+    return min(names, key=lambda n: (not tiles[n].wgmma, tiles[n].bm * tiles[n].bn))
 
 
 def shared_memory_bytes(tile: CudaTile, weight_operands: int = 1, bits: int | None = None) -> int:
-    """Dynamic shared memory of a block (``GemmSmem`` in gemm.cuh): the A ring, the weight ring
-    (16-bit tiles, or packed words plus two dequantized 16-bit tiles for affine weights)."""
+    """Dynamic shared memory of a block (``GemmSmem`` in gemm.cuh): the A ring and the weight
+    ring (16-bit tiles, or packed words plus two dequantized 16-bit tiles for affine weights),
+    each rounded up to 1024 bytes, plus 1024 bytes to align the start."""
+    def up(n):
+        return -(-n // 1024) * 1024
     rows = weight_operands * tile.bn
-    a = tile.stages * tile.bm * BK * 2
-    if bits is None:
-        return a + tile.stages * rows * BK * 2
-    return a + tile.stages * rows * (BK * bits // 32) * 4 + 2 * rows * BK * 2
+    a = up(tile.stages * tile.bm * BK * 2)
+    if not bits:
+        return a + up(tile.stages * rows * BK * 2) + 1024
+    return a + up(tile.stages * rows * (BK * bits // 32) * 4) + 2 * rows * BK * 2 + 1024
 
 
-def _tile(tiles: dict, tile: str | None, M: int, N: int) -> CudaTile:
+def _tile(tiles: dict, tile: str | None, M: int, N: int, weight_operands: int = 1,
+          bits: int | None = None) -> CudaTile:
     if tile is None:
-        tile = select_tile(M, N, tiles)
+        tile = select_tile(M, N, tiles, weight_operands, bits)
     if tile not in tiles:
         raise ValueError(f"tile must be None or, on cuda, one of {sorted(tiles)}, got {tile!r}")
     return tiles[tile]
@@ -157,7 +206,7 @@ def _smem(tile: CudaTile, bits_list, weight_operands: int = 1) -> int:
 
 def _geom(t: CudaTile, dtype) -> list:
     return [("T", dtype), ("BM", t.bm), ("BN", t.bn), ("WM", t.wm), ("WN", t.wn),
-            ("STAGES", t.stages)]
+            ("STAGES", t.stages), ("WGMMA", t.wgmma)]
 
 
 def _gemm(x2, triple, bits, gs, bias, residual, t: CudaTile, swiglu_up: bool = False):
@@ -194,8 +243,8 @@ def linear(x, weight, bias=None, residual=None, *, tile=None):
     N = weight.shape[0]
     x2 = _rows(x, K)
     M = x2.shape[0]
-    t = _tile(TILES, tile, M, N)
     triple, bits, gs = weight_triple(weight, x.dtype)
+    t = _tile(TILES, tile, M, N, 1, bits)
     res = None if residual is None else mx.contiguous(residual.reshape(M, N))
     y = _gemm(x2, triple, bits, gs, bias, res, t)
     return y.reshape(*x.shape[:-1], N)
@@ -219,7 +268,7 @@ def swiglu(x, w_gate, w_up, b_gate=None, b_up=None, *, variant="fused", tile=Non
     g3, g_bits, g_gs = weight_triple(w_gate, x.dtype, "w_gate")
     u3, u_bits, u_gs = weight_triple(w_up, x.dtype, "w_up")
     if variant == "fused" and (g_bits, g_gs) == (u_bits, u_gs):
-        t = _tile(SWIGLU_TILES, tile, M, N)
+        t = _tile(SWIGLU_TILES, tile, M, N, 2, g_bits)
         grid, tg = _grid(t, M, N)
         ph = g3[1]
         (act,) = launch(
@@ -233,17 +282,17 @@ def swiglu(x, w_gate, w_up, b_gate=None, b_up=None, *, variant="fused", tile=Non
             shared_memory=_smem(t, [g_bits], weight_operands=2),
         )
         return act
-    t = _tile(TILES, None if variant == "fused" else tile, M, N)
+    t = _tile(TILES, None if variant == "fused" else tile, M, N, 1, max(g_bits, u_bits))
     up = _gemm(x2, u3, u_bits, u_gs, b_up, None, t)
     return _gemm(x2, g3, g_bits, g_gs, b_gate, up, t, swiglu_up=True)
 
 
 def rms_norm_qkv(x, norm_weight, eps, wq, wk, wv, bq=None, bk=None, bv=None, *, n_heads,
                  n_kv_heads, head_dim, tile=None):
-    """The RMSNorm + QKV twins: ``rms_inv.cu`` (inverse RMS once per row) then
-    ``rms_norm_qkv.cu`` (the three projections in one launch, each weight float or affine in
-    its own format, normalised on load, head-layout epilogue). Validated arguments; x (B, L, K)
-    with B * L >= 1.
+    """The RMSNorm + QKV twin: ``h = mx.fast.rms_norm(x)`` (stock's own kernel, the same
+    rounding), then ``rms_norm_qkv.cu``: the three projections in one launch, each weight float
+    or affine in its own format, written in head layout. Validated arguments; x (B, L, K) with
+    B * L >= 1.
 
     Returns:
         (q, k, v): (B, n_heads, L, head_dim), (B, n_kv_heads, L, head_dim) twice.
@@ -251,17 +300,10 @@ def rms_norm_qkv(x, norm_weight, eps, wq, wk, wv, bq=None, bk=None, bv=None, *, 
     check_dtype(x.dtype)
     B, L, K = x.shape
     M = B * L
-    x3 = mx.contiguous(x)
-    (inv_rms,) = launch(
-        "rms_inv", "cuda",
-        inputs=[x3.reshape(M, K), mx.array(eps, dtype=mx.float32)],
-        template=[("T", x.dtype)],
-        grid=(math.ceil(M / 8) * 256, 1, 1), threadgroup=(256, 1, 1),
-        output_shapes=[(M,)], output_dtypes=[mx.float32],
-    )
+    h = mx.contiguous(mx.fast.rms_norm(x, norm_weight, eps))
     nq, nkv = n_heads * head_dim, n_kv_heads * head_dim
-    t = _tile(TILES, tile, M, nq)
     triples = [weight_triple(w, x.dtype, n) for w, n in ((wq, "wq"), (wk, "wk"), (wv, "wv"))]
+    t = _tile(TILES, tile, M, nq, 1, max(tr[1] for tr in triples))
     tiles_n = math.ceil(nq / t.bn) + 2 * math.ceil(nkv / t.bn)
     blocks = math.ceil(M / t.bm) * tiles_n
     ph = triples[0][0][1]
@@ -272,8 +314,7 @@ def rms_norm_qkv(x, norm_weight, eps, wq, wk, wv, bq=None, bk=None, bv=None, *, 
         fmt += [(f"BITS_{p}", bits), (f"GS_{p}", gs)]
     q, k, v = launch(
         "rms_norm_qkv", "cuda",
-        inputs=[x3, inv_rms, mx.contiguous(norm_weight),
-                *triples[0][0], *triples[1][0], *triples[2][0], *biases],
+        inputs=[h, *triples[0][0], *triples[1][0], *triples[2][0], *biases],
         template=_geom(t, x.dtype) + fmt + [
             ("HAS_BIAS", has_bias), ("N_HEADS", n_heads), ("N_KV_HEADS", n_kv_heads),
             ("HEAD_DIM", head_dim)],

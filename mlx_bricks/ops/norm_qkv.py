@@ -27,21 +27,12 @@ register(KernelSpec(
     headers=("gemm.h",),
     # x is read through x_strides, so views of x are not copied.
     ensure_row_contiguous=False,
-    # The twin reads the per-row inverse RMS (rms_inv) and each weight as a (w, scales, biases)
-    # triple, float or MLX affine, each projection in its own format.
+    # The twin takes h = mx.fast.rms_norm(x) (see cuda_src/rms_norm_qkv.cu for why) and each
+    # weight as a (w, scales, biases) triple, float or MLX affine, each in its own format.
     cuda_body="rms_norm_qkv.cu",
-    cuda_headers=("mma.cuh", "gemm.cuh"),
-    cuda_input_names=("x", "inv_rms", "norm_weight", "wq", "sq", "zq", "wk", "sk", "zk",
-                      "wv", "sv", "zv", "bq", "bk", "bv"),
-))
-# The CUDA twin's prologue: rsqrt(mean(x^2) + eps) once per row.
-register(KernelSpec(
-    name="rms_inv",
-    body=None,
-    input_names=("x", "eps"),
-    output_names=("inv_rms",),
-    cuda_body="rms_inv.cu",
-    cuda_headers=("mma.cuh",),
+    cuda_headers=("mma.cuh", "gemm.cuh", "wgmma.cuh"),
+    cuda_input_names=("h", "wq", "sq", "zq", "wk", "sk", "zk", "wv", "sv", "zv", "bq", "bk",
+                      "bv"),
 ))
 
 
