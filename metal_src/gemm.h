@@ -231,16 +231,13 @@ struct DenseWeight {
   using Loader = TileLoader<T, ROWS, BK, LD, NTHREADS, WPtr>;
 };
 
+template <typename T, short ROWS, short BK, short LD, short NTHREADS, typename W>
+struct AffineTileLoader;
+
 // An MLX affine-quantized weight (mx.quantize, nn.QuantizedLinear): w uint32 (N, K * BITS / 32),
 // each row a little-endian bit stream (value k in bits [k * BITS, (k + 1) * BITS)); scales and
 // biases (N, K / GROUP_SIZE) in the float dtype T; value = scale * q + bias. Read by
 // AffineTileLoader. K is a multiple of GROUP_SIZE (MLX requires it).
-template <short BITS, short GROUP_SIZE, typename WPtr, typename SPtr, typename BPtr>
-struct AffineWeight;
-
-template <typename T, short ROWS, short BK, short LD, short NTHREADS, typename W>
-struct AffineTileLoader;
-
 template <short BITS, short GROUP_SIZE, typename WPtr, typename SPtr, typename BPtr>
 struct AffineWeight {
   WPtr w;
@@ -342,7 +339,7 @@ inline uint unpack_bits(thread const PackedUnits<U, N>& r, short p) {
 // Each active thread owns one run of V consecutive values of one tile row: tile columns
 // [col, col + V). V = max(8, ROWS * BK / NTHREADS), so a run is V * BITS / 8 whole bytes
 // starting at a multiple of its own size; the run is read as one PackedUnits struct of the
-// widest unit dividing it (16 bytes = 128 bits for 8-bit on the 64-row tile). Threads past
+// widest unit dividing it (16 bytes = 128 bits for 8-bit on the 64-row fp16 tile). Threads past
 // RUNS (small tiles) stage nothing. Per K step the thread also reads its row's scale and bias
 // (BK divides GROUP_SIZE, so a run never crosses a group). The stored value is
 // T(fma(scale, q, bias)) computed in float, one rounding (MLX's dequantize rounds once too).
@@ -411,6 +408,7 @@ struct AffineTileLoader<T, ROWS, BK, LD, NTHREADS,
   }
 
   // Dequantize the staged run into tile row `row`, columns [col, col + V), as VW-wide chunks.
+  // (The Op parameter keeps TileLoader's interface; gemm_k_loop transforms A tiles only.)
   template <typename Op>
   void store(threadgroup T* dst, thread const Op&) {
     if (!active) return;
