@@ -4,7 +4,7 @@ Each case is checked twice under the dtype-scaled rule against float64 numpy of 
 decoded from its packed bits: once with stock MLX's ``mx.quantized_matmul`` as the same-dtype
 computation, once with ``x @ mx.dequantize(w).T`` (the dequantize-then-float reference). The
 sweep (M x (N, K) x bits x group_size x dtype; bias and residual cycle through the four
-combinations) runs in full on ``metal``; on the emulator and on ``reference`` the default suite
+combinations) runs in full on ``metal`` and ``cuda``; on the emulator and on ``reference`` the default suite
 runs a covering subset (every bits, group size, dtype and M; bias and residual) plus a fixed
 hash-chosen sample, the rest is ``slow``. An emulator fault (out-of-bounds access, race,
 unwritten output) raises, so a passing emulator test is also a clean fault report.
@@ -24,6 +24,7 @@ from mlx_bricks.ops import gemm
 from mlx_bricks.ops.gemm import linear
 from mlx_bricks.ops.quant import QuantizedWeight, as_weight, unsupported_reason
 from tests.quant_support import DTYPES, dequant, dequant64, quantized, randn, unpack64, product
+from tests.conftest import KERNEL_BACKENDS
 from tests.support import require_backend, sampled
 from tests.tolerance import assert_dtype_close, to_f64
 
@@ -59,7 +60,7 @@ def _sweep_params():
                                                         DTYPES):
         shape = (M, N, K, bits, gs, dtype)
         case = (*shape, *_epilogue(shape))
-        for backend in ("metal", "emulator", "reference"):
+        for backend in KERNEL_BACKENDS:
             ident = "-".join(map(str, (backend, *case)))
             one_in = {"emulator": SAMPLE_ONE_IN, "reference": REFERENCE_SAMPLE_ONE_IN}
             slow = (backend in one_in and shape not in EMULATOR_COVER

@@ -4,8 +4,9 @@ References: float64 numpy of the weights decoded from their packed bits; the sam
 computation of the tolerance rule is stock MLX's (``mx.quantized_matmul`` for every quantized
 projection, as ``nn.QuantizedLinear`` runs it). Gate, up and down, and q, k and v, each have
 their own format (float or bits/group_size), as mlx-lm's mixed-bits recipes make them. The
-default suite runs the listed covering cases on every backend and a fixed hash-chosen sample of
-the sweep (variant/format x bits x group_size x dtype); the rest of the sweep is ``slow``.
+listed covering cases run on every backend; the sweeps (variant/format x bits x group_size x
+dtype) run in full on the GPU backends and, on the emulator and ``reference``, as a fixed
+hash-chosen sample in the default suite (the rest is ``slow``).
 """
 from __future__ import annotations
 
@@ -22,12 +23,16 @@ from mlx_bricks.ops.mlp import swiglu, swiglu_mlp
 from mlx_bricks.ops.norm_qkv import rms_norm_qkv
 from mlx_bricks.ops.quant import QuantizedWeight
 from tests.quant_support import DTYPES, dequant64, product, randn, weight
+from tests.conftest import KERNEL_BACKENDS
 from tests.support import require_backend, sampled
 from tests.tolerance import assert_dtype_close, to_f64
 
 BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
 SAMPLE_ONE_IN = 48
+#: Backends that run on the CPU here: the sweeps' default-suite sample applies to them; the GPU
+#: backends (metal, cuda) run every case.
+CPU_BACKENDS = ("emulator", "reference")
 EPS = 1e-5
 
 
@@ -98,9 +103,9 @@ def _swiglu_sweep():
         if down is not None and N % down[1]:
             down = None  # the down projection's K (= N_mlp) must be a multiple of its group
         case = (variant, M, K, N, ((bits, gs), (bits, gs), down), dtype, bias, residual)
-        for backend in ("metal", "emulator", "reference"):
+        for backend in KERNEL_BACKENDS:
             ident = "-".join(map(str, (backend, *key)))
-            slow = backend != "metal" and not sampled(ident, SAMPLE_ONE_IN)
+            slow = backend in CPU_BACKENDS and not sampled(ident, SAMPLE_ONE_IN)
             yield pytest.param(backend, *case, id=ident,
                                marks=[pytest.mark.slow] if slow else [])
 
@@ -204,9 +209,9 @@ def _qkv_sweep():
         other = _pick((None, Q4, Q8, (bits, gs)), *key, "k")
         fmts = ((bits, gs), other, _pick((None, Q8, (3, 32), (bits, gs)), *key, "v"))
         case = (B, L, 384, (4, 2), 64, fmts, dtype, _pick((False, True), *key, "bias"))
-        for backend in ("metal", "emulator", "reference"):
+        for backend in KERNEL_BACKENDS:
             ident = "-".join(map(str, (backend, *key)))
-            slow = backend != "metal" and not sampled(ident, SAMPLE_ONE_IN)
+            slow = backend in CPU_BACKENDS and not sampled(ident, SAMPLE_ONE_IN)
             yield pytest.param(backend, *case, id=ident,
                                marks=[pytest.mark.slow] if slow else [])
 
