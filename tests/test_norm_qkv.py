@@ -15,7 +15,7 @@ import pytest
 from mlx_bricks import kernels
 from mlx_bricks.ops import gemm, norm_qkv
 from mlx_bricks.ops.norm_qkv import plan_rms_norm_qkv, rms_norm_qkv
-from tests.support import require_backend
+from tests.support import require_backend, tile_for
 from tests.tolerance import assert_dtype_close, to_f64
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -94,7 +94,7 @@ def _run_and_check(backend, x, nw, ws, bs, n_heads, n_kv_heads, head_dim, what, 
 
 def _sweep_params():
     for case in itertools.product(HEAD_DIMS, LS, BS, HEADS, DTYPES, (False, True)):
-        for backend in ("metal", "emulator", "reference"):
+        for backend in ("metal", "cuda", "emulator", "reference"):
             slow = backend == "emulator" and case not in EMULATOR_COVER
             yield pytest.param(backend, *case, marks=[pytest.mark.slow] if slow else [],
                                id="-".join(map(str, (backend, *case))))
@@ -124,7 +124,8 @@ def test_rms_norm_qkv_paths(kernel_backend, B, L, K, n_heads, n_kv_heads, head_d
     x, nw, ws, bs = _operands(B, L, K, n_heads, n_kv_heads, head_dim, DTYPES[dtype], True,
                               seed=K)
     _run_and_check(kernel_backend, x, nw, ws, bs, n_heads, n_kv_heads, head_dim,
-                   what=f"{kernel_backend} B={B} L={L} K={K} tile={tile}", tile=tile)
+                   what=f"{kernel_backend} B={B} L={L} K={K} tile={tile}",
+                   tile=tile_for(kernel_backend, tile))
 
 
 @pytest.mark.parametrize("view", ["slice", "transposed"])

@@ -25,7 +25,7 @@ from mlx_bricks.ops.gemm import linear
 from mlx_bricks.ops.quant import QuantizedWeight, as_weight, unsupported_reason
 from tests.quant_support import DTYPES, dequant, dequant64, quantized, randn, unpack64, product
 from tests.conftest import KERNEL_BACKENDS
-from tests.support import require_backend, sampled
+from tests.support import require_backend, sampled, tile_for
 from tests.tolerance import assert_dtype_close, to_f64
 
 BITS = (2, 3, 4, 5, 6, 8)
@@ -136,7 +136,7 @@ TILE_CASES = [
 @pytest.mark.parametrize("M,N,K,bits,group_size,dtype,tile", TILE_CASES)
 def test_quantized_linear_tiles(kernel_backend, M, N, K, bits, group_size, dtype, tile):
     x, w, b, r = _operands(M, N, K, bits, group_size, dtype, True, True, seed=M + K)
-    out = linear(x, w, b, r, tile=tile, backend=kernel_backend)
+    out = linear(x, w, b, r, tile=tile_for(kernel_backend, tile), backend=kernel_backend)
     check_linear(out, x, w, b, r, backend=kernel_backend,
                  what=f"{kernel_backend} {tile} bits={bits} {dtype}")
 

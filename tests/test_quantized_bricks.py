@@ -24,7 +24,7 @@ from mlx_bricks.ops.norm_qkv import rms_norm_qkv
 from mlx_bricks.ops.quant import QuantizedWeight
 from tests.quant_support import DTYPES, dequant64, product, randn, weight
 from tests.conftest import KERNEL_BACKENDS
-from tests.support import require_backend, sampled
+from tests.support import require_backend, sampled, tile_for
 from tests.tolerance import assert_dtype_close, to_f64
 
 BITS = (2, 3, 4, 5, 6, 8)
@@ -117,7 +117,8 @@ def test_quantized_swiglu(kernel_backend, variant, M, K, N, fmts, dtype, bias, r
 
 @pytest.mark.parametrize("variant,tile,M,K,N,fmts,dtype", SWIGLU_TILES)
 def test_quantized_swiglu_tiles(kernel_backend, variant, tile, M, K, N, fmts, dtype):
-    run_swiglu_case(kernel_backend, variant, M, K, N, fmts, dtype, True, False, tile=tile)
+    run_swiglu_case(kernel_backend, variant, M, K, N, fmts, dtype, True, False,
+                    tile=tile_for(kernel_backend, tile))
 
 
 @pytest.mark.parametrize("backend,variant,M,K,N,fmts,dtype,bias,residual", list(_swiglu_sweep()))
@@ -224,7 +225,8 @@ def test_quantized_rms_norm_qkv(kernel_backend, B, L, K, heads, head_dim, fmts, 
 @pytest.mark.parametrize("B,L,K,heads,head_dim,fmts,dtype,tile", QKV_TILES)
 def test_quantized_rms_norm_qkv_tiles(kernel_backend, B, L, K, heads, head_dim, fmts, dtype,
                                       tile):
-    run_qkv_case(kernel_backend, B, L, K, heads, head_dim, fmts, dtype, True, tile=tile)
+    run_qkv_case(kernel_backend, B, L, K, heads, head_dim, fmts, dtype, True,
+                 tile=tile_for(kernel_backend, tile))
 
 
 @pytest.mark.parametrize("backend,B,L,K,heads,head_dim,fmts,dtype,bias", list(_qkv_sweep()))

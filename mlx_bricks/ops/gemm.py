@@ -17,6 +17,8 @@ import mlx.core as mx
 
 from mlx_bricks.backends import resolve_backend
 from mlx_bricks.kernels import KernelSpec, launch, register
+from mlx_bricks.ops import gemm_cuda
+from mlx_bricks.ops.gemm_cuda import cuda_or
 from mlx_bricks.ops._checks import check_array, check_float_dtype, check_k, check_same_dtype
 from mlx_bricks.ops.quant import check_weight, is_quantized, quantized_linear_reference
 
@@ -29,6 +31,10 @@ register(KernelSpec(
     headers=("gemm.h",),
     # x is read through x_strides, so views of x are not copied.
     ensure_row_contiguous=False,
+    # The twin takes the weight as a (w, scales, biases) triple: float or MLX affine.
+    cuda_body="gemm.cu",
+    cuda_headers=("mma.cuh", "gemm.cuh", "wgmma.cuh"),
+    cuda_input_names=("x", "w", "scales", "biases", "bias", "residual"),
 ))
 
 #: Threadgroup memory every GEMM variant must fit in (bytes).
@@ -262,9 +268,9 @@ def linear(x, weight, bias=None, residual=None, *, tile=None, backend=None):
         NotImplementedError: backend ``cuda`` (no CUDA twin yet).
     """
     weight = _check_linear(x, weight, bias, residual)
-    if tile is not None and tile not in TILES:
+    name = cuda_or(backend, x.dtype)
+    if name != "cuda" and tile is not None and tile not in TILES:
         raise ValueError(f"tile must be None or one of {sorted(TILES)}, got {tile!r}")
-    name = resolve_backend(backend)
     if name == "reference":
         return linear_reference(x, weight, bias, residual)
     N, K = weight.shape
@@ -272,6 +278,8 @@ def linear(x, weight, bias=None, residual=None, *, tile=None, backend=None):
     M = math.prod(x.shape[:-1])
     if M == 0 or N == 0:
         return mx.zeros(out_shape, dtype=x.dtype)
+    if name == "cuda":
+        return gemm_cuda.linear(x, weight, bias, residual, tile=tile)
     plan = plan_gemm(M, N, K, x.dtype, tile=tile, group_size=_group_size(weight))
     return launch_gemm(x, weight, bias, residual, plan, name)
 

@@ -26,6 +26,8 @@ import mlx.core as mx
 
 from mlx_bricks.backends import resolve_backend
 from mlx_bricks.kernels import KernelSpec, launch, register
+from mlx_bricks.ops import gemm_cuda
+from mlx_bricks.ops.gemm_cuda import cuda_or
 from mlx_bricks.ops._checks import check_array, check_float_dtype, check_k, check_same_dtype
 from mlx_bricks.ops.gemm import (
     MIN_THREADGROUPS_64,
@@ -56,6 +58,10 @@ register(KernelSpec(
     headers=("gemm.h", "swiglu.h"),
     # x is read through x_strides, so views of x are not copied.
     ensure_row_contiguous=False,
+    cuda_body="swiglu.cu",
+    cuda_headers=("mma.cuh", "gemm.cuh", "wgmma.cuh"),
+    cuda_input_names=("x", "w_gate", "scales_gate", "biases_gate", "w_up", "scales_up",
+                      "biases_up", "b_gate", "b_up"),
 ))
 register(KernelSpec(
     name="swiglu_split",
@@ -288,14 +294,18 @@ def swiglu(x, w_gate, w_up, *, b_gate=None, b_up=None, variant=None, tile=None, 
     """
     w_gate, w_up, N, K = _check_swiglu(x, w_gate, w_up, b_gate, b_up)
     variant = _resolve_variant(variant, w_gate, w_up)
-    _check_tile(variant, tile)
-    name = resolve_backend(backend)
+    name = cuda_or(backend, x.dtype)
+    if name != "cuda":
+        _check_tile(variant, tile)
     if name == "reference":
         return swiglu_reference(x, w_gate, w_up, b_gate, b_up)
     out_shape = (*x.shape[:-1], N)
     M = math.prod(x.shape[:-1])
     if M == 0 or N == 0:
         return mx.zeros(out_shape, dtype=x.dtype)
+    if name == "cuda":
+        return gemm_cuda.swiglu(x, w_gate, w_up, b_gate, b_up, variant=variant,
+                                tile=tile).reshape(out_shape)
     run = _swiglu_fused if variant == "fused" else _swiglu_split
     return run(x, w_gate, w_up, b_gate, b_up, M, N, K, tile, name).reshape(out_shape)
 
@@ -342,6 +352,6 @@ def swiglu_mlp(x, w_gate, w_up, w_down, residual=None, *, b_gate=None, b_up=None
                 f"residual must have the output shape {tuple(x.shape)}, "
                 f"got {tuple(residual.shape)}"
             )
-    name = resolve_backend(backend)
+    name = cuda_or(backend, x.dtype)
     act = swiglu(x, w_gate, w_up, b_gate=b_gate, b_up=b_up, variant=variant, backend=name)
     return linear(act, w_down, b_down, residual, backend=name)

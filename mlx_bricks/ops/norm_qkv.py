@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from mlx_bricks.backends import resolve_backend
 from mlx_bricks.kernels import KernelSpec, launch, register
-from mlx_bricks.ops import gemm
+from mlx_bricks.ops import gemm, gemm_cuda
 from mlx_bricks.ops._checks import check_array, check_float_dtype, check_k, check_same_dtype
 from mlx_bricks.ops.quant import check_weight, matmul_t
 
@@ -41,6 +41,12 @@ register(KernelSpec(
     headers=("gemm.h", "rms_norm_qkv.h"),
     # x is read through x_strides, so views of x are not copied.
     ensure_row_contiguous=False,
+    # The twin takes h = mx.fast.rms_norm(x) (see cuda_src/rms_norm_qkv.cu for why) and each
+    # weight as a (w, scales, biases) triple, float or MLX affine, each in its own format.
+    cuda_body="rms_norm_qkv.cu",
+    cuda_headers=("mma.cuh", "gemm.cuh", "wgmma.cuh"),
+    cuda_input_names=("h", "wq", "sq", "zq", "wk", "sk", "zk", "wv", "sv", "zv", "bq", "bk",
+                      "bv"),
 ))
 
 
@@ -193,9 +199,9 @@ def rms_norm_qkv(x, norm_weight, eps, wq, wk, wv, bq=None, bk=None, bv=None, *, 
     """
     wq, wk, wv = _check_rms_norm_qkv(x, norm_weight, eps, wq, wk, wv, bq, bk, bv, n_heads,
                                      n_kv_heads, head_dim)
-    if tile is not None and tile not in gemm.TILES:
+    name = gemm_cuda.cuda_or(backend, x.dtype)
+    if name != "cuda" and tile is not None and tile not in gemm.TILES:
         raise ValueError(f"tile must be None or one of {sorted(gemm.TILES)}, got {tile!r}")
-    name = resolve_backend(backend)
     if name == "reference":
         return rms_norm_qkv_reference(x, norm_weight, eps, wq, wk, wv, bq, bk, bv,
                                       n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim)
@@ -209,6 +215,10 @@ def rms_norm_qkv(x, norm_weight, eps, wq, wk, wv, bq=None, bk=None, bv=None, *, 
               (B, n_kv_heads, L, head_dim)]
     if B * L == 0:
         return tuple(mx.zeros(s, dtype=x.dtype) for s in shapes)
+    if name == "cuda":
+        return gemm_cuda.rms_norm_qkv(x, norm_weight, eps, wq, wk, wv, bq, bk, bv,
+                                      n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                                      tile=tile)
     return launch_rms_norm_qkv(x, norm_weight, eps, (wq, wk, wv), (bq, bk, bv), shapes,
                                tile=tile, backend=name)
 
