@@ -292,13 +292,15 @@ struct Dims {
 };
 
 // The whole kernel. T: dtype of q/out (and k/v unless KV_Q8); KT: element type of k/v as
-// given (T, or int8_t codes). params = (scale, softcap, window as int bits).
-template <typename T, int D, int BK, int MT, bool QREG, bool CAUSAL, bool HAS_WINDOW,
-          bool HAS_SOFTCAP, bool KV_Q8, typename KT>
+// given (T, or int8_t codes). fparams = (scale, softcap, 1 / softcap), iparams = (window,)
+// (the MSL brick's parameter inputs; 1 / softcap is not used here).
+template <typename T, int D, int BK, int MT, bool QREG, bool CAUSAL, bool WINDOW,
+          bool SOFTCAP, bool KV_Q8, typename KT>
 __device__ __forceinline__ void flash_attention_fwd(
     const T* __restrict__ q, const KT* __restrict__ k, const KT* __restrict__ v,
     const __half* __restrict__ k_scale, const __half* __restrict__ v_scale,
-    const float* __restrict__ params, T* __restrict__ out, Dims dims, Strides4 qs, Strides4 ks,
+    const float* __restrict__ fparams, const int32_t* __restrict__ iparams,
+    T* __restrict__ out, Dims dims, Strides4 qs, Strides4 ks,
     Strides4 vs, Strides4 kss, Strides4 vss, unsigned char* smem) {
   using C = Config<T, D, BK, MT, KV_Q8>;
   constexpr int DW = C::DW;
@@ -306,7 +308,7 @@ __device__ __forceinline__ void flash_attention_fwd(
   constexpr int NT = C::NT;
   constexpr int NB = BK / 8;   // n8 blocks of keys in S
   constexpr int ND = DW / 8;   // n8 blocks of head_dim in O
-  constexpr bool UPPER = CAUSAL || HAS_WINDOW;  // a window implies causal (p - window < j <= p)
+  constexpr bool UPPER = CAUSAL || WINDOW;  // a window implies causal (p - window < j <= p)
   static_assert(!QREG || (C::NSPLIT == 1 && !C::F32), "QREG needs the 16-bit, unsplit path");
   static_assert(KV_Q8 ? sizeof(KT) == 1 : sizeof(KT) == sizeof(T), "k/v element type");
 
@@ -337,16 +339,16 @@ __device__ __forceinline__ void flash_attention_fwd(
   const int q0 = qblock * C::BQ;
   const int wrow0 = q0 + rg * C::WR;        // this warp's first query row
 
-  const float scale = params[0];
-  const float softcap = HAS_SOFTCAP ? params[1] : 1.0f;
-  const int window = HAS_WINDOW ? __float_as_int(params[2]) : 0;
+  const float scale = fparams[0];
+  const float softcap = SOFTCAP ? fparams[1] : 1.0f;
+  const int window = WINDOW ? iparams[0] : 0;
   // Score in the log2 domain: s * scale * log2 e, or softcap * tanh(s * scale / softcap) * log2 e.
-  const float pre = HAS_SOFTCAP ? scale / softcap : scale * kLog2e;
+  const float pre = SOFTCAP ? scale / softcap : scale * kLog2e;
   const float post = softcap * kLog2e;
 
   // Keys any row of the block may see: tiles outside are never loaded.
   const TileRange tiles =
-      block_tiles(q0, min(q0 + C::BQ, Lq) - 1, diag, Lk, BK, UPPER, HAS_WINDOW, window);
+      block_tiles(q0, min(q0 + C::BQ, Lq) - 1, diag, Lk, BK, UPPER, WINDOW, window);
   const int t_begin = tiles.t_begin;
   const int t_end = tiles.t_end;
 
@@ -466,10 +468,10 @@ __device__ __forceinline__ void flash_attention_fwd(
 
     // A warp whose rows see no key of this tile skips it (uniform in the warp and the pair).
     const bool active =
-        warp_live && tile_active(kv0, BK, wrow0, wlast, diag, UPPER, HAS_WINDOW, window);
+        warp_live && tile_active(kv0, BK, wrow0, wlast, diag, UPPER, WINDOW, window);
     // Only tiles that cross Lk, the diagonal or the window edge need the per-element mask.
     const bool need_mask =
-        tile_needs_mask(kv0, BK, wrow0, wlast, diag, Lk, UPPER, HAS_WINDOW, window);
+        tile_needs_mask(kv0, BK, wrow0, wlast, diag, Lk, UPPER, WINDOW, window);
 
     float s[MT][NB][4];
     if (active) {
@@ -572,11 +574,11 @@ __device__ __forceinline__ void flash_attention_fwd(
         for (int j = 0; j < NB; ++j) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            float x = HAS_SOFTCAP ? tanhf(s[m][j][e] * pre) * post : s[m][j][e] * pre;
+            float x = SOFTCAP ? tanhf(s[m][j][e] * pre) * post : s[m][j][e] * pre;
             if (need_mask) {
               const int pos = wrow0 + m * 16 + g + (e / 2) * 8 + diag;  // key position of the row
               const int key = kv0 + j * 8 + 2 * tq + (e % 2);
-              x = key_visible(key, pos, Lk, UPPER, HAS_WINDOW, window) ? x : kMasked;
+              x = key_visible(key, pos, Lk, UPPER, WINDOW, window) ? x : kMasked;
             }
             s[m][j][e] = x;
             mx[e / 2] = fmaxf(mx[e / 2], x);

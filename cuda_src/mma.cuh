@@ -124,6 +124,14 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Orders this thread's generic-proxy shared-memory writes (stores, cp.async) before later
+// async-proxy reads (wgmma) once a barrier publishes them (sm_90; PTX "fence.proxy.async").
+__device__ __forceinline__ void fence_proxy_async() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 // ldmatrix
 // ---------------------------------------------------------------------------------------------

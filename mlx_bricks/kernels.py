@@ -36,19 +36,23 @@ class KernelSpec:
 
     Attributes:
         name: registry key, e.g. ``"gemm"``; used in the unique kernel name.
-        body: file in ``metal_src/`` holding the kernel body (the part inside the braces).
+        body: file in ``metal_src/`` holding the kernel body (the part inside the braces), or
+            None for a CUDA-only helper kernel (a twin's prologue the MSL brick does not need).
         input_names, output_names: buffer names, in launch order.
         headers: files in ``metal_src/`` concatenated (in order) into ``header=``.
         ensure_row_contiguous: as in ``mx.fast.metal_kernel``; False for kernels that read
             ``<input>_strides`` to take views without a copy (applies to the CUDA twin too).
         atomic_outputs: as in ``mx.fast.metal_kernel``.
-        cuda_body: file in ``cuda_src/`` holding the CUDA twin's body (same inputs and outputs),
-            or None when the brick has no twin yet.
+        cuda_body: file in ``cuda_src/`` holding the CUDA twin's body, or None when the brick
+            has no twin yet. Same outputs and semantics as the MSL kernel.
         cuda_headers: files in ``cuda_src/`` concatenated into the twin's ``header=``.
+        cuda_input_names: the twin's inputs when they differ from ``input_names`` (the GEMM
+            twins take every weight as a ``(w, scales, biases)`` triple, float or affine, so one
+            body serves every weight format); None means ``input_names``.
     """
 
     name: str
-    body: str
+    body: str | None
     input_names: tuple[str, ...]
     output_names: tuple[str, ...]
     headers: tuple[str, ...] = ()
@@ -56,6 +60,13 @@ class KernelSpec:
     atomic_outputs: bool = False
     cuda_body: str | None = None
     cuda_headers: tuple[str, ...] = ()
+    cuda_input_names: tuple[str, ...] | None = None
+
+    def inputs_for(self, backend: str) -> tuple[str, ...]:
+        """Input names of the kernel built for ``backend``."""
+        if backend == "cuda" and self.cuda_input_names is not None:
+            return self.cuda_input_names
+        return self.input_names
 
 
 _SPECS: dict[str, KernelSpec] = {}
@@ -116,7 +127,7 @@ def has_kernel(name: str, backend: str) -> bool:
     """Whether kernel ``name`` can be built for ``backend`` (``cuda``: the spec has a twin)."""
     s = spec(name)
     if backend in MSL_BACKENDS:
-        return True
+        return s.body is not None
     return backend == "cuda" and s.cuda_body is not None
 
 
@@ -130,6 +141,8 @@ def kernel_source(name: str, backend: str = "metal") -> tuple[str, str, str]:
     """
     s = spec(name)
     if backend in MSL_BACKENDS:
+        if s.body is None:
+            raise NotImplementedError(f"kernel {name!r} is CUDA-only (no MSL body)")
         header = "\n".join(read_source(h) for h in s.headers)
         body = read_source(s.body)
         prefix = "mlx_bricks_"
@@ -194,7 +207,7 @@ def get_kernel(name: str, backend: str, shared_memory: int = 0):
             body = f"// dynamic shared memory: {shared_memory} bytes\n{body}"
         kernel = mx.fast.cuda_kernel(
             name=kname,
-            input_names=list(s.input_names),
+            input_names=list(s.inputs_for("cuda")),
             output_names=list(s.output_names),
             source=body,
             header=header,

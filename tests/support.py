@@ -20,3 +20,14 @@ def sampled(case_id: str, one_in: int) -> bool:
     default suite runs a fixed, spread-out sample of a slow sweep (the same cases every run,
     on every machine), the rest stays marked slow."""
     return zlib.crc32(case_id.encode()) % one_in == 0
+
+
+def tile_for(backend: str, tile):
+    """``tile`` for ``backend``: the MSL tile names (64x64, 32x32, ...) are not CUDA's, so on
+    ``cuda`` a name the twin does not have becomes None (its tile rule); the CUDA tiles have
+    their own cases (test_gemm.test_cuda_tiles)."""
+    if backend != "cuda" or tile is None:
+        return tile
+    from mlx_bricks.ops import gemm_cuda
+
+    return tile if tile in gemm_cuda.TILES else None

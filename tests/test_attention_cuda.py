@@ -23,12 +23,13 @@ import numpy as np
 import pytest
 
 import mlx_bricks.ops.attention  # noqa: F401  (registers the kernel)
-from mlx_bricks import cudacheck
+from mlx_bricks import cudacheck, kernels
 from mlx_bricks.ops.attention_cuda import (
     CUDA_HEAD_DIMS,
     HOPPER_SMEM_LIMIT,
     CudaTile,
     attention_params,
+    launch_attention_cuda,
     pick_tile,
     smem_bytes,
     threads,
@@ -45,7 +46,7 @@ needs_nvcc = pytest.mark.skipif(cudacheck.find_nvcc() is None, reason="nvcc not 
 needs_emu = pytest.mark.skipif(cuda_emu.toolchain() is None,
                                reason="no host C++ compiler or CUDA headers")
 
-# (CAUSAL, HAS_WINDOW, HAS_SOFTCAP, KV_Q8) flag sets of the compile checks; the last one has the
+# (CAUSAL, WINDOW, SOFTCAP, KV_Q8) flag sets of the compile checks; the last one has the
 # most live registers.
 FLAG_SETS = {
     "plain": (False, False, False, False),
@@ -57,14 +58,14 @@ FLAG_SETS = {
 
 def template(dtype, D, tile: CudaTile, causal, window, softcap, q8):
     return [("T", dtype), ("D", D), ("BK", tile.bk), ("MT", tile.mt), ("QREG", tile.qreg),
-            ("CAUSAL", causal or window), ("HAS_WINDOW", window), ("HAS_SOFTCAP", softcap),
+            ("CAUSAL", causal or window), ("WINDOW", window), ("SOFTCAP", softcap),
             ("KV_Q8", q8)]
 
 
 def compile_variant(dtype, D, tile, flags, arch):
     causal, window, softcap, q8 = flags
     kt = mx.int8 if q8 else dtype
-    inputs = [(dtype, 4), (kt, 4), (kt, 4), (F16, 4), (F16, 4), (F32, 1)]
+    inputs = [(dtype, 4), (kt, 4), (kt, 4), (F16, 4), (F16, 4), (F32, 1), (mx.int32, 1)]
     return cudacheck.compile_twin("flash_attention", inputs, [dtype],
                                   template(dtype, D, tile, causal, window, softcap, q8), arch=arch)
 
@@ -78,22 +79,36 @@ def assert_no_local_memory(res, what):
 # ---------------------------------------------------------------------------------------------
 # 1. compile checks
 
-# Default suite: the heaviest flag set on three code paths (Q in registers with MT = 2, Q re-read
-# from shared memory, the D = 512 warp-pair split), both architectures; the rest is slow.
+# Default suite: launches recorded from launch_attention_cuda itself (so its template and
+# inputs must match the body), the heaviest flag set, on three code paths (Q in registers with
+# MT = 2, Q re-read from shared memory, the D = 512 warp-pair split) and both architectures.
 REPRESENTATIVE = [
-    (F16, 64, "window_softcap_q8", "sm_90a"),
-    (BF16, 256, "window_softcap_q8", "sm_80"),
-    (F16, 512, "window_softcap_q8", "sm_90a"),
+    (F16, 64, "sm_90a"),
+    (BF16, 256, "sm_80"),
+    (F16, 512, "sm_90a"),
 ]
 
 
 @needs_nvcc
-@pytest.mark.parametrize("dtype, D, flags, arch", REPRESENTATIVE,
+@pytest.mark.parametrize("dtype, D, arch", REPRESENTATIVE,
                          ids=lambda x: NAME.get(x, str(x)) if not isinstance(x, int) else f"D{x}")
-def test_default_variant_compiles_without_local_memory(dtype, D, flags, arch):
+def test_launcher_compiles_without_local_memory(dtype, D, arch):
+    B, Hq, Hkv, Lq, Lk = 1, 8, 2, 100, 300
+    q = mx.zeros((B, Lq, Hq, D), dtype).transpose(0, 2, 1, 3)  # mlx-lm's layout
+    kq = mx.zeros((B, Hkv, Lk, D), mx.int8)
+    ks = mx.zeros((B, Hkv, Lk, D // 32), F16)
+    with cudacheck.recorded_launches(kernels) as records:
+        out = launch_attention_cuda(q, kq, kq, ks, ks, scale=0.1, causal=True, window=64,
+                                    softcap=30.0)
+    assert out.shape == (B, Hq, Lq, D) and len(records) == 1
+    rec = records[0]
     tile = variants(D, dtype)[0]
-    res = compile_variant(dtype, D, tile, FLAG_SETS[flags], arch)
-    assert_no_local_memory(res, f"{NAME[dtype]} D={D} {tile.name} {flags} {arch}")
+    assert rec.shared_memory == smem_bytes(D, dtype, tile, True)
+    assert rec.threadgroup == (threads(D), 1, 1)
+    assert rec.grid == (threads(D) * -(-Lq // (64 * tile.mt)), Hq, B)
+    res = rec.compile(arch)
+    assert_no_local_memory(res, f"{NAME[dtype]} D={D} {tile.name} {arch}")
+    assert res.registers * threads(D) <= 65536  # no __launch_bounds__: the block must fit
 
 
 def _all_compile_cases():
@@ -135,10 +150,13 @@ def test_pick_tile_names_what_does_not_fit():
     assert pick_tile(512, F16, False, smem_limit=166912).name == "bk32_mt1"
 
 
-def test_window_travels_as_exact_int32_bits():
-    p = np.array(attention_params(0.125, 30.0, 123456789))
-    assert p[0] == np.float32(0.125) and p[1] == np.float32(30.0)
-    assert p[2:].view(np.int32)[0] == 123456789
+def test_parameter_inputs_match_the_msl_brick():
+    f, i = attention_params(0.125, 30.0, 4096)
+    assert f.dtype == F32 and i.dtype == mx.int32
+    assert np.array(f).tolist() == [np.float32(0.125), 30.0, np.float32(1 / 30.0)]
+    assert np.array(i).tolist() == [4096]
+    f, i = attention_params(1.0, None, None)
+    assert np.array(f).tolist() == [1.0, 0.0, 0.0] and np.array(i).tolist() == [0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,7 +348,7 @@ def run_emulated(case, views=("contiguous",) * 3, variant=None, with_tile=False)
     vx = rng.standard_normal((B, Hkv, Lk, D))
     name = NAME[dtype]
     qb = to_bits(qx, dtype)
-    tile = pick_tile(D, dtype, q8, variant)
+    tile = pick_tile(D, dtype, q8, variant, smem_limit=HOPPER_SMEM_LIMIT)
     if q8:
         (kq, kd), (vq, vd) = quantize_q8(kx), quantize_q8(vx)
         k_t = tensor(kq, "int8", views[1])
@@ -350,13 +368,14 @@ def run_emulated(case, views=("contiguous",) * 3, variant=None, with_tile=False)
         k64, v64 = from_bits(kb, dtype), from_bits(vb, dtype)
     q_t = tensor(qb, name, views[0])
     scale = D**-0.5
-    params = np.array(attention_params(scale, softcap, window))
     has_window = window is not None and window < Lk
+    fparams, iparams = (np.array(a) for a in attention_params(
+        scale, softcap, window if has_window else None))
     tmpl = [(n, NAME[v] if isinstance(v, mx.Dtype) else v) for n, v in template(
         dtype, D, tile, causal, has_window, softcap is not None, q8)]
     tmpl[5] = ("CAUSAL", bool(causal) or window is not None)
     nt = threads(D)
-    raw = cuda_emu.run_attention(q_t, k_t, v_t, ks_t, vs_t, params, tmpl,
+    raw = cuda_emu.run_attention(q_t, k_t, v_t, ks_t, vs_t, fparams, iparams, tmpl,
                                  (-(-Lq // (64 * tile.mt)), Hq, B), nt,
                                  smem_bytes(D, dtype, tile, q8), B * Lq * Hq * D)
     out = from_bits(raw, dtype).reshape(B, Lq, Hq, D).transpose(0, 2, 1, 3)

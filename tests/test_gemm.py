@@ -19,7 +19,7 @@ import pytest
 from mlx_bricks import kernels
 from mlx_bricks.ops import gemm
 from mlx_bricks.ops.gemm import linear, plan_gemm, select_tile
-from tests.support import require_backend, sampled
+from tests.support import require_backend, sampled, tile_for
 from tests.tolerance import assert_dtype_close, to_f64
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -51,7 +51,7 @@ EMULATOR_COVER = {
 def _sweep_params():
     for case in itertools.product(SWEEP_M, SWEEP_N, SWEEP_K, DTYPES, (False, True),
                                   (False, True)):
-        for backend in ("metal", "emulator", "reference"):
+        for backend in ("metal", "cuda", "emulator", "reference"):
             ident = "-".join(map(str, (backend, *case)))
             slow = (backend == "emulator" and case not in EMULATOR_COVER
                     and not sampled(ident, SAMPLE_ONE_IN))
@@ -126,14 +126,34 @@ VARIANTS = [
     (65, 130, 9, "bfloat16", "64x64"),     # unaligned M/N, scalar loads, K tail
     (33, 31, 1000, "float16", "32x32"),    # unaligned, vector loads with a K tail
     (96, 64, 33, "float32", "32x32"),      # aligned M/N, scalar loads (K odd), K tail
+    # single-buffered pipeline (STAGES = 1): two barriers per K step
+    (64, 192, 64, "bfloat16", "64x64_sb"),  # aligned, vector loads, no K tail
+    (65, 130, 9, "float16", "64x64_sb"),   # unaligned, scalar loads, K tail
+    (33, 31, 1000, "float32", "32x32_sb"),  # unaligned, vector loads with a K tail
 ]
 
 
 @pytest.mark.parametrize("M,N,K,dtype,tile", VARIANTS)
 def test_linear_tile_variants(kernel_backend, M, N, K, dtype, tile):
     x, w, b, r = _operands(M, N, K, DTYPES[dtype], True, True, seed=M + N + K)
-    out = linear(x, w, b, r, tile=tile, backend=kernel_backend)
+    out = linear(x, w, b, r, tile=tile_for(kernel_backend, tile), backend=kernel_backend)
     _check(out, x, w, b, r, what=f"{kernel_backend} {tile} M={M} N={N} K={K} {dtype}")
+
+
+@pytest.mark.parametrize("tile", ["128x128", "128x64", "64x64", "wg128x256", "wg128x128"])
+@pytest.mark.parametrize("M,N,K,dtype", [(300, 200, 136, "bfloat16"), (129, 64, 520, "float16"),
+                                         (5, 257, 63, "bfloat16"), (513, 300, 1024, "bfloat16")])
+def test_cuda_tiles(tile, M, N, K, dtype):
+    """Every CUDA tile (mma.sync and, on sm_90, wgmma) on ragged M, N, K (full, partial and
+    scalar-loaded K stages)."""
+    require_backend("cuda")
+    from mlx_bricks.ops import gemm_cuda
+
+    if tile not in gemm_cuda.tile_names():
+        pytest.skip(f"tile {tile} does not run on this GPU")
+    x, w, b, r = _operands(M, N, K, DTYPES[dtype], True, True, seed=M + 3 * N + K)
+    out = linear(x, w, b, r, tile=tile, backend="cuda")
+    _check(out, x, w, b, r, what=f"cuda {tile} M={M} N={N} K={K} {dtype}")
 
 
 @pytest.mark.parametrize("lead", [(2, 3, 17), (4, 16), (1, 1, 1, 5)])
@@ -221,7 +241,9 @@ def test_linear_pitch_padding(msl_backend, pad_chunks):
 def test_threadgroup_memory_within_limit(dtype, tile):
     p = plan_gemm(100, 100, 100, dtype, tile=tile)
     t = gemm.TILES[tile]
-    expected = 2 * (t.bm + t.bn) * (p.bk + p.pad) * dtype.size
+    stages = 1 if tile.endswith("_sb") else 2
+    assert t.stages == stages and t.name.endswith("_sb") == (stages == 1)
+    expected = stages * (t.bm + t.bn) * (p.bk + p.pad) * dtype.size
     assert p.threadgroup_bytes == expected <= 32 * 1024
     assert (p.pad * dtype.size) % 16 == 0 and (p.bk * dtype.size) % 16 == 0
 

@@ -13,8 +13,31 @@ def test_every_registered_spec_has_its_sources():
     import mlx_bricks.ops.q8_0, mlx_bricks.ops.mlp  # noqa: F401
 
     for name in kernels.registered():
-        kname, header, body = kernels.kernel_source(name)
-        assert kname.startswith(f"mlx_bricks_{name}_") and body.strip()
+        if kernels.has_kernel(name, "metal"):
+            kname, header, body = kernels.kernel_source(name)
+            assert kname.startswith(f"mlx_bricks_{name}_") and body.strip()
+        if kernels.has_kernel(name, "cuda"):
+            kname, header, body = kernels.kernel_source(name, "cuda")
+            assert kname.startswith(f"mlx_bricks_cu_{name}_") and body.strip()
+        assert kernels.has_kernel(name, "metal") or kernels.has_kernel(name, "cuda"), name
+
+
+def test_cuda_sources_load_through_importlib_resources():
+    files = importlib.resources.files("mlx_bricks.cuda_src")
+    cuda = [p.name for p in files.iterdir() if p.name.endswith((".cu", ".cuh"))]
+    assert "gemm.cuh" in cuda and "mma.cuh" in cuda
+    for fname in cuda:
+        assert kernels.read_source(fname, kernels.CUDA_SOURCE_PACKAGE) == \
+            files.joinpath(fname).read_text()
+
+
+def test_a_cuda_only_kernel_has_no_msl(monkeypatch):
+    monkeypatch.setattr(kernels, "_SPECS", {})  # keep the throwaway spec out of the registry
+    kernels.register(KernelSpec("test_cuda_only", None, ("inp",), ("out",), cuda_body="x.cu"))
+    assert not kernels.has_kernel("test_cuda_only", "metal")
+    assert kernels.has_kernel("test_cuda_only", "cuda")
+    with pytest.raises(NotImplementedError, match="CUDA-only"):
+        kernels.kernel_source("test_cuda_only", "metal")
 
 
 def test_source_loads_through_importlib_resources():

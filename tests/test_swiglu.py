@@ -142,6 +142,7 @@ def _sweep_params():
         yield pytest.param("reference", None, *case, marks=marks, id=f"reference-{ident}")
         for variant in VARIANTS:
             yield pytest.param("metal", variant, *case, id=f"metal-{variant}-{ident}")
+            yield pytest.param("cuda", variant, *case, id=f"cuda-{variant}-{ident}")
             eid = f"emulator-{variant}-{ident}"
             fast = case in EMULATOR_COVER[variant] or sampled(eid, SAMPLE_ONE_IN)
             yield pytest.param("emulator", variant, *case, id=eid,
@@ -171,11 +172,18 @@ TILE_CASES = [
     ("fused", "64x64", 100, 40, 130, "float16"),   # doubled accumulators (opt-in tile)
     ("split", "64x64", 65, 9, 130, "float32"),     # scalar loads, unaligned, checked epilogue
     ("split", "32x32", 64, 64, 64, "bfloat16"),    # aligned: unchecked epilogue reads up
+    # single-buffered pipeline (STAGES = 1)
+    ("fused", "64x32_sb", 100, 40, 130, "bfloat16"),  # unaligned, scalar loads, K tail
+    ("fused", "32x16_sb", 64, 64, 64, "float16"),  # aligned, no K tail
+    ("split", "32x32_sb", 33, 1000, 40, "float32"),  # vector loads with a K tail
 ]
 
 
 @pytest.mark.parametrize("variant,tile,M,K,N,dtype", TILE_CASES)
 def test_tile_variants(kernel_backend, variant, tile, M, K, N, dtype):
+    if kernel_backend == "cuda":
+        pytest.skip("MSL tile names; the CUDA tiles are covered by tests/test_cuda_compile.py "
+                    "and the cuda sweep")
     d = _data(M, K, N, dtype, seed=1)
     out = swiglu(d["x"], d["wg"], d["wu"], b_gate=d["bg"], b_up=d["bu"], variant=variant,
                  tile=tile, backend=kernel_backend)
@@ -360,7 +368,9 @@ def test_variant_rule(monkeypatch):
 def test_fused_threadgroup_memory_within_limit(dtype, tile):
     p = plan_fused(100, 100, 100, dtype, tile=tile)
     t = FUSED_TILES[tile]
-    expected = 2 * (t.bm + 2 * t.bn) * (p.bk + p.pad) * dtype.size
+    stages = 1 if tile.endswith("_sb") else 2
+    assert t.stages == stages
+    expected = stages * (t.bm + 2 * t.bn) * (p.bk + p.pad) * dtype.size
     assert p.threadgroup_bytes == expected <= 32 * 1024
 
 

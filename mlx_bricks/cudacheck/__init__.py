@@ -14,12 +14,13 @@ provides are replaced by the stand-in in ``shim/`` (types only).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 #: MLX 0.32's dtype_to_cuda_type.
@@ -171,7 +172,60 @@ def compile_twin(name: str, inputs, output_dtypes, template=(), arch: str = "sm_
 
     spec = kernels.spec(name)
     kname, header, body = kernels.kernel_source(name, "cuda")
-    ins = [(n, d, nd) for n, (d, nd) in zip(spec.input_names, inputs)]
+    ins = [(n, d, nd) for n, (d, nd) in zip(spec.inputs_for("cuda"), inputs)]
     src = generated_source(f"custom_kernel_{kname}", header, body, ins, spec.output_names,
                            output_dtypes, template)
     return compile_source(src, arch, nvcc)
+
+
+@dataclass
+class Launch:
+    """One recorded ``kernels.launch`` of a CUDA twin: what it would compile."""
+
+    name: str
+    inputs: list  # [(dtype, ndim), ...]
+    output_dtypes: list
+    template: list
+    shared_memory: int = 0
+    grid: tuple = ()
+    threadgroup: tuple = ()
+    output_shapes: list = field(default_factory=list)
+
+    def key(self):
+        return (self.name, tuple((str(d), n) for d, n in self.inputs),
+                tuple(map(str, self.output_dtypes)),
+                tuple((k, str(v)) for k, v in self.template))
+
+    def compile(self, arch: str = "sm_90a", nvcc: str | None = None) -> Resources:
+        """Compile this launch's generated source (see :func:`compile_twin`)."""
+        return compile_twin(self.name, self.inputs, self.output_dtypes, self.template, arch, nvcc)
+
+
+@contextlib.contextmanager
+def recorded_launches(*modules):
+    """Within the block, ``launch`` in each of ``modules`` (modules that did
+    ``from mlx_bricks.kernels import launch``) records its CUDA launches instead of running
+    them and returns zero arrays of the output shapes, so an op's CUDA path can be driven on a
+    machine without a GPU. Yields the list of :class:`Launch` records.
+    """
+    import mlx.core as mx
+
+    records: list[Launch] = []
+
+    def fake(name, backend, *, shared_memory=0, inputs, output_shapes, output_dtypes,
+             grid, threadgroup, template=(), init_value=None):
+        if backend != "cuda":
+            raise ValueError(f"recorded_launches only records cuda launches, got {backend!r}")
+        records.append(Launch(name, [(a.dtype, a.ndim) for a in inputs], list(output_dtypes),
+                              list(template), shared_memory, tuple(grid), tuple(threadgroup),
+                              [tuple(sh) for sh in output_shapes]))
+        return [mx.zeros(sh, dtype=dt) for sh, dt in zip(output_shapes, output_dtypes)]
+
+    saved = [(m, m.launch) for m in modules]
+    try:
+        for m in modules:
+            m.launch = fake
+        yield records
+    finally:
+        for m, orig in saved:
+            m.launch = orig

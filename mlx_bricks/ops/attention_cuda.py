@@ -17,17 +17,14 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlx_bricks import kernels
+from mlx_bricks.ops import gemm_cuda
 from mlx_bricks.ops._checks import dtype_name
+from mlx_bricks.ops.gemm_cuda import max_shared_memory
 
 #: Head dims the CUDA twin supports.
 CUDA_HEAD_DIMS = (64, 80, 96, 128, 192, 256, 512)
-#: Largest dynamic shared memory per block (opt-in), bytes, by compute capability; Hopper's
-#: 227 KB is used when the device cannot be asked.
-SMEM_LIMITS = {
-    (8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376,
-    (9, 0): 232448, (10, 0): 232448, (10, 3): 232448, (12, 0): 101376, (12, 1): 101376,
-}
-HOPPER_SMEM_LIMIT = 232448
+#: Shared memory per block on Hopper (sm_90), bytes: what the variants are sized for.
+HOPPER_SMEM_LIMIT = max_shared_memory((9, 0))
 
 
 @dataclass(frozen=True)
@@ -106,14 +103,10 @@ def smem_bytes(head_dim: int, dtype, tile: CudaTile, kv_q8: bool) -> int:
 
 
 def device_smem_limit() -> int:
-    """Opt-in shared memory per block of the default CUDA device (``SMEM_LIMITS``), or
-    Hopper's when MLX does not say."""
-    try:
-        info = mx.device_info()
-        cc = (int(info["compute_capability_major"]), int(info["compute_capability_minor"]))
-    except (KeyError, TypeError, ValueError, RuntimeError):
-        return HOPPER_SMEM_LIMIT
-    return SMEM_LIMITS.get(cc, HOPPER_SMEM_LIMIT if cc >= (9, 0) else 101376)
+    """Shared memory per block of the default CUDA device (``gemm_cuda.max_shared_memory``);
+    Hopper's without a GPU (compile checks drive the launcher as if on an H200)."""
+    cc = gemm_cuda.device_capability()
+    return max_shared_memory(cc if cc != (0, 0) else (9, 0))
 
 
 def pick_tile(head_dim: int, dtype, kv_q8: bool, variant: str | None = None,
@@ -140,12 +133,14 @@ def pick_tile(head_dim: int, dtype, kv_q8: bool, variant: str | None = None,
                      f"shared memory per block; this device allows {limit}")
 
 
-def attention_params(scale: float, softcap: float | None, window: int | None) -> mx.array:
-    """The kernel's ``sm_scale`` input: float32 ``(scale, softcap, window)``, the window as the
-    bit pattern of an int32 (exact for any int32)."""
-    bits = mx.array([0 if window is None else int(window)], mx.int32).view(mx.float32)
-    head = mx.array([float(scale), 1.0 if softcap is None else float(softcap)], mx.float32)
-    return mx.concatenate([head, bits])
+def attention_params(scale: float, softcap: float | None,
+                     window: int | None) -> tuple[mx.array, mx.array]:
+    """The kernel's parameter inputs, as the MSL brick takes them: ``fparams`` float32
+    ``(scale, softcap, 1 / softcap)`` (zeros without soft-capping) and ``iparams`` int32
+    ``(window,)`` (0: no window)."""
+    cap = 0.0 if softcap is None else float(softcap)
+    fparams = mx.array([float(scale), cap, 1.0 / cap if cap else 0.0], mx.float32)
+    return fparams, mx.array([0 if window is None else int(window)], mx.int32)
 
 
 def launch_attention_cuda(q, k, v, k_scale, v_scale, *, scale, causal, window=None,
@@ -185,18 +180,20 @@ def launch_attention_cuda(q, k, v, k_scale, v_scale, *, scale, causal, window=No
         return mx.zeros(q.shape, q.dtype)  # MLX cannot launch an empty grid
     if not kv_q8:
         k_scale = v_scale = mx.zeros((1, 1, 1, 1), mx.float16)  # never read; 4-D strides
-    has_window = window is not None and window < k.shape[2]  # a window >= Lk masks nothing new
+    # Query position p = Lk - Lq + i <= Lk - 1, so a window of Lk or more excludes no key.
+    has_window = window is not None and window < k.shape[2]
+    fparams, iparams = attention_params(scale, softcap, window if has_window else None)
     nt = threads(D)
     (out,) = kernels.launch(
         "flash_attention", "cuda",
-        inputs=[q, k, v, k_scale, v_scale, attention_params(scale, softcap, window)],
+        inputs=[q, k, v, k_scale, v_scale, fparams, iparams],
         grid=(nt * -(-Lq // (64 * tile.mt)), Hq, B),
         threadgroup=(nt, 1, 1),
         output_shapes=[(B, Lq, Hq, D)],
         output_dtypes=[q.dtype],
         template=[("T", q.dtype), ("D", D), ("BK", tile.bk), ("MT", tile.mt),
                   ("QREG", tile.qreg), ("CAUSAL", bool(causal) or window is not None),
-                  ("HAS_WINDOW", has_window), ("HAS_SOFTCAP", softcap is not None),
+                  ("WINDOW", has_window), ("SOFTCAP", softcap is not None),
                   ("KV_Q8", kv_q8)],
         shared_memory=smem_bytes(D, q.dtype, tile, kv_q8),
     )

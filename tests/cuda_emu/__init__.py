@@ -76,7 +76,7 @@ def _source(template) -> str:
                      ("v_scale", "__half")):
         params += [f"const {ct}* {name}", f"const Shape {name}_shape",
                    f"const Strides {name}_strides"]
-    params += ["const float* sm_scale", f"{T}* out"]
+    params += ["const float* fparams", "const int32_t* iparams", f"{T}* out"]
     return "\n".join([
         '#include "warp_emu.h"',
         header,
@@ -114,6 +114,7 @@ int main(int argc, char** argv) {
   read_geom(f, kss, ksst, kso, ksn); auto ksb = read_buf<__half>(f, ksn);
   read_geom(f, vss, vsst, vso, vsn); auto vsb = read_buf<__half>(f, vsn);
   float prm[3]; if (std::fread(prm, 4, 3, f) != 3) std::abort();
+  int32_t iprm[1]; if (std::fread(iprm, 4, 1, f) != 1) std::abort();
   int64_t g[6]; if (std::fread(g, 8, 6, f) != 6) std::abort();
   std::fclose(f);
   const int64_t nout = g[5];
@@ -122,7 +123,7 @@ int main(int argc, char** argv) {
   emu::launch(emu::Dim3{unsigned(g[0]), unsigned(g[1]), unsigned(g[2])}, int(g[3]),
               uint32_t(g[4]), 4, 64, [&] {
     kernel_fn(qb.data() + qo, qs, qst, kb.data() + ko, ks, kst, vb.data() + vo, vs, vst,
-              ksb.data() + kso, kss, ksst, vsb.data() + vso, vss, vsst, prm, out);
+              ksb.data() + kso, kss, ksst, vsb.data() + vso, vss, vsst, prm, iprm, out);
   });
   FILE* o = std::fopen(argv[2], "wb");
   std::fwrite(ob.data(), 1, ob.size(), o);
@@ -165,14 +166,15 @@ def _geom(t: Tensor | None) -> bytes:
 
 
 def run_attention(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
-                  v_scale: Tensor | None, params: np.ndarray, template, grid, threads: int,
-                  smem: int, out_elems: int) -> np.ndarray:
+                  v_scale: Tensor | None, fparams: np.ndarray, iparams: np.ndarray, template,
+                  grid, threads: int, smem: int, out_elems: int) -> np.ndarray:
     """Run one launch; returns the raw output buffer (uint16 bits or float32)."""
     exe = build(template)
     with tempfile.TemporaryDirectory() as tmp:
         fin, fout = Path(tmp) / "in.bin", Path(tmp) / "out.bin"
         blob = b"".join([_geom(q), _geom(k), _geom(v), _geom(k_scale), _geom(v_scale),
-                         np.asarray(params, np.float32).tobytes(),
+                         np.asarray(fparams, np.float32).tobytes(),
+                         np.asarray(iparams, np.int32).tobytes(),
                          struct.pack("<6q", grid[0], grid[1], grid[2], threads, smem,
                                      out_elems)])
         fin.write_bytes(blob)

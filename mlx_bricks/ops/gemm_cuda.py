@@ -1,0 +1,333 @@
+"""Launch geometry of the CUDA GEMM twins (``cuda_src/gemm.cu``, ``gemm_affine.cu``,
+``swiglu.cu``, ``rms_norm_qkv.cu``, all on the pipeline of ``cuda_src/gemm.cuh``).
+
+The ops (``linear``, ``swiglu``, ``rms_norm_qkv``) call these after their own argument checks when
+the backend is ``cuda``; the semantics are the MSL bricks' (same inputs, outputs and rounding:
+products summed in float32, epilogue in float32, one rounding). What differs is the geometry:
+mma.sync m16n8k16 tensor cores, block tiles of BM x BN with a STAGES-deep cp.async ring and 64 k
+per stage, dynamic shared memory sized here with the formula of ``GemmSmem`` in gemm.cuh.
+
+float16 and bfloat16 run on the tensor cores; float32 has no twin (the ops keep the reference
+path for it when the backend was chosen automatically, and raise when ``cuda`` was asked for).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from mlx_bricks.kernels import launch
+from mlx_bricks.ops.quant import QuantizedWeight
+
+#: K per pipeline stage (gemm.cuh GEMM_BK).
+BK = 64
+#: Dtypes the CUDA twins take (16-bit tensor-core operands).
+CUDA_DTYPES = (mx.float16, mx.bfloat16)
+#: Dynamic shared memory one block may use, by compute capability (CUDA programming guide,
+#: "Compute capabilities": 227 KB on sm_90, 163 KB on sm_80 / sm_87, 99 KB on sm_86 / sm_89 /
+#: sm_12x).
+SHARED_MEMORY_BY_CAPABILITY = {(9, 0): 227 * 1024, (8, 0): 163 * 1024, (8, 7): 163 * 1024}
+DEFAULT_SHARED_MEMORY = 99 * 1024
+
+
+@dataclass(frozen=True)
+class CudaTile:
+    """A block tile: BM x BN outputs (per weight operand), WM x WN warps, a STAGES-deep ring;
+    ``wgmma``: the sm_90a warpgroup-MMA policy (then WM = BM / 16, WN = 1); ``max_bits``: the
+    widest affine format it takes without spilling registers (ptxas -v, tests/test_cuda_compile)."""
+
+    bm: int
+    bn: int
+    wm: int
+    wn: int
+    stages: int
+    wgmma: bool = False
+    max_bits: int = 8
+
+    @property
+    def threads(self) -> int:
+        return self.wm * self.wn * 32
+
+
+def _wg(bm: int, bn: int, stages: int = 4, max_bits: int = 8) -> CudaTile:
+    return CudaTile(bm, bn, bm // 16, 1, stages, wgmma=True, max_bits=max_bits)
+
+
+#: Tile variants of the GEMM twin (and of the QKV twin), by name (the ``tile=`` argument).
+#: "wg..." tiles use wgmma (sm_90a only); the others mma.sync (sm_80+).
+TILES = {
+    "128x128": CudaTile(128, 128, 2, 4, 4),
+    "128x64": CudaTile(128, 64, 2, 2, 4),
+    "64x64": CudaTile(64, 64, 2, 2, 4),
+    # 128 accumulators per thread: 8-bit dequantization needs 16 bytes of spills here.
+    "wg128x256": _wg(128, 256, max_bits=6),
+    "wg128x128": _wg(128, 128),
+}
+#: Fused SwiGLU tiles, named by the act tile; each block also stages 2 * BN weight rows.
+SWIGLU_TILES = {
+    "128x64": CudaTile(128, 64, 4, 2, 4),
+    "64x64": CudaTile(64, 64, 2, 2, 4),
+    "wg128x64": _wg(128, 64),
+}
+#: Threads per block of every tile. mx.fast.cuda_kernel generates the __global__ signature, so a
+#: twin cannot carry __launch_bounds__ and ptxas may use up to 255 registers per thread: 256
+#: threads x 255 registers still fit an SM's 64 K registers, 512 would fail to launch.
+MAX_THREADS = 256
+assert all(t.threads <= MAX_THREADS for t in (*TILES.values(), *SWIGLU_TILES.values()))
+#: Blocks below which the large tiles leave SMs idle (an H100/H200 has 132 SMs).
+MIN_BLOCKS = 132
+
+
+def device_capability() -> tuple[int, int]:
+    """Compute capability of the default GPU ((0, 0) without one)."""
+    from mlx_bricks.backends import cuda_capability
+
+    return cuda_capability() or (0, 0)
+
+
+def max_shared_memory(cc: tuple[int, int]) -> int:
+    """Dynamic shared memory a block may use on a GPU of capability ``cc``, bytes."""
+    return SHARED_MEMORY_BY_CAPABILITY.get(cc, DEFAULT_SHARED_MEMORY)
+
+
+def tile_names(tiles: dict = TILES, cc: tuple[int, int] | None = None, weight_operands: int = 1,
+               bits: int | None = None) -> tuple[str, ...]:
+    """Tiles a GPU of capability ``cc`` (default: this one) can run for a weight format:
+    wgmma tiles need sm_90, every tile's shared memory must fit."""
+    cc = device_capability() if cc is None else cc
+    limit = max_shared_memory(cc)
+    return tuple(n for n, t in tiles.items()
+                 if (not t.wgmma or cc[0] == 9) and (bits or 0) <= t.max_bits
+                 and shared_memory_bytes(t, weight_operands, bits) <= limit)
+
+
+def unsupported_reason(dtype) -> str | None:
+    """Why the CUDA twins cannot take activations of ``dtype`` (None when they can)."""
+    if dtype in CUDA_DTYPES:
+        return None
+    return (f"the CUDA twins take float16/bfloat16 (tensor cores); {str(dtype).split('.')[-1]} "
+            "has no CUDA twin")
+
+
+def check_dtype(dtype) -> None:
+    """Raise NotImplementedError (with "has no CUDA twin") for a dtype without a twin."""
+    reason = unsupported_reason(dtype)
+    if reason is not None:
+        raise NotImplementedError(reason)
+
+
+def cuda_or(backend: str | None, dtype) -> str:
+    """The backend an op with a CUDA twin runs on (:func:`mlx_bricks.backends.resolve_backend`),
+    except that an automatic choice of ``cuda`` for a dtype without a twin (float32) runs
+    ``reference``: the same math as stock.
+
+    Raises:
+        mlx_bricks.backends.BackendError: see ``active_backend``.
+        NotImplementedError: ``backend="cuda"`` given explicitly with float32 activations.
+    """
+    from mlx_bricks.backends import active_backend
+
+    choice = active_backend(backend)
+    if choice.name == "cuda" and unsupported_reason(dtype) is not None:
+        if choice.source == "argument":
+            check_dtype(dtype)
+        return "reference"
+    return choice.name
+
+
+def select_tile(M: int, N: int, tiles: dict = TILES, weight_operands: int = 1,
+                bits: int | None = None, cc: tuple[int, int] | None = None) -> str:
+    """Tile rule (until the tuner decides): among the tiles this GPU can run, wgmma first on
+    sm_90, the largest whose grid still fills the SMs, else the smallest."""
+    names = tile_names(tiles, cc, weight_operands, bits)
+    if not names:
+        raise NotImplementedError("no CUDA tile fits this GPU's shared memory: has no CUDA twin")
+    names = sorted(names, key=lambda n: (not tiles[n].wgmma, -tiles[n].bm * tiles[n].bn))
+    for name in names:
+        t = tiles[name]
+        if math.ceil(M / t.bm) * math.ceil(N / t.bn) >= MIN_BLOCKS:
+            return name
+    return min(names, key=lambda n: (not tiles[n].wgmma, tiles[n].bm * tiles[n].bn))
+
+
+def shared_memory_bytes(tile: CudaTile, weight_operands: int = 1, bits: int | None = None) -> int:
+    """Dynamic shared memory of a block (``GemmSmem`` in gemm.cuh): the A ring and the weight
+    ring (16-bit tiles, or packed words plus two dequantized 16-bit tiles for affine weights),
+    each rounded up to 1024 bytes, plus 1024 bytes to align the start."""
+    def up(n):
+        return -(-n // 1024) * 1024
+    rows = weight_operands * tile.bn
+    a = up(tile.stages * tile.bm * BK * 2)
+    if not bits:
+        return a + up(tile.stages * rows * BK * 2) + 1024
+    return a + up(tile.stages * rows * (BK * bits // 32) * 4) + 2 * rows * BK * 2 + 1024
+
+
+def _tile(tiles: dict, tile: str | None, M: int, N: int, weight_operands: int = 1,
+          bits: int | None = None) -> CudaTile:
+    if tile is None:
+        tile = select_tile(M, N, tiles, weight_operands, bits)
+    if tile not in tiles:
+        raise ValueError(f"tile must be None or, on cuda, one of {sorted(tiles)}, got {tile!r}")
+    if (bits or 0) > tiles[tile].max_bits:
+        raise ValueError(f"tile {tile!r} takes affine weights of at most {tiles[tile].max_bits} "
+                         f"bits, got {bits}")
+    return tiles[tile]
+
+
+def _grid(tile: CudaTile, M: int, N: int):
+    blocks = math.ceil(M / tile.bm) * math.ceil(N / tile.bn)
+    return (blocks * tile.threads, 1, 1), (tile.threads, 1, 1)
+
+
+def _rows(x, K):
+    """x as a row-contiguous (M, K) matrix (a free reshape for contiguous inputs)."""
+    return mx.contiguous(x.reshape(-1, K))
+
+
+def weight_triple(weight, dtype, name: str = "weight"):
+    """``((w, scales, biases), bits, group_size)`` as the GEMM twins take a weight: a float
+    weight is ``(weight, weight, weight)`` with bits 0 (scales / biases are placeholders never
+    read, of the activation dtype as the generated signature needs), an affine one its arrays.
+
+    Raises:
+        TypeError: a float weight or affine scales of another dtype than the activations.
+    """
+    if isinstance(weight, QuantizedWeight):
+        if weight.scales.dtype != dtype:
+            raise TypeError(f"{name}.scales is {weight.scales.dtype} but x is {dtype}; the "
+                            "CUDA twins take scales and biases of the activation dtype")
+        arrays = tuple(mx.contiguous(a) for a in (weight.w, weight.scales, weight.biases))
+        return arrays, weight.bits, weight.group_size
+    if weight.dtype != dtype:
+        raise TypeError(f"{name} is {weight.dtype} but x is {dtype}")
+    w = mx.contiguous(weight)
+    return (w, w, w), 0, 32
+
+
+def _smem(tile: CudaTile, bits_list, weight_operands: int = 1) -> int:
+    return max(shared_memory_bytes(tile, weight_operands, b or None) for b in bits_list)
+
+
+def _geom(t: CudaTile, dtype) -> list:
+    return [("T", dtype), ("BM", t.bm), ("BN", t.bn), ("WM", t.wm), ("WN", t.wn),
+            ("STAGES", t.stages), ("WGMMA", t.wgmma)]
+
+
+def _gemm(x2, triple, bits, gs, bias, residual, t: CudaTile, swiglu_up: bool = False):
+    M, K = x2.shape
+    N = triple[0].shape[0]
+    grid, tg = _grid(t, M, N)
+    ph = triple[1]  # a placeholder of the activation dtype
+    (y,) = launch(
+        "gemm", "cuda",
+        inputs=[x2, *triple, ph if bias is None else mx.contiguous(bias),
+                ph if residual is None else residual],
+        template=_geom(t, x2.dtype) + [
+            ("BITS", bits), ("GS", gs), ("HAS_BIAS", bias is not None),
+            ("HAS_RESIDUAL", residual is not None and not swiglu_up),
+            ("SWIGLU_UP", swiglu_up)],
+        grid=grid, threadgroup=tg, output_shapes=[(M, N)], output_dtypes=[x2.dtype],
+        shared_memory=_smem(t, [bits]),
+    )
+    return y
+
+
+def linear(x, weight, bias=None, residual=None, *, tile=None):
+    """The GEMM twin: ``x @ weight.T (+ bias) (+ residual)``, weight float or
+    :class:`~mlx_bricks.ops.quant.QuantizedWeight`. Arguments already validated by
+    ``ops.linear``; M = prod(x.shape[:-1]) >= 1, N >= 1.
+
+    Raises:
+        NotImplementedError: float32 activations (no CUDA twin).
+        ValueError: an unknown ``tile``.
+        TypeError: affine scales of another dtype than x.
+    """
+    check_dtype(x.dtype)
+    K = x.shape[-1]
+    N = weight.shape[0]
+    x2 = _rows(x, K)
+    M = x2.shape[0]
+    triple, bits, gs = weight_triple(weight, x.dtype)
+    t = _tile(TILES, tile, M, N, 1, bits)
+    res = None if residual is None else mx.contiguous(residual.reshape(M, N))
+    y = _gemm(x2, triple, bits, gs, bias, res, t)
+    return y.reshape(*x.shape[:-1], N)
+
+
+def swiglu(x, w_gate, w_up, b_gate=None, b_up=None, *, variant="fused", tile=None):
+    """The SwiGLU twins: ``SiLU(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)``, (M, N_mlp) of
+    x's dtype, for validated arguments (weights float or affine). ``fused``: one kernel
+    (swiglu.cu); gate and up in different formats run ``split``. ``split``: the up GEMM, then
+    the gate GEMM whose epilogue reads up (gemm.cu with SWIGLU_UP).
+
+    Raises:
+        NotImplementedError: float32 activations. ValueError: unknown tile. TypeError: see
+        :func:`weight_triple`.
+    """
+    check_dtype(x.dtype)
+    K = x.shape[-1]
+    N = w_gate.shape[0]
+    x2 = _rows(x, K)
+    M = x2.shape[0]
+    g3, g_bits, g_gs = weight_triple(w_gate, x.dtype, "w_gate")
+    u3, u_bits, u_gs = weight_triple(w_up, x.dtype, "w_up")
+    if variant == "fused" and (g_bits, g_gs) == (u_bits, u_gs):
+        t = _tile(SWIGLU_TILES, tile, M, N, 2, g_bits)
+        grid, tg = _grid(t, M, N)
+        ph = g3[1]
+        (act,) = launch(
+            "swiglu_fused", "cuda",
+            inputs=[x2, *g3, *u3, ph if b_gate is None else mx.contiguous(b_gate),
+                    ph if b_up is None else mx.contiguous(b_up)],
+            template=_geom(t, x.dtype) + [
+                ("BITS", g_bits), ("GS", g_gs), ("HAS_BIAS_GATE", b_gate is not None),
+                ("HAS_BIAS_UP", b_up is not None)],
+            grid=grid, threadgroup=tg, output_shapes=[(M, N)], output_dtypes=[x.dtype],
+            shared_memory=_smem(t, [g_bits], weight_operands=2),
+        )
+        return act
+    t = _tile(TILES, None if variant == "fused" else tile, M, N, 1, max(g_bits, u_bits))
+    up = _gemm(x2, u3, u_bits, u_gs, b_up, None, t)
+    return _gemm(x2, g3, g_bits, g_gs, b_gate, up, t, swiglu_up=True)
+
+
+def rms_norm_qkv(x, norm_weight, eps, wq, wk, wv, bq=None, bk=None, bv=None, *, n_heads,
+                 n_kv_heads, head_dim, tile=None):
+    """The RMSNorm + QKV twin: ``h = mx.fast.rms_norm(x)`` (stock's own kernel, the same
+    rounding), then ``rms_norm_qkv.cu``: the three projections in one launch, each weight float
+    or affine in its own format, written in head layout. Validated arguments; x (B, L, K) with
+    B * L >= 1.
+
+    Returns:
+        (q, k, v): (B, n_heads, L, head_dim), (B, n_kv_heads, L, head_dim) twice.
+    """
+    check_dtype(x.dtype)
+    B, L, K = x.shape
+    M = B * L
+    h = mx.contiguous(mx.fast.rms_norm(x, norm_weight, eps))
+    nq, nkv = n_heads * head_dim, n_kv_heads * head_dim
+    triples = [weight_triple(w, x.dtype, n) for w, n in ((wq, "wq"), (wk, "wk"), (wv, "wv"))]
+    t = _tile(TILES, tile, M, nq, 1, max(tr[1] for tr in triples))
+    tiles_n = math.ceil(nq / t.bn) + 2 * math.ceil(nkv / t.bn)
+    blocks = math.ceil(M / t.bm) * tiles_n
+    ph = triples[0][0][1]
+    has_bias = bq is not None
+    biases = [mx.contiguous(b) for b in (bq, bk, bv)] if has_bias else [ph, ph, ph]
+    fmt = []
+    for (_, bits, gs), p in zip(triples, "QKV"):
+        fmt += [(f"BITS_{p}", bits), (f"GS_{p}", gs)]
+    q, k, v = launch(
+        "rms_norm_qkv", "cuda",
+        inputs=[h, *triples[0][0], *triples[1][0], *triples[2][0], *biases],
+        template=_geom(t, x.dtype) + fmt + [
+            ("HAS_BIAS", has_bias), ("N_HEADS", n_heads), ("N_KV_HEADS", n_kv_heads),
+            ("HEAD_DIM", head_dim)],
+        grid=(blocks * t.threads, 1, 1), threadgroup=(t.threads, 1, 1),
+        output_shapes=[(B, n_heads, L, head_dim), (B, n_kv_heads, L, head_dim),
+                       (B, n_kv_heads, L, head_dim)],
+        output_dtypes=[x.dtype] * 3,
+        shared_memory=_smem(t, [tr[1] for tr in triples]),
+    )
+    return q, k, v
