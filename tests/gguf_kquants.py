@@ -13,10 +13,14 @@ intended values.
 from __future__ import annotations
 
 import numpy as np
+from pathlib import Path
+
 from gguf import GGMLQuantizationType as Q
-from gguf.quants import dequantize
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf.quants import dequantize, quantize
 
 QK_K = 256
+K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 
 def _f16_bytes(x: np.ndarray) -> np.ndarray:
@@ -143,3 +147,61 @@ def encode(x: np.ndarray, qtype: Q) -> np.ndarray:
     if not np.allclose(got, want, rtol=1e-6, atol=1e-6 * float(np.abs(want).max() + 1e-30)):
         raise AssertionError(f"{qtype.name} packing does not read back")
     return blocks
+
+
+def write_variant(src: Path, dst: Path, pick) -> None:
+    """A copy of GGUF ``src`` whose matrices are re-encoded as ``pick(name, layer, n_layers)``."""
+    reader = GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    n_layers = int(reader.fields[f"{arch}.block_count"].contents())
+    w = GGUFWriter(str(dst), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    for t in reader.tensors:
+        values = dequantize(t.data, t.tensor_type)
+        if len(t.shape) != 2:
+            w.add_tensor(t.name, values.astype(np.float32))
+            continue
+        layer = int(t.name.split(".")[1]) if t.name.startswith("blk.") else -1
+        qtype = pick(t.name, layer, n_layers)
+        if qtype in K_QUANTS and values.shape[1] % 256:
+            qtype = FALLBACK[qtype]  # llama.cpp's choice for rows K-quants cannot hold
+        data = encode(values, qtype) if qtype in K_QUANTS else quantize(values, qtype)
+        w.add_tensor(t.name, data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+# llama.cpp (llama-quant.cpp) for a tensor whose rows are not whole 256-value super-blocks
+# (576 columns in the default model: all but ffn_down); it picks IQ4_NL for Q2_K / Q3_K, which
+# gguf-py cannot write: Q4_0 stands in
+FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+
+
+def q4_k_m(name, layer, n):
+    """llama.cpp's Q4_K_M recipe, simplified: Q6_K for the embedding and for attn_v / ffn_down
+    of the first and last eighth of the layers and every third layer between, Q4_K else."""
+    more = layer < n // 8 or layer >= 7 * n // 8 or (layer - n // 8) % 3 == 2
+    if name == "token_embd.weight" or (more and ("attn_v" in name or "ffn_down" in name)):
+        return Q.Q6_K
+    return Q.Q4_K
+
+
+def q3_k_m(name, layer, n):
+    if name == "token_embd.weight":
+        return Q.Q6_K
+    return Q.Q4_K if ("attn_v" in name or "ffn_down" in name) else Q.Q3_K
+
+
+def q2_k(name, layer, n):
+    return Q.Q6_K if name == "token_embd.weight" else Q.Q2_K
+
+
+def q6_k(name, layer, n):
+    return Q.Q6_K

@@ -640,7 +640,8 @@ def test_requantizer_beats_mlx_quantize(qtype):
 def test_default_model_tensors_map_within_documented_error():
     """Real weights (the embedded default model's ffn_down, 1536 columns: whole K-quant
     super-blocks) encoded as Q2_K / Q3_K / Q6_K: the merged mappings' error against the GGUF
-    values, with float16 scales, stays within the documented figures (docs/models.md)."""
+    values, with float16 scales, stays within the documented figures (docs/models.md: 0.21,
+    0.10, 0.013 on this matrix; bounds 25% above)."""
     from mlx_bricks.models import default_gguf_path
     from tests.gguf_kquants import encode
 
@@ -650,7 +651,7 @@ def test_default_model_tensors_map_within_documented_error():
         pytest.skip(str(e))
     t = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.3.ffn_down.weight")
     w = dequantize(t.data, t.tensor_type)[:256]
-    for qtype, bound in ((Q.Q2_K, 0.06), (Q.Q3_K, 0.06), (Q.Q6_K, 0.008)):
+    for qtype, bound in ((Q.Q2_K, 0.26), (Q.Q3_K, 0.13), (Q.Q6_K, 0.017)):
         a = quant.to_affine(encode(w, qtype), qtype, "float16")
         rel = np.sqrt(a.sq_error / a.sq_values)
         assert 0 < rel < bound, (qtype.name, rel)
@@ -993,16 +994,98 @@ def test_not_a_gguf_file(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("keep", [10, 200, 0.5, 0.999])
-def test_truncated_file(tmp_path, tiny_gguf, capsys, keep):
+@pytest.mark.parametrize("keep,what", [
+    (10, r"truncated GGUF file \(10 bytes\): the header needs bytes 8\.\.16"),
+    (200, r"truncated GGUF file \(200 bytes\): metadata entry 5 of 22 needs bytes \d+\.\.\d+"),
+    (0.5, r"truncated GGUF file \(\d+ bytes\): the data of tensor '[\w.]+' ends at byte \d+"),
+    (0.999, r"truncated GGUF file \(\d+ bytes\): the data of tensor 'blk\.1\.[\w.]+' ends")])
+def test_truncated_file(tmp_path, tiny_gguf, capsys, keep, what):
     data = tiny_gguf.read_bytes()
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(data[:keep if isinstance(keep, int) else int(len(data) * keep)])
-    with pytest.raises(ValueError, match="truncated or corrupt"):
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(cut))}: {what}"):
         convert_gguf(cut, tmp_path / "out")
     rc, err = _cli(capsys, cut, tmp_path / "out")
-    assert rc == 2 and "truncated or corrupt" in _one_error_line(err)
+    assert rc == 2 and re.search(what, _one_error_line(err))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf"]
+
+
+def _field_offsets(path: Path) -> tuple[int, int]:
+    """Byte offsets of the value type of the first metadata entry and of the ggml type of the
+    first tensor table entry, as gguf-py's reader lays them out (parts: key length, key, type,
+    value...; name length, name, n_dims, dims, type, offset)."""
+    reader = gguf.GGUFReader(path)
+    kv = next(f for name, f in reader.fields.items() if not name.startswith("GGUF."))
+    kv_type = kv.offset + sum(p.nbytes for p in kv.parts[:2])
+    t = reader.tensors[0].field
+    tensor_type = t.offset + sum(p.nbytes for p in t.parts[:4])
+    return kv_type, tensor_type
+
+
+@pytest.mark.parametrize("damage,what", [
+    ("version", r"unsupported GGUF version 99 \(supported: 2, 3\)"),
+    ("counts", r"corrupt GGUF header: it announces 1099511627776 metadata entries and 20 "
+               r"tensors"),
+    ("value type", r"corrupt GGUF metadata: metadata key '[\w.]+' has unknown value type 77"),
+    ("ggml type", r"corrupt GGUF tensor table: tensor '[\w.]+' has unknown ggml type 77"),
+    ("empty", r"empty file, not a GGUF file")])
+def test_corrupt_file_is_one_clear_line(tmp_path, tiny_gguf, capsys, damage, what):
+    """What is wrong, in words, with the file's name: never numpy's text from the reader."""
+    data = bytearray(tiny_gguf.read_bytes())
+    kv_type, tensor_type = _field_offsets(tiny_gguf)
+    if damage == "version":
+        data[4:8] = (99).to_bytes(4, "little")
+    elif damage == "counts":
+        data[16:24] = (1 << 40).to_bytes(8, "little")
+    elif damage == "value type":
+        data[kv_type:kv_type + 4] = (77).to_bytes(4, "little")
+    elif damage == "ggml type":
+        data[tensor_type:tensor_type + 4] = (77).to_bytes(4, "little")
+    else:
+        data = b""
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(bad))}: {what}$"):
+        convert_gguf(bad, tmp_path / "out")
+    rc, err = _cli(capsys, bad, tmp_path / "out")
+    assert rc == 2 and re.search(what, _one_error_line(err))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf"]
+
+
+def test_ctrl_c_exits_130_and_leaves_nothing(tmp_path):
+    """SIGINT while python -m mlx_bricks.gguf writes the default model (about 10 s): exit 130,
+    one line, no traceback, no temporary directory left."""
+    import signal
+    import time
+
+    from mlx_bricks.models import default_gguf_path
+
+    try:
+        src = default_gguf_path()
+    except ModuleNotFoundError as e:
+        pytest.skip(str(e))
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_bricks.gguf", str(src), str(out), "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        # as in a terminal: a runner that ignores SIGINT for its children must not make this
+        # test vacuous
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 300
+        while not any(p.name.startswith(".out.tmp-") for p in tmp_path.iterdir()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)  # the conversion is writing into its temporary dir
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert err.rstrip().splitlines()[-1] == "python -m mlx_bricks.gguf: interrupted"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_unsupported_architecture(tmp_path, capsys):
@@ -1164,3 +1247,78 @@ def test_large_models_are_sharded(tmp_path, monkeypatch):
     assert set(index["weight_map"].values()) == set(shards)
     model, _ = load_converted(out)
     assert np.array_equal(logits(model), logits(reference_model("qwen2", weights)))
+
+
+# --- the embedded default model with --keep-quantized ------------------------------------------
+
+DEFAULT_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
+                   "List three prime numbers.")
+
+
+def _default_gguf() -> Path:
+    from mlx_bricks.models import default_gguf_path
+
+    try:
+        return default_gguf_path()
+    except ModuleNotFoundError as e:  # scripts/setup.sh installs it
+        pytest.skip(str(e))
+
+
+def _greedy_texts(model_dir: Path, n: int = 16) -> tuple[list[list[int]], list[np.ndarray]]:
+    """Greedy tokens and the prompt's last-position logits for DEFAULT_PROMPTS. Without Metal
+    the model runs in float32: MLX's CPU quantized matmul is ~40x slower with float16
+    activations, and casting float16 scales, biases and weights to float32 is exact."""
+    from mlx.utils import tree_map
+    from mlx_lm import load
+
+    model, tokenizer = load(str(model_dir))
+    if not mx.metal.is_available():
+        model.update(tree_map(lambda a: a.astype(mx.float32) if a.dtype == mx.float16 else a,
+                              model.parameters()))
+    tokens, last = [], []
+    for prompt in DEFAULT_PROMPTS:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                            add_generation_prompt=True)
+        last.append(np.array(model(mx.array([ids]))[0, -1].astype(mx.float32)))
+        tokens.append(_greedy(model, ids, n))
+    return tokens, last
+
+
+def test_default_model_keep_quantized_generates_the_float16_text():
+    """The default model converted with --keep-quantized (Q4_1 projections -> 4-bit, Q8_0
+    embedding and output -> 8-bit, carried over exactly) generates the same 16 greedy tokens as
+    its float16 conversion on each prompt; the logits differ only by the float16 rounding of the
+    dense model's weights."""
+    from mlx_bricks.models import default_model
+
+    _default_gguf()
+    dense_dir, quantized_dir = default_model("float16"), default_model("4bit")
+    config = json.loads((quantized_dir / "config.json").read_text())["quantization"]
+    assert (config["bits"], config["group_size"]) == (4, 32)
+    assert config["model.embed_tokens"] == {"group_size": 32, "bits": 8}
+    dense_tokens, dense_logits = _greedy_texts(dense_dir)
+    tokens, last = _greedy_texts(quantized_dir)
+    assert tokens == dense_tokens
+    for a, b in zip(last, dense_logits):
+        assert np.abs(a - b).max() < 0.02 * np.abs(b).max()
+
+
+@pytest.mark.slow
+def test_default_model_as_q4_k_m_keep_quantized_generates_the_dense_text(tmp_path):
+    """The default model's weights written as a Q4_K_M-like GGUF (Q4_K / Q6_K on the 1536-column
+    ffn_down matrices, llama.cpp's fallbacks Q5_0 / Q8_0 on the 576-column ones): converted with
+    --keep-quantized (Q6_K re-quantized to 6-bit) it generates the dense conversion's greedy
+    tokens (float32 scales and activations; about 2 minutes)."""
+    from tests.gguf_kquants import q4_k_m, write_variant
+
+    src = tmp_path / "q4_k_m.gguf"
+    write_variant(_default_gguf(), src, q4_k_m)
+    types = {t.tensor_type for t in gguf.GGUFReader(src).tensors}
+    assert {Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0} <= types
+    dense = convert_gguf(src, tmp_path / "dense", dtype="float32", progress=False)
+    kept = convert_gguf(src, tmp_path / "kept", dtype="float32", keep_quantized=True,
+                        progress=False)
+    bits = {json.dumps(v) for v in json.loads((kept / "config.json").read_text())[
+        "quantization"].values() if isinstance(v, dict)}
+    assert bits == {json.dumps({"group_size": 32, "bits": b}) for b in (4, 6, 8)}
+    assert _greedy_texts(kept)[0] == _greedy_texts(dense)[0]

@@ -525,11 +525,12 @@ class _KeptStats:
             return ""
         rel = math.sqrt(self.sq_error / self.sq_values) if self.sq_values else 0.0
         method = quant.MAPPINGS[GGMLQuantizationType[qname]].method
-        how = ("re-quantized to" if method != "exact"
-               else f"kept as (scales rounded to {dtype}; float32 keeps them exact)")
+        how = "kept as" if method == "exact" else "re-quantized to"
+        rounded = (f", scales and biases rounded to {dtype} (float32 keeps them exact)"
+                   if method == "exact" else "")
         return (f"{self.count} {qname} tensor(s) {how} MLX {self.bits}-bit affine, group size "
-                f"{quant.GROUP_SIZE}: relative RMS error {rel:.2e} against the GGUF's values, "
-                f"max abs error {self.max_error:.2e}")
+                f"{quant.GROUP_SIZE}{rounded}: relative RMS error {rel:.2e} against the GGUF's "
+                f"values, max abs error {self.max_error:.2e}")
 
 
 def _check_names(tensors, expected, arch_name, model_type) -> None:
