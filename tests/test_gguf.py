@@ -996,7 +996,8 @@ def test_not_a_gguf_file(tmp_path, capsys):
 
 @pytest.mark.parametrize("keep,what", [
     (10, r"truncated GGUF file \(10 bytes\): the header needs bytes 8\.\.16"),
-    (200, r"truncated GGUF file \(200 bytes\): metadata entry 5 of 22 needs bytes \d+\.\.\d+"),
+    (200, r"truncated GGUF file \(200 bytes\): metadata entry 5 of 22 needs bytes "
+          r"\d+\.\.\d+"),
     (0.5, r"truncated GGUF file \(\d+ bytes\): the data of tensor '[\w.]+' ends at byte \d+"),
     (0.999, r"truncated GGUF file \(\d+ bytes\): the data of tensor 'blk\.1\.[\w.]+' ends")])
 def test_truncated_file(tmp_path, tiny_gguf, capsys, keep, what):

@@ -61,7 +61,6 @@ class SubBlocks:
     def values(self) -> np.ndarray:
         """``(rows, cols)`` float32: ``scale * code + bias`` evaluated in float32 (one rounding,
         as ggml and ``gguf.quants.dequantize`` do)."""
-        rows, cols = self.codes.shape
         s = np.repeat(self.scales.astype(np.float32), self.size, axis=1)
         b = np.repeat(self.biases.astype(np.float32), self.size, axis=1)
         return self.codes.astype(np.float32) * s + b

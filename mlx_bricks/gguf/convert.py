@@ -17,7 +17,8 @@ import math
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ class Architecture:
     hf_class: str  # "architectures" entry of config.json
     permuted_qk: bool  # llama.cpp stored Q/K rows in its interleaved RoPE order
     default_rope_theta: float
-    layer_names: dict = field(default_factory=dict)  # GGUF layer tensor -> mlx-lm, overrides
+    layer_names: dict = dataclass_field(default_factory=dict)  # overrides of _LAYER_NAMES
     norm_shift: float = 0.0  # llama.cpp stored every "*norm.weight" as w + norm_shift
 
 
@@ -132,8 +133,9 @@ def convert_gguf(
     ``llama3`` rope scaling), ``qwen2`` (q/k/v biases, tied or untied output), ``qwen3``
     (per-head q/k norms) and ``gemma3`` (mlx-lm's ``gemma3_text``: norms stored by llama.cpp as
     ``1 + w`` are stored back as ``w``; sliding-window layer pattern, local and global RoPE bases
-    and the attention scale as llama.cpp derives them, see :func:`build_config`); every ggml type ``gguf.quants.dequantize`` reads (F32, F16, BF16,
-    Q4_0...Q8_1, K-quants, IQ-quants...); tokenizers transformers can build from GGUF metadata
+    and the attention scale as llama.cpp derives them, see :func:`build_config`); every ggml
+    type ``gguf.quants.dequantize`` reads (F32, F16, BF16, Q4_0...Q8_1, K-quants,
+    IQ-quants...); tokenizers transformers can build from GGUF metadata
     (``gpt2`` byte-level BPE, ``llama`` sentencepiece, ...), built without torch.
 
     The output is written into a temporary directory beside ``out_dir`` and renamed at the end:

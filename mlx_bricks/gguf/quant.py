@@ -164,7 +164,8 @@ def to_affine(blocks: np.ndarray, qtype: Q, dtype: str = "float16") -> AffineTen
     return AffineTensor(weight=pack(codes, mapping.bits), scales=scales.astype(np.float32),
                         biases=biases.astype(np.float32), bits=mapping.bits,
                         exact=sq_error == 0.0,
-                        sq_error=sq_error, sq_values=float(np.square(values, dtype=np.float64).sum()),
+                        sq_error=sq_error,
+                        sq_values=float(np.square(values, dtype=np.float64).sum()),
                         max_error=max_error)
 
 
