@@ -7,15 +7,16 @@
 ``mlx_bricks.gguf.quant.to_affine`` (scales in float16 and float32) against ``gguf``'s own
 dequantized values, on (a) random blocks (every byte random: independent sub-block scales, the
 worst case for the 16 -> 32 merges) of real shapes and (b) the embedded default model's matrices
-(every matrix of 5 of its 30 layers) re-encoded in that type (tests/gguf_kquants.py for the
+(every matrix of layers 3 and 22 of 30) re-encoded in that type (tests/gguf_kquants.py for the
 K-quants, gguf-py for the rest), with, for scale, the type's own error against those weights;
-plus one more bit for the lossy types.
+plus the type's nominal width for the lossy types.
 
-``model``: the default model's weights written as Q4_K_M-like, Q3_K_M-like, Q2_K-like and Q6_K
-GGUFs (K-quants where a row holds whole 256-value super-blocks, which in this model is only
-ffn_down; llama.cpp's fallback types elsewhere), each converted dense (float32) and with
+``model``: the default model's weights written as a Q4_K_M-like, a Q3_K, a Q2_K and a Q6_K GGUF
+(K-quants where a row holds whole 256-value super-blocks, which in this model is only ffn_down;
+llama.cpp's fallback types elsewhere), each converted dense (float32) and with
 ``--keep-quantized`` (float32 scales), then the logits on a few prompts compared (max abs
-difference, top-1 agreement) and 16 greedy tokens.
+difference, top-1 agreement over every prompt position) and 16 greedy tokens
+(``model Q3_K,Q6_K`` runs a subset).
 
 The default model's matrices have 576 or 1536 columns; for the K-quant tensor errors the
 576-column ones are cut to their first 512 columns (whole super-blocks of real weights).
@@ -35,16 +36,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_bricks.gguf import quant  # noqa: E402
 from mlx_bricks.models import default_gguf_path  # noqa: E402
-from tests.gguf_kquants import (K_QUANTS, encode, q2_k, q3_k_m, q4_k_m,  # noqa: E402
+from tests.gguf_kquants import (K_QUANTS, encode, q2_k, q3_k, q4_k_m,  # noqa: E402
                                 q6_k, write_variant)
 from tests.test_gguf import random_blocks  # noqa: E402
 
+NOMINAL = {Q.Q2_K: 2, Q.Q3_K: 3, Q.Q6_K: 6, Q.IQ4_NL: 4, Q.IQ4_XS: 4, Q.IQ3_XXS: 3, Q.IQ3_S: 3,
+           Q.IQ2_XXS: 2, Q.IQ2_XS: 2, Q.IQ2_S: 2}
 RANDOM_ONLY = (Q.IQ4_NL, Q.IQ4_XS, Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S)
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "List three prime numbers.", "Explain what a GPU does in one sentence."]
 
 
-LAYERS = (0, 7, 15, 22, 29)  # a sample: every matrix of 5 of the 30 layers (35 matrices)
+LAYERS = (3, 22)  # a sample: every matrix of 2 of the 30 layers (14 matrices)
 
 
 def default_matrices() -> dict[str, np.ndarray]:
@@ -55,9 +58,9 @@ def default_matrices() -> dict[str, np.ndarray]:
 
 def tensors() -> None:
     mats = default_matrices()
-    shapes = [(1536, 576), (576, 1536), (2048, 2048)]
+    shapes = [(1536, 576), (576, 1536)]
     print("| type | bits | random blocks f32: rel RMS / max | f16 | default model f32: rel RMS /"
-          " max | f16 | type's own error on the model | one more bit (model, f16) |")
+          " max | f16 | type's own error on the model | nominal bits (model, f16) |")
     print("|---|---|---|---|---|---|---|---|")
     for qtype, mapping in quant.MAPPINGS.items():
         row = [qtype.name, str(mapping.bits)]
@@ -79,8 +82,8 @@ def tensors() -> None:
                 t16.add(quant.to_affine(b, qtype, "float16"))
                 own.add_raw(float(np.square(v.astype(np.float64) - w).sum()),
                             float(np.square(w.astype(np.float64)).sum()), 0.0)
-                if mapping.method != "exact" and mapping.bits < 8:
-                    more.add_raw(*more_bits(v, qtype, b, mapping.bits + 1))
+                if mapping.method != "exact":  # one bit less: the nominal width
+                    more.add_raw(*more_bits(v, qtype, b, NOMINAL[qtype]))
             row += [t32.text(), t16.text(), f"{own.rel():.2e}",
                     f"{more.rel():.2e}" if more.sv else "-"]
         print("| " + " | ".join(row) + " |", flush=True)
@@ -119,6 +122,8 @@ def model() -> None:
     from mlx_lm import load
     from mlx_lm.generate import generate_step
 
+    import mlx.nn as nn
+
     from mlx_bricks.gguf import convert_gguf
 
     def run(model, tokenizer):
@@ -139,34 +144,51 @@ def model() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        print("| file | quantized modules (bits) | max abs logit diff / max abs logit | top-1"
-              " agreement | greedy 16 tokens identical |")
-        print("|---|---|---|---|---|")
-        variants = {"default Q4_1/Q8_0": None, "Q4_K_M-like": q4_k_m, "Q3_K_M-like": q3_k_m,
-                    "Q2_K-like": q2_k, "Q6_K": q6_k}
-        for label, pick in variants.items():
+        print("| file | MLX bits of the re-quantized type | quantized modules (bits: count) | "
+              "max abs logit diff / max abs logit | top-1 agreement | greedy 16 tokens "
+              "identical |")
+        print("|---|---|---|---|---|---|")
+        variants = {"default Q4_1/Q8_0": (None, [None]), "Q4_K_M-like": (q4_k_m, [6, 8]),
+                    "Q3_K": (q3_k, [3, 4]), "Q2_K": (q2_k, [2, 3]), "Q6_K": (q6_k, [6, 8])}
+        if len(sys.argv) > 2:  # a subset, e.g. "Q3_K,Q6_K"
+            variants = {k: v for k, v in variants.items() if k in sys.argv[2].split(",")}
+        lossy = {"Q4_K_M-like": Q.Q6_K, "Q3_K": Q.Q3_K, "Q2_K": Q.Q2_K, "Q6_K": Q.Q6_K}
+        for label, (pick, choices) in variants.items():
             src = default_gguf_path()
             if pick is not None:
                 src = tmp / f"{label}.gguf"
                 write_variant(default_gguf_path(), src, pick)
             dense = convert_gguf(src, tmp / f"{label}-dense", dtype="float32", progress=False)
-            kept = convert_gguf(src, tmp / f"{label}-kept", dtype="float32", keep_quantized=True,
-                                progress=False)
             a = run(*load(str(dense)))
-            m, tok = load(str(kept))
-            import mlx.nn as nn
-            bits = {}
-            for _, mod in m.named_modules():
-                if isinstance(mod, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-                    bits[mod.bits] = bits.get(mod.bits, 0) + 1
-            b = run(f32(m), tok)
-            diff = max(float(np.abs(x[0] - y[0]).max()) for x, y in zip(a, b))
             scale = max(float(np.abs(x[0]).max()) for x in a)
-            top1 = np.mean(np.concatenate([x[0].argmax(-1) == y[0].argmax(-1)
-                                           for x, y in zip(a, b)]))
-            same = sum(x[1] == y[1] for x, y in zip(a, b))
-            print(f"| {label} | {bits} | {diff:.3g} / {scale:.3g} | {top1:.3f} | "
-                  f"{same} of {len(PROMPTS)} prompts |", flush=True)
+            for bits in choices:
+                saved = quant.MAPPINGS.get(lossy.get(label))
+                if bits is not None:
+                    quant.MAPPINGS[lossy[label]] = quant.Mapping(bits, saved.method)
+                try:
+                    kept = convert_gguf(src, tmp / f"{label}-kept-{bits}", dtype="float32",
+                                        keep_quantized=True, progress=False)
+                finally:
+                    if bits is not None:
+                        quant.MAPPINGS[lossy[label]] = saved
+                m, tok = load(str(kept))
+                counts = {}
+                for _, mod in m.named_modules():
+                    if isinstance(mod, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+                        counts[mod.bits] = counts.get(mod.bits, 0) + 1
+                b = run(f32(m), tok)
+                diff = max(float(np.abs(x[0] - y[0]).max()) for x, y in zip(a, b))
+                top1 = np.mean(np.concatenate([x[0].argmax(-1) == y[0].argmax(-1)
+                                               for x, y in zip(a, b)]))
+                same = [x[1] == y[1] for x, y in zip(a, b)]
+                where = [next(i for i, (p, q) in enumerate(zip(x[1], y[1])) if p != q)
+                         for x, y, ok in zip(a, b, same) if not ok]
+                text = f"{sum(same)} of {len(PROMPTS)} prompts"
+                if where:
+                    text += f" (others leave it at token {', '.join(str(i + 1) for i in where)})"
+                bits_text = "-" if bits is None else f"{lossy[label].name} -> {bits}"
+                print(f"| {label} | {bits_text} | {dict(sorted(counts.items()))} | {diff:.3g} / "
+                      f"{scale:.3g} | {top1:.3f} | {text} |", flush=True)
 
 
 if __name__ == "__main__":

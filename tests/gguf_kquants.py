@@ -193,10 +193,8 @@ def q4_k_m(name, layer, n):
     return Q.Q4_K
 
 
-def q3_k_m(name, layer, n):
-    if name == "token_embd.weight":
-        return Q.Q6_K
-    return Q.Q4_K if ("attn_v" in name or "ffn_down" in name) else Q.Q3_K
+def q3_k(name, layer, n):
+    return Q.Q6_K if name == "token_embd.weight" else Q.Q3_K
 
 
 def q2_k(name, layer, n):

@@ -25,7 +25,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keep-quantized", action="store_true",
                         help="keep quantized matrices as MLX affine quantized tensors (group "
                              "size 32): Q4_0/Q4_1/Q4_K -> 4-bit, Q5_0/Q5_1/Q5_K -> 5-bit, Q8_0 "
-                             "-> 8-bit (exact), Q2_K/Q3_K/Q6_K -> 2/3/6-bit and IQ4/IQ3/IQ2 -> "
+                             "-> 8-bit (exact), Q2_K/Q3_K/Q6_K -> 3/4/8-bit and IQ4/IQ3/IQ2 -> "
                              "5/4/3-bit (re-quantized; the error is printed); dequantize other "
                              "types")
     parser.add_argument("--force", action="store_true",

@@ -113,9 +113,10 @@ def convert_gguf(
             Bits per ggml type (:data:`mlx_bricks.gguf.quant.MAPPINGS`): Q4_0, Q4_1, Q4_K ->
             4; Q5_0, Q5_1, Q5_K -> 5; Q8_0 -> 8 (codes carried over: the GGUF's values exactly
             with float32 scales; also with float16 ones except the K-quants' scale products,
-            rounded to float16); Q2_K, Q3_K, Q6_K -> 2, 3, 6 (their 16-value sub-blocks
-            re-quantized to groups of 32); IQ4_NL/IQ4_XS -> 5, IQ3_XXS/IQ3_S -> 4,
-            IQ2_XXS/IQ2_XS/IQ2_S -> 3 (re-quantized from their values, one bit above nominal).
+            rounded to float16); Q2_K, Q3_K, Q6_K -> 3, 4, 8 (their 16-value sub-blocks
+            re-quantized to groups of 32, one bit above nominal); IQ4_NL/IQ4_XS -> 5,
+            IQ3_XXS/IQ3_S -> 4, IQ2_XXS/IQ2_XS/IQ2_S -> 3 (re-quantized from their values, one
+            bit above nominal).
             A note on logger ``mlx_bricks.gguf`` gives every lossy mapping's relative RMS error
             against the GGUF's values; types without a mapping (TQ1_0, TQ2_0, MXFP4, IQ1_S,
             IQ1_M...) are dequantized, with a note. Without it every tensor is dequantized to

@@ -14,9 +14,10 @@ becomes group size 32; the bits follow the ggml type (:data:`MAPPINGS`):
   float16 numbers or power-of-two multiples of them); the K-quants' ``d * sc_j`` and
   ``dmin * m_j`` are rounded to float16 (relative error at most 2**-11 each).
 - **Re-quantized** (``merge``): Q2_K, Q3_K and Q6_K have sub-blocks of 16 with their own scales;
-  MLX has no group size 16, so each pair of sub-blocks becomes one group of 32 with the same
-  number of bits, fitted to the GGUF's values (:func:`requantize`, seeded with each half's own
-  grid, which keeps that half exact).
+  MLX has no group size 16, so each pair of sub-blocks becomes one group of 32, one bit wider
+  than the type (Q2_K -> 3, Q3_K -> 4, Q6_K -> 8: MLX has no 7 bits), fitted to the GGUF's values
+  (:func:`requantize`, seeded with each half's own grid on the finer grid, which keeps that half
+  exact).
 - **Re-quantized from values** (``values``): the IQ types store codebook indices (non-uniform
   levels); their values (``gguf.quants.dequantize``) are fitted with a uniform grid one bit
   wider than the type's nominal width (IQ4 -> 5, IQ3 -> 4, IQ2 -> 3 bits).
@@ -56,7 +57,10 @@ MAPPINGS = {
     Q.Q5_0: Mapping(5, "exact"), Q.Q5_1: Mapping(5, "exact"),
     Q.Q8_0: Mapping(8, "exact"),
     Q.Q4_K: Mapping(4, "exact"), Q.Q5_K: Mapping(5, "exact"),
-    Q.Q2_K: Mapping(2, "merge"), Q.Q3_K: Mapping(3, "merge"), Q.Q6_K: Mapping(6, "merge"),
+    # one bit above nominal (no 7-bit: Q6_K -> 8): at the nominal width the merge adds 0.65-0.7x
+    # the type's own error on real weights, and the Q2_K / Q6_K default-model files change their
+    # greedy text (docs/models.md)
+    Q.Q2_K: Mapping(3, "merge"), Q.Q3_K: Mapping(4, "merge"), Q.Q6_K: Mapping(8, "merge"),
     # one bit above nominal: the codebook levels are not uniform, and a uniform grid of the
     # nominal width adds 27-32% (IQ2), 12-13% (IQ3), 6% (IQ4) relative RMS error (docs/models.md)
     Q.IQ4_NL: Mapping(5, "values"), Q.IQ4_XS: Mapping(5, "values"),
