@@ -7,7 +7,7 @@
 ``mlx_bricks.gguf.quant.to_affine`` (scales in float16 and float32) against ``gguf``'s own
 dequantized values, on (a) random blocks (every byte random: independent sub-block scales, the
 worst case for the 16 -> 32 merges) of real shapes and (b) the embedded default model's matrices
-(every matrix of layers 3 and 22 of 30) re-encoded in that type (tests/gguf_kquants.py for the
+(two of its ffn_down matrices, 576 x 1536) re-encoded in that type (tests/gguf_kquants.py for the
 K-quants, gguf-py for the rest), with, for scale, the type's own error against those weights;
 plus the type's nominal width for the lossy types.
 
@@ -18,8 +18,8 @@ llama.cpp's fallback types elsewhere), each converted dense (float32) and with
 difference, top-1 agreement over every prompt position) and 16 greedy tokens
 (``model Q3_K,Q6_K`` runs a subset).
 
-The default model's matrices have 576 or 1536 columns; for the K-quant tensor errors the
-576-column ones are cut to their first 512 columns (whole super-blocks of real weights).
+The default model's matrices have 576 or 1536 columns; the K-quants need whole 256-value
+super-blocks, which only its 1536-column ffn_down matrices hold.
 """
 from __future__ import annotations
 
@@ -47,22 +47,25 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "List three prime numbers.", "Explain what a GPU does in one sentence."]
 
 
-LAYERS = (3, 22)  # a sample: every matrix of 2 of the 30 layers (14 matrices)
+MATRICES = ("blk.3.ffn_down.weight", "blk.22.ffn_down.weight")  # 576 x 1536: whole super-blocks
 
 
 def default_matrices() -> dict[str, np.ndarray]:
     reader = GGUFReader(default_gguf_path())
     return {t.name: dequantize(t.data, t.tensor_type) for t in reader.tensors
-            if len(t.shape) == 2 and t.name.startswith(tuple(f"blk.{i}." for i in LAYERS))}
+            if t.name in MATRICES}
 
 
 def tensors() -> None:
     mats = default_matrices()
-    shapes = [(1536, 576), (576, 1536)]
+    shapes = [(576, 1536), (256, 2048)]
     print("| type | bits | random blocks f32: rel RMS / max | f16 | default model f32: rel RMS /"
           " max | f16 | type's own error on the model | nominal bits (model, f16) |")
     print("|---|---|---|---|---|---|---|---|")
+    only = sys.argv[2].split(",") if len(sys.argv) > 2 else None  # e.g. "Q6_K,IQ4_NL"
     for qtype, mapping in quant.MAPPINGS.items():
+        if only and qtype.name not in only:
+            continue
         row = [qtype.name, str(mapping.bits)]
         for dtype in ("float32", "float16"):
             t = Totals()
