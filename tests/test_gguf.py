@@ -211,7 +211,8 @@ def as_stored(weights: dict[str, np.ndarray], types: dict[str, Q]) -> dict[str, 
 FP16_FIELDS = {
     Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
     Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
-    Q.IQ2_XXS: (0,), Q.IQ3_S: (0,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,),
+    Q.IQ2_XXS: (0,), Q.IQ2_XS: (0,), Q.IQ2_S: (0,), Q.IQ3_XXS: (0,), Q.IQ3_S: (0,),
+    Q.IQ4_NL: (0,), Q.IQ4_XS: (0,),
 }
 
 
