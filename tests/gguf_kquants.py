@@ -9,6 +9,10 @@ much adjacent sub-blocks' scales differ on real weights) is what matters for the
 mapping's error, and it is the same. The packing follows ``ggml-common.h``'s block structs (see
 ``mlx_bricks/gguf/blocks.py``); ``encode`` checks that ``gguf.quants.dequantize`` reads back the
 intended values.
+
+``write_variant`` rewrites a GGUF (the default model's) with other types per tensor, using
+llama.cpp's fallback types where a row does not hold whole super-blocks; ``q4_k_m``, ``q3_k``,
+``q2_k`` and ``q6_k`` are the recipes ``scripts/gguf_requant_error.py`` and the slow test use.
 """
 from __future__ import annotations
 

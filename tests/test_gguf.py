@@ -1,12 +1,14 @@
-"""GGUF import (mlx_bricks.gguf): tiny synthetic llama / qwen2 / qwen3 files written here with
-``gguf.GGUFWriter`` convert to directories whose logits equal those of the same weights built
+"""GGUF import (mlx_bricks.gguf): tiny synthetic llama / qwen2 / qwen3 / gemma3 files written here
+with ``gguf.GGUFWriter`` convert to directories whose logits equal those of the same weights built
 directly in mlx-lm, for F32, F16, BF16, Q4_0...Q8_0, the K-quants (Q2_K...Q6_K) and some
-IQ-quants; Q4_0/Q4_1/Q8_0 re-encoding is exact against ``gguf``'s own dequantizer; bad inputs give
-one clear error.
+IQ-quants; with --keep-quantized the carried-over types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K)
+are exact against ``gguf``'s own dequantizer and the re-quantized ones (Q2_K, Q3_K, Q6_K, IQ)
+stay within their documented error; the default model converted that way generates its float16
+text; damaged files and Ctrl-C give one clear line.
 
 The references are independent of the converter: the tests write the GGUF the way llama.cpp does
-(its name table, its Q/K row permutation, its rope_freqs formula) and build the expected model
-from the original Hugging Face-layout weights.
+(its name table, its Q/K row permutation, its rope_freqs formula, gemma3's ``1 + w`` norms) and
+build the expected model from the original Hugging Face-layout weights.
 """
 from __future__ import annotations
 
