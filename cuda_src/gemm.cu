@@ -5,14 +5,14 @@
 // Template: T (__half, __nv_bfloat16), BM, BN, WM, WN (WM * WN warps), STAGES (>= 3 for affine
 // weights: a stage is dequantized one ahead), BITS (0: float weight; else 2..8 affine), GS
 // (group size, affine only), HAS_BIAS, HAS_RESIDUAL, SWIGLU_UP, WGMMA (sm_90a warpgroup MMA,
-// then WM = BM / 16 and WN = 1; else mma.sync).
+// then WM = BM / 16 and WN = 1; else mma.sync), DEPTH (wgmma groups kept in flight, 0 or 1).
 // Inputs: x (M, K) row-contiguous (the op reshapes / copies); w: (N, K) of T, or uint32
 // (N, K * BITS / 32); scales, biases (N, K / GS) of T (placeholders for float weights); bias (N,);
 // residual (M, N) (the up projection when SWIGLU_UP); absent ones are placeholders never read.
 // Output: y (M, N).
 // Launch: 1-D grid of ceil(M / BM) * ceil(N / BN) blocks of WM * WN * 32 threads (grouped
 // order), dynamic shared memory GemmSmem<Cfg, loader>::TOTAL (mlx_bricks/ops/gemm_cuda.py).
-using Cfg = bricks::GemmConfig<T, BM, BN, WM, WN, 1, STAGES>;
+using Cfg = bricks::GemmConfig<T, BM, BN, WM, WN, 1, STAGES, DEPTH>;
 using Mma = typename bricks::MmaPolicy<Cfg, WGMMA>::type;
 extern __shared__ __align__(1024) unsigned char smem[];
 const int M = x_shape[0];

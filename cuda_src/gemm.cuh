@@ -40,7 +40,10 @@ constexpr int GEMM_CHUNKS = 8;       // 16-byte chunks per tile row
 // Byte offset of chunk c of row r in a swizzled tile.
 __device__ __forceinline__ int swz(int r, int c) { return (r * GEMM_CHUNKS + (c ^ (r & 7))) * 16; }
 
-template <typename T_, int BM_, int BN_, int WM_, int WN_, int NB_, int STAGES_>
+// DEPTH_: wgmma groups kept in flight across K steps (0 or 1; mma.sync is always 0). With 1 the
+// tensor cores always have the next stage queued; the ring then prefetches one stage less and
+// the affine path keeps three dequantized tiles instead of two.
+template <typename T_, int BM_, int BN_, int WM_, int WN_, int NB_, int STAGES_, int DEPTH_ = 0>
 struct GemmConfig {
   using T = T_;
   static constexpr int BM = BM_;
@@ -49,6 +52,8 @@ struct GemmConfig {
   static constexpr int WN = WN_;
   static constexpr int NB = NB_;        // B operands sharing the A tile
   static constexpr int STAGES = STAGES_;
+  static constexpr int DEPTH = DEPTH_;
+  static constexpr int DQ_TILES = 2 + DEPTH_;  // dequantized operand tiles (affine weights)
   static constexpr int BK = GEMM_BK;
   static constexpr int THREADS = WM * WN * 32;
   static constexpr int WTM = BM / WM;   // warp tile rows
@@ -198,7 +203,7 @@ struct AffineB {
   static constexpr int LOOKAHEAD = 1;  // stage s + 1 is dequantized during stage s
   static constexpr int WPR = GEMM_BK * BITS / 32;             // packed words per row and stage
   static constexpr int STAGE_BYTES = Cfg::B_ROWS * WPR * 4;
-  static constexpr int EXTRA_BYTES = 2 * Cfg::B_TILE_BYTES;   // two dequantized operand tiles
+  static constexpr int EXTRA_BYTES = Cfg::DQ_TILES * Cfg::B_TILE_BYTES;  // dequantized tiles
   static constexpr int SEGS = Cfg::B_ROWS * 2;                // 32-value segments per stage
   static constexpr int SEG_PER_THREAD = (SEGS + Cfg::THREADS - 1) / Cfg::THREADS;
   static constexpr unsigned MASK = (1u << BITS) - 1u;
@@ -357,7 +362,7 @@ struct AffineB {
   }
 
   __device__ __forceinline__ unsigned char* operand(unsigned char*, unsigned char* dq, int s) const {
-    return dq + (s & 1) * Cfg::B_TILE_BYTES;
+    return dq + (s % Cfg::DQ_TILES) * Cfg::B_TILE_BYTES;
   }
 };
 
@@ -438,6 +443,7 @@ struct WarpTile {
   }
 
   __device__ __forceinline__ void retire() {}
+  __device__ __forceinline__ void drain() {}
 
   // Epilogue walk: op(acc_pair, b, row, col) for each pair of adjacent output columns this lane
   // holds, rows/cols block-relative (operand b's column col).
@@ -473,7 +479,7 @@ struct WarpTile {
 // Regions start 1024-byte aligned (wgmma's 128-byte-swizzle tiles need it), and the dynamic
 // shared memory is over-allocated by ALIGN so its start can be aligned at run time.
 template <class Cfg, class BL>
-struct GemmSmem {
+struct GemmSmem {  // EXTRA_BYTES already counts Cfg::DQ_TILES dequantized tiles
   static constexpr int ALIGN = 1024;
   static constexpr int round(int n) { return (n + ALIGN - 1) / ALIGN * ALIGN; }
   static constexpr int A_BYTES = round(Cfg::STAGES * Cfg::A_STAGE_BYTES);
@@ -497,16 +503,18 @@ __device__ __forceinline__ void gemm_mainloop(unsigned char* smem, const AL& al,
                                               Mma& mma, int K, int tid) {
   constexpr int S = Cfg::STAGES;
   constexpr int LA = BL::LOOKAHEAD;
-  static_assert(S >= 2 + LA, "need at least 2 + lookahead stages");
+  constexpr int D = Cfg::DEPTH;
+  constexpr int P = S - 1 - D;  // prefetch distance: stage s + P is issued in iteration s
+  static_assert(P - 1 - LA >= 0, "need at least 2 + lookahead + depth stages");
   using Smem = GemmSmem<Cfg, BL>;
   unsigned char* a_ring = smem;
   unsigned char* b_ring = smem + Smem::A_BYTES;
   unsigned char* extra = smem + Smem::A_BYTES + Smem::B_BYTES;
   const int steps = (K + Cfg::BK - 1) / Cfg::BK;
 
-  // Prologue: stages 0 .. S - 2 in flight (one commit group each, empty past the end).
+  // Prologue: stages 0 .. P - 1 in flight (one commit group each, empty past the end).
 #pragma unroll
-  for (int s = 0; s < S - 1; ++s) {
+  for (int s = 0; s < P; ++s) {
     if (s < steps) {
       al.issue(a_ring + s * Cfg::A_STAGE_BYTES, s * Cfg::BK, tid);
       bl.issue(b_ring + s * BL::STAGE_BYTES, s * Cfg::BK, tid);
@@ -516,24 +524,24 @@ __device__ __forceinline__ void gemm_mainloop(unsigned char* smem, const AL& al,
   if constexpr (LA == 1) {
     // Stage 0 must be dequantized before the loop: wait for it alone.
     bl.fetch_scales(0, tid);
-    cp_async_wait<S - 2>();
+    cp_async_wait<P - 1>();
     __syncthreads();
     bl.prepare(b_ring, extra, 0, tid, 0);
     if (steps > 1) bl.fetch_scales(Cfg::BK, tid);
   }
 
   for (int s = 0; s < steps; ++s) {
-    // Stages <= s + LA have landed (for this thread); the barrier publishes them to all and
-    // retires every read of iteration s - 1 (ring slot (s - 1) % S, operand tile (s + 1) & 1;
-    // an asynchronous MMA policy retired its reads before the barrier). The proxy fence makes
-    // this thread's generic-proxy writes (cp.async, the dequantized tile) visible to wgmma.
-    cp_async_wait<S - 2 - LA>();
+    // Stages <= s + LA have landed (for this thread); the barrier publishes them to all. Every
+    // read of ring slot (s + P) % S (stage s - 1 - D) and of the operand tile prepared below
+    // (stage s + 1 - DQ_TILES) was retired by its thread before this barrier. The proxy fence
+    // makes this thread's generic-proxy writes (cp.async, dequantized tiles) visible to wgmma.
+    cp_async_wait<P - 1 - LA>();
     if constexpr (Mma::ASYNC) fence_proxy_async();
     __syncthreads();
     const unsigned char* a_stage = a_ring + (s % S) * Cfg::A_STAGE_BYTES;
     const unsigned char* b_stage = bl.operand(b_ring + (s % S) * BL::STAGE_BYTES, extra, s);
     if constexpr (Mma::ASYNC) mma.issue(a_stage, b_stage);  // runs while we copy below
-    const int nxt = s + S - 1;
+    const int nxt = s + P;
     if (nxt < steps) {
       al.issue(a_ring + (nxt % S) * Cfg::A_STAGE_BYTES, nxt * Cfg::BK, tid);
       bl.issue(b_ring + (nxt % S) * BL::STAGE_BYTES, nxt * Cfg::BK, tid);
@@ -542,16 +550,18 @@ __device__ __forceinline__ void gemm_mainloop(unsigned char* smem, const AL& al,
     if constexpr (LA == 1) {
       if (s + 1 < steps) {
         bl.prepare(b_ring + ((s + 1) % S) * BL::STAGE_BYTES,
-                   extra + ((s + 1) & 1) * Cfg::B_TILE_BYTES, (s + 1) * Cfg::BK, tid, s + 1);
+                   extra + ((s + 1) % Cfg::DQ_TILES) * Cfg::B_TILE_BYTES, (s + 1) * Cfg::BK,
+                   tid, s + 1);
         if (s + 2 < steps) bl.fetch_scales((s + 2) * Cfg::BK, tid);
       }
     }
     if constexpr (Mma::ASYNC) {
-      mma.retire();
+      mma.retire();  // all but the newest DEPTH groups
     } else {
       mma.issue(a_stage, b_stage);
     }
   }
+  mma.drain();
   cp_async_wait<0>();
 }
 

@@ -9,13 +9,13 @@
 // Headers: mma.cuh, gemm.cuh, wgmma.cuh.
 //
 // Template: T, BM, BN, WM, WN, STAGES, BITS_Q, GS_Q, BITS_K, GS_K, BITS_V, GS_V (0 = float),
-// HAS_BIAS, N_HEADS, N_KV_HEADS, HEAD_DIM, WGMMA (as gemm.cu).
+// HAS_BIAS, N_HEADS, N_KV_HEADS, HEAD_DIM, WGMMA, DEPTH (as gemm.cu).
 // Inputs: h (B, L, K) row-contiguous; wq, sq, zq / wk, sk, zk / wv, sv, zv: each projection's
 // (w, scales, biases) as gemm.cu's; bq, bk, bv (placeholders without bias).
 // Outputs: q (B, N_HEADS, L, HEAD_DIM), k and v (B, N_KV_HEADS, L, HEAD_DIM).
 // Launch: 1-D grid of ceil(M / BM) * (tiles_q + 2 * tiles_kv) blocks of WM * WN * 32 threads,
 // dynamic shared memory: the largest GemmSmem of the three loaders.
-using Cfg = bricks::GemmConfig<T, BM, BN, WM, WN, 1, STAGES>;
+using Cfg = bricks::GemmConfig<T, BM, BN, WM, WN, 1, STAGES, DEPTH>;
 using Mma = typename bricks::MmaPolicy<Cfg, WGMMA>::type;
 extern __shared__ __align__(1024) unsigned char smem[];
 constexpr int NQ = N_HEADS * HEAD_DIM;

@@ -5,13 +5,13 @@
 // Headers: mma.cuh, gemm.cuh, wgmma.cuh.
 //
 // Template: T, BM, BN (act columns per block), WM, WN, STAGES, BITS (0: float weights; else
-// affine, the same for gate and up), GS, HAS_BIAS_GATE, HAS_BIAS_UP, WGMMA (as gemm.cu).
+// affine, the same for gate and up), GS, HAS_BIAS_GATE, HAS_BIAS_UP, WGMMA, DEPTH (as gemm.cu).
 // Inputs: x (M, K) row-contiguous; w_gate, w_up and their scales / biases triples as gemm.cu's
 // w / scales / biases; b_gate, b_up (N,) (placeholders when absent).
 // Output: act (M, N).
 // Launch: 1-D grid of ceil(M / BM) * ceil(N / BN) blocks of WM * WN * 32 threads, dynamic shared
 // memory GemmSmem<Cfg (NB = 2), loader>::TOTAL.
-using Cfg = bricks::GemmConfig<T, BM, BN, WM, WN, 2, STAGES>;
+using Cfg = bricks::GemmConfig<T, BM, BN, WM, WN, 2, STAGES, DEPTH>;
 using Mma = typename bricks::MmaPolicy<Cfg, WGMMA>::type;
 extern __shared__ __align__(1024) unsigned char smem[];
 const int M = x_shape[0];

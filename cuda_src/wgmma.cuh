@@ -173,8 +173,15 @@ struct WgmmaTile : WarpTile<Cfg> {
     fence_all();
   }
 
-  // Wait for this thread's wgmmas: afterwards the stage's shared memory may be overwritten.
+  // Wait for this thread's wgmmas but the newest Cfg::DEPTH groups: afterwards the shared
+  // memory of the retired stages may be overwritten.
   __device__ __forceinline__ void retire() {
+    wgmma_wait<Cfg::DEPTH>();
+    fence_all();
+  }
+
+  // Wait for every wgmma (before the epilogue reads the accumulators).
+  __device__ __forceinline__ void drain() {
     wgmma_wait<0>();
     fence_all();
   }

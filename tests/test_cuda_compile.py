@@ -79,6 +79,11 @@ LINEAR_CASES = [
     (300, 512, 256, mx.bfloat16, (6, 64), True, False, "wg128x256"),
     (300, 512, 256, mx.bfloat16, (8, 64), True, False, "wg128x128"),
     (300, 512, 384, mx.bfloat16, (3, 32), False, False, "wg128x128"),
+    # one wgmma group in flight
+    (300, 512, 256, mx.bfloat16, None, True, False, "wg128x256d"),
+    (300, 512, 256, mx.bfloat16, (4, 64), False, True, "wg128x256d"),
+    (300, 512, 256, mx.bfloat16, (4, 64), False, False, "wg128x256d5"),
+    (300, 512, 256, mx.float16, (8, 32), False, False, "wg128x128d"),
 ]
 
 
@@ -101,6 +106,7 @@ def test_linear_twin_compiles(case):
     ("fused", (4, 64), (8, 64), None),  # mixed formats run split
     ("fused", None, None, "wg128x64"), ("fused", (4, 64), (4, 64), "wg128x64"),
     ("fused", (8, 32), (8, 32), "wg128x64"),
+    ("fused", (4, 64), (4, 64), "wg128x64d"),
 ])
 def test_swiglu_twins_compile(variant, fmt_g, fmt_u, tile):
     M, N, K, dtype = 70, 384, 256, mx.bfloat16

@@ -35,7 +35,9 @@ DEFAULT_SHARED_MEMORY = 99 * 1024
 class CudaTile:
     """A block tile: BM x BN outputs (per weight operand), WM x WN warps, a STAGES-deep ring;
     ``wgmma``: the sm_90a warpgroup-MMA policy (then WM = BM / 16, WN = 1); ``max_bits``: the
-    widest affine format it takes without spilling registers (ptxas -v, tests/test_cuda_compile)."""
+    widest affine format it takes without spilling registers (ptxas -v, tests/test_cuda_compile);
+    ``depth``: wgmma groups kept in flight across K steps (1: the tensor cores always have the
+    next stage queued, at one stage less of prefetch and a third dequantized tile)."""
 
     bm: int
     bn: int
@@ -44,14 +46,15 @@ class CudaTile:
     stages: int
     wgmma: bool = False
     max_bits: int = 8
+    depth: int = 0
 
     @property
     def threads(self) -> int:
         return self.wm * self.wn * 32
 
 
-def _wg(bm: int, bn: int, stages: int = 4, max_bits: int = 8) -> CudaTile:
-    return CudaTile(bm, bn, bm // 16, 1, stages, wgmma=True, max_bits=max_bits)
+def _wg(bm: int, bn: int, stages: int = 4, max_bits: int = 8, depth: int = 0) -> CudaTile:
+    return CudaTile(bm, bn, bm // 16, 1, stages, wgmma=True, max_bits=max_bits, depth=depth)
 
 
 #: Tile variants of the GEMM twin (and of the QKV twin), by name (the ``tile=`` argument).
@@ -63,12 +66,18 @@ TILES = {
     # 128 accumulators per thread: 8-bit dequantization needs 16 bytes of spills here.
     "wg128x256": _wg(128, 256, max_bits=6),
     "wg128x128": _wg(128, 128),
+    # One wgmma group in flight ("d"): the ring prefetches one stage less, so the affine
+    # path (dequantized a stage ahead) gets 5 stages where 227 KB allow it ("d5", <= 4 bits).
+    "wg128x256d": _wg(128, 256, max_bits=4, depth=1),
+    "wg128x256d5": _wg(128, 256, stages=5, max_bits=4, depth=1),
+    "wg128x128d": _wg(128, 128, stages=5, depth=1),
 }
 #: Fused SwiGLU tiles, named by the act tile; each block also stages 2 * BN weight rows.
 SWIGLU_TILES = {
     "128x64": CudaTile(128, 64, 4, 2, 4),
     "64x64": CudaTile(64, 64, 2, 2, 4),
     "wg128x64": _wg(128, 64),
+    "wg128x64d": _wg(128, 64, stages=5, depth=1),
 }
 #: Threads per block of every tile. mx.fast.cuda_kernel generates the __global__ signature, so a
 #: twin cannot carry __launch_bounds__ and ptxas may use up to 255 registers per thread: 256
@@ -161,7 +170,8 @@ def shared_memory_bytes(tile: CudaTile, weight_operands: int = 1, bits: int | No
     a = up(tile.stages * tile.bm * BK * 2)
     if not bits:
         return a + up(tile.stages * rows * BK * 2) + 1024
-    return a + up(tile.stages * rows * (BK * bits // 32) * 4) + 2 * rows * BK * 2 + 1024
+    dq_tiles = 2 + tile.depth
+    return a + up(tile.stages * rows * (BK * bits // 32) * 4) + dq_tiles * rows * BK * 2 + 1024
 
 
 def _tile(tiles: dict, tile: str | None, M: int, N: int, weight_operands: int = 1,
@@ -212,7 +222,7 @@ def _smem(tile: CudaTile, bits_list, weight_operands: int = 1) -> int:
 
 def _geom(t: CudaTile, dtype) -> list:
     return [("T", dtype), ("BM", t.bm), ("BN", t.bn), ("WM", t.wm), ("WN", t.wn),
-            ("STAGES", t.stages), ("WGMMA", t.wgmma)]
+            ("STAGES", t.stages), ("WGMMA", t.wgmma), ("DEPTH", t.depth)]
 
 
 def _gemm(x2, triple, bits, gs, bias, residual, t: CudaTile, swiglu_up: bool = False):
