@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx_bricks import kernels
 from mlx_bricks.backends import resolve_backend
 from mlx_bricks.ops._checks import check_array, check_float_dtype, dtype_name
+from mlx_bricks.ops._variants import kernel_variants
 from mlx_bricks.ops.q8_0 import (
     QK8_0,
     dequantize_q8_0_reference,
@@ -39,6 +40,22 @@ kernels.register(kernels.KernelSpec(
     headers=("q8_0.h", "attention.h"),
     ensure_row_contiguous=False,
 ))
+
+
+#: The attention kernel has one variant so far (tiles fixed by head_dim and dtype, see
+#: :func:`attention_tile_config`); its name in the tuner's decisions.
+DEFAULT_VARIANT = "default"
+
+
+def variant_names(backend: str) -> tuple[str, ...]:
+    """Variants of :func:`flash_attention` on ``backend`` (what the tuner times against stock):
+    ``("default",)``, the one kernel (called without variant arguments), where it runs; ``()``
+    on ``reference`` and on ``cuda`` without a twin.
+
+    Raises:
+        mlx_bricks.backends.BackendError: ``backend`` is not one of ``BACKENDS``.
+    """
+    return kernel_variants(backend, "flash_attention", (DEFAULT_VARIANT,))
 
 
 def attention_tile_config(head_dim: int, dtype) -> tuple[int, int, int]:

@@ -23,6 +23,7 @@ from mlx_bricks.ops._checks import (
     check_linear_weight,
     check_same_dtype,
 )
+from mlx_bricks.ops._variants import kernel_variants
 
 register(KernelSpec(
     name="gemm",
@@ -94,6 +95,17 @@ class GemmPlan:
         return [("T", dtype), ("BM", t.bm), ("BN", t.bn), ("BK", self.bk), ("WM", t.wm),
                 ("WN", t.wn), ("PAD", self.pad), ("VEC", self.vec),
                 ("ALIGN_MN", self.align_mn), *flags.items()]
+
+
+def tile_names(backend: str) -> tuple[str, ...]:
+    """The names :func:`linear` accepts as ``tile=`` on ``backend``: the variants the tuner
+    (``mlx_bricks.tune``) times against stock. ``()`` where ``linear`` runs no GEMM kernel
+    (``reference``, which runs MLX ops; ``cuda`` while the GEMM has no CUDA twin).
+
+    Raises:
+        mlx_bricks.backends.BackendError: ``backend`` is not one of ``BACKENDS``.
+    """
+    return kernel_variants(backend, "gemm", tuple(TILES))
 
 
 def select_tile(M: int, N: int) -> str:

@@ -32,6 +32,7 @@ from mlx_bricks.ops._checks import (
     check_linear_weight,
     check_same_dtype,
 )
+from mlx_bricks.ops._variants import kernel_variants
 from mlx_bricks.ops.gemm import (
     MIN_THREADGROUPS_64,
     TILES as GEMM_TILES,
@@ -74,6 +75,38 @@ register(KernelSpec(
 #: "64x32" and "32x16" give every simdgroup as many accumulators as the GEMM brick's 64x64 and
 #: 32x32 tiles (32x16 gate + 32x16 up, 16x8 + 16x8); "64x64" doubles them (opt-in only).
 FUSED_TILES = {"64x32": GemmTile(64, 32), "32x16": GemmTile(32, 16), "64x64": GemmTile(64, 64)}
+
+
+#: The kernels each SwiGLU variant launches (the down projection is the GEMM brick).
+_VARIANT_KERNELS = {"fused": ("swiglu_fused", "gemm"), "split": ("swiglu_split", "gemm")}
+
+
+def variant_names(backend: str) -> tuple[str, ...]:
+    """The names :func:`swiglu` / :func:`swiglu_mlp` accept as ``variant=`` on ``backend`` (the
+    variants the tuner times against stock); ``()`` on ``reference`` (MLX ops, no variants) and
+    for variants whose kernels have no twin on ``cuda``.
+
+    Raises:
+        mlx_bricks.backends.BackendError: ``backend`` is not one of ``BACKENDS``.
+    """
+    return tuple(v for v in VARIANTS
+                 if kernel_variants(backend, _VARIANT_KERNELS[v], (v,)))
+
+
+def tile_names(backend: str, variant: str) -> tuple[str, ...]:
+    """The names :func:`swiglu` accepts as ``tile=`` for ``variant`` on ``backend``
+    (:data:`FUSED_TILES` for ``fused``, the GEMM tiles for ``split``); ``()`` where the variant
+    does not run (see :func:`variant_names`).
+
+    Raises:
+        ValueError: an unknown ``variant``.
+        mlx_bricks.backends.BackendError: ``backend`` is not one of ``BACKENDS``.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}, "
+                         f"got {variant!r}")
+    tiles = FUSED_TILES if variant == "fused" else GEMM_TILES
+    return kernel_variants(backend, _VARIANT_KERNELS[variant], tuple(tiles))
 
 
 def select_fused_tile(M: int, N: int) -> str:

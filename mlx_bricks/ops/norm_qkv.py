@@ -18,6 +18,7 @@ from mlx_bricks.backends import resolve_backend
 from mlx_bricks.kernels import KernelSpec, launch, register
 from mlx_bricks.ops import gemm, gemm_cuda
 from mlx_bricks.ops._checks import check_array, check_float_dtype, check_k, check_same_dtype
+from mlx_bricks.ops._variants import kernel_variants
 
 register(KernelSpec(
     name="rms_norm_qkv",
@@ -34,6 +35,17 @@ register(KernelSpec(
     cuda_input_names=("h", "wq", "sq", "zq", "wk", "sk", "zk", "wv", "sv", "zv", "bq", "bk",
                       "bv"),
 ))
+
+
+def tile_names(backend: str) -> tuple[str, ...]:
+    """The names :func:`rms_norm_qkv` accepts as ``tile=`` on ``backend`` (the GEMM tiles; the
+    variants the tuner times against stock); ``()`` where no fused kernel runs (``reference``,
+    ``cuda`` without a twin).
+
+    Raises:
+        mlx_bricks.backends.BackendError: ``backend`` is not one of ``BACKENDS``.
+    """
+    return kernel_variants(backend, "rms_norm_qkv", tuple(gemm.TILES))
 
 
 def rms_norm_qkv_reference(x, norm_weight, eps, wq, wk, wv, bq=None, bk=None, bv=None, *,
