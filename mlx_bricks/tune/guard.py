@@ -1,0 +1,102 @@
+"""The build and first-call guard: a brick variant that fails to build or run, or whose first
+output disagrees with stock beyond the dtype-scaled tolerance, is disabled for the process, and
+the computation continues on stock.
+
+MLX builds a custom kernel lazily, when its output is first evaluated (``mx.fast.metal_kernel``
+compiles the MSL, ``mx.fast.cuda_kernel`` runs NVRTC), so an error would surface far from the
+call, inside the model's evaluation. The guard therefore evaluates the first call of each
+(backend, op kind, variant, decision key) eagerly, together with stock on the same inputs, and
+checks the brick's last rows against a high-precision reference (``OpKind.check``). Later calls
+of a checked key run lazily as usual.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+
+from mlx_bricks.tune.kinds import OpKind, Variant
+
+#: What a kernel that cannot be built or launched raises: MLX's compile and launch errors
+#: (``RuntimeError``; the emulator's faults derive from it), argument errors of the op
+#: (``ValueError``), and a brick without a twin on this backend (``NotImplementedError``).
+GUARD_ERRORS = (RuntimeError, ValueError, NotImplementedError)
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line (its first 300 characters), with its type."""
+    text = " ".join(str(e).split())
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return f"{type(e).__name__}: {text}"
+
+
+class Guard:
+    """Process-wide record of disabled and checked brick variants (module docstring).
+
+    Attributes:
+        disabled: ``(backend, kind, variant) -> reason`` of every disabled variant.
+        passed: ``(backend, kind, variant, key)`` whose first call was checked.
+    """
+
+    def __init__(self):
+        self.disabled: dict[tuple[str, str, str], str] = {}
+        self.passed: set[tuple[str, str, str, str]] = set()
+
+    def reset(self) -> None:
+        """Forget everything (tests; a process that changed its kernels)."""
+        self.disabled.clear()
+        self.passed.clear()
+
+    def disabled_reason(self, backend: str, kind: str, variant: str) -> str | None:
+        """Why ``variant`` of ``kind`` on ``backend`` is disabled, or None."""
+        return self.disabled.get((backend, kind, variant))
+
+    def disable(self, backend: str, kind: str, variant: str, reason: str) -> None:
+        """Disable ``variant`` for the rest of the process (the first reason is kept)."""
+        self.disabled.setdefault((backend, kind, variant), reason)
+
+    def run(self, kind: OpKind, variant: Variant, args: dict, backend: str, key: str,
+            stock: Callable[[], object]) -> tuple[object, str | None]:
+        """The brick's output for ``args``, or stock's with the reason it replaced the brick.
+
+        Args:
+            kind: the op kind.
+            variant: the brick variant chosen.
+            args: the op's arguments (real arrays).
+            backend: the backend the brick runs on.
+            key: the decision key (the first call of each key is checked).
+            stock: zero-argument callable computing the same values the stock way (the
+                patch passes mlx-lm's own modules).
+
+        Returns:
+            ``(output, None)`` when the brick ran, ``(stock output, reason)`` when it is, or
+            just became, disabled.
+        """
+        reason = self.disabled_reason(backend, kind.name, variant.name)
+        if reason is not None:
+            return stock(), reason
+        gk = (backend, kind.name, variant.name, key)
+        if gk in self.passed:
+            return kind.run(variant, args, backend), None
+        what = f"{kind.name} variant {variant.name} on {backend}"
+        try:
+            out = kind.run(variant, args, backend)
+            mx.eval(out)
+        except GUARD_ERRORS as e:
+            reason = f"{what} failed to build or run: {one_line(e)}"
+            self.disable(backend, kind.name, variant.name, reason)
+            return stock(), reason
+        naive = stock()
+        mx.eval(naive)
+        result = kind.check(out, naive, args)
+        if not result.ok:
+            reason = f"{what}: first output disagrees with stock beyond tolerance ({result})"
+            self.disable(backend, kind.name, variant.name, reason)
+            return naive, reason
+        self.passed.add(gk)
+        return out, None
+
+
+#: The process's guard (decisions and disabled variants are per process).
+GUARD = Guard()
