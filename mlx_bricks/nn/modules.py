@@ -7,10 +7,16 @@ original class still hold, and other instances of the class are untouched. This 
 counterpart of Liger-Kernel's per-instance method binding: MLX looks ``__call__`` up on the type,
 so binding a method on the instance would not take effect.
 
-Prefill (L > 1) runs through the bricks (``mlx_bricks.ops``); decode (L == 1) and every case the
-bricks do not cover call the original ``__call__`` unchanged, and the reason is counted in the
-module's :class:`BricksState`. The bricks write K/V into mlx-lm's ``KVCache`` with
-``cache.update_and_fetch`` exactly as stock does, so decode continues on the stock path.
+Prefill (L > 1) is split into pieces (the unified block: RMSNorm + QKV, attention, the
+out-projection with the residual, the SwiGLU MLP with the residual). For each piece the model's
+dispatcher (``state.dispatch``, ``mlx_bricks.patch.dispatch``) chooses a brick variant
+(``mlx_bricks.ops``) or the stock path, which is mlx-lm's own computation: the module's own
+submodules (``input_layernorm``, ``q_proj``, ``mlp``...) and mlx-lm's attention function, not the
+ops' ``*_reference`` functions. When every piece goes stock the module's original ``__call__``
+runs. Decode (L == 1) and every case the bricks do not cover call the original ``__call__``
+unchanged, and the reason is counted in the module's :class:`BricksState`. The bricks write K/V
+into mlx-lm's ``KVCache`` with ``cache.update_and_fetch`` exactly as stock does, so decode
+continues on the stock path.
 """
 from __future__ import annotations
 
@@ -20,10 +26,11 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
-from mlx_bricks import ops
 from mlx_bricks.ops._checks import FLOAT_DTYPES, dtype_name
+from mlx_bricks.tune.kinds import Act
 
 # Stock-call reason for single-token steps: decode is stock by design, not a fallback.
 DECODE = "decode (L == 1): stock path by design"
@@ -74,8 +81,13 @@ class BricksState:
         head_dim: attention head size (0 for an MLP).
         kv_quant: None or ``"q8_0"`` (K/V of the attention brick).
         mlp_variant: SwiGLU brick variant (None = the brick's own rule).
+        dispatch: the model's dispatcher (``mlx_bricks.patch.dispatch.Dispatch``): chooses
+            brick or stock per piece and runs bricks through the first-call guard.
         calls: brick op name -> number of calls (prefill through the bricks).
-        stock: reason -> number of calls that took the stock path (decode included).
+        stock: reason -> number of calls that took the stock path because the bricks do not
+            cover the call (decode included; a piece's reason starts with its name).
+        tuned: ``"<piece>: tuned: stock faster (x0.93)"`` -> calls where a piece ran stock
+            because tuning measured stock faster (a decision, not a fallback).
     """
 
     backend: str
@@ -85,8 +97,10 @@ class BricksState:
     head_dim: int = 0
     kv_quant: str | None = None
     mlp_variant: str | None = None
+    dispatch: object = field(default=None, repr=False)
     calls: Counter = field(default_factory=Counter)
     stock: Counter = field(default_factory=Counter)
+    tuned: Counter = field(default_factory=Counter)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,15 +183,67 @@ def _mlp_reason(mlp, layout: BlockLayout, dtype) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The prefill computation
+# The prefill computation, piece by piece
 # ---------------------------------------------------------------------------------------------
 
 def _heads(y, B, L, n):
     return y.reshape(B, L, n, -1).transpose(0, 2, 1, 3)
 
 
-def _attend(attn, state: BricksState, q, k, v, mask, cache):
-    """Per-head norms, RoPE, KV-cache update and the attention brick; q/k/v in head layout.
+def _linear_args(linear, x, residual=None) -> dict:
+    return {"x": x, "weight": linear.weight, "bias": _bias(linear), "residual": residual}
+
+
+def _attention_args(attn, state: BricksState, B, L, offset, dtype, mask) -> dict:
+    """Arguments of the attention piece before q/k/v exist (shapes only): keys are the cached
+    ones plus this chunk's."""
+    hd = state.head_dim
+    kv = Act((B, attn.n_kv_heads, offset + L, hd), dtype)
+    return {"q": Act((B, attn.n_heads, L, hd), dtype), "k": kv, "v": kv, "scale": attn.scale,
+            "mask": mask, "kv_quant": state.kv_quant}
+
+
+def _mlp_args(mlp, layout: BlockLayout, x, residual=None) -> dict:
+    gate, up, down = (getattr(mlp, n) for n in layout.mlp_linears)
+    return {"x": x, "w_gate": gate.weight, "w_up": up.weight, "w_down": down.weight,
+            "b_gate": _bias(gate), "b_up": _bias(up), "b_down": _bias(down),
+            "residual": residual}
+
+
+def _choose(state: BricksState, pieces: dict) -> dict:
+    """``{piece: Choice}`` for ``pieces = {piece: (op kind, args)}``."""
+    return {name: state.dispatch.choose(kind, args) for name, (kind, args) in pieces.items()}
+
+
+def _count_stock(state: BricksState, name: str, choice) -> None:
+    counter = state.tuned if choice.tuned else state.stock
+    counter[f"{name}: {choice.reason}"] += 1
+
+
+def _all_stock(state: BricksState, choices: dict) -> bool:
+    """True (and every piece counted) when no piece runs a brick."""
+    if any(c.brick for c in choices.values()):
+        return False
+    for name, c in choices.items():
+        _count_stock(state, name, c)
+    return True
+
+
+def _piece(state: BricksState, name: str, choice, kind: str, args: dict, stock, brick: str):
+    """One piece: its brick (through the dispatcher's guard) or ``stock()``, counted."""
+    if not choice.brick:
+        _count_stock(state, name, choice)
+        return stock()
+    out, failed = state.dispatch.run(choice, kind, args, stock)
+    if failed is None:
+        state.calls[brick] += 1
+    else:
+        state.stock[f"{name}: {failed}"] += 1
+    return out
+
+
+def _attend(attn, state: BricksState, choice, args: dict, q, k, v, mask, cache):
+    """Per-head norms, RoPE, KV-cache update and the attention piece; q/k/v in head layout.
 
     Returns (B, L, n_heads * head_dim), ready for the out-projection.
     """
@@ -194,20 +260,18 @@ def _attend(attn, state: BricksState, q, k, v, mask, cache):
     else:
         q = attn.rope(q)
         k = attn.rope(k)
-    o = ops.flash_attention(q, k, v, scale=attn.scale, mask=mask, kv_quant=state.kv_quant,
-                            backend=state.backend)
-    state.calls["flash_attention"] += 1
+
+    def stock():
+        if state.kv_quant is not None:  # the requested Q8_0 K/V: the brick's MLX reference
+            from mlx_bricks.ops.attention import flash_attention_reference
+
+            return flash_attention_reference(q, k, v, scale=attn.scale, mask=mask,
+                                             kv_quant=state.kv_quant)
+        return scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
+
+    o = _piece(state, "attention", choice, "attention", dict(args, q=q, k=k, v=v), stock,
+               "flash_attention")
     return o.transpose(0, 2, 1, 3).reshape(B, L, -1)
-
-
-def _mlp(mlp, state: BricksState, x, residual=None):
-    lay = state.layout
-    gate, up, down = (getattr(mlp, n) for n in lay.mlp_linears)
-    out = ops.swiglu_mlp(x, gate.weight, up.weight, down.weight, residual,
-                         b_gate=_bias(gate), b_up=_bias(up), b_down=_bias(down),
-                         variant=state.mlp_variant, backend=state.backend)
-    state.calls["swiglu_mlp"] += 1
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,9 +281,12 @@ def _mlp(mlp, state: BricksState, x, residual=None):
 class BricksAttention:
     """Attention with prefill on the GEMM and attention bricks (mixin over mlx-lm's Attention).
 
-    Prefill: ``linear`` for q/k/v (biases kept), per-head q/k RMSNorm when the layout has it,
-    the module's rope at ``cache.offset``, ``cache.update_and_fetch``, ``flash_attention``
-    (causal, bottom-right aligned when the cache already holds tokens), ``linear`` for o.
+    Prefill pieces: ``q_proj``/``k_proj``/``v_proj`` (``linear``, biases kept), per-head q/k
+    RMSNorm when the layout has it, the module's rope at ``cache.offset``,
+    ``cache.update_and_fetch``, ``attention`` (``flash_attention``, causal, bottom-right aligned
+    when the cache already holds tokens), ``o_proj`` (``linear``). Each linear piece and the
+    attention piece run brick or stock (the module's own layer, mlx-lm's attention function)
+    as the dispatcher decides; all stock runs the original ``__call__``.
     Call signature as mlx-lm's: ``(x: (B, L, D), mask=None | "causal" | array, cache=None)``.
     """
 
@@ -230,22 +297,37 @@ class BricksAttention:
         if reason is not None:
             state.stock[reason] += 1
             return super().__call__(x, mask, cache, *args, **kwargs)
-        lay, be = state.layout, state.backend
+        lay = state.layout
         B, L, _ = x.shape
         qp, kp, vp, op = (getattr(self, n) for n in lay.attention_linears)
-        q = _heads(ops.linear(x, qp.weight, _bias(qp), backend=be), B, L, self.n_heads)
-        k = _heads(ops.linear(x, kp.weight, _bias(kp), backend=be), B, L, self.n_kv_heads)
-        v = _heads(ops.linear(x, vp.weight, _bias(vp), backend=be), B, L, self.n_kv_heads)
-        o = _attend(self, state, q, k, v, mask, cache)
-        out = ops.linear(o, op.weight, _bias(op), backend=be)
-        state.calls["linear"] += 4
-        return out
+        offset = cache.offset if cache is not None else 0
+        attn_args = _attention_args(self, state, B, L, offset, x.dtype, mask)
+        o_args = _linear_args(op, Act((B, L, self.n_heads * state.head_dim), x.dtype))
+        choices = _choose(state, {
+            "q_proj": ("linear", _linear_args(qp, x)), "k_proj": ("linear", _linear_args(kp, x)),
+            "v_proj": ("linear", _linear_args(vp, x)), "attention": ("attention", attn_args),
+            "o_proj": ("linear", o_args)})
+        if _all_stock(state, choices):
+            return super().__call__(x, mask, cache)
+
+        def proj(name, layer, n):
+            y = _piece(state, name, choices[name], "linear", _linear_args(layer, x),
+                       lambda: layer(x), "linear")
+            return _heads(y, B, L, n)
+
+        q = proj("q_proj", qp, self.n_heads)
+        k = proj("k_proj", kp, self.n_kv_heads)
+        v = proj("v_proj", vp, self.n_kv_heads)
+        o = _attend(self, state, choices["attention"], attn_args, q, k, v, mask, cache)
+        return _piece(state, "o_proj", choices["o_proj"], "linear", dict(o_args, x=o),
+                      lambda: op(o), "linear")
 
 
 class BricksMLP:
     """SwiGLU MLP with prefill on the SwiGLU brick (mixin over mlx-lm's MLP).
 
-    Prefill: ``swiglu_mlp(x, gate, up, down)`` with biases when the layers have them.
+    Prefill: one piece, ``swiglu_mlp(x, gate, up, down)`` with biases when the layers have
+    them, or the original ``__call__`` when the dispatcher chooses stock.
     Call signature as mlx-lm's: ``(x: (..., L, D))``.
     """
 
@@ -264,22 +346,33 @@ class BricksMLP:
         if reason is not None:
             state.stock[reason] += 1
             return super().__call__(x, *args, **kwargs)
-        return _mlp(self, state, x)
+        mlp_args = _mlp_args(self, state.layout, x)
+        choices = _choose(state, {"mlp": ("swiglu_mlp", mlp_args)})
+        if _all_stock(state, choices):
+            return super().__call__(x)
+        return _piece(state, "mlp", choices["mlp"], "swiglu_mlp", mlp_args,
+                      lambda: super(BricksMLP, self).__call__(x), "swiglu_mlp")
 
 
 class BricksBlock:
     """The unified prefill block (mixin over a standard pre-norm mlx-lm TransformerBlock).
 
-    Prefill, for x (B, L, D)::
+    Prefill, for x (B, L, D), in four pieces::
 
-        q, k, v = rms_norm_qkv(x, input_norm, Wq, Wk, Wv)    # head layout (B, H, L, head_dim)
-        q, k    = q_norm(q), k_norm(k)                        # qwen3 only
-        q, k    = rope(q, k, offset=cache.offset); k, v = cache.update_and_fetch(k, v)
-        h       = linear(flash_attention(q, k, v, causal), Wo, residual=x)
-        out     = swiglu_mlp(rms_norm(h, post_attention_norm), W_gate, W_up, W_down, residual=h)
+        qkv:       q, k, v = rms_norm_qkv(x, input_norm, Wq, Wk, Wv)   # head layout (B, H, L, hd)
+                   q, k    = q_norm(q), k_norm(k)                       # qwen3 only
+                   q, k    = rope(q, k, offset=cache.offset); k, v = cache.update_and_fetch(k, v)
+        attention: o       = flash_attention(q, k, v, causal)
+        o_proj:    h       = linear(o, Wo, residual=x)
+        mlp:       out     = swiglu_mlp(rms_norm(h, post_attention_norm), W_gate, W_up, W_down,
+                                        residual=h)
 
-    Decode, array masks, caches other than ``KVCache`` and modules that are not plain
-    ``nn.Linear``/``nn.RMSNorm`` run the block's own ``__call__`` (counted with the reason).
+    Each piece runs its brick or the stock path as the dispatcher decides; the stock path of a
+    piece is mlx-lm's: ``input_layernorm`` then ``q_proj``/``k_proj``/``v_proj``; mlx-lm's
+    ``scaled_dot_product_attention``; ``x + o_proj(o)``; ``h + mlp(post_attention_layernorm(h))``.
+    When every piece is stock the block's own ``__call__`` runs. Decode, array masks, caches
+    other than ``KVCache`` and modules that are not plain ``nn.Linear``/``nn.RMSNorm`` run the
+    block's own ``__call__`` (counted with the reason).
     Source: ``TransformerBlock``/``Attention``/``MLP`` of mlx-lm 0.32's ``models/llama.py``,
     ``qwen2.py``, ``qwen3.py``; the same math with the pieces fused into the bricks.
     """
@@ -301,19 +394,38 @@ class BricksBlock:
             state.stock[reason] += 1
             return super().__call__(x, mask, cache, *args, **kwargs)
 
-        be = state.backend
+        B, L, D = x.shape
         qp, kp, vp, op = (getattr(attn, n) for n in lay.attention_linears)
         norm = getattr(self, lay.input_norm)
-        q, k, v = ops.rms_norm_qkv(x, norm.weight, norm.eps, qp.weight, kp.weight, vp.weight,
-                                   _bias(qp), _bias(kp), _bias(vp), n_heads=attn.n_heads,
-                                   n_kv_heads=attn.n_kv_heads, head_dim=state.head_dim,
-                                   backend=be)
-        state.calls["rms_norm_qkv"] += 1
-        o = _attend(attn, state, q, k, v, mask, cache)
-        h = ops.linear(o, op.weight, _bias(op), residual=x, backend=be)
-        state.calls["linear"] += 1
         post = getattr(self, lay.post_attention_norm)
-        return _mlp(mlp, state, mx.fast.rms_norm(h, post.weight, post.eps), residual=h)
+        offset = cache.offset if cache is not None else 0
+        qkv_args = {"x": x, "norm_weight": norm.weight, "eps": norm.eps, "wq": qp.weight,
+                    "wk": kp.weight, "wv": vp.weight, "bq": _bias(qp), "bk": _bias(kp),
+                    "bv": _bias(vp), "n_heads": attn.n_heads, "n_kv_heads": attn.n_kv_heads,
+                    "head_dim": state.head_dim}
+        attn_args = _attention_args(attn, state, B, L, offset, x.dtype, mask)
+        o_args = _linear_args(op, Act((B, L, attn.n_heads * state.head_dim), x.dtype),
+                              residual=x)
+        mlp_args = _mlp_args(mlp, lay, Act((B, L, D), x.dtype), Act((B, L, D), x.dtype))
+        choices = _choose(state, {"qkv": ("rms_norm_qkv", qkv_args),
+                                  "attention": ("attention", attn_args),
+                                  "o_proj": ("linear", o_args), "mlp": ("swiglu_mlp", mlp_args)})
+        if _all_stock(state, choices):
+            return super().__call__(x, mask, cache)
+
+        def stock_qkv():
+            h = norm(x)
+            return (_heads(qp(h), B, L, attn.n_heads), _heads(kp(h), B, L, attn.n_kv_heads),
+                    _heads(vp(h), B, L, attn.n_kv_heads))
+
+        q, k, v = _piece(state, "qkv", choices["qkv"], "rms_norm_qkv", qkv_args, stock_qkv,
+                         "rms_norm_qkv")
+        o = _attend(attn, state, choices["attention"], attn_args, q, k, v, mask, cache)
+        h = _piece(state, "o_proj", choices["o_proj"], "linear", dict(o_args, x=o),
+                   lambda: x + op(o), "linear")
+        hn = post(h)  # nn.RMSNorm: mx.fast.rms_norm(h, weight, eps), as the brick path needs
+        return _piece(state, "mlp", choices["mlp"], "swiglu_mlp",
+                      dict(mlp_args, x=hn, residual=h), lambda: h + mlp(hn), "swiglu_mlp")
 
 
 MIXINS = (BricksAttention, BricksMLP, BricksBlock)
