@@ -202,6 +202,19 @@ def test_cached_winner_the_op_no_longer_offers_is_measured_again(tuned_reference
     assert len(tuned) == 4
 
 
+def test_a_kind_without_variants_on_the_backend_runs_stock(tuned_reference, monkeypatch):
+    """A brick without a kernel on the backend (a CUDA twin not written yet) is not measured:
+    its pieces run stock, counted as a fallback with the reason."""
+    slow_variants(monkeypatch)
+    monkeypatch.setattr(KINDS["swiglu_mlp"], "variants", lambda backend: [])
+    tuned = count_tune_calls(monkeypatch)
+    model = build_model("llama", mx.float32, num_hidden_layers=1)
+    report = patch_model(model, backend="reference")
+    run(model, tokens(9))
+    assert len(tuned) == 3
+    assert report.runtime_fallbacks() == {"mlp: no reference kernel for swiglu_mlp": 1}
+
+
 def test_fixed_mlp_variant_is_the_only_candidate(tuned_reference, monkeypatch):
     slow_variants(monkeypatch, names=("fused", "split"))
     tuned = count_tune_calls(monkeypatch)
@@ -330,4 +343,8 @@ def test_kernel_with_wrong_output_is_disabled_and_stock_runs(fresh_kernels, monk
     assert all(r.startswith("attention: disabled: ") for r in fallbacks)
     assert "flash_attention" not in report.calls()
     assert report.calls()["rms_norm_qkv"] == len(model.layers)
+    # the next prefill re-chooses (the disable invalidated every remembered choice)
+    run(model, toks)
+    assert sum(report.runtime_fallbacks().values()) == 2 * len(model.layers)
+    assert report.calls()["rms_norm_qkv"] == 2 * len(model.layers)
     assert_dtype_close(out, ref, stock, dtype=dt, what="model with the attention brick disabled")

@@ -9,7 +9,8 @@ takes the tuning decisions it needs; the result reports them.
 
 The lead's H200 command (bf16 and fp16, M = 512 / 2048 / 8192, one process)::
 
-    python -m mlx_bricks.bench --only e2e_llama8b_4layer --repeats 10 --out OUT.json
+    mkdir -p bench/results && python -m mlx_bricks.bench --only e2e_llama8b_4layer --repeats 10 \
+        --out bench/results/h200-e2e.json
 """
 from __future__ import annotations
 

@@ -88,6 +88,7 @@ class BricksState:
             cover the call (decode included; a piece's reason starts with its name).
         tuned: ``"<piece>: tuned: stock faster (x0.93)"`` -> calls where a piece ran stock
             because tuning measured stock faster (a decision, not a fallback).
+        memo: call shape -> the dispatcher's choices for it (see ``_choose``).
     """
 
     backend: str
@@ -101,6 +102,7 @@ class BricksState:
     calls: Counter = field(default_factory=Counter)
     stock: Counter = field(default_factory=Counter)
     tuned: Counter = field(default_factory=Counter)
+    memo: dict = field(default_factory=dict, repr=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,8 +192,19 @@ def _heads(y, B, L, n):
     return y.reshape(B, L, n, -1).transpose(0, 2, 1, 3)
 
 
+def _weight(linear):
+    """The weight a brick takes from a linear layer: the array, or a ``QuantizedWeight`` for an
+    ``nn.QuantizedLinear`` (the tuner keys and times it by its format; the stock path calls
+    the layer itself)."""
+    if isinstance(linear, nn.QuantizedLinear):
+        from mlx_bricks.ops.quant import QuantizedWeight
+
+        return QuantizedWeight.from_module(linear)
+    return linear.weight
+
+
 def _linear_args(linear, x, residual=None) -> dict:
-    return {"x": x, "weight": linear.weight, "bias": _bias(linear), "residual": residual}
+    return {"x": x, "weight": _weight(linear), "bias": _bias(linear), "residual": residual}
 
 
 def _attention_args(attn, state: BricksState, B, L, offset, dtype, mask) -> dict:
@@ -205,14 +218,29 @@ def _attention_args(attn, state: BricksState, B, L, offset, dtype, mask) -> dict
 
 def _mlp_args(mlp, layout: BlockLayout, x, residual=None) -> dict:
     gate, up, down = (getattr(mlp, n) for n in layout.mlp_linears)
-    return {"x": x, "w_gate": gate.weight, "w_up": up.weight, "w_down": down.weight,
+    return {"x": x, "w_gate": _weight(gate), "w_up": _weight(up), "w_down": _weight(down),
             "b_gate": _bias(gate), "b_up": _bias(up), "b_down": _bias(down),
             "residual": residual}
 
 
-def _choose(state: BricksState, pieces: dict) -> dict:
-    """``{piece: Choice}`` for ``pieces = {piece: (op kind, args)}``."""
-    return {name: state.dispatch.choose(kind, args) for name, (kind, args) in pieces.items()}
+#: Call shapes whose choices a module remembers (chunked prefill adds one per chunk offset).
+_MEMO_SIZE = 64
+
+
+def _choose(state: BricksState, shape_key: tuple, pieces) -> dict:
+    """``{piece: Choice}`` for the call shape ``shape_key``; ``pieces()`` builds
+    ``{piece: (op kind, args)}`` (activations may be ``Act`` placeholders) when the choices are
+    not remembered yet. Remembered per module and call shape, so a prefill call pays a dict
+    lookup, not the dispatcher; forgotten when the guard disables a variant."""
+    d = state.dispatch
+    hit = state.memo.get(shape_key)
+    if hit is not None and hit[0] == d.generation:
+        return hit[1]
+    choices = {name: d.choose(kind, args) for name, (kind, args) in pieces().items()}
+    if len(state.memo) >= _MEMO_SIZE:
+        state.memo.clear()
+    state.memo[shape_key] = (d.generation, choices)
+    return choices
 
 
 def _count_stock(state: BricksState, name: str, choice) -> None:
@@ -229,12 +257,13 @@ def _all_stock(state: BricksState, choices: dict) -> bool:
     return True
 
 
-def _piece(state: BricksState, name: str, choice, kind: str, args: dict, stock, brick: str):
-    """One piece: its brick (through the dispatcher's guard) or ``stock()``, counted."""
+def _piece(state: BricksState, name: str, choice, kind: str, args, stock, brick: str):
+    """One piece: its brick on ``args()`` (through the dispatcher's guard) or ``stock()``,
+    counted. ``args`` builds the op's arguments; it is called only when the brick runs."""
     if not choice.brick:
         _count_stock(state, name, choice)
         return stock()
-    out, failed = state.dispatch.run(choice, kind, args, stock)
+    out, failed = state.dispatch.run(choice, kind, args(), stock)
     if failed is None:
         state.calls[brick] += 1
     else:
@@ -242,8 +271,9 @@ def _piece(state: BricksState, name: str, choice, kind: str, args: dict, stock, 
     return out
 
 
-def _attend(attn, state: BricksState, choice, args: dict, q, k, v, mask, cache):
-    """Per-head norms, RoPE, KV-cache update and the attention piece; q/k/v in head layout.
+def _attend(attn, state: BricksState, choice, args, q, k, v, mask, cache):
+    """Per-head norms, RoPE, KV-cache update and the attention piece; q/k/v in head layout;
+    ``args()`` builds the piece's arguments without q/k/v (called only for the brick).
 
     Returns (B, L, n_heads * head_dim), ready for the out-projection.
     """
@@ -269,8 +299,8 @@ def _attend(attn, state: BricksState, choice, args: dict, q, k, v, mask, cache):
                                              kv_quant=state.kv_quant)
         return scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
 
-    o = _piece(state, "attention", choice, "attention", dict(args, q=q, k=k, v=v), stock,
-               "flash_attention")
+    o = _piece(state, "attention", choice, "attention", lambda: dict(args(), q=q, k=k, v=v),
+               stock, "flash_attention")
     return o.transpose(0, 2, 1, 3).reshape(B, L, -1)
 
 
@@ -301,25 +331,32 @@ class BricksAttention:
         B, L, _ = x.shape
         qp, kp, vp, op = (getattr(self, n) for n in lay.attention_linears)
         offset = cache.offset if cache is not None else 0
-        attn_args = _attention_args(self, state, B, L, offset, x.dtype, mask)
-        o_args = _linear_args(op, Act((B, L, self.n_heads * state.head_dim), x.dtype))
-        choices = _choose(state, {
-            "q_proj": ("linear", _linear_args(qp, x)), "k_proj": ("linear", _linear_args(kp, x)),
-            "v_proj": ("linear", _linear_args(vp, x)), "attention": ("attention", attn_args),
-            "o_proj": ("linear", o_args)})
+        o_x = Act((B, L, self.n_heads * state.head_dim), x.dtype)
+
+        def pieces():
+            return {"q_proj": ("linear", _linear_args(qp, x)),
+                    "k_proj": ("linear", _linear_args(kp, x)),
+                    "v_proj": ("linear", _linear_args(vp, x)),
+                    "attention": ("attention",
+                                  _attention_args(self, state, B, L, offset, x.dtype, mask)),
+                    "o_proj": ("linear", _linear_args(op, o_x))}
+
+        choices = _choose(state, (x.shape, x.dtype, offset, mask), pieces)
         if _all_stock(state, choices):
             return super().__call__(x, mask, cache)
 
         def proj(name, layer, n):
-            y = _piece(state, name, choices[name], "linear", _linear_args(layer, x),
+            y = _piece(state, name, choices[name], "linear", lambda: _linear_args(layer, x),
                        lambda: layer(x), "linear")
             return _heads(y, B, L, n)
 
         q = proj("q_proj", qp, self.n_heads)
         k = proj("k_proj", kp, self.n_kv_heads)
         v = proj("v_proj", vp, self.n_kv_heads)
-        o = _attend(self, state, choices["attention"], attn_args, q, k, v, mask, cache)
-        return _piece(state, "o_proj", choices["o_proj"], "linear", dict(o_args, x=o),
+        o = _attend(self, state, choices["attention"],
+                    lambda: _attention_args(self, state, B, L, offset, x.dtype, mask),
+                    q, k, v, mask, cache)
+        return _piece(state, "o_proj", choices["o_proj"], "linear", lambda: _linear_args(op, o),
                       lambda: op(o), "linear")
 
 
@@ -346,11 +383,12 @@ class BricksMLP:
         if reason is not None:
             state.stock[reason] += 1
             return super().__call__(x, *args, **kwargs)
-        mlp_args = _mlp_args(self, state.layout, x)
-        choices = _choose(state, {"mlp": ("swiglu_mlp", mlp_args)})
+        choices = _choose(state, (x.shape, x.dtype),
+                          lambda: {"mlp": ("swiglu_mlp", _mlp_args(self, state.layout, x))})
         if _all_stock(state, choices):
             return super().__call__(x)
-        return _piece(state, "mlp", choices["mlp"], "swiglu_mlp", mlp_args,
+        return _piece(state, "mlp", choices["mlp"], "swiglu_mlp",
+                      lambda: _mlp_args(self, state.layout, x),
                       lambda: super(BricksMLP, self).__call__(x), "swiglu_mlp")
 
 
@@ -399,17 +437,23 @@ class BricksBlock:
         norm = getattr(self, lay.input_norm)
         post = getattr(self, lay.post_attention_norm)
         offset = cache.offset if cache is not None else 0
-        qkv_args = {"x": x, "norm_weight": norm.weight, "eps": norm.eps, "wq": qp.weight,
-                    "wk": kp.weight, "wv": vp.weight, "bq": _bias(qp), "bk": _bias(kp),
+
+        def qkv_args():
+            return {"x": x, "norm_weight": norm.weight, "eps": norm.eps, "wq": _weight(qp),
+                    "wk": _weight(kp), "wv": _weight(vp), "bq": _bias(qp), "bk": _bias(kp),
                     "bv": _bias(vp), "n_heads": attn.n_heads, "n_kv_heads": attn.n_kv_heads,
                     "head_dim": state.head_dim}
-        attn_args = _attention_args(attn, state, B, L, offset, x.dtype, mask)
-        o_args = _linear_args(op, Act((B, L, attn.n_heads * state.head_dim), x.dtype),
-                              residual=x)
-        mlp_args = _mlp_args(mlp, lay, Act((B, L, D), x.dtype), Act((B, L, D), x.dtype))
-        choices = _choose(state, {"qkv": ("rms_norm_qkv", qkv_args),
-                                  "attention": ("attention", attn_args),
-                                  "o_proj": ("linear", o_args), "mlp": ("swiglu_mlp", mlp_args)})
+
+        def pieces():
+            h = Act((B, L, D), x.dtype)
+            o = Act((B, L, attn.n_heads * state.head_dim), x.dtype)
+            return {"qkv": ("rms_norm_qkv", qkv_args()),
+                    "attention": ("attention",
+                                  _attention_args(attn, state, B, L, offset, x.dtype, mask)),
+                    "o_proj": ("linear", _linear_args(op, o, residual=x)),
+                    "mlp": ("swiglu_mlp", _mlp_args(mlp, lay, h, h))}
+
+        choices = _choose(state, (x.shape, x.dtype, offset, mask), pieces)
         if _all_stock(state, choices):
             return super().__call__(x, mask, cache)
 
@@ -420,12 +464,14 @@ class BricksBlock:
 
         q, k, v = _piece(state, "qkv", choices["qkv"], "rms_norm_qkv", qkv_args, stock_qkv,
                          "rms_norm_qkv")
-        o = _attend(attn, state, choices["attention"], attn_args, q, k, v, mask, cache)
-        h = _piece(state, "o_proj", choices["o_proj"], "linear", dict(o_args, x=o),
-                   lambda: x + op(o), "linear")
+        o = _attend(attn, state, choices["attention"],
+                    lambda: _attention_args(attn, state, B, L, offset, x.dtype, mask),
+                    q, k, v, mask, cache)
+        h = _piece(state, "o_proj", choices["o_proj"], "linear",
+                   lambda: _linear_args(op, o, residual=x), lambda: x + op(o), "linear")
         hn = post(h)  # nn.RMSNorm: mx.fast.rms_norm(h, weight, eps), as the brick path needs
         return _piece(state, "mlp", choices["mlp"], "swiglu_mlp",
-                      dict(mlp_args, x=hn, residual=h), lambda: h + mlp(hn), "swiglu_mlp")
+                      lambda: _mlp_args(mlp, lay, hn, h), lambda: h + mlp(hn), "swiglu_mlp")
 
 
 MIXINS = (BricksAttention, BricksMLP, BricksBlock)

@@ -97,6 +97,11 @@ class Dispatch:
                         f"({backend.source}); the bricks run as asked")
 
     @property
+    def generation(self) -> int:
+        """Changes whenever the guard disables a variant (modules then re-choose)."""
+        return GUARD.generation if self.guarded else 0
+
+    @property
     def cache(self):
         """The decision cache (opened on first use)."""
         if self._cache is None:
@@ -155,6 +160,8 @@ class Dispatch:
             if v is None:
                 return Choice(None, f"no {self.backend} kernel for {k.name}", key)
             reason = "rule"
+        elif not self._candidates(k):
+            return Choice(None, f"no {self.backend} kernel for {k.name}", key)
         else:
             d = self.decision(k, args)
             if not d.brick:

@@ -37,16 +37,20 @@ class Guard:
     Attributes:
         disabled: ``(backend, kind, variant) -> reason`` of every disabled variant.
         passed: ``(backend, kind, variant, key)`` whose first call was checked.
+        generation: changes whenever ``disabled`` does.
     """
 
     def __init__(self):
         self.disabled: dict[tuple[str, str, str], str] = {}
         self.passed: set[tuple[str, str, str, str]] = set()
+        #: Incremented by every change of ``disabled`` (remembered choices are then stale).
+        self.generation = 0
 
     def reset(self) -> None:
         """Forget everything (tests; a process that changed its kernels)."""
         self.disabled.clear()
         self.passed.clear()
+        self.generation += 1
 
     def disabled_reason(self, backend: str, kind: str, variant: str) -> str | None:
         """Why ``variant`` of ``kind`` on ``backend`` is disabled, or None."""
@@ -54,7 +58,9 @@ class Guard:
 
     def disable(self, backend: str, kind: str, variant: str, reason: str) -> None:
         """Disable ``variant`` for the rest of the process (the first reason is kept)."""
-        self.disabled.setdefault((backend, kind, variant), reason)
+        if (backend, kind, variant) not in self.disabled:
+            self.disabled[(backend, kind, variant)] = reason
+            self.generation += 1
 
     def run(self, kind: OpKind, variant: Variant, args: dict, backend: str, key: str,
             stock: Callable[[], object]) -> tuple[object, str | None]:
