@@ -348,3 +348,23 @@ def test_kernel_with_wrong_output_is_disabled_and_stock_runs(fresh_kernels, monk
     assert sum(report.runtime_fallbacks().values()) == 2 * len(model.layers)
     assert report.calls()["rms_norm_qkv"] == 2 * len(model.layers)
     assert_dtype_close(out, ref, stock, dtype=dt, what="model with the attention brick disabled")
+
+
+def test_structure_changed_after_a_call_is_seen():
+    """The per-call structure check is remembered behind the identity of the layers and
+    weights: adapters attached after a first prefill still switch the block to stock."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model = build_model("llama", num_hidden_layers=2)
+    report = patch_model(model, backend="reference")
+    toks = tokens(10)
+    run(model, toks)
+    assert report.runtime_fallbacks() == {}
+    linear_to_lora_layers(model, 1, {"rank": 4, "scale": 10.0, "dropout": 0.0})
+    patched = run(model, toks)
+    (reason, n), = report.runtime_fallbacks().items()
+    assert "LoRA/DoRA" in reason and n == 1
+    from mlx_bricks.patch import unpatch_model
+
+    unpatch_model(model)
+    assert mx.array_equal(patched, run(model, toks))

@@ -89,6 +89,7 @@ class BricksState:
         tuned: ``"<piece>: tuned: stock faster (x0.93)"`` -> calls where a piece ran stock
             because tuning measured stock faster (a decision, not a fallback).
         memo: call shape -> the dispatcher's choices for it (see ``_choose``).
+        structure: the last structure check, ``(fingerprint, reason)`` (``_structure_reason``).
     """
 
     backend: str
@@ -103,6 +104,7 @@ class BricksState:
     stock: Counter = field(default_factory=Counter)
     tuned: Counter = field(default_factory=Counter)
     memo: dict = field(default_factory=dict, repr=False)
+    structure: tuple | None = field(default=None, repr=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,6 +184,59 @@ def _attention_reason(attn, layout: BlockLayout, dtype) -> str | None:
 def _mlp_reason(mlp, layout: BlockLayout, dtype) -> str | None:
     return _first_reason(*(linear_reason(n, getattr(mlp, n, None), dtype)
                            for n in layout.mlp_linears))
+
+
+def _block_reason(block, layout: BlockLayout, dtype) -> str | None:
+    return _first_reason(
+        rms_norm_reason(layout.input_norm, getattr(block, layout.input_norm), dtype),
+        rms_norm_reason(layout.post_attention_norm, getattr(block, layout.post_attention_norm),
+                        dtype),
+        _attention_reason(getattr(block, layout.attention), layout, dtype),
+        _mlp_reason(getattr(block, layout.mlp), layout, dtype),
+    )
+
+
+_STRUCTURE_CHECKS = {"block": _block_reason, "self_attn": _attention_reason,
+                     "mlp": _mlp_reason}
+def _fingerprint(module, names, out: list) -> None:
+    """Append the identity of each child ``names`` of ``module`` and of its weight array to
+    ``out`` (plain dict lookups: ``nn.Module`` is a dict of its children and arrays). A layer
+    swapped (LoRA, ``nn.quantize``) or its weight replaced (``set_dtype``, ``load_weights``)
+    changes it."""
+    get = module.get
+    for n in names:
+        child = get(n)
+        out.append(id(child))
+        if child is not None:
+            out.append(id(child.get("weight")))
+
+
+def _structure_reason(module, state: "BricksState", dtype) -> str | None:
+    """Why the module's current structure cannot run the bricks for ``dtype`` (None: it can).
+
+    The full check (module types, weight dtypes) runs again only when the layers or arrays it
+    looked at are other objects than last time (LoRA adapters attached, ``nn.quantize``,
+    ``set_dtype``, ``load_weights``): comparing their identities costs a few microseconds per
+    call, the checks themselves far more.
+    """
+    lay = state.layout
+    token: list = [dtype]
+    if state.role == "block":
+        _fingerprint(module, (lay.input_norm, lay.post_attention_norm, lay.attention, lay.mlp),
+                     token)
+        attn, mlp = module.get(lay.attention), module.get(lay.mlp)
+    else:
+        attn = mlp = module
+    if state.role != "mlp" and isinstance(attn, dict):
+        _fingerprint(attn, lay.attention_linears + (lay.qk_norm or ()), token)
+    if state.role != "self_attn" and isinstance(mlp, dict):
+        _fingerprint(mlp, lay.mlp_linears, token)
+    token = tuple(token)
+    if state.structure is not None and state.structure[0] == token:
+        return state.structure[1]
+    reason = _STRUCTURE_CHECKS[state.role](module, lay, dtype)
+    state.structure = (token, reason)
+    return reason
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,24 +377,24 @@ class BricksAttention:
 
     def __call__(self, x, mask=None, cache=None, *args, **kwargs):
         state = self._bricks_state
-        reason = _call_reason(x, mask, cache, args, kwargs) or _attention_reason(
-            self, state.layout, x.dtype)
+        reason = _call_reason(x, mask, cache, args, kwargs) or _structure_reason(
+            self, state, x.dtype)
         if reason is not None:
             state.stock[reason] += 1
             return super().__call__(x, mask, cache, *args, **kwargs)
         lay = state.layout
         B, L, _ = x.shape
-        qp, kp, vp, op = (getattr(self, n) for n in lay.attention_linears)
+        qp, kp, vp, op = (self[n] for n in lay.attention_linears)
         offset = cache.offset if cache is not None else 0
-        o_x = Act((B, L, self.n_heads * state.head_dim), x.dtype)
 
         def pieces():
+            o = Act((B, L, self.n_heads * state.head_dim), x.dtype)
             return {"q_proj": ("linear", _linear_args(qp, x)),
                     "k_proj": ("linear", _linear_args(kp, x)),
                     "v_proj": ("linear", _linear_args(vp, x)),
                     "attention": ("attention",
                                   _attention_args(self, state, B, L, offset, x.dtype, mask)),
-                    "o_proj": ("linear", _linear_args(op, o_x))}
+                    "o_proj": ("linear", _linear_args(op, o))}
 
         choices = _choose(state, (x.shape, x.dtype, offset, mask), pieces)
         if _all_stock(state, choices):
@@ -379,7 +434,7 @@ class BricksMLP:
         elif x.dtype not in FLOAT_DTYPES:
             reason = f"input dtype {dtype_name(x.dtype)} is not float16/bfloat16/float32"
         else:
-            reason = _mlp_reason(self, state.layout, x.dtype)
+            reason = _structure_reason(self, state, x.dtype)
         if reason is not None:
             state.stock[reason] += 1
             return super().__call__(x, *args, **kwargs)
@@ -418,25 +473,17 @@ class BricksBlock:
     def __call__(self, x, mask=None, cache=None, *args, **kwargs):
         state = self._bricks_state
         lay = state.layout
-        reason = _call_reason(x, mask, cache, args, kwargs)
-        if reason is None:
-            attn, mlp = getattr(self, lay.attention), getattr(self, lay.mlp)
-            reason = _first_reason(
-                rms_norm_reason(lay.input_norm, getattr(self, lay.input_norm), x.dtype),
-                rms_norm_reason(lay.post_attention_norm, getattr(self, lay.post_attention_norm),
-                                x.dtype),
-                _attention_reason(attn, lay, x.dtype),
-                _mlp_reason(mlp, lay, x.dtype),
-            )
+        reason = _call_reason(x, mask, cache, args, kwargs) or _structure_reason(
+            self, state, x.dtype)
         if reason is not None:
             state.stock[reason] += 1
             return super().__call__(x, mask, cache, *args, **kwargs)
 
-        B, L, D = x.shape
-        qp, kp, vp, op = (getattr(attn, n) for n in lay.attention_linears)
-        norm = getattr(self, lay.input_norm)
-        post = getattr(self, lay.post_attention_norm)
         offset = cache.offset if cache is not None else 0
+        B, L, D = x.shape
+        attn, mlp = self[lay.attention], self[lay.mlp]
+        qp, kp, vp, op = (attn[n] for n in lay.attention_linears)
+        norm, post = self[lay.input_norm], self[lay.post_attention_norm]
 
         def qkv_args():
             return {"x": x, "norm_weight": norm.weight, "eps": norm.eps, "wq": _weight(qp),
