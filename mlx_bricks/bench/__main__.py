@@ -21,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{', '.join(BENCHMARKS)}; groups: "
                         + ", ".join(f"{g} ({len(m)} benchmarks)" for g, m in GROUPS.items()))
     parser.add_argument("--repeats", type=_cli.positive_int, default=3,
-                        help="timed runs per side after one warm-up (default: 3)")
+                        help="timed rounds per side, alternating, after a warm-up; a round "
+                        "evaluates several calls when one is short (default: 3)")
     parser.add_argument("--out", help="write the JSON here instead of standard output")
     return _cli.one_line_errors(parser)
 
