@@ -368,3 +368,23 @@ def test_structure_changed_after_a_call_is_seen():
 
     unpatch_model(model)
     assert mx.array_equal(patched, run(model, toks))
+
+
+def test_stock_path_runs_the_original_classes_for_a_while():
+    from mlx_bricks.patch.core import stock_path
+
+    model = build_model("llama", mx.float16, num_hidden_layers=2)
+    toks = tokens(9)
+    stock = run(model, toks)
+    report = patch_model(model, backend="reference")
+    patched_classes = [type(layer) for layer in model.layers]
+    with stock_path(model):
+        assert all(type(layer) is llama.TransformerBlock for layer in model.layers)
+        assert mx.array_equal(run(model, toks), stock)
+    assert report.calls() == {}
+    assert [type(layer) for layer in model.layers] == patched_classes
+    run(model, toks)
+    assert report.calls()["swiglu_mlp"] == 2
+    with pytest.raises(TypeError, match="model"):
+        with stock_path(None):
+            pass

@@ -13,7 +13,8 @@ report and these figures:
 * ``prompt_tps_stock``, ``prompt_tps_patched``, ``prompt_tps_ratio`` (patched / stock): prompt
   tokens / median wall time of a full prefill with a fresh KV cache (chunks of
   ``--prefill-step-size``, evaluating the last position's logits, as mlx-lm's generate does),
-  over ``--repeats`` runs after one warm-up run.
+  over ``--repeats`` runs each after one warm-up run, stock and patched alternating on the same
+  model instance (the patched one run through its original classes for stock).
 
 The check passes when the greedy continuations are identical, top-1 agreement is 100% and at least
 one module is patched, or every module was left stock on purpose (no kernel backend on this
@@ -132,20 +133,19 @@ def _timed_prefill(model, prompt, step: int) -> float:
     return time.perf_counter() - start
 
 
-def measure(model, tokenizer, prompt, *, max_tokens: int, repeats: int, step: int) -> dict:
-    """One model's side of the check.
+def measure(model, tokenizer, prompt, *, max_tokens: int, step: int) -> dict:
+    """One model's side of the check (the first prefill is also where a patched model takes
+    its tuning decisions).
 
     Returns:
-        ``{"logits": mx.array (L, vocab) float32, "tokens": [int], "text": str,
-        "prefill_s": [float]}`` (``prefill_s`` holds the ``repeats`` timed runs).
+        ``{"logits": mx.array (L, vocab) float32, "tokens": [int], "text": str}``.
     """
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import greedy_sampler
 
-    logits = _prefill(model, prompt, step)[0].astype(mx.float32)  # also the warm-up run
+    logits = _prefill(model, prompt, step)[0].astype(mx.float32)
     mx.eval(logits)
-    times = [_timed_prefill(model, prompt, step) for _ in range(repeats)]
     tokens = []
     eos = set(tokenizer.eos_token_ids)
     for token, _ in generate_step(prompt, model, max_tokens=max_tokens, sampler=greedy_sampler,
@@ -154,8 +154,27 @@ def measure(model, tokenizer, prompt, *, max_tokens: int, repeats: int, step: in
         if token in eos:
             break
         tokens.append(token)
-    return {"logits": logits, "tokens": tokens, "text": tokenizer.decode(tokens),
-            "prefill_s": times}
+    return {"logits": logits, "tokens": tokens, "text": tokenizer.decode(tokens)}
+
+
+def time_both(model, prompt, *, repeats: int, step: int) -> tuple[list[float], list[float]]:
+    """``(stock seconds, patched seconds)`` of ``repeats`` full prefills each of the patched
+    ``model``, alternating with the same instance run stock (``patch.core.stock_path``), after
+    one warm-up each: both sides see the same machine state, in one process."""
+    from mlx_bricks.patch.core import stock_path
+
+    with stock_path(model):
+        _timed_prefill(model, prompt, step)
+    _timed_prefill(model, prompt, step)
+    t_stock, t_patched = [], []
+    for r in range(repeats):
+        for side in (("stock", "patched") if r % 2 == 0 else ("patched", "stock")):
+            if side == "stock":
+                with stock_path(model):
+                    t_stock.append(_timed_prefill(model, prompt, step))
+            else:
+                t_patched.append(_timed_prefill(model, prompt, step))
+    return t_stock, t_patched
 
 
 def compare(stock: dict, patched: dict, n_prompt: int) -> dict:
@@ -240,8 +259,7 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         raise _cli.CliError(f"cannot load {str(model_dir)!r}: {_cli.one_line(e)}") from None
     prompt = mx.array(encode_prompt(tokenizer, args.prompt, not args.ignore_chat_template))
-    opts = {"max_tokens": args.max_tokens, "repeats": args.repeats,
-            "step": args.prefill_step_size}
+    opts = {"max_tokens": args.max_tokens, "step": args.prefill_step_size}
 
     stock = measure(model, tokenizer, prompt, **opts)
     report = patch_model(model, attention=args.attention, mlp=args.mlp,
@@ -250,6 +268,8 @@ def run(args: argparse.Namespace) -> int:
                          mlp_variant=None if args.mlp_variant == "auto" else args.mlp_variant,
                          backend=args.backend, tune=args.tune)
     patched = measure(model, tokenizer, prompt, **opts)
+    stock["prefill_s"], patched["prefill_s"] = time_both(model, prompt, repeats=args.repeats,
+                                                         step=args.prefill_step_size)
 
     figures = compare(stock, patched, prompt.size)
     reasons = verdict(figures, report.n_patched, report.n_stock)

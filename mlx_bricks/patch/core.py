@@ -6,6 +6,7 @@ report; decisions that depend on the call (mask, cache type, L == 1) are made by
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 
@@ -320,6 +321,27 @@ def unpatch_model(model) -> int:
     restored = sum(detach(m) for m in model.modules())
     model.__dict__.pop("_bricks_report", None)
     return restored
+
+
+@contextlib.contextmanager
+def stock_path(model):
+    """Within the block, every patched module of ``model`` runs its original class (stock
+    code); afterwards the patch is back with the same report, states and counters. For A/B
+    timing of one instance in one process (``python -m mlx_bricks.patch``).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an mlx.nn.Module, got {type(model).__name__}")
+    patched = [(m, type(m)) for m in model.modules() if is_patched(m)]
+    for m, cls in patched:
+        m.__class__ = cls._bricks_base
+    try:
+        yield model
+    finally:
+        for m, cls in patched:
+            m.__class__ = cls
 
 
 def patch_report(model) -> PatchReport | None:
