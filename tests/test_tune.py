@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import llama
 
+from mlx_bricks import kernels
 from mlx_bricks.backends import BackendError
 from mlx_bricks.ops import attention, gemm, mlp, norm_qkv
 from mlx_bricks.ops.quant import QuantizedWeight
@@ -95,9 +96,20 @@ def test_variant_listing_functions():
         assert mlp.tile_names(b, "split") == tuple(gemm.TILES)
         assert attention.variant_names(b) == ("default",)
     for f in (gemm.tile_names, norm_qkv.tile_names, mlp.variant_names, attention.variant_names):
-        assert f("reference") == ()
+        assert f("reference") == () and f("reference", mx.float16) == ()
         with pytest.raises(BackendError, match="unknown backend"):
             f("tpu")
+    # cuda: the twins' own tiles (those this GPU can run; no GPU here: no wgmma tile), none for
+    # float32 (no twin) nor for a brick without a twin
+    from mlx_bricks.ops import gemm_cuda
+
+    assert set(gemm.tile_names("cuda", mx.bfloat16)) <= set(gemm_cuda.TILES)
+    assert gemm.tile_names("cuda", mx.float32) == ()
+    assert norm_qkv.tile_names("cuda", mx.float16) == gemm.tile_names("cuda", mx.float16)
+    assert set(mlp.tile_names("cuda", "fused", mx.float16)) <= set(gemm_cuda.SWIGLU_TILES)
+    assert mlp.variant_names("cuda", mx.float32) == ()
+    if not kernels.has_kernel("flash_attention", "cuda"):
+        assert attention.variant_names("cuda") == ()
     with pytest.raises(ValueError, match="variant must be one of"):
         mlp.tile_names("emulator", "fast")
     # every listed name is accepted by its op (the reference backend validates, then runs ops)
@@ -245,8 +257,8 @@ def test_tuner_never_picks_a_variant_that_fails_the_check():
     assert not d.variants["wrong"]["ok"] and "numeric check failed" in d.variants["wrong"]["error"]
     assert d.variants["wrong"]["s"] is None
     assert "failed to build or run: RuntimeError" in d.variants["broken"]["error"]
-    assert set(guard.disabled) == {("reference", "linear", "wrong"),
-                                   ("reference", "linear", "broken")}
+    assert set(guard.disabled) == {("reference", "linear", "wrong", "float32 w=float"),
+                                   ("reference", "linear", "broken", "float32 w=float")}
     # all failing: stock, and the reason says why
     d = tune_op(KINDS["linear"], args, "reference", guard=guard,
                 variants=[Variant("wrong", run=_memo(args, 1.01))])

@@ -47,10 +47,11 @@ kernels.register(kernels.KernelSpec(
 DEFAULT_VARIANT = "default"
 
 
-def variant_names(backend: str) -> tuple[str, ...]:
+def variant_names(backend: str, dtype=None) -> tuple[str, ...]:
     """Variants of :func:`flash_attention` on ``backend`` (what the tuner times against stock):
     ``("default",)``, the one kernel (called without variant arguments), where it runs; ``()``
-    on ``reference`` and on ``cuda`` without a twin.
+    on ``reference`` and on ``cuda`` without a twin. ``dtype`` (of q) is accepted for the
+    tuner's uniform call; every float dtype runs on the MSL backends.
 
     Raises:
         mlx_bricks.backends.BackendError: ``backend`` is not one of ``BACKENDS``.

@@ -37,15 +37,16 @@ register(KernelSpec(
 ))
 
 
-def tile_names(backend: str) -> tuple[str, ...]:
-    """The names :func:`rms_norm_qkv` accepts as ``tile=`` on ``backend`` (the GEMM tiles; the
-    variants the tuner times against stock); ``()`` where no fused kernel runs (``reference``,
-    ``cuda`` without a twin).
+def tile_names(backend: str, dtype=None) -> tuple[str, ...]:
+    """The names :func:`rms_norm_qkv` accepts as ``tile=`` on ``backend`` for activations of
+    ``dtype`` (None: any): the GEMM tiles of the backend (``gemm.tile_names``), the variants
+    the tuner times against stock; none on ``reference`` or without a twin.
 
     Raises:
         mlx_bricks.backends.BackendError: ``backend`` is not one of ``BACKENDS``.
     """
-    return kernel_variants(backend, "rms_norm_qkv", tuple(gemm.TILES))
+    return kernel_variants(backend, "rms_norm_qkv", tuple(gemm.TILES),
+                           cuda_names=lambda: gemm.gemm_cuda_tiles(gemm_cuda.TILES, dtype))
 
 
 def rms_norm_qkv_reference(x, norm_weight, eps, wq, wk, wv, bq=None, bk=None, bv=None, *,

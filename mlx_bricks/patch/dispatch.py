@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlx_bricks.backends import BackendChoice
-from mlx_bricks.tune.guard import GUARD
-from mlx_bricks.tune.kinds import Variant, kind
+from mlx_bricks.tune.guard import GUARD, guard_scope
+from mlx_bricks.tune.kinds import Key, Variant, kind
 from mlx_bricks.tune.tuner import Decision, tune_op
 
 #: Backends where tuning applies (the kernel backends a user runs).
@@ -43,13 +43,13 @@ class Choice:
         variant: the brick variant, or None for the stock path.
         reason: why stock (``"tuned: stock faster (x0.93)"``, ``"disabled: ..."``), or how the
             brick was chosen (``"tuned: 64x64 faster (x1.10)"``, ``"rule"``).
-        key: the decision key (``str(mlx_bricks.tune.kinds.Key)``).
+        key: the decision key (``mlx_bricks.tune.kinds.Key``).
         tuned: stock because tuning measured it faster (not a fallback).
     """
 
     variant: Variant | None
     reason: str
-    key: str
+    key: Key
     tuned: bool = False
 
     @property
@@ -110,16 +110,16 @@ class Dispatch:
             self._cache = DecisionCache()
         return self._cache
 
-    def _rule(self, k) -> Variant | None:
+    def _rule(self, k, dtype) -> Variant | None:
         kwargs = {"variant": self.mlp_variant} if k.name == "swiglu_mlp" else {}
         if self.backend == "reference":
             return Variant("reference", kwargs)  # the ops' MLX implementations
-        if not k.variant_names(self.backend):
+        if not k.variant_names(self.backend, dtype):
             return None
         return Variant(kwargs.get("variant", "rule"), kwargs)
 
-    def _candidates(self, k) -> list[Variant]:
-        cands = k.variants(self.backend)
+    def _candidates(self, k, dtype) -> list[Variant]:
+        cands = k.variants(self.backend, dtype)
         if k.name == "swiglu_mlp" and self.mlp_variant_fixed:
             cands = [v for v in cands if v.name == self.mlp_variant]
         return cands
@@ -132,7 +132,7 @@ class Dispatch:
         d = self.decisions.get(full)
         if d is not None:
             return d
-        cands = self._candidates(k)
+        cands = self._candidates(k, k.dtype(args))
         if self.mode == "auto":
             data = self.cache.get(full)
             if data is not None:
@@ -153,22 +153,22 @@ class Dispatch:
         """What the piece with op kind ``kind_name`` and arguments ``args`` runs (activations
         may be ``Act`` placeholders). May measure (tuning, first call of a key)."""
         k = kind(kind_name)
-        key = str(k.key(args))
+        key, dtype = k.key(args), k.dtype(args)
         # Q8_0 K/V is a requested change of the values: no stock op computes it.
         if not self.tuning or (k.name == "attention" and args.get("kv_quant")):
-            v = self._rule(k)
+            v = self._rule(k, dtype)
             if v is None:
-                return Choice(None, f"no {self.backend} kernel for {k.name}", key)
+                return Choice(None, f"no {self.backend} kernel for {k.name} ({key.dtype})", key)
             reason = "rule"
-        elif not self._candidates(k):
-            return Choice(None, f"no {self.backend} kernel for {k.name}", key)
+        elif not self._candidates(k, dtype):
+            return Choice(None, f"no {self.backend} kernel for {k.name} ({key.dtype})", key)
         else:
             d = self.decision(k, args)
             if not d.brick:
                 return Choice(None, d.reason, key, tuned=d.ratio is not None)
             v, reason = Variant(d.winner, d.kwargs), d.reason
         if self.guarded:
-            why = GUARD.disabled_reason(self.backend, k.name, v.name)
+            why = GUARD.disabled_reason(self.backend, k.name, v.name, guard_scope(key))
             if why is not None:
                 return Choice(None, f"disabled: {why}", key)
         return Choice(v, reason, key)

@@ -15,12 +15,19 @@ from typing import Callable
 
 import mlx.core as mx
 
-from mlx_bricks.tune.kinds import OpKind, Variant
+from mlx_bricks.tune.kinds import Key, OpKind, Variant
 
 #: What a kernel that cannot be built or launched raises: MLX's compile and launch errors
 #: (``RuntimeError``; the emulator's faults derive from it), argument errors of the op
 #: (``ValueError``), and a brick without a twin on this backend (``NotImplementedError``).
 GUARD_ERRORS = (RuntimeError, ValueError, NotImplementedError)
+
+
+def guard_scope(key: Key) -> str:
+    """What a disabled variant is disabled for besides backend, kind and name: the dtype and
+    the weight format (a kernel is built per template instantiation: a float16 build error, or
+    a tile too large for 4-bit weights, says nothing about bfloat16 or float weights)."""
+    return f"{key.dtype} w={key.weights}"
 
 
 def one_line(e: BaseException) -> str:
@@ -35,13 +42,14 @@ class Guard:
     """Process-wide record of disabled and checked brick variants (module docstring).
 
     Attributes:
-        disabled: ``(backend, kind, variant) -> reason`` of every disabled variant.
+        disabled: ``(backend, kind, variant, scope) -> reason`` of every disabled variant
+            (scope: :func:`guard_scope`).
         passed: ``(backend, kind, variant, key)`` whose first call was checked.
         generation: changes whenever ``disabled`` does.
     """
 
     def __init__(self):
-        self.disabled: dict[tuple[str, str, str], str] = {}
+        self.disabled: dict[tuple[str, str, str, str], str] = {}
         self.passed: set[tuple[str, str, str, str]] = set()
         #: Incremented by every change of ``disabled`` (remembered choices are then stale).
         self.generation = 0
@@ -52,17 +60,20 @@ class Guard:
         self.passed.clear()
         self.generation += 1
 
-    def disabled_reason(self, backend: str, kind: str, variant: str) -> str | None:
-        """Why ``variant`` of ``kind`` on ``backend`` is disabled, or None."""
-        return self.disabled.get((backend, kind, variant))
+    def disabled_reason(self, backend: str, kind: str, variant: str, scope: str
+                        ) -> str | None:
+        """Why ``variant`` of ``kind`` on ``backend`` is disabled for ``scope``, or None."""
+        return self.disabled.get((backend, kind, variant, scope))
 
-    def disable(self, backend: str, kind: str, variant: str, reason: str) -> None:
-        """Disable ``variant`` for the rest of the process (the first reason is kept)."""
-        if (backend, kind, variant) not in self.disabled:
-            self.disabled[(backend, kind, variant)] = reason
+    def disable(self, backend: str, kind: str, variant: str, scope: str, reason: str) -> None:
+        """Disable ``variant`` for ``scope`` for the rest of the process (the first reason is
+        kept)."""
+        k = (backend, kind, variant, scope)
+        if k not in self.disabled:
+            self.disabled[k] = reason
             self.generation += 1
 
-    def run(self, kind: OpKind, variant: Variant, args: dict, backend: str, key: str,
+    def run(self, kind: OpKind, variant: Variant, args: dict, backend: str, key: Key,
             stock: Callable[[], object]) -> tuple[object, str | None]:
         """The brick's output for ``args``, or stock's with the reason it replaced the brick.
 
@@ -71,7 +82,8 @@ class Guard:
             variant: the brick variant chosen.
             args: the op's arguments (real arrays).
             backend: the backend the brick runs on.
-            key: the decision key (the first call of each key is checked).
+            key: the decision key (the first call of each key is checked; a failure disables
+                the variant for the key's dtype and weight format).
             stock: zero-argument callable computing the same values the stock way (the
                 patch passes mlx-lm's own modules).
 
@@ -79,10 +91,11 @@ class Guard:
             ``(output, None)`` when the brick ran, ``(stock output, reason)`` when it is, or
             just became, disabled.
         """
-        reason = self.disabled_reason(backend, kind.name, variant.name)
+        scope = guard_scope(key)
+        reason = self.disabled_reason(backend, kind.name, variant.name, scope)
         if reason is not None:
             return stock(), reason
-        gk = (backend, kind.name, variant.name, key)
+        gk = (backend, kind.name, variant.name, str(key))
         if gk in self.passed:
             return kind.run(variant, args, backend), None
         what = f"{kind.name} variant {variant.name} on {backend}"
@@ -91,14 +104,14 @@ class Guard:
             mx.eval(out)
         except GUARD_ERRORS as e:
             reason = f"{what} failed to build or run: {one_line(e)}"
-            self.disable(backend, kind.name, variant.name, reason)
+            self.disable(backend, kind.name, variant.name, scope, reason)
             return stock(), reason
         naive = stock()
         mx.eval(naive)
         result = kind.check(out, naive, args)
         if not result.ok:
             reason = f"{what}: first output disagrees with stock beyond tolerance ({result})"
-            self.disable(backend, kind.name, variant.name, reason)
+            self.disable(backend, kind.name, variant.name, scope, reason)
             return naive, reason
         self.passed.add(gk)
         return out, None

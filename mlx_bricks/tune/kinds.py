@@ -152,15 +152,16 @@ class OpKind:
         """The stock MLX / mlx-lm computation of the same values."""
         raise NotImplementedError
 
-    def variant_names(self, backend: str) -> tuple[str, ...]:
+    def variant_names(self, backend: str, dtype=None) -> tuple[str, ...]:
+        """The op's own listing of its variants on ``backend`` for activations of ``dtype``."""
         raise NotImplementedError
 
     def variant_kwargs(self, name: str) -> dict:
         raise NotImplementedError
 
-    def variants(self, backend: str) -> list[Variant]:
-        """The candidates on ``backend``, from the op's own listing function."""
-        return [Variant(n, self.variant_kwargs(n)) for n in self.variant_names(backend)]
+    def variants(self, backend: str, dtype=None) -> list[Variant]:
+        """The candidates on ``backend`` for ``dtype``, from the op's own listing function."""
+        return [Variant(n, self.variant_kwargs(n)) for n in self.variant_names(backend, dtype)]
 
     def run(self, variant: Variant, args: dict, backend: str):
         """Output of ``variant`` (its injected ``run``, or the op with its kwargs)."""
@@ -231,10 +232,10 @@ class Linear(OpKind):
         res = args.get("residual")
         return y if res is None else res + y  # the block's "h = x + r"
 
-    def variant_names(self, backend):
+    def variant_names(self, backend, dtype=None):
         from mlx_bricks.ops.gemm import tile_names
 
-        return tile_names(backend)
+        return tile_names(backend, dtype)
 
     def variant_kwargs(self, name):
         return {"tile": name}
@@ -289,10 +290,10 @@ class SwigluMLP(OpKind):
         res = args.get("residual")
         return y if res is None else res + y
 
-    def variant_names(self, backend):
+    def variant_names(self, backend, dtype=None):
         from mlx_bricks.ops.mlp import variant_names
 
-        return variant_names(backend)
+        return variant_names(backend, dtype)
 
     def variant_kwargs(self, name):
         return {"variant": name}
@@ -356,10 +357,10 @@ class RmsNormQKV(OpKind):
                 proj(args["wk"], args.get("bk"), args["n_kv_heads"]),
                 proj(args["wv"], args.get("bv"), args["n_kv_heads"]))
 
-    def variant_names(self, backend):
+    def variant_names(self, backend, dtype=None):
         from mlx_bricks.ops.norm_qkv import tile_names
 
-        return tile_names(backend)
+        return tile_names(backend, dtype)
 
     def variant_kwargs(self, name):
         return {"tile": name}
@@ -420,10 +421,10 @@ class Attention(OpKind):
         return mx.fast.scaled_dot_product_attention(args["q"], args["k"], args["v"],
                                                     scale=args["scale"], mask=args.get("mask"))
 
-    def variant_names(self, backend):
+    def variant_names(self, backend, dtype=None):
         from mlx_bricks.ops.attention import variant_names
 
-        return variant_names(backend)
+        return variant_names(backend, dtype)
 
     def variant_kwargs(self, name):
         return {}  # one kernel so far, selected by no argument

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from mlx_bricks.tune.guard import GUARD, GUARD_ERRORS, Guard, one_line
+from mlx_bricks.tune.guard import GUARD, GUARD_ERRORS, Guard, guard_scope, one_line
 from mlx_bricks.tune.kinds import OpKind, Variant
 from mlx_bricks.tune.timing import time_interleaved
 
@@ -129,7 +129,8 @@ def tune_op(kind: OpKind, args: dict, backend: str, *, variants: list[Variant] |
             their shapes and dtypes are used: the tuner times synthetic values), weights are
             used as they are.
         backend: the backend the variants run on.
-        variants: the candidates (default: ``kind.variants(backend)``, the op's listing).
+        variants: the candidates (default: ``kind.variants(backend, dtype)``, the op's
+            listing).
         repeats: timed rounds per candidate.
         seed: seed of the synthetic activations.
         guard: where build and numeric failures are recorded (disabled for the process).
@@ -138,8 +139,9 @@ def tune_op(kind: OpKind, args: dict, backend: str, *, variants: list[Variant] |
     Returns:
         The :class:`Decision` (``source="measured"``).
     """
-    key = f"{backend}|{kind.key(args)}"
-    candidates = kind.variants(backend) if variants is None else list(variants)
+    k = kind.key(args)
+    key, scope = f"{backend}|{k}", guard_scope(k)
+    candidates = kind.variants(backend, kind.dtype(args)) if variants is None else list(variants)
     measured = _measured_shapes(kind, args)
     if not candidates:
         return Decision(key, STOCK, measured=measured, note=f"no brick variant on {backend}")
@@ -153,7 +155,7 @@ def tune_op(kind: OpKind, args: dict, backend: str, *, variants: list[Variant] |
         mx.eval(naive)
         for v in candidates:
             bar.set_postfix_str(f"check {v.name}")
-            reason = guard.disabled_reason(backend, kind.name, v.name)
+            reason = guard.disabled_reason(backend, kind.name, v.name, scope)
             if reason is None:
                 try:
                     out = kind.run(v, synth, backend)
@@ -161,13 +163,13 @@ def tune_op(kind: OpKind, args: dict, backend: str, *, variants: list[Variant] |
                 except GUARD_ERRORS as e:
                     reason = f"{kind.name} variant {v.name} on {backend} failed to build or " \
                              f"run: {one_line(e)}"
-                    guard.disable(backend, kind.name, v.name, reason)
+                    guard.disable(backend, kind.name, v.name, scope, reason)
                 else:
                     check = kind.check(out, naive, synth)
                     if not check.ok:
                         reason = f"{kind.name} variant {v.name} on {backend}: numeric check " \
                                  f"failed ({check})"
-                        guard.disable(backend, kind.name, v.name, reason)
+                        guard.disable(backend, kind.name, v.name, scope, reason)
             results[v.name] = {"s": None, "ok": reason is None, "error": reason, "calls": 0}
             if reason is None:
                 passing[v.name] = v
