@@ -1,15 +1,17 @@
-// Helpers of the FlashAttention prefill brick (attention.metal). Needs q8_0.h before it.
+// Helpers of the FlashAttention prefill brick (attention.metal). Needs q8_0.h and gemm.h
+// (Vec128 / DeviceVec128 / Load128: the 128-bit loads of the shared ingestion pipeline) before it.
 //
-// Tuning constants live here and in mlx_bricks/ops/attention.py (which must agree: it sizes the
-// grid and checks the threadgroup memory from the same numbers).
+// The tile sizes are template parameters chosen in mlx_bricks/ops/attention.py
+// (attention_tile_config), which also sizes the grid; the kernel static_asserts the
+// threadgroup memory they imply against ATTN_TG_LIMIT.
 
 #include <metal_simdgroup_matrix>
 
-// SIMD-groups per threadgroup; each owns 8 query rows, so a threadgroup covers 8 * ATTN_NSG rows.
-#define ATTN_NSG 4
+// Threadgroup memory of one threadgroup must stay within this many bytes (Apple GPUs: 32 KB).
+#define ATTN_TG_LIMIT 32768
 // Score of a masked key: the lowest finite float, so no inf - inf can appear in the update.
 #define ATTN_MASKED (-3.4028234663852886e38f)
-// log2(e): scores are kept in the log2 domain so the softmax uses exp2.
+// log2(e): p = exp2((s - m) * log2 e) computed as exp2(fma(s, log2 e, -m * log2 e)).
 #define ATTN_LOG2E 1.4426950408889634f
 // Fixed-trip loops over fragments must unroll, or the fragment arrays would leave registers.
 #define ATTN_UNROLL _Pragma("clang loop unroll(full)")
@@ -43,4 +45,113 @@ inline float attn_row_sum(float x) {
 inline void attn_set(thread attn_frag& f, float e0, float e1) {
   f.thread_elements()[0] = e0;
   f.thread_elements()[1] = e1;
+}
+
+// exp2 of the softmax (argument <= 0). With a float16/bfloat16 output the fast variant's error
+// (a few float32 ulps near 0) is far below the output's rounding, so it is used there; a
+// float32 output keeps the precise one (MLX compiles in safe math mode, where plain exp2 is
+// precise: the choice is explicit here either way).
+template <typename T>
+struct AttnExp2 {
+  static float eval(float x) { return fast::exp2(x); }
+};
+template <>
+struct AttnExp2<float> {
+  static float eval(float x) { return precise::exp2(x); }
+};
+
+// ---------------------------------------------------------------------------------------------
+// K/V ingestion: one (Lk, D) head of k or v -> a BK x D threadgroup tile (row pitch LD).
+// A source's load(chunk, key, col) fills the 16-byte chunk of elements col .. col + VW - 1 of
+// key `key` (VW = 16 / sizeof(T)); sources exist for plain T and for Q8_0 (dequantized on the
+// way in, as gemm.h's TileLoader transforms A chunks).
+// ---------------------------------------------------------------------------------------------
+
+// k or v in T. vec: the d stride is 1 (and the row strides keep 16-byte steps): one 128-bit
+// load per chunk through DeviceVec128 (element alignment only, as gemm.h); otherwise scalar
+// loads along the d stride (mlx-lm's KV cache slices and transposed projections both take
+// the 128-bit path; odd views fall back).
+template <typename T, typename Ptr>
+struct AttnPlainSource {
+  Ptr base;            // element (key 0, d 0) of this (batch, KV head)
+  int64_t key_stride;  // elements between consecutive keys
+  int64_t d_stride;    // elements between consecutive d
+  bool vec;
+
+  void load(thread bricks::Vec128<T>& c, int key, int col) const {
+    const Ptr row = base + key * key_stride;
+    if (vec) {
+      bricks::Load128<bricks::SameType<Ptr, const device T*>::value>::load(c, row + col);
+    } else {
+      ATTN_UNROLL
+      for (short j = 0; j < short(16 / sizeof(T)); ++j) c.v[j] = row[(col + j) * d_stride];
+    }
+  }
+};
+
+// Q8_0 k or v: int8 quants qs (key, d) and one half scale per 32 d. A chunk (VW <= 8 values,
+// VW divides 32) never crosses a block, so it reads one scale; q * d in float32, then T: the
+// value dequantize_q8_0 gives.
+template <typename T, typename QPtr, typename SPtr>
+struct AttnQ8Source {
+  QPtr qs;
+  SPtr scales;
+  int64_t key_stride;
+  int64_t d_stride;
+  int64_t scale_key_stride;
+  int64_t scale_block_stride;
+
+  void load(thread bricks::Vec128<T>& c, int key, int col) const {
+    const float d = float(scales[key * scale_key_stride + (col / QK8_0) * scale_block_stride]);
+    const QPtr row = qs + key * key_stride;
+    ATTN_UNROLL
+    for (short j = 0; j < short(16 / sizeof(T)); ++j) {
+      c.v[j] = T(q8_0_dequantize(float(row[(col + j) * d_stride]), d));
+    }
+  }
+};
+
+// The source type of k or v: Q8_0 (qs, d) or plain T (SPtr: the scale array's pointer type).
+template <bool Q8, typename T, typename Ptr, typename SPtr>
+struct AttnSourceOf {
+  typedef AttnPlainSource<T, Ptr> type;
+};
+template <typename T, typename Ptr, typename SPtr>
+struct AttnSourceOf<true, T, Ptr, SPtr> {
+  typedef AttnQ8Source<T, Ptr, SPtr> type;
+};
+
+// Stage keys kv0 .. kv0 + BK - 1 into tile[BK][LD] (zeros past Lk). The tile is BK * D / VW
+// chunks; thread tid takes chunks tid, tid + NT, ...: consecutive threads read consecutive
+// 16-byte pieces of one key row. All loads of a thread are issued before its stores.
+template <typename T, int D, int BK, int LD, int NT, typename Source>
+inline void attn_stage_tile(threadgroup T* tile, thread const Source& src, int kv0, int Lk,
+                            int tid) {
+  constexpr int VW = 16 / int(sizeof(T));
+  constexpr int CPR = D / VW;  // chunks per key row
+  constexpr int NCH = BK * CPR;
+  constexpr int PER = (NCH + NT - 1) / NT;
+  static_assert(D % VW == 0 && LD % VW == 0, "tile rows must be whole 16-byte chunks");
+  bricks::Vec128<T> regs[PER];
+  ATTN_UNROLL
+  for (int i = 0; i < PER; ++i) {
+    const int c = tid + i * NT;
+    const int key = kv0 + c / CPR;
+    if (c < NCH && key < Lk) {
+      src.load(regs[i], key, (c % CPR) * VW);
+    } else {
+      ATTN_UNROLL
+      for (short j = 0; j < short(VW); ++j) regs[i].v[j] = T(0.0f);
+    }
+  }
+  ATTN_UNROLL
+  for (int i = 0; i < PER; ++i) {
+    const int c = tid + i * NT;
+    if (c < NCH) {
+      threadgroup bricks::Vec128<T>* dst = reinterpret_cast<threadgroup bricks::Vec128<T>*>(
+          tile + (c / CPR) * LD + (c % CPR) * VW);
+      ATTN_UNROLL
+      for (short j = 0; j < short(VW); ++j) dst->v[j] = regs[i].v[j];
+    }
+  }
 }

@@ -3,22 +3,28 @@
 // Template: T (half, bfloat, float), BM, BN, BK, WM, WN (WM * WN simdgroups), PAD (row pitch
 // padding, a multiple of the 128-bit vector width), VEC (K % (16 / sizeof(T)) == 0: 128-bit
 // loads allowed), ALIGN_MN (M % BM == 0 and N % BN == 0: no store predication compiled),
-// HAS_BIAS, HAS_RESIDUAL.
-// Inputs: x (..., K) with any strides (rows = flattened leading dims), weight (N, K) and the
-// optional bias (N,) and residual (M, N) row-contiguous (absent ones are placeholders that are
-// never read). Output: y (M, N).
+// STAGES (2: ping-pong buffers, 1: single buffer), HAS_BIAS, HAS_RESIDUAL, BITS (0: float
+// weight; 2, 3, 4, 5, 6, 8: MLX affine-quantized weight) and GROUP_SIZE (affine group size).
+// Inputs: x (..., K) with any strides (rows = flattened leading dims); weight (N, K) of T, or
+// for BITS > 0 uint32 (N, K * BITS / 32) with scales and biases (N, K / GROUP_SIZE) of T; the
+// optional bias (N,) and residual (M, N); all but x row-contiguous (absent ones are
+// placeholders that are never read). Output: y (M, N).
 // Grid: (ceil(N / BN) * WM * WN * 32, ceil(M / BM), 1), threadgroup (WM * WN * 32, 1, 1).
 
 constexpr short LDA = BK + PAD;
 constexpr short LDB = BK + PAD;
 constexpr short NT = WM * WN * 32;
 // Inputs of fewer than 8 elements arrive as constant pointers: keep each input's own type.
+using WeightOp = bricks::WeightOf<BITS, GROUP_SIZE, decltype(weight + 0), decltype(scales + 0),
+                                  decltype(biases + 0)>;
 using LoaderA = bricks::TileLoader<T, BM, BK, LDA, NT, decltype(x + 0)>;
-using LoaderB = bricks::TileLoader<T, BN, BK, LDB, NT, decltype(weight + 0)>;
+using LoaderB = typename WeightOp::type::template Loader<T, BN, BK, LDB, NT>;
 
-// Ping-pong buffers of T, declared as 16-byte chunks so 128-bit threadgroup stores are aligned.
-threadgroup bricks::Vec128<T> As_store[2 * LoaderA::TILE / LoaderA::VW];
-threadgroup bricks::Vec128<T> Bs_store[2 * LoaderB::TILE / LoaderB::VW];
+// STAGES buffers of T each, declared as 16-byte chunks so 128-bit threadgroup stores are aligned.
+static_assert(STAGES * (LoaderA::TILE + LoaderB::TILE) * sizeof(T) <= 32768,
+              "GEMM tile needs more than 32 KB of threadgroup memory");
+threadgroup bricks::Vec128<T> As_store[STAGES * LoaderA::TILE / LoaderA::VW];
+threadgroup bricks::Vec128<T> Bs_store[STAGES * LoaderB::TILE / LoaderB::VW];
 threadgroup T* As = reinterpret_cast<threadgroup T*>(As_store);
 threadgroup T* Bs = reinterpret_cast<threadgroup T*>(Bs_store);
 
@@ -40,22 +46,19 @@ for (int d = 0; d < n_lead; ++d) {
 }
 la.vec = x_vec;
 la.k_stride = x_strides[n_lead];
+BRICKS_UNROLL
 for (short i = 0; i < LoaderA::NCH; ++i) {
   const int m = min(m0 + la.tile_row(i), M - 1);  // clamped rows are computed, never stored
   la.src[i] = x + bricks::strided_row_offset(m, x_shape, x_strides, n_lead);
 }
 
 LoaderB lb(tid, K);
-lb.vec = VEC;
-for (short i = 0; i < LoaderB::NCH; ++i) {
-  const int n = min(n0 + lb.tile_row(i), N - 1);
-  lb.src[i] = weight + long(n) * K;
-}
+bricks::bind_weight_rows(lb, WeightOp::make(weight, scales, biases), n0, N, K, VEC);
 
 const ushort sg = ushort(simdgroup_index_in_threadgroup);
 const ushort lane = ushort(thread_index_in_simdgroup);
 bricks::SimdgroupMMA<BM, BN, BK, WM, WN, LDA, LDB> mma(sg, lane);
-bricks::gemm_k_loop<BK>(la, lb, mma, As, Bs, K, bricks::NoTransform());
+bricks::gemm_k_loop<BK, STAGES>(la, lb, mma, As, Bs, K, bricks::NoTransform());
 
 // Placeholders for absent bias/residual are never offset or read.
 const bricks::BiasResidualEpilogue<HAS_BIAS, HAS_RESIDUAL, decltype(bias + 0),

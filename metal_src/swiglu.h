@@ -4,7 +4,8 @@
 //
 //   silu / swiglu_value            SiLU(g) * u in float, with no inf or NaN intermediate.
 //   bind_x_rows                    points a TileLoader at rows of x read through x's strides.
-//   bind_gate_up_rows              one TileLoader of 2 * BN rows: w_gate rows, then w_up rows.
+//   bind_gate_up_rows              one weight loader of 2 * BN rows: w_gate rows, then w_up
+//                                  rows (float or affine-quantized, one format for both).
 //   GateUpMMA                      two SimdgroupMMA blocks of one geometry; each A fragment
 //                                  read from threadgroup memory feeds both gate and up.
 //   swiglu_combine                 gate acc <- SiLU(gate + b_gate) * (up + b_up), in registers.
@@ -42,6 +43,7 @@ void bind_x_rows(thread Loader& la, Ptr x, const constant int* shape,
   }
   la.vec = vec;
   la.k_stride = strides[n_lead];
+  BRICKS_UNROLL
   for (short i = 0; i < Loader::NCH; ++i) {
     const int m = min(m0 + int(la.tile_row(i)), M - 1);
     la.src[i] = x + strided_row_offset(m, shape, strides, n_lead);
@@ -49,17 +51,17 @@ void bind_x_rows(thread Loader& la, Ptr x, const constant int* shape,
 }
 
 // One loader for both weights: tile rows [0, BN) are w_gate rows n0.., rows [BN, 2 BN) are
-// w_up rows n0.. (row-contiguous (N, K); rows past N clamp to N - 1, never stored). Both
-// weights have one shape, hence one pointer type.
-template <short BN, typename Loader, typename Ptr>
-void bind_gate_up_rows(thread Loader& lb, Ptr w_gate, Ptr w_up, int n0, int N, int K,
-                       bool vec_k) {
+// w_up rows n0.. (rows past N clamp to N - 1, never stored). Both weights are operands of one
+// format (DenseWeight, or AffineWeight of the same bits and group size), hence one loader type.
+template <short BN, typename Loader, typename W>
+void bind_gate_up_rows(thread Loader& lb, W w_gate, W w_up, int n0, int N, int K, bool vec_k) {
   lb.vec = vec_k;
+  BRICKS_UNROLL
   for (short i = 0; i < Loader::NCH; ++i) {
     const short r = lb.tile_row(i);
     const bool is_up = r >= BN;
     const int n = min(n0 + int(is_up ? r - BN : r), N - 1);
-    lb.src[i] = (is_up ? w_up : w_gate) + long(n) * K;
+    lb.bind(i, is_up ? w_up : w_gate, n, K);
   }
 }
 

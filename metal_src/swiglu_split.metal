@@ -2,10 +2,12 @@
 // of the GEMM brick's tiling with an epilogue that reads up = x @ w_up.T + b_up (computed before
 // by the GEMM brick) at each stored element. One BM x BN act tile per threadgroup.
 //
-// Template: the GEMM brick's (T, BM, BN, BK, WM, WN, PAD, VEC, ALIGN_MN, HAS_BIAS, HAS_RESIDUAL;
-// see gemm.metal); HAS_BIAS is b_gate's, HAS_RESIDUAL is unused (always false).
-// Inputs: x (..., K) with any strides (rows = flattened leading dims), w_gate (N, K), the
-// optional b_gate (N,) (a placeholder when absent, never read) and up (M, N), row-contiguous.
+// Template: the GEMM brick's (T, BM, BN, BK, WM, WN, PAD, VEC, ALIGN_MN, STAGES, HAS_BIAS,
+// HAS_RESIDUAL, BITS, GROUP_SIZE; see gemm.metal); HAS_BIAS is b_gate's, HAS_RESIDUAL is unused
+// (always false), BITS and GROUP_SIZE are w_gate's format.
+// Inputs: x (..., K) with any strides (rows = flattened leading dims), w_gate (N, K) of T or
+// affine (uint32 with gate_scales, gate_biases; see gemm.metal), the optional b_gate (N,) (a
+// placeholder when absent, never read) and up (M, N), row-contiguous.
 // Output: act (M, N).
 // Grid: (ceil(N / BN) * WM * WN * 32, ceil(M / BM), 1), threadgroup (WM * WN * 32, 1, 1).
 
@@ -13,14 +15,16 @@ constexpr short LDA = BK + PAD;
 constexpr short LDB = BK + PAD;
 constexpr short NT = WM * WN * 32;
 // Inputs of fewer than 8 elements arrive as constant pointers: keep each input's own type.
+using WeightOp = bricks::WeightOf<BITS, GROUP_SIZE, decltype(w_gate + 0),
+                                  decltype(gate_scales + 0), decltype(gate_biases + 0)>;
 using LoaderA = bricks::TileLoader<T, BM, BK, LDA, NT, decltype(x + 0)>;
-using LoaderB = bricks::TileLoader<T, BN, BK, LDB, NT, decltype(w_gate + 0)>;
+using LoaderB = typename WeightOp::type::template Loader<T, BN, BK, LDB, NT>;
 
-// Ping-pong buffers as 16-byte chunks so 128-bit threadgroup stores are aligned.
-static_assert(2 * (LoaderA::TILE + LoaderB::TILE) * sizeof(T) <= 32768,
+// STAGES buffers per operand as 16-byte chunks so 128-bit threadgroup stores are aligned.
+static_assert(STAGES * (LoaderA::TILE + LoaderB::TILE) * sizeof(T) <= 32768,
               "split SwiGLU tile needs more than 32 KB of threadgroup memory");
-threadgroup bricks::Vec128<T> As_store[2 * LoaderA::TILE / LoaderA::VW];
-threadgroup bricks::Vec128<T> Bs_store[2 * LoaderB::TILE / LoaderB::VW];
+threadgroup bricks::Vec128<T> As_store[STAGES * LoaderA::TILE / LoaderA::VW];
+threadgroup bricks::Vec128<T> Bs_store[STAGES * LoaderB::TILE / LoaderB::VW];
 threadgroup T* As = reinterpret_cast<threadgroup T*>(As_store);
 threadgroup T* Bs = reinterpret_cast<threadgroup T*>(Bs_store);
 
@@ -37,17 +41,13 @@ const ushort tid = ushort(thread_index_in_threadgroup);
 LoaderA la(tid, K);
 bricks::bind_x_rows(la, x, x_shape, x_strides, n_lead, M, m0, VEC);
 LoaderB lb(tid, K);
-lb.vec = VEC;
-for (short i = 0; i < LoaderB::NCH; ++i) {
-  const int n = min(n0 + int(lb.tile_row(i)), N - 1);  // clamped rows are never stored
-  lb.src[i] = w_gate + long(n) * K;
-}
+bricks::bind_weight_rows(lb, WeightOp::make(w_gate, gate_scales, gate_biases), n0, N, K, VEC);
 
 // Named locals: `mma(ushort(a), ushort(b))` would declare a function (most vexing parse).
 const ushort sg = ushort(simdgroup_index_in_threadgroup);
 const ushort lane = ushort(thread_index_in_simdgroup);
 bricks::SimdgroupMMA<BM, BN, BK, WM, WN, LDA, LDB> mma(sg, lane);
-bricks::gemm_k_loop<BK>(la, lb, mma, As, Bs, K, bricks::NoTransform());
+bricks::gemm_k_loop<BK, STAGES>(la, lb, mma, As, Bs, K, bricks::NoTransform());
 
 const bricks::SwiGLUUpEpilogue<HAS_BIAS, decltype(b_gate + 0), decltype(up + 0)> epilogue = {
     HAS_BIAS ? b_gate + n0 : b_gate, up + long(m0) * N + n0, N};

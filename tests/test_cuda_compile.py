@@ -76,7 +76,8 @@ LINEAR_CASES = [
     (300, 512, 256, mx.float16, None, False, False, "wg128x128"),
     (300, 512, 256, mx.bfloat16, None, False, True, "wg128x128"),
     (300, 512, 256, mx.bfloat16, (4, 64), False, False, "wg128x256"),
-    (300, 512, 256, mx.bfloat16, (8, 64), True, False, "wg128x256"),
+    (300, 512, 256, mx.bfloat16, (6, 64), True, False, "wg128x256"),
+    (300, 512, 256, mx.bfloat16, (8, 64), True, False, "wg128x128"),
     (300, 512, 384, mx.bfloat16, (3, 32), False, False, "wg128x128"),
 ]
 

@@ -126,6 +126,10 @@ VARIANTS = [
     (65, 130, 9, "bfloat16", "64x64"),     # unaligned M/N, scalar loads, K tail
     (33, 31, 1000, "float16", "32x32"),    # unaligned, vector loads with a K tail
     (96, 64, 33, "float32", "32x32"),      # aligned M/N, scalar loads (K odd), K tail
+    # single-buffered pipeline (STAGES = 1): two barriers per K step
+    (64, 192, 64, "bfloat16", "64x64_sb"),  # aligned, vector loads, no K tail
+    (65, 130, 9, "float16", "64x64_sb"),   # unaligned, scalar loads, K tail
+    (33, 31, 1000, "float32", "32x32_sb"),  # unaligned, vector loads with a K tail
 ]
 
 
@@ -237,7 +241,9 @@ def test_linear_pitch_padding(msl_backend, pad_chunks):
 def test_threadgroup_memory_within_limit(dtype, tile):
     p = plan_gemm(100, 100, 100, dtype, tile=tile)
     t = gemm.TILES[tile]
-    expected = 2 * (t.bm + t.bn) * (p.bk + p.pad) * dtype.size
+    stages = 1 if tile.endswith("_sb") else 2
+    assert t.stages == stages and t.name.endswith("_sb") == (stages == 1)
+    expected = stages * (t.bm + t.bn) * (p.bk + p.pad) * dtype.size
     assert p.threadgroup_bytes == expected <= 32 * 1024
     assert (p.pad * dtype.size) % 16 == 0 and (p.bk * dtype.size) % 16 == 0
 

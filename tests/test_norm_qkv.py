@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mlx_bricks import kernels
-from mlx_bricks.ops import gemm
+from mlx_bricks.ops import gemm, norm_qkv
 from mlx_bricks.ops.norm_qkv import plan_rms_norm_qkv, rms_norm_qkv
 from tests.support import require_backend, tile_for
 from tests.tolerance import assert_dtype_close, to_f64
@@ -139,21 +139,45 @@ def test_rms_norm_qkv_strided_x(kernel_backend, view):
     _run_and_check(kernel_backend, x, nw, ws, bs, 4, 2, 64, what=f"{kernel_backend} {view}")
 
 
-def test_rms_norm_qkv_launches_one_kernel(msl_backend):
+def test_rms_norm_qkv_launches_inv_rms_once_then_the_gemm(msl_backend):
+    # Issue 15, fix 4: the inverse RMS of each row is computed once (rms_norm_inv, B * L
+    # values), not once per column tile of the GEMM.
     x, nw, ws, bs = _operands(1, 5, 32, 2, 1, 64, mx.float32, False, seed=9)
-    before = kernels.LAUNCH_COUNTS[("rms_norm_qkv", msl_backend)]
+    keys = ("rms_norm_inv", "rms_norm_qkv")
+    before = {key: kernels.LAUNCH_COUNTS[(key, msl_backend)] for key in keys}
     q, k, v = rms_norm_qkv(x, nw, EPS, *ws, *bs, n_heads=2, n_kv_heads=1, head_dim=64,
                            backend=msl_backend)
     mx.eval(q, k, v)
-    assert kernels.LAUNCH_COUNTS[("rms_norm_qkv", msl_backend)] == before + 1
+    assert {key: kernels.LAUNCH_COUNTS[(key, msl_backend)] - before[key] for key in keys} == \
+        {"rms_norm_inv": 1, "rms_norm_qkv": 1}
     _run_and_check(msl_backend, x, nw, ws, bs, 2, 1, 64, what=msl_backend)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("shape,view", [((3, 7, 200), None), ((2, 5, 36), None),
+                                        ((2, 9, 80), "slice"), ((2, 64, 7), "transposed")])
+def test_inv_rms_rows(msl_backend, shape, view, dtype):
+    """rms_norm_inv against float64 (its only rounding is float32's, as in mx.fast.rms_norm):
+    128-bit and scalar loads, strided rows."""
+    rng = np.random.default_rng(len(shape) + shape[-1])
+    x = _randn(shape, DTYPES[dtype], rng, scale=3.0)
+    if view == "slice":
+        x = x[:, 1:8, 8:72]
+    elif view == "transposed":
+        x = mx.swapaxes(x, 1, 2)
+    inv = norm_qkv.inv_rms_rows(x, EPS, msl_backend)
+    x64 = to_f64(x).reshape(-1, x.shape[-1])
+    want = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1) + EPS)
+    assert inv.dtype == mx.float32 and tuple(inv.shape) == (x64.shape[0],)
+    np.testing.assert_allclose(np.array(inv), want, rtol=4 * 2.0**-23 * math.sqrt(x.shape[-1]))
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()))
 @pytest.mark.parametrize("tile", sorted(gemm.TILES))
 def test_threadgroup_memory_within_limit(dtype, tile):
     plan, grid, _, tg_bytes = plan_rms_norm_qkv(100, 8, 2, 128, 4096, dtype, tile=tile)
-    assert tg_bytes == plan.threadgroup_bytes + 4 * plan.tile.bm <= 32 * 1024
+    # the GEMM's tiles only: the inverse RMS is read from device memory (rms_norm_inv)
+    assert tg_bytes == plan.threadgroup_bytes <= 32 * 1024
     assert grid[0] % plan.threadgroup[0] == 0
     tiles_x = grid[0] // plan.threadgroup[0]
     assert tiles_x == math.ceil(8 * 128 / plan.tile.bn) + 2 * math.ceil(2 * 128 / plan.tile.bn)

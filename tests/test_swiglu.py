@@ -172,6 +172,10 @@ TILE_CASES = [
     ("fused", "64x64", 100, 40, 130, "float16"),   # doubled accumulators (opt-in tile)
     ("split", "64x64", 65, 9, 130, "float32"),     # scalar loads, unaligned, checked epilogue
     ("split", "32x32", 64, 64, 64, "bfloat16"),    # aligned: unchecked epilogue reads up
+    # single-buffered pipeline (STAGES = 1)
+    ("fused", "64x32_sb", 100, 40, 130, "bfloat16"),  # unaligned, scalar loads, K tail
+    ("fused", "32x16_sb", 64, 64, 64, "float16"),  # aligned, no K tail
+    ("split", "32x32_sb", 33, 1000, 40, "float32"),  # vector loads with a K tail
 ]
 
 
@@ -364,7 +368,9 @@ def test_variant_rule(monkeypatch):
 def test_fused_threadgroup_memory_within_limit(dtype, tile):
     p = plan_fused(100, 100, 100, dtype, tile=tile)
     t = FUSED_TILES[tile]
-    expected = 2 * (t.bm + 2 * t.bn) * (p.bk + p.pad) * dtype.size
+    stages = 1 if tile.endswith("_sb") else 2
+    assert t.stages == stages
+    expected = stages * (t.bm + 2 * t.bn) * (p.bk + p.pad) * dtype.size
     assert p.threadgroup_bytes == expected <= 32 * 1024
 
 

@@ -2,8 +2,11 @@
 
 The kernel (``metal_src/gemm.metal`` on the shared pipeline in ``metal_src/gemm.h``) computes one
 BM x BN output tile per threadgroup of 4 simdgroups with 8x8 ``simdgroup_matrix<float>``
-accumulators, loading K in steps of BK through two ping-pong threadgroup buffers. The tiling,
-the tile rule and the threadgroup memory of each variant are in ``docs/bricks.md``.
+accumulators, loading K in steps of BK through two ping-pong threadgroup buffers (or one: the
+``*_sb`` tiles). The weight is a float array or an MLX affine-quantized
+:class:`~mlx_bricks.ops.quant.QuantizedWeight`, dequantized tile by tile into threadgroup memory
+by the pipeline's affine loader. The tiling, the tile rule and the threadgroup memory of each
+variant are in ``docs/bricks.md``.
 """
 from __future__ import annotations
 
@@ -16,19 +19,15 @@ from mlx_bricks.backends import resolve_backend
 from mlx_bricks.kernels import KernelSpec, launch, register
 from mlx_bricks.ops import gemm_cuda
 from mlx_bricks.ops.gemm_cuda import cuda_or
-from mlx_bricks.ops._checks import (
-    check_array,
-    check_float_dtype,
-    check_k,
-    check_linear_weight,
-    check_same_dtype,
-)
+from mlx_bricks.ops._checks import check_array, check_float_dtype, check_k, check_same_dtype
+from mlx_bricks.ops.quant import check_weight, is_quantized, quantized_linear_reference
 from mlx_bricks.ops._variants import kernel_variants
 
 register(KernelSpec(
     name="gemm",
     body="gemm.metal",
-    input_names=("x", "weight", "bias", "residual"),
+    # scales/biases: the affine weight's (placeholders for a float weight, never read).
+    input_names=("x", "weight", "scales", "biases", "bias", "residual"),
     output_names=("y",),
     headers=("gemm.h",),
     # x is read through x_strides, so views of x are not copied.
@@ -54,12 +53,16 @@ PAD_CHUNKS = 1
 
 @dataclass(frozen=True)
 class GemmTile:
-    """A tile variant: a BM x BN output tile per threadgroup of WM x WN simdgroups."""
+    """A tile variant: a BM x BN output tile per threadgroup of WM x WN simdgroups, with
+    ``stages`` threadgroup buffers per operand (2: ping-pong, the loads of the next K step
+    overlap the MMAs with one barrier per step; 1: single buffer, half the threadgroup memory,
+    two barriers per step)."""
 
     bm: int
     bn: int
     wm: int = 2
     wn: int = 2
+    stages: int = 2
 
     @property
     def threads(self) -> int:
@@ -67,12 +70,26 @@ class GemmTile:
 
     @property
     def name(self) -> str:
-        return f"bm{self.bm}_bn{self.bn}_wm{self.wm}_wn{self.wn}"
+        sb = "_sb" if self.stages == 1 else ""
+        return f"bm{self.bm}_bn{self.bn}_wm{self.wm}_wn{self.wn}{sb}"
 
 
-#: The two variants: the main 64x64 tile (32x32 per simdgroup) and the small 32x32 tile
-#: (16x16 per simdgroup) for small M or N.
-TILES = {"64x64": GemmTile(64, 64), "32x32": GemmTile(32, 32)}
+#: Suffix of the single-buffered form of a tile name ("64x64" -> "64x64_sb").
+SINGLE_BUFFER_SUFFIX = "_sb"
+
+
+def with_single_buffer(tiles: dict) -> dict:
+    """``tiles`` plus the single-buffered form of each (``name + "_sb"``, ``stages=1``)."""
+    out = dict(tiles)
+    for key, t in tiles.items():
+        out[key + SINGLE_BUFFER_SUFFIX] = GemmTile(t.bm, t.bn, t.wm, t.wn, stages=1)
+    return out
+
+
+#: The variants: the main 64x64 tile (32x32 per simdgroup) and the small 32x32 tile (16x16 per
+#: simdgroup) for small M or N, each double-buffered (the rule's choice) and single-buffered
+#: (``"64x64_sb"``, ``"32x32_sb"``: for the tuner to measure; never chosen by the rule).
+TILES = with_single_buffer({"64x64": GemmTile(64, 64), "32x32": GemmTile(32, 32)})
 
 
 @dataclass(frozen=True)
@@ -90,11 +107,12 @@ class GemmPlan:
 
     def template(self, dtype, **flags) -> list:
         """Template arguments shared by the kernels built on ``gemm.h`` (T, BM, BN, BK, WM, WN,
-        PAD, VEC, ALIGN_MN), then the kernel's own ``flags`` in order (``HAS_BIAS=True``...)."""
+        PAD, VEC, ALIGN_MN, STAGES), then the kernel's own ``flags`` in order
+        (``HAS_BIAS=True``...)."""
         t = self.tile
         return [("T", dtype), ("BM", t.bm), ("BN", t.bn), ("BK", self.bk), ("WM", t.wm),
                 ("WN", t.wn), ("PAD", self.pad), ("VEC", self.vec),
-                ("ALIGN_MN", self.align_mn), *flags.items()]
+                ("ALIGN_MN", self.align_mn), ("STAGES", t.stages), *flags.items()]
 
 
 def tile_names(backend: str, dtype=None) -> tuple[str, ...]:
@@ -129,32 +147,37 @@ def select_tile(M: int, N: int) -> str:
 
 def threadgroup_memory_bytes(tile: GemmTile, bk: int, pad: int, itemsize: int,
                              weight_tiles: int = 1) -> int:
-    """Bytes of the ping-pong A and B buffers:
-    ``2 * (BM + weight_tiles * BN) * (BK + PAD) * itemsize`` (``weight_tiles`` is 2 when a
-    kernel stages two weights per K step, as the fused SwiGLU does with gate and up)."""
-    return 2 * (tile.bm + weight_tiles * tile.bn) * (bk + pad) * itemsize
+    """Bytes of the A and B buffers:
+    ``stages * (BM + weight_tiles * BN) * (BK + PAD) * itemsize`` (``weight_tiles`` is 2 when a
+    kernel stages two weights per K step, as the fused SwiGLU does with gate and up). A
+    quantized weight is dequantized into the same B tiles (in the activations' dtype), so the
+    figure does not depend on the weight format."""
+    return tile.stages * (tile.bm + weight_tiles * tile.bn) * (bk + pad) * itemsize
 
 
 def plan_gemm(M: int, N: int, K: int, dtype, *, tile: str | None = None,
               pad_chunks: int | None = None, tiles: dict | None = None,
-              weight_tiles: int = 1) -> GemmPlan:
+              weight_tiles: int = 1, group_size: int | None = None) -> GemmPlan:
     """Tile variant, template values and launch geometry of an (M, N, K) GEMM.
 
     Args:
         M, N, K: problem size (each >= 1).
-        dtype: float16, bfloat16 or float32.
-        tile: ``None`` (:func:`select_tile`), ``"64x64"`` or ``"32x32"``.
+        dtype: float16, bfloat16 or float32 (the activations', and the tiles', dtype).
+        tile: ``None`` (:func:`select_tile`) or a key of ``tiles``.
         pad_chunks: row pitch padding in 128-bit chunks (``None``: ``PAD_CHUNKS``); whole
             chunks keep every threadgroup row 16-byte aligned.
         tiles: the tile table ``tile`` names (default :data:`TILES`; kernels built on
             ``gemm.h`` with other tiles pass theirs, and then must name ``tile``).
         weight_tiles: BN-row weight tiles staged per K step (see
             :func:`threadgroup_memory_bytes`).
+        group_size: the affine group size of a quantized weight (None for a float weight):
+            the affine loader needs BK to divide it, so that no K step crosses a group.
 
     Raises:
         ValueError: unknown ``tile`` or a negative ``pad_chunks``.
         RuntimeError: the variant would need more than ``THREADGROUP_MEMORY_LIMIT`` bytes of
-            threadgroup memory (a bug in the tile table, checked at every launch).
+            threadgroup memory, or BK does not divide ``group_size`` (bugs in the tile table,
+            checked at every launch).
     """
     tiles = TILES if tiles is None else tiles
     if tile is None and tiles is TILES:
@@ -175,6 +198,9 @@ def plan_gemm(M: int, N: int, K: int, dtype, *, tile: str | None = None,
             f"tile variant {t.name}_bk{bk} needs {tg_bytes} bytes of threadgroup memory, "
             f"over the {THREADGROUP_MEMORY_LIMIT}-byte limit"
         )
+    if group_size is not None and group_size % bk:
+        raise RuntimeError(f"tile variant {t.name}_bk{bk}: BK={bk} does not divide the affine "
+                           f"group_size {group_size}")
     tiles_m, tiles_n = math.ceil(M / t.bm), math.ceil(N / t.bn)
     return GemmPlan(
         tile=t, bk=bk, pad=pad, vec=K % vw == 0,
@@ -185,7 +211,11 @@ def plan_gemm(M: int, N: int, K: int, dtype, *, tile: str | None = None,
 
 
 def linear_reference(x, weight, bias=None, residual=None):
-    """Reference of :func:`linear` in MLX ops (what the ``reference`` backend runs)."""
+    """Reference of :func:`linear` in MLX ops (what the ``reference`` backend runs): ``x @
+    weight.T``, or ``mx.quantized_matmul`` for a ``QuantizedWeight`` (what
+    ``nn.QuantizedLinear`` runs), then ``+ bias + residual``."""
+    if is_quantized(weight):
+        return quantized_linear_reference(x, weight, bias, residual)
     y = x @ weight.T
     if bias is not None:
         y = y + bias
@@ -195,12 +225,12 @@ def linear_reference(x, weight, bias=None, residual=None):
 
 
 def _check_linear(x, weight, bias, residual):
+    """Validate the arguments; returns the weight as the kernels take it (``as_weight``)."""
     check_array("x", x, min_ndim=1)
-    check_array("weight", weight, ndim=2)
     check_float_dtype("x", x)
-    check_same_dtype("x", x, weight=weight, bias=bias, residual=residual)
     K = check_k(x)
-    check_linear_weight("weight", weight, K)
+    weight = check_weight("weight", weight, x, K)
+    check_same_dtype("x", x, bias=bias, residual=residual)
     N = weight.shape[0]
     if bias is not None:
         check_array("bias", bias)
@@ -213,6 +243,7 @@ def _check_linear(x, weight, bias, residual):
             raise ValueError(
                 f"residual must have the output shape {out_shape}, got {tuple(residual.shape)}"
             )
+    return weight
 
 
 def linear(x, weight, bias=None, residual=None, *, tile=None, backend=None):
@@ -220,32 +251,45 @@ def linear(x, weight, bias=None, residual=None, *, tile=None, backend=None):
 
     Algorithm: tiled GEMM on 8x8 ``simdgroup_matrix`` fragments with float accumulators, 128-bit
     global loads into ping-pong threadgroup buffers, bias and residual added in the epilogue
-    (the structure of MLX's steel GEMM; see ``docs/bricks.md``).
+    (the structure of MLX's steel GEMM; see ``docs/bricks.md``). A quantized weight is
+    dequantized once per staged tile into threadgroup memory (as MLX's ``qmm`` does), so the
+    MMA and the epilogue are the float GEMM's.
 
     Args:
         x: (..., K) float16, bfloat16 or float32, K >= 1; M is the product of the leading dims
             (M = 0 or N = 0 give an empty result without a launch). Read through its strides:
             views (slices, transposes, broadcasts) are not copied.
-        weight: (N, K), same dtype, as ``nn.Linear`` stores it.
-        bias: optional (N,), same dtype.
-        residual: optional (..., N) (the output shape), same dtype; added in the epilogue.
-        tile: ``None`` (the rule of :func:`select_tile`), ``"64x64"`` or ``"32x32"``.
+        weight: the (N, K) weight as ``nn.Linear`` stores it, either an ``mx.array`` of x's
+            dtype, or MLX affine-quantized: a :class:`~mlx_bricks.ops.quant.QuantizedWeight`
+            ``(w, scales, biases, group_size, bits)`` (``w`` uint32 (N, K * bits / 32),
+            ``scales``/``biases`` (N, K / group_size) of x's dtype; bits 2, 3, 4, 5, 6, 8,
+            group_size 32, 64, 128) or an ``nn.QuantizedLinear`` (its weight is taken, not its
+            bias).
+        bias: optional (N,), x's dtype.
+        residual: optional (..., N) (the output shape), x's dtype; added in the epilogue.
+        tile: ``None`` (the rule of :func:`select_tile`) or a key of :data:`TILES`
+            (``"64x64"``, ``"32x32"``, and their single-buffered ``"64x64_sb"``, ``"32x32_sb"``).
         backend: ``None`` (auto), ``"metal"``, ``"emulator"``, ``"reference"``
-            (see ``mlx_bricks.backends``).
+            (see ``mlx_bricks.backends``); ``reference`` runs :func:`linear_reference`
+            (``mx.quantized_matmul`` for a quantized weight).
 
     Returns:
         (..., N) array of x's dtype; products summed in float32, bias and residual added in
-        float32, one rounding to the output dtype.
+        float32, one rounding to the output dtype. A quantized weight's values are
+        ``T(scale * q + bias)`` (one rounding to x's dtype) before the products.
 
-    Copies: weight, bias and residual are copied only when they are not row-contiguous
-    (``mx.contiguous``); nn.Linear weights never are.
+    Copies: weight (or the quantized triple), bias and residual are copied only when they are
+    not row-contiguous (``mx.contiguous``); nn.Linear weights never are.
 
     Raises:
-        TypeError: non-array arguments, non-float dtypes, or mixed dtypes.
-        ValueError: shapes that do not match, an unknown ``tile``, or a bad backend.
+        TypeError: non-array arguments, non-float dtypes, mixed dtypes (a quantized weight's
+            scales must have x's dtype), or a weight that is neither an array nor quantized.
+        ValueError: shapes that do not match, a quantized weight MLX's affine format does not
+            describe (mode, bits, group_size, packed width vs K, scales/biases shapes), an
+            unknown ``tile``, or a bad backend.
         NotImplementedError: backend ``cuda`` (no CUDA twin yet).
     """
-    _check_linear(x, weight, bias, residual)
+    weight = _check_linear(x, weight, bias, residual)
     name = cuda_or(backend, x.dtype)
     if name != "cuda" and tile is not None and tile not in TILES:
         raise ValueError(f"tile must be None or one of {sorted(TILES)}, got {tile!r}")
@@ -258,25 +302,43 @@ def linear(x, weight, bias=None, residual=None, *, tile=None, backend=None):
         return mx.zeros(out_shape, dtype=x.dtype)
     if name == "cuda":
         return gemm_cuda.linear(x, weight, bias, residual, tile=tile)
-    plan = plan_gemm(M, N, K, x.dtype, tile=tile)
+    plan = plan_gemm(M, N, K, x.dtype, tile=tile, group_size=_group_size(weight))
     return launch_gemm(x, weight, bias, residual, plan, name)
+
+
+def _group_size(weight) -> int | None:
+    return weight.group_size if is_quantized(weight) else None
+
+
+def weight_inputs(weight) -> tuple[list, dict]:
+    """The kernel inputs ``[weight, scales, biases]`` and template flags ``BITS``,
+    ``GROUP_SIZE`` of a float or quantized weight, made row-contiguous (a float weight also
+    stands in for the absent scales and biases, which the kernel then never reads)."""
+    if is_quantized(weight):
+        arrays = [mx.contiguous(a) for a in (weight.w, weight.scales, weight.biases)]
+        return arrays, {"BITS": weight.bits, "GROUP_SIZE": weight.group_size}
+    w = mx.contiguous(weight)
+    return [w, w, w], {"BITS": 0, "GROUP_SIZE": 0}
 
 
 def launch_gemm(x, weight, bias, residual, plan: GemmPlan, backend: str):
     """Launch the GEMM kernel with an explicit ``plan`` (what :func:`linear` does after its
     checks; benchmarks use it to try other pitches). Arguments as in :func:`linear`, already
-    validated; ``backend`` is ``"metal"`` or ``"emulator"``; M = prod(x.shape[:-1]) >= 1."""
+    validated (``weight`` an ``mx.array`` or a ``QuantizedWeight``); ``backend`` is
+    ``"metal"`` or ``"emulator"``; M = prod(x.shape[:-1]) >= 1."""
     N = weight.shape[0]
     M = math.prod(x.shape[:-1])
-    weight = mx.contiguous(weight)
-    # Absent bias/residual: the kernel is compiled without them; weight is a placeholder buffer.
-    bias_in = weight if bias is None else mx.contiguous(bias)
-    residual_in = weight if residual is None else mx.contiguous(residual)
+    w_inputs, w_flags = weight_inputs(weight)
+    # Absent bias/residual: the kernel is compiled without them; the second weight input
+    # (scales, or the float weight itself: x's dtype either way) stands in.
+    placeholder = w_inputs[1]
+    bias_in = placeholder if bias is None else mx.contiguous(bias)
+    residual_in = placeholder if residual is None else mx.contiguous(residual)
     (y,) = launch(
         "gemm", backend,
-        inputs=[x, weight, bias_in, residual_in],
+        inputs=[x, *w_inputs, bias_in, residual_in],
         template=plan.template(x.dtype, HAS_BIAS=bias is not None,
-                               HAS_RESIDUAL=residual is not None),
+                               HAS_RESIDUAL=residual is not None, **w_flags),
         grid=plan.grid,
         threadgroup=plan.threadgroup,
         output_shapes=[(M, N)],

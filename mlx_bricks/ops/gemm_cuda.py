@@ -34,7 +34,8 @@ DEFAULT_SHARED_MEMORY = 99 * 1024
 @dataclass(frozen=True)
 class CudaTile:
     """A block tile: BM x BN outputs (per weight operand), WM x WN warps, a STAGES-deep ring;
-    ``wgmma``: the sm_90a warpgroup-MMA policy (then WM = BM / 16, WN = 1)."""
+    ``wgmma``: the sm_90a warpgroup-MMA policy (then WM = BM / 16, WN = 1); ``max_bits``: the
+    widest affine format it takes without spilling registers (ptxas -v, tests/test_cuda_compile)."""
 
     bm: int
     bn: int
@@ -42,14 +43,15 @@ class CudaTile:
     wn: int
     stages: int
     wgmma: bool = False
+    max_bits: int = 8
 
     @property
     def threads(self) -> int:
         return self.wm * self.wn * 32
 
 
-def _wg(bm: int, bn: int, stages: int = 4) -> CudaTile:
-    return CudaTile(bm, bn, bm // 16, 1, stages, wgmma=True)
+def _wg(bm: int, bn: int, stages: int = 4, max_bits: int = 8) -> CudaTile:
+    return CudaTile(bm, bn, bm // 16, 1, stages, wgmma=True, max_bits=max_bits)
 
 
 #: Tile variants of the GEMM twin (and of the QKV twin), by name (the ``tile=`` argument).
@@ -58,7 +60,8 @@ TILES = {
     "128x128": CudaTile(128, 128, 2, 4, 4),
     "128x64": CudaTile(128, 64, 2, 2, 4),
     "64x64": CudaTile(64, 64, 2, 2, 4),
-    "wg128x256": _wg(128, 256),
+    # 128 accumulators per thread: 8-bit dequantization needs 16 bytes of spills here.
+    "wg128x256": _wg(128, 256, max_bits=6),
     "wg128x128": _wg(128, 128),
 }
 #: Fused SwiGLU tiles, named by the act tile; each block also stages 2 * BN weight rows.
@@ -95,7 +98,7 @@ def tile_names(tiles: dict = TILES, cc: tuple[int, int] | None = None, weight_op
     cc = device_capability() if cc is None else cc
     limit = max_shared_memory(cc)
     return tuple(n for n, t in tiles.items()
-                 if (not t.wgmma or cc[0] == 9)
+                 if (not t.wgmma or cc[0] == 9) and (bits or 0) <= t.max_bits
                  and shared_memory_bytes(t, weight_operands, bits) <= limit)
 
 
@@ -167,6 +170,9 @@ def _tile(tiles: dict, tile: str | None, M: int, N: int, weight_operands: int = 
         tile = select_tile(M, N, tiles, weight_operands, bits)
     if tile not in tiles:
         raise ValueError(f"tile must be None or, on cuda, one of {sorted(tiles)}, got {tile!r}")
+    if (bits or 0) > tiles[tile].max_bits:
+        raise ValueError(f"tile {tile!r} takes affine weights of at most {tiles[tile].max_bits} "
+                         f"bits, got {bits}")
     return tiles[tile]
 
 

@@ -11,6 +11,9 @@ projection (with the residual in its epilogue) is the GEMM brick's :func:`linear
 * ``split`` (``metal_src/swiglu_split.metal``): ``up`` through the GEMM brick, then the gate GEMM
   (same tiling) whose epilogue reads ``up`` and writes ``SiLU(gate) * up``.
 
+Every weight may be a float array or MLX affine-quantized (``QuantizedWeight``,
+``nn.QuantizedLinear``): the weight loader of the shared pipeline dequantizes each staged tile.
+
 The variant rule, the tiles and their threadgroup memory are in ``docs/bricks.md`` (Brick 3).
 SwiGLU: Shazeer, "GLU Variants Improve Transformer" (2020); the llama MLP as in
 ``mlx_lm.models.llama.MLP``.
@@ -25,13 +28,7 @@ from mlx_bricks.backends import resolve_backend
 from mlx_bricks.kernels import KernelSpec, launch, register
 from mlx_bricks.ops import gemm_cuda
 from mlx_bricks.ops.gemm_cuda import cuda_or
-from mlx_bricks.ops._checks import (
-    check_array,
-    check_float_dtype,
-    check_k,
-    check_linear_weight,
-    check_same_dtype,
-)
+from mlx_bricks.ops._checks import check_array, check_float_dtype, check_k, check_same_dtype
 from mlx_bricks.ops._variants import kernel_variants
 from mlx_bricks.ops.gemm import (
     MIN_THREADGROUPS_64,
@@ -41,7 +38,10 @@ from mlx_bricks.ops.gemm import (
     linear,
     linear_reference,
     plan_gemm,
+    weight_inputs,
+    with_single_buffer,
 )
+from mlx_bricks.ops.quant import check_weight, is_quantized
 from mlx_bricks.ops.swiglu_variants import (  # noqa: F401  (re-exported)
     DEFAULT_VARIANT,
     VARIANT_ENV_VAR,
@@ -52,7 +52,9 @@ from mlx_bricks.ops.swiglu_variants import (  # noqa: F401  (re-exported)
 register(KernelSpec(
     name="swiglu_fused",
     body="swiglu_fused.metal",
-    input_names=("x", "w_gate", "w_up", "b_gate", "b_up"),
+    # gate_/up_ scales and biases: the affine weights' (placeholders for float weights).
+    input_names=("x", "w_gate", "gate_scales", "gate_biases", "w_up", "up_scales", "up_biases",
+                 "b_gate", "b_up"),
     output_names=("act",),
     headers=("gemm.h", "swiglu.h"),
     # x is read through x_strides, so views of x are not copied.
@@ -65,7 +67,7 @@ register(KernelSpec(
 register(KernelSpec(
     name="swiglu_split",
     body="swiglu_split.metal",
-    input_names=("x", "w_gate", "b_gate", "up"),
+    input_names=("x", "w_gate", "gate_scales", "gate_biases", "b_gate", "up"),
     output_names=("act",),
     headers=("gemm.h", "swiglu.h"),
     ensure_row_contiguous=False,
@@ -73,8 +75,10 @@ register(KernelSpec(
 
 #: Fused tiles, named by the act tile (BM x BN); each threadgroup also loads 2 * BN weight rows.
 #: "64x32" and "32x16" give every simdgroup as many accumulators as the GEMM brick's 64x64 and
-#: 32x32 tiles (32x16 gate + 32x16 up, 16x8 + 16x8); "64x64" doubles them (opt-in only).
-FUSED_TILES = {"64x32": GemmTile(64, 32), "32x16": GemmTile(32, 16), "64x64": GemmTile(64, 64)}
+#: 32x32 tiles (32x16 gate + 32x16 up, 16x8 + 16x8); "64x64" doubles them (opt-in only). Each
+#: also single-buffered (``"64x32_sb"``...: for the tuner to measure; never chosen by the rule).
+FUSED_TILES = with_single_buffer(
+    {"64x32": GemmTile(64, 32), "32x16": GemmTile(32, 16), "64x64": GemmTile(64, 64)})
 
 
 #: The kernels each SwiGLU variant launches (the down projection is the GEMM brick); on cuda the
@@ -130,13 +134,15 @@ def select_fused_tile(M: int, N: int) -> str:
     return "32x16"
 
 
-def plan_fused(M: int, N: int, K: int, dtype, *, tile: str | None = None) -> GemmPlan:
+def plan_fused(M: int, N: int, K: int, dtype, *, tile: str | None = None,
+               group_size: int | None = None) -> GemmPlan:
     """Plan of the fused kernel for x (M, K) and weights (N, K) (N = N_mlp).
 
     Args:
         M, N, K: problem size (each >= 1).
         dtype: float16, bfloat16 or float32.
         tile: ``None`` (:func:`select_fused_tile`) or a key of :data:`FUSED_TILES`.
+        group_size: the weights' affine group size (None: float weights).
 
     Raises:
         ValueError: unknown ``tile``.
@@ -148,7 +154,8 @@ def plan_fused(M: int, N: int, K: int, dtype, *, tile: str | None = None) -> Gem
     if tile not in FUSED_TILES:
         raise ValueError(f"tile must be None or one of {sorted(FUSED_TILES)}, got {tile!r}")
     # The GEMM plan with 2 * BN weight rows (gate then up) staged per K step.
-    return plan_gemm(M, N, K, dtype, tile=tile, tiles=FUSED_TILES, weight_tiles=2)
+    return plan_gemm(M, N, K, dtype, tile=tile, tiles=FUSED_TILES, weight_tiles=2,
+                     group_size=group_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,7 +171,8 @@ def silu_reference(g):
 
 def swiglu_reference(x, w_gate, w_up, b_gate=None, b_up=None):
     """Reference of :func:`swiglu` in MLX ops:
-    ``SiLU(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)``."""
+    ``SiLU(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)`` (``mx.quantized_matmul`` for a
+    quantized weight, through :func:`~mlx_bricks.ops.gemm.linear_reference`)."""
     gate = linear_reference(x, w_gate, b_gate)
     up = linear_reference(x, w_up, b_up)
     return (silu_reference(gate) * up.astype(mx.float32)).astype(x.dtype)
@@ -190,15 +198,15 @@ def _check_vector(name: str, value, length: int, what: str) -> None:
         raise ValueError(f"{name} must have shape ({what}={length},), got {tuple(value.shape)}")
 
 
-def _check_swiglu(x, w_gate, w_up, b_gate, b_up) -> tuple[int, int]:
-    """Validate the gate/up operands; returns (N_mlp, K)."""
+def _check_swiglu(x, w_gate, w_up, b_gate, b_up):
+    """Validate the gate/up operands; returns (w_gate, w_up, N_mlp, K), the weights as the
+    kernels take them (``as_weight``)."""
     check_array("x", x, min_ndim=1)
-    check_array("w_gate", w_gate, ndim=2)
-    check_array("w_up", w_up, ndim=2)
     check_float_dtype("x", x)
-    check_same_dtype("x", x, w_gate=w_gate, w_up=w_up, b_gate=b_gate, b_up=b_up)
     K = check_k(x)
-    check_linear_weight("w_gate", w_gate, K, rows="N_mlp")
+    w_gate = check_weight("w_gate", w_gate, x, K, rows="N_mlp")
+    w_up = check_weight("w_up", w_up, x, K, rows="N_mlp")
+    check_same_dtype("x", x, b_gate=b_gate, b_up=b_up)
     if tuple(w_up.shape) != tuple(w_gate.shape):
         raise ValueError(
             f"w_up must have the shape of w_gate {tuple(w_gate.shape)}, got {tuple(w_up.shape)}"
@@ -206,7 +214,18 @@ def _check_swiglu(x, w_gate, w_up, b_gate, b_up) -> tuple[int, int]:
     N = w_gate.shape[0]
     _check_vector("b_gate", b_gate, N, "N_mlp")
     _check_vector("b_up", b_up, N, "N_mlp")
-    return N, K
+    return w_gate, w_up, N, K
+
+
+def _format(weight) -> tuple:
+    """What a loader type depends on: ``(bits, group_size)``, ``(0, 0)`` for a float weight."""
+    return (weight.bits, weight.group_size) if is_quantized(weight) else (0, 0)
+
+
+def same_format(w_gate, w_up) -> bool:
+    """Whether the fused kernel can stage gate and up with one loader: both float, or both
+    affine with the same bits and group_size (the scales' dtype is x's for both)."""
+    return _format(w_gate) == _format(w_up)
 
 
 def _check_tile(variant: str, tile) -> None:
@@ -223,16 +242,17 @@ def _check_tile(variant: str, tile) -> None:
 
 
 def _swiglu_fused(x, w_gate, w_up, b_gate, b_up, M, N, K, tile, backend):
-    plan = plan_fused(M, N, K, x.dtype, tile=tile)
-    w_gate, w_up = mx.contiguous(w_gate), mx.contiguous(w_up)
-    # Absent biases: the kernel is compiled without them; w_gate is a placeholder buffer.
+    gate_in, flags = weight_inputs(w_gate)
+    up_in, _ = weight_inputs(w_up)  # same format (same_format): the same flags
+    plan = plan_fused(M, N, K, x.dtype, tile=tile, group_size=flags["GROUP_SIZE"] or None)
+    # Absent biases: the kernel is compiled without them; gate's scales input stands in.
     (act,) = launch(
         "swiglu_fused", backend,
-        inputs=[x, w_gate, w_up,
-                w_gate if b_gate is None else mx.contiguous(b_gate),
-                w_gate if b_up is None else mx.contiguous(b_up)],
+        inputs=[x, *gate_in, *up_in,
+                gate_in[1] if b_gate is None else mx.contiguous(b_gate),
+                gate_in[1] if b_up is None else mx.contiguous(b_up)],
         template=plan.template(x.dtype, HAS_BIAS_GATE=b_gate is not None,
-                               HAS_BIAS_UP=b_up is not None),
+                               HAS_BIAS_UP=b_up is not None, **flags),
         grid=plan.grid,
         threadgroup=plan.threadgroup,
         output_shapes=[(M, N)],
@@ -243,19 +263,37 @@ def _swiglu_fused(x, w_gate, w_up, b_gate, b_up, M, N, K, tile, backend):
 
 def _swiglu_split(x, w_gate, w_up, b_gate, b_up, M, N, K, tile, backend):
     up = linear(x, w_up, b_up, tile=tile, backend=backend).reshape(M, N)
-    plan = plan_gemm(M, N, K, x.dtype, tile=tile)
-    w_gate = mx.contiguous(w_gate)
+    gate_in, flags = weight_inputs(w_gate)
+    plan = plan_gemm(M, N, K, x.dtype, tile=tile, group_size=flags["GROUP_SIZE"] or None)
     (act,) = launch(
         "swiglu_split", backend,
-        inputs=[x, w_gate, w_gate if b_gate is None else mx.contiguous(b_gate),
+        inputs=[x, *gate_in, gate_in[1] if b_gate is None else mx.contiguous(b_gate),
                 mx.contiguous(up)],
-        template=plan.template(x.dtype, HAS_BIAS=b_gate is not None, HAS_RESIDUAL=False),
+        template=plan.template(x.dtype, HAS_BIAS=b_gate is not None, HAS_RESIDUAL=False,
+                               **flags),
         grid=plan.grid,
         threadgroup=plan.threadgroup,
         output_shapes=[(M, N)],
         output_dtypes=[x.dtype],
     )
     return act
+
+
+def _resolve_variant(variant, w_gate, w_up) -> str:
+    """The variant that runs: :func:`resolve_variant`, except that gate and up of different
+    formats (``same_format``) run ``split`` unless ``fused`` is asked for by argument (then
+    ValueError): the fused kernel stages both weights with one loader."""
+    if same_format(w_gate, w_up):
+        return resolve_variant(variant)
+    if variant is None:
+        return "split"
+    variant = resolve_variant(variant)
+    if variant == "fused":
+        raise ValueError(
+            f"variant 'fused' needs w_gate and w_up in one format, got (bits, group_size) "
+            f"{_format(w_gate)} and {_format(w_up)} ((0, 0): float); use variant='split' or None"
+        )
+    return variant
 
 
 def swiglu(x, w_gate, w_up, *, b_gate=None, b_up=None, variant=None, tile=None, backend=None):
@@ -272,15 +310,19 @@ def swiglu(x, w_gate, w_up, *, b_gate=None, b_up=None, variant=None, tile=None, 
         x: (..., K) float16, bfloat16 or float32, K >= 1; M is the product of the leading dims
             (M = 0 or N_mlp = 0 give an empty result without a launch). Read through its
             strides: views are not copied.
-        w_gate, w_up: (N_mlp, K), x's dtype (nn.Linear layout).
+        w_gate, w_up: the (N_mlp, K) weights (nn.Linear layout): ``mx.array`` of x's dtype,
+            or MLX affine-quantized (``QuantizedWeight`` or ``nn.QuantizedLinear``, scales of
+            x's dtype; see :func:`~mlx_bricks.ops.gemm.linear`). ``fused`` needs both in one
+            format (both float, or the same bits and group_size).
         b_gate, b_up: optional (N_mlp,) biases, x's dtype (``mlp_bias`` models).
         variant: ``None`` (``MLX_BRICKS_SWIGLU_VARIANT`` if set, else :data:`DEFAULT_VARIANT`;
-            the rule is in docs/bricks.md), ``"fused"`` or ``"split"``.
+            ``split`` when w_gate and w_up differ in format; the rule is in docs/bricks.md),
+            ``"fused"`` or ``"split"``.
         tile: ``None`` (the variant's tile rule) or, for ``fused``, a key of
             :data:`FUSED_TILES`; for ``split``, a GEMM tile (``mlx_bricks.ops.gemm.TILES``).
         backend: ``None`` (auto), ``"metal"``, ``"emulator"``, ``"reference"``
             (see ``mlx_bricks.backends``); ``variant`` and ``tile`` do not apply to
-            ``reference``.
+            ``reference`` (``mx.quantized_matmul`` for quantized weights).
 
     Returns:
         (..., N_mlp) of x's dtype: gate and up summed in float32 (biases added in float32),
@@ -288,12 +330,15 @@ def swiglu(x, w_gate, w_up, *, b_gate=None, b_up=None, variant=None, tile=None, 
         as the stock MLP does).
 
     Raises:
-        TypeError: non-array arguments, non-float dtypes, or mixed dtypes.
-        ValueError: shapes that do not match, an unknown ``variant`` or ``tile``, a bad backend.
+        TypeError: non-array arguments, non-float dtypes, or mixed dtypes (quantized weights'
+            scales included).
+        ValueError: shapes that do not match, a quantized weight MLX's affine format does not
+            describe, ``variant="fused"`` with gate and up in different formats, an unknown
+            ``variant`` or ``tile``, a bad backend.
         NotImplementedError: backend ``cuda`` (no CUDA twin yet).
     """
-    N, K = _check_swiglu(x, w_gate, w_up, b_gate, b_up)
-    variant = resolve_variant(variant)
+    w_gate, w_up, N, K = _check_swiglu(x, w_gate, w_up, b_gate, b_up)
+    variant = _resolve_variant(variant, w_gate, w_up)
     name = cuda_or(backend, x.dtype)
     if name != "cuda":
         _check_tile(variant, tile)
@@ -320,7 +365,9 @@ def swiglu_mlp(x, w_gate, w_up, w_down, residual=None, *, b_gate=None, b_up=None
 
     Args:
         x: (..., K) float16, bfloat16 or float32 (K = hidden size).
-        w_gate, w_up: (N_mlp, K); w_down: (K, N_mlp); all x's dtype (nn.Linear layout).
+        w_gate, w_up: (N_mlp, K); w_down: (K, N_mlp) (nn.Linear layout); each an
+            ``mx.array`` of x's dtype or MLX affine-quantized (``QuantizedWeight`` or
+            ``nn.QuantizedLinear``, scales of x's dtype), independently of the others.
         residual: optional (..., K), x's dtype, added to the output.
         b_gate, b_up: optional (N_mlp,); b_down: optional (K,).
         variant, backend: as in :func:`swiglu`.
@@ -330,12 +377,13 @@ def swiglu_mlp(x, w_gate, w_up, w_down, residual=None, *, b_gate=None, b_up=None
 
     Raises:
         TypeError: non-array arguments, non-float dtypes, or mixed dtypes.
-        ValueError: shapes that do not match, an unknown ``variant``, a bad backend.
+        ValueError: shapes that do not match, a quantized weight MLX's affine format does not
+            describe, an unknown ``variant``, a bad backend.
         NotImplementedError: backend ``cuda`` (no CUDA twin yet).
     """
-    N, K = _check_swiglu(x, w_gate, w_up, b_gate, b_up)
-    check_array("w_down", w_down, ndim=2)
-    check_same_dtype("x", x, w_down=w_down, b_down=b_down, residual=residual)
+    w_gate, w_up, N, K = _check_swiglu(x, w_gate, w_up, b_gate, b_up)
+    w_down = check_weight("w_down", w_down, x, None)
+    check_same_dtype("x", x, b_down=b_down, residual=residual)
     if tuple(w_down.shape) != (K, N):
         raise ValueError(
             f"w_down must have shape (K={K}, N_mlp={N}) as nn.Linear stores it, "

@@ -152,9 +152,11 @@ def weight_shape(weight) -> tuple[int, int]:
     return tuple(weight.shape)
 
 
-def as_weight(value, name: str = "weight"):
+def as_weight(value, name: str = "weight", K: int | None = None, rows: str = "N"):
     """``value`` as the bricks take a weight: an ``mx.array``, a :class:`QuantizedWeight`, or an
-    ``nn.QuantizedLinear`` (converted with :meth:`QuantizedWeight.from_module`).
+    ``nn.QuantizedLinear`` (converted with :meth:`QuantizedWeight.from_module`). A quantized
+    weight is checked (:meth:`QuantizedWeight.check` with ``K`` and ``rows``); an array is
+    returned as it is (see :func:`check_weight`).
 
     Raises:
         TypeError: anything else.
@@ -162,23 +164,78 @@ def as_weight(value, name: str = "weight"):
     """
     if isinstance(value, mx.array):
         return value
-    if isinstance(value, QuantizedWeight):
-        value.check(name)
-        return value
-    import mlx.nn as nn
+    if not isinstance(value, QuantizedWeight):
+        import mlx.nn as nn
 
-    if isinstance(value, nn.QuantizedLinear):
-        q = QuantizedWeight.from_module(value)
-        q.check(name)
-        return q
-    raise TypeError(f"{name} must be an mx.array or a QuantizedWeight, got {type(value).__name__}")
+        if not isinstance(value, nn.QuantizedLinear):
+            raise TypeError(f"{name} must be an mx.array, a QuantizedWeight or an "
+                            f"nn.QuantizedLinear, got {type(value).__name__}")
+        value = QuantizedWeight.from_module(value)
+    value.check(name, K, rows)
+    return value
+
+
+def check_weight(name: str, weight, x: mx.array, K: int | None, rows: str = "N"):
+    """Validate an op's weight argument against the activations ``x`` (already checked: a float
+    array) and return it as the kernels take it (:func:`as_weight`).
+
+    A float weight must be a 2-D ``(rows, K)`` array of x's dtype; a quantized one must pass
+    :meth:`QuantizedWeight.check` for ``K`` and have scales of x's dtype (the kernels compute
+    in one dtype: the dequantized tile is written in it). ``K=None``: the caller checks the
+    shape itself.
+
+    Raises:
+        TypeError: not an array / quantized weight, or a dtype that is not x's (the message
+            names the argument, e.g. ``wq.scales``).
+        ValueError: a shape that is not ``(rows, K)``, or a quantized weight MLX's affine format
+            does not describe.
+    """
+    from mlx_bricks.ops._checks import check_linear_weight, check_same_dtype
+
+    weight = as_weight(weight, name, K, rows)
+    if is_quantized(weight):
+        if weight.dtype != x.dtype:
+            raise TypeError(
+                f"{name}.scales has dtype {dtype_name(weight.dtype)} but x has "
+                f"{dtype_name(x.dtype)}; a quantized weight's scales must have the "
+                "activations' dtype"
+            )
+        return weight
+    check_array(name, weight, ndim=2)
+    check_same_dtype("x", x, **{name: weight})
+    if K is not None:
+        check_linear_weight(name, weight, K, rows)
+    return weight
+
+
+def unsupported_reason(value, dtype=None) -> str | None:
+    """Why the bricks cannot take ``value`` (a weight, ``QuantizedWeight`` or
+    ``nn.QuantizedLinear``) with activations of ``dtype``; None when they can. For the patch:
+    a layer it returns a reason for keeps the stock path with that reason (e.g. ``mode
+    'mxfp4'``, bits 1, scales of another dtype)."""
+    try:
+        weight = as_weight(value)
+    except (TypeError, ValueError) as e:
+        return str(e)
+    if dtype is not None and weight.dtype != dtype:
+        return (f"weight dtype {dtype_name(weight.dtype)} differs from the activations' "
+                f"{dtype_name(dtype)}")
+    return None
+
+
+def matmul_t(x, weight):
+    """``x @ weight.T`` in MLX ops for a float or quantized weight (``mx.quantized_matmul``, what
+    ``nn.QuantizedLinear`` computes): the references' product."""
+    if is_quantized(weight):
+        return mx.quantized_matmul(x, weight.w, weight.scales, weight.biases, transpose=True,
+                                   group_size=weight.group_size, bits=weight.bits)
+    return x @ weight.T
 
 
 def quantized_linear_reference(x, weight: QuantizedWeight, bias=None, residual=None):
     """``x @ dequantize(weight).T (+ bias) (+ residual)`` as stock MLX computes a quantized
     linear layer (``mx.quantized_matmul``, what ``nn.QuantizedLinear`` calls)."""
-    y = mx.quantized_matmul(x, weight.w, weight.scales, weight.biases, transpose=True,
-                            group_size=weight.group_size, bits=weight.bits)
+    y = matmul_t(x, weight)
     if bias is not None:
         y = y + bias
     if residual is not None:

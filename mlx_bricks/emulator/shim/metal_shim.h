@@ -641,8 +641,10 @@ struct simdgroup_matrix {
   EMU_INLINE simdgroup_matrix() {  // Metal leaves it undefined; NaN makes missing init visible
     e = vec<T, 2>(static_cast<T>(__builtin_nanf("")));
   }
+  // Apple's signatures: a reference to the lane's two elements, but a copy from a const matrix
+  // (so code that expects the const overload to alias the matrix fails here as on Metal).
   EMU_INLINE thread vec<T, 2>& thread_elements() thread { return e; }
-  EMU_INLINE const thread vec<T, 2>& thread_elements() const thread { return e; }
+  EMU_INLINE const vec<T, 2> thread_elements() const thread { return e; }
 };
 
 typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
