@@ -454,3 +454,20 @@ def test_nn_quantize_model_is_not_in_the_way():
     assert mx.array_equal(KINDS["linear"].stock(args), q(x))
     assert KINDS["linear"].key(args).weights == "q4g64"
     assert KINDS["linear"].check(q(x), q(x), args).ok
+
+
+@pytest.mark.parametrize("options", ({"window": 5}, {"softcap": 2.0}, {"window": 3, "softcap": 1.5}))
+def test_attention_kind_window_and_softcap(options):
+    """The attention kind carries window / softcap to the brick and to its stock (the brick's
+    MLX-ops reference); the check's own reference applies them the same way."""
+    _, _, all_args = _kind_args(mx.float16)
+    args = dict(all_args["attention"], **options)
+    k = KINDS["attention"]
+    naive = k.stock(args)
+    plain = k.stock(all_args["attention"])
+    assert not mx.allclose(naive, plain, atol=1e-2)  # the options change the values
+    assert k.check(naive, naive, args).ok
+    assert k.check(k.brick(args, "reference"), naive, args).ok
+    assert not k.check(plain, naive, args).ok
+    key = str(k.key(args))
+    assert all(f"{name}={value}" in key for name, value in options.items())

@@ -389,8 +389,14 @@ class RmsNormQKV(OpKind):
 
 
 class Attention(OpKind):
-    """``softmax(q k^T * scale + causal) v`` with GQA; args ``q, k, v, scale, mask, kv_quant``
-    (mask None or ``"causal"``, bottom-right aligned; kv_quant None or ``"q8_0"``)."""
+    """``softmax(mask(softcap(q k^T * scale))) v`` with GQA; args ``q, k, v, scale, mask,
+    kv_quant`` and optionally ``window``, ``softcap`` (mask None or ``"causal"``, bottom-right
+    aligned; window None or a sliding-window length; softcap None or > 0; kv_quant None or
+    ``"q8_0"``), as ``ops.flash_attention`` takes them."""
+
+    #: Options that change the values and have no stock fast path (their stock is the brick's
+    #: MLX-ops reference, what mlx-lm's gemma-style attention computes).
+    _OPTIONS = ("window", "softcap")
 
     name = "attention"
     activations = ("q", "k", "v")
@@ -399,25 +405,31 @@ class Attention(OpKind):
         q, k = args["q"], args["k"]
         _, Hq, Lq, D = q.shape
         Hkv, Lk = k.shape[1], k.shape[2]
-        params = _flags(head_dim=D, gqa=Hq // Hkv, kv_quant=args.get("kv_quant") or "none",
-                        mask=args.get("mask") or "none")
-        return Key(self.name, params, attention_bucket(Lq, Lk), dtype_name(q.dtype), "-")
+        flags = dict(head_dim=D, gqa=Hq // Hkv, kv_quant=args.get("kv_quant") or "none",
+                     mask=args.get("mask") or "none")
+        flags.update({o: args[o] for o in self._OPTIONS if args.get(o) is not None})
+        return Key(self.name, _flags(**flags), attention_bucket(Lq, Lk), dtype_name(q.dtype),
+                   "-")
+
+    def _options(self, args) -> dict:
+        return {o: args.get(o) for o in self._OPTIONS}
 
     def brick(self, args, backend, **kwargs):
         from mlx_bricks.ops.attention import flash_attention
 
         return flash_attention(args["q"], args["k"], args["v"], scale=args["scale"],
                                mask=args.get("mask"), kv_quant=args.get("kv_quant"),
-                               backend=backend, **kwargs)
+                               backend=backend, **self._options(args), **kwargs)
 
     def stock(self, args):
-        if args.get("kv_quant") is not None:
-            # The requested K/V rounding has no stock op: the brick's own MLX-ops reference.
+        if args.get("kv_quant") is not None or any(self._options(args).values()):
+            # Q8_0 K/V, a window or a soft-cap: no stock fast op; the brick's MLX-ops reference.
             from mlx_bricks.ops.attention import flash_attention_reference
 
             return flash_attention_reference(args["q"], args["k"], args["v"],
                                              scale=args["scale"], mask=args.get("mask"),
-                                             kv_quant=args["kv_quant"])
+                                             kv_quant=args.get("kv_quant"),
+                                             **self._options(args))
         return mx.fast.scaled_dot_product_attention(args["q"], args["k"], args["v"],
                                                     scale=args["scale"], mask=args.get("mask"))
 
@@ -449,9 +461,16 @@ class Attention(OpKind):
             kh = mx.repeat(k.astype(hp), Hq // Hkv, axis=1)
             vh = mx.repeat(v.astype(hp), Hq // Hkv, axis=1)
             s = (qt @ kh.transpose(0, 1, 3, 2)) * args["scale"]
+            if args.get("softcap") is not None:
+                s = mx.tanh(s / args["softcap"]) * args["softcap"]
             if args.get("mask") == "causal":
-                # bottom-right aligned: the last query row sees every key
-                visible = mx.arange(Lk)[None, :] <= (Lk - rows + mx.arange(rows))[:, None]
+                # bottom-right aligned: query row r sits at position p = Lk - rows + r and sees
+                # keys j <= p (and j > p - window with a sliding window)
+                pos = (Lk - rows + mx.arange(rows))[:, None]
+                j = mx.arange(Lk)[None, :]
+                visible = j <= pos
+                if args.get("window") is not None:
+                    visible = visible & (j > pos - args["window"])
                 s = mx.where(visible, s, mx.array(-math.inf, hp))
             s = s - mx.max(s, axis=-1, keepdims=True)
             p = mx.exp(s)
