@@ -471,3 +471,15 @@ def test_attention_kind_window_and_softcap(options):
     assert not k.check(plain, naive, args).ok
     key = str(k.key(args))
     assert all(f"{name}={value}" in key for name, value in options.items())
+
+
+def test_kernel_source_hash_survives_a_spec_without_sources(monkeypatch):
+    from mlx_bricks.tune import cache
+
+    monkeypatch.setitem(kernels._SPECS, "no_files", kernels.KernelSpec(
+        "no_files", body="missing.metal", input_names=("x",), output_names=("y",)))
+    cache.kernel_source_hash.cache_clear()
+    try:
+        assert len(cache.kernel_source_hash()) == 12
+    finally:
+        cache.kernel_source_hash.cache_clear()

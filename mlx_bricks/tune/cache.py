@@ -75,7 +75,12 @@ def kernel_source_hash() -> str:
     for name in kernels.registered():
         for backend in ("metal", "cuda"):
             if kernels.has_kernel(name, backend):
-                _, header, body = kernels.kernel_source(name, backend)
+                try:
+                    _, header, body = kernels.kernel_source(name, backend)
+                except (OSError, ValueError) as e:
+                    # A spec whose files are missing cannot be built either: hash the fact, the
+                    # cache must work (and never raise) regardless.
+                    header, body = "", f"unreadable: {e}"
                 h.update(f"{name}/{backend}\0{header}\0{body}\0".encode())
     return h.hexdigest()[:12]
 
