@@ -2,10 +2,11 @@
 
 Steps: check the file and read its metadata; build ``config.json`` from the ``<arch>.*`` keys;
 build the tokenizer from ``tokenizer.*``; map each tensor to its mlx-lm name, undo llama.cpp's
-Q/K row order for llama, dequantize (or, with ``keep_quantized``, re-encode Q4_0/Q4_1/Q8_0 as MLX
-affine quantized tensors, see :mod:`mlx_bricks.gguf.quant`); check every tensor against the shapes
-of the mlx-lm model class; write everything into a temporary directory next to the output and
-rename it into place at the end.
+Q/K row order for llama and its ``1 + w`` norm storage for gemma3, dequantize (or, with
+``keep_quantized``, turn quantized matrices into MLX affine quantized tensors, see
+:mod:`mlx_bricks.gguf.quant`); check every tensor against the shapes of the mlx-lm model class;
+write everything into a temporary directory next to the output and rename it into place at the
+end.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +28,14 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from . import quant
+from .check import check_gguf_file
 from .tokenizer import write_tokenizer
 
 logger = logging.getLogger("mlx_bricks.gguf")
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 SHARD_BYTES = 4 << 30  # safetensors shard size limit
-FORMAT_VERSION = 1  # bump when the output of the same GGUF changes
+FORMAT_VERSION = 2  # bump when the output of the same GGUF changes
 
 
 @dataclass(frozen=True)
@@ -43,12 +46,25 @@ class Architecture:
     hf_class: str  # "architectures" entry of config.json
     permuted_qk: bool  # llama.cpp stored Q/K rows in its interleaved RoPE order
     default_rope_theta: float
+    layer_names: dict = dataclass_field(default_factory=dict)  # overrides of _LAYER_NAMES
+    norm_shift: float = 0.0  # llama.cpp stored every "*norm.weight" as w + norm_shift
 
+
+# gemma3 (convert_hf_to_gguf.py's Gemma3Model): four norms per layer, and ffn_norm is the
+# pre-feed-forward norm, not llama's post-attention one
+_GEMMA3_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 
 ARCHITECTURES = {
     "llama": Architecture("llama", "LlamaForCausalLM", True, 10000.0),
     "qwen2": Architecture("qwen2", "Qwen2ForCausalLM", False, 1000000.0),
     "qwen3": Architecture("qwen3", "Qwen3ForCausalLM", False, 1000000.0),
+    "gemma3": Architecture("gemma3_text", "Gemma3ForCausalLM", False, 1000000.0,
+                           layer_names=_GEMMA3_LAYER_NAMES, norm_shift=1.0),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
@@ -90,14 +106,21 @@ def convert_gguf(
         out_dir: the directory to create. It may exist only if empty, unless ``force``.
         dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"``: the dtype of every dense tensor
             (dequantized weights, norms, biases) and of the scales/biases of quantized ones.
-        keep_quantized: keep Q4_0, Q4_1 and Q8_0 weights as MLX affine quantized tensors
-            (uint32 packed weight, per-group scales and biases, group size 32, 4 or 8 bits; the
-            ``quantization`` section of config.json says so and mlx-lm builds
-            ``nn.QuantizedLinear`` / ``nn.QuantizedEmbedding``). The blocks are re-encoded, not
-            requantized: with ``float16`` or ``float32`` the stored scale, bias and codes give
-            exactly the GGUF's values (bfloat16 rounds the float16 scales; a note says so).
-            Tensors of any other ggml type are dequantized and a note is logged (logger
-            ``mlx_bricks.gguf``). Without it every tensor is dequantized to ``dtype``.
+        keep_quantized: keep quantized matrices quantized, as MLX affine tensors (uint32 packed
+            codes, per-group scales and biases in ``dtype``, group size 32; the
+            ``quantization`` section of config.json says so, with per-module entries where the
+            bits differ, and mlx-lm builds ``nn.QuantizedLinear`` / ``nn.QuantizedEmbedding``).
+            Bits per ggml type (:data:`mlx_bricks.gguf.quant.MAPPINGS`): Q4_0, Q4_1, Q4_K ->
+            4; Q5_0, Q5_1, Q5_K -> 5; Q8_0 -> 8 (codes carried over: the GGUF's values exactly
+            with float32 scales; also with float16 ones except the K-quants' scale products,
+            rounded to float16); Q2_K, Q3_K, Q6_K -> 3, 4, 8 (their 16-value sub-blocks
+            re-quantized to groups of 32, one bit above nominal); IQ4_NL/IQ4_XS -> 5,
+            IQ3_XXS/IQ3_S -> 4, IQ2_XXS/IQ2_XS/IQ2_S -> 3 (re-quantized from their values, one
+            bit above nominal).
+            A note on logger ``mlx_bricks.gguf`` gives every lossy mapping's relative RMS error
+            against the GGUF's values; types without a mapping (TQ1_0, TQ2_0, MXFP4, IQ1_S,
+            IQ1_M...) are dequantized, with a note. Without it every tensor is dequantized to
+            ``dtype``.
         force: replace ``out_dir`` if it exists and is not empty.
         progress: show a tqdm progress bar on stderr.
 
@@ -108,9 +131,12 @@ def convert_gguf(
 
     Supported: architectures ``llama`` (Llama 1-3, Mistral-style, SmolLM; Q/K rows are put back in
     Hugging Face order so mlx-lm's default RoPE applies; Llama 3.x ``rope_freqs`` becomes mlx-lm's
-    ``llama3`` rope scaling), ``qwen2`` (q/k/v biases, tied or untied output) and ``qwen3``
-    (per-head q/k norms); every ggml type ``gguf.quants.dequantize`` reads (F32, F16, BF16,
-    Q4_0...Q8_1, K-quants, IQ-quants...); tokenizers transformers can build from GGUF metadata
+    ``llama3`` rope scaling), ``qwen2`` (q/k/v biases, tied or untied output), ``qwen3``
+    (per-head q/k norms) and ``gemma3`` (mlx-lm's ``gemma3_text``: norms stored by llama.cpp as
+    ``1 + w`` are stored back as ``w``; sliding-window layer pattern, local and global RoPE bases
+    and the attention scale as llama.cpp derives them, see :func:`build_config`); every ggml
+    type ``gguf.quants.dequantize`` reads (F32, F16, BF16, Q4_0...Q8_1, K-quants,
+    IQ-quants...); tokenizers transformers can build from GGUF metadata
     (``gpt2`` byte-level BPE, ``llama`` sentencepiece, ...), built without torch.
 
     The output is written into a temporary directory beside ``out_dir`` and renamed at the end:
@@ -138,7 +164,7 @@ def convert_gguf(
     config["mlx_bricks"] = {"converted_from": path.name, "format_version": FORMAT_VERSION,
                             "dtype": dtype, "keep_quantized": bool(keep_quantized)}
     expected = _expected_parameters(config)
-    _check_names(tensors, expected, config["model_type"])  # fail before writing anything
+    _check_names(tensors, expected, arch_name, config["model_type"])  # before writing anything
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
@@ -165,22 +191,21 @@ def convert_gguf(
 
 
 def open_gguf(path: Path) -> GGUFReader:
-    """A ``GGUFReader`` for ``path``, with one clear error for a missing or damaged file."""
+    """A ``GGUFReader`` for ``path``, with one clear error for a missing or damaged file
+    (:func:`mlx_bricks.gguf.check.check_gguf_file` says what is wrong before the reader runs)."""
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file")
     if not path.is_file():
         raise ValueError(f"{path}: not a file")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ValueError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    check_gguf_file(path)
     try:
         reader = GGUFReader(path)
         for t in reader.tensors:  # the reader is lazy about nothing but data: touch the shapes
             if t.data.nbytes != t.n_bytes:
                 raise ValueError(f"tensor {t.name} has {t.data.nbytes} of {t.n_bytes} bytes")
     except (ValueError, IndexError, KeyError, OverflowError) as e:
-        raise ValueError(f"{path}: truncated or corrupt GGUF file ({e})") from None
+        # the structure check passed, so this is something it does not look at
+        raise ValueError(f"{path}: corrupt GGUF file ({' '.join(str(e).split())})") from None
     return reader
 
 
@@ -246,6 +271,8 @@ def build_config(meta: dict[str, Any], arch_name: str, tensors: dict) -> dict[st
     rope_scaling = _rope_scaling(meta, arch_name, config, tensors)
     if rope_scaling:
         config["rope_scaling"] = rope_scaling
+    if arch_name == "gemma3":
+        config.update(_gemma3_config(meta, config, key))
     for name, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         if f"tokenizer.ggml.{gguf_key}" in meta:
             config[name] = int(meta[f"tokenizer.ggml.{gguf_key}"])
@@ -253,6 +280,62 @@ def build_config(meta: dict[str, Any], arch_name: str, tensors: dict) -> dict[st
     if eot is not None and "eos_token_id" in config and int(eot) != config["eos_token_id"]:
         config["eos_token_id"] = [config["eos_token_id"], int(eot)]
     return config
+
+
+def _gemma3_config(meta: dict[str, Any], config: dict[str, Any], key) -> dict[str, Any]:
+    """The gemma3_text keys llama.cpp derives rather than stores (``llama-model.cpp``,
+    ``LLM_ARCH_GEMMA3``):
+
+    - sliding window: ``gemma3.attention.sliding_window`` tokens (a query attends to keys less
+      than that many positions back, as in mlx-lm); absent or 0 means every layer is global.
+    - layer pattern: every 6th layer global (llama.cpp hard-codes 6); a
+      ``gemma3.attention.sliding_window_pattern`` key, when a file has one, is honoured (an int
+      period, or one bool per layer, true = sliding, that must follow a period).
+    - RoPE: global layers ``rope.freq_base`` (and ``rope.scaling``), sliding layers
+      ``rope.freq_base_swa`` when present, else 10000 as llama.cpp hard-codes.
+    - attention scale 1 / sqrt(query_pre_attn_scalar): head_dim, except for the 62-layer (27B)
+      model, hidden_size / num_attention_heads.
+    - logit soft-capping is refused: mlx-lm's gemma3_text has none.
+    """
+    layers = config["num_hidden_layers"]
+    for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if float(meta.get(f"gemma3.{cap}", 0.0) or 0.0) != 0.0:
+            raise ValueError(f"metadata key gemma3.{cap} is set; mlx-lm's gemma3_text has no "
+                             "logit soft-capping")
+    value_length = key("attention.value_length", config["head_dim"], required=False)
+    if int(value_length) != config["head_dim"]:
+        raise ValueError(f"gemma3: value_length {value_length} differs from key_length "
+                         f"{config['head_dim']}; mlx-lm's gemma3_text uses one head_dim")
+    window = int(meta.get("gemma3.attention.sliding_window", 0) or 0)
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
+    if window <= 0:
+        pattern, window = 1, config["max_position_embeddings"]
+    elif isinstance(pattern, list):
+        pattern = _sliding_period([bool(x) for x in pattern], layers)
+    pattern = int(pattern)
+    if pattern < 1 or pattern > layers:
+        raise ValueError(f"gemma3: sliding-window pattern {pattern} with {layers} layers: "
+                         "mlx-lm's gemma3_text needs at least one global layer every "
+                         "`pattern` layers and no more than num_hidden_layers")
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    return {
+        "sliding_window": window,
+        "sliding_window_pattern": pattern,
+        "rope_local_base_freq": float(meta.get("gemma3.rope.freq_base_swa", 10000.0)),
+        "query_pre_attn_scalar": hidden // heads if layers == 62 else config["head_dim"],
+    }
+
+
+def _sliding_period(flags: list[bool], layers: int) -> int:
+    """The period p with flags[i] == ((i + 1) % p != 0) for every layer (mlx-lm's only layout)."""
+    if len(flags) != layers:
+        raise ValueError(f"gemma3.attention.sliding_window_pattern has {len(flags)} entries "
+                         f"for {layers} layers")
+    for p in range(1, layers + 1):
+        if all(f == ((i + 1) % p != 0) for i, f in enumerate(flags)):
+            return p
+    raise ValueError("gemma3.attention.sliding_window_pattern is not periodic with the last "
+                     "layer of each period global; mlx-lm's gemma3_text cannot express it")
 
 
 def _rope_scaling(meta, arch_name, config, tensors) -> dict | None:
@@ -304,18 +387,24 @@ def _expected_parameters(config: dict) -> dict[str, tuple[int, ...]]:
 
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     model = module.Model(module.ModelArgs.from_dict(config))
-    return {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+    params = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+    if config.get("tie_word_embeddings"):
+        # gemma3_text always builds lm_head and drops it in sanitize() when the file has none
+        params = {k: v for k, v in params.items() if not k.startswith("lm_head.")}
+    return params
 
 
-def mlx_name(gguf_name: str) -> str:
-    """mlx-lm parameter path of a GGUF tensor (``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``); ``ValueError`` for an unknown name."""
+def mlx_name(gguf_name: str, arch_name: str = "llama") -> str:
+    """mlx-lm parameter path of a GGUF tensor of architecture ``arch_name``
+    (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``); ``ValueError`` for
+    an unknown name."""
+    layer_names = {**_LAYER_NAMES, **ARCHITECTURES[arch_name].layer_names}
     base, _, param = gguf_name.rpartition(".")
     parts = base.split(".")
     if len(parts) == 1 and parts[0] in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[parts[0]]}.{param}"
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{param}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{param}"
     raise ValueError(f"tensor {gguf_name!r} has no counterpart in the mlx-lm model")
 
 
@@ -324,7 +413,9 @@ def _write_weights(tensors, arch, config, expected, tmp, dtype, keep_quantized, 
     from tqdm import tqdm
 
     target = DTYPES[dtype]
-    notes, dequantized, quantized = [], {}, {}
+    notes, quantized = [], {}
+    dequantized: dict[str, list[str]] = {}  # ggml type -> tensors without an affine mapping
+    kept: dict[str, _KeptStats] = {}  # ggml type -> error totals of its affine tensors
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     shards, current, current_bytes = [], {}, 0
 
@@ -344,35 +435,31 @@ def _write_weights(tensors, arch, config, expected, tmp, dtype, keep_quantized, 
         current[name] = array
         current_bytes += array.nbytes
 
+    arch_name = next(k for k, v in ARCHITECTURES.items() if v is arch)
     names = [n for n in tensors if n != "rope_freqs.weight"]
     for gguf_name in tqdm(names, desc="converting", unit="tensor", disable=not progress):
         t = tensors[gguf_name]
-        name = mlx_name(gguf_name)
+        name = mlx_name(gguf_name, arch_name)
         module, _, param = name.rpartition(".")
         proj = module.rpartition(".")[2]
         unpermute = arch.permuted_qk and proj in heads
         qtype = t.tensor_type
-        packed = None
-        if keep_quantized and qtype in quant.KEEPABLE and param == "weight" and t.data.ndim == 2:
-            packed = quant.to_affine(t.data, qtype)
-            if packed is None:
-                notes.append(f"{gguf_name}: {qtype.name} scale too large for float16, "
-                             "dequantized")
-        if packed is not None:
-            arrays = packed
+        affine = None
+        if keep_quantized and qtype not in _UNQUANTIZED and param == "weight" and t.data.ndim == 2:
+            affine = _affine_or_note(gguf_name, t, qtype, dtype, notes, dequantized)
+        if affine is not None:
+            arrays = (affine.weight, affine.scales, affine.biases)
             if unpermute:
                 arrays = [quant.unpermute_rows(a, heads[proj]) for a in arrays]
             weight, scales, biases = arrays
-            bits = quant.KEEPABLE[qtype][0]
-            shape = (weight.shape[0], weight.shape[1] * 32 // bits)
+            shape = (weight.shape[0], weight.shape[1] * 32 // affine.bits)
             _check_shape(gguf_name, name, shape, expected)
             add(name, mx.array(weight))
             add(f"{module}.scales", mx.array(scales).astype(target))
             add(f"{module}.biases", mx.array(biases).astype(target))
-            quantized[module] = {"group_size": quant.GROUP_SIZE, "bits": bits}
+            quantized[module] = {"group_size": quant.GROUP_SIZE, "bits": affine.bits}
+            kept.setdefault(qtype.name, _KeptStats(affine.bits)).add(affine)
             continue
-        if keep_quantized and qtype not in _UNQUANTIZED:
-            dequantized.setdefault(qtype.name, []).append(gguf_name)
         try:
             values = dequantize(t.data, qtype)
         except NotImplementedError as e:
@@ -380,6 +467,9 @@ def _write_weights(tensors, arch, config, expected, tmp, dtype, keep_quantized, 
                              f"dequantized by the gguf package ({e})") from None
         if unpermute:
             values = quant.unpermute_rows(values, heads[proj])
+        if arch.norm_shift and gguf_name.endswith("norm.weight"):
+            # exact: llama.cpp added the shift to float32 copies of bfloat16 / float32 weights
+            values = values.astype(np.float64) - arch.norm_shift
         _check_shape(gguf_name, name, values.shape, expected)
         add(name, mx.array(np.ascontiguousarray(values, dtype=np.float32)).astype(target))
     written = {n for _, names_ in shards for n in names_} | set(current)
@@ -387,23 +477,73 @@ def _write_weights(tensors, arch, config, expected, tmp, dtype, keep_quantized, 
         add(name, mx.zeros(expected[name], dtype=target))
     flush()
     _name_shards(shards, tmp)
+    notes.extend(stats.note(qname, dtype) for qname, stats in kept.items())
     for qname, names_ in dequantized.items():
-        notes.append(f"{len(names_)} {qname} tensor(s) dequantized to {dtype} (kept quantized: "
-                     f"{', '.join(t.name for t in quant.KEEPABLE)} only), e.g. {names_[0]}")
+        notes.append(f"{len(names_)} {qname} tensor(s) dequantized to {dtype} (no MLX affine "
+                     f"mapping for {qname}), e.g. {names_[0]}")
     if keep_quantized and quantized and dtype == "bfloat16":
-        notes.append("bfloat16 rounds the GGUF's float16 quantization scales; use --dtype "
-                     "float16 or float32 to keep them exact")
-    return notes, quantized
+        notes.append("bfloat16 rounds the quantization scales and biases; use --dtype "
+                     "float16 or float32 to keep the exact mappings exact")
+    return [n for n in notes if n], quantized
 
 
-def _check_names(tensors, expected, model_type) -> None:
+def _affine_or_note(gguf_name, t, qtype, dtype, notes, dequantized):
+    """``quant.to_affine`` of one GGUF matrix, or None (dequantize it) with the reason noted."""
+    if qtype not in quant.MAPPINGS:
+        dequantized.setdefault(qtype.name, []).append(gguf_name)
+        return None
+    cols = int(t.shape[0])  # GGUF shapes are (cols, rows)
+    if cols % quant.GROUP_SIZE:  # cannot happen for whole ggml blocks; checked all the same
+        notes.append(f"{gguf_name}: {cols} input columns is not a multiple of the group size "
+                     f"{quant.GROUP_SIZE}; dequantized")
+        return None
+    affine = quant.to_affine(np.asarray(t.data), qtype, dtype)
+    if affine is None:
+        notes.append(f"{gguf_name}: {qtype.name} scale or bias too large for {dtype}; "
+                     "dequantized")
+    return affine
+
+
+@dataclass
+class _KeptStats:
+    """Error totals of the tensors of one ggml type kept as MLX affine."""
+
+    bits: int
+    count: int = 0
+    inexact: int = 0
+    sq_error: float = 0.0
+    sq_values: float = 0.0
+    max_error: float = 0.0
+
+    def add(self, affine: quant.AffineTensor) -> None:
+        self.count += 1
+        self.inexact += not affine.exact
+        self.sq_error += affine.sq_error
+        self.sq_values += affine.sq_values
+        self.max_error = max(self.max_error, affine.max_error)
+
+    def note(self, qname: str, dtype: str) -> str:
+        """'' when every tensor is exact, else one line with the error."""
+        if not self.inexact:
+            return ""
+        rel = math.sqrt(self.sq_error / self.sq_values) if self.sq_values else 0.0
+        method = quant.MAPPINGS[GGMLQuantizationType[qname]].method
+        how = "kept as" if method == "exact" else "re-quantized to"
+        rounded = (f", scales and biases rounded to {dtype} (float32 keeps them exact)"
+                   if method == "exact" else "")
+        return (f"{self.count} {qname} tensor(s) {how} MLX {self.bits}-bit affine, group size "
+                f"{quant.GROUP_SIZE}{rounded}: relative RMS error {rel:.2e} against the GGUF's "
+                f"values, max abs error {self.max_error:.2e}")
+
+
+def _check_names(tensors, expected, arch_name, model_type) -> None:
     """Every GGUF tensor has a place in the model, and every model weight a tensor (a missing
     bias is fine: the file omits those the model does not use, and zeros stand in exactly)."""
     mapped = set()
     for gguf_name in tensors:
         if gguf_name == "rope_freqs.weight":
             continue
-        name = mlx_name(gguf_name)
+        name = mlx_name(gguf_name, arch_name)
         if name not in expected:
             raise ValueError(f"tensor {gguf_name!r} ({name}) is not a parameter of mlx-lm's "
                              f"{model_type} model with this config")

@@ -42,6 +42,8 @@ kernels.register(kernels.KernelSpec(
     output_names=("out",),
     headers=("q8_0.h", "gemm.h", "attention.h"),
     ensure_row_contiguous=False,
+    cuda_body="attention.cu",
+    cuda_headers=("mma.cuh", "attention.cuh"),
 ))
 
 
@@ -372,7 +374,14 @@ def flash_attention(q, k, v, *, scale, mask=None, window=None, softcap=None, kv_
         return mx.zeros(q.shape, q.dtype)
     k_scale = v_scale = None
     if kv_quant == "q8_0":
-        k, k_scale = k if isinstance(k, tuple) else quantize_q8_0(k, backend=name)
-        v, v_scale = v if isinstance(v, tuple) else quantize_q8_0(v, backend=name)
+        # Quantize with the backend's own kernel where it has one (the same ggml rounding).
+        qb = name if kernels.has_kernel("q8_0_quantize", name) else "reference"
+        k, k_scale = k if isinstance(k, tuple) else quantize_q8_0(k, backend=qb)
+        v, v_scale = v if isinstance(v, tuple) else quantize_q8_0(v, backend=qb)
+    if name == "cuda":
+        from mlx_bricks.ops.attention_cuda import launch_attention_cuda
+
+        return launch_attention_cuda(q, k, v, k_scale, v_scale, scale=scale,
+                                     causal=mask == "causal", window=window, softcap=softcap)
     return _launch_attention(q, k, v, k_scale, v_scale, scale=scale, causal=mask == "causal",
                              window=window, softcap=softcap, backend=name)

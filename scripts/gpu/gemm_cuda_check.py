@@ -19,13 +19,16 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--only", default="", help="comma-separated name prefixes")
+    p.add_argument("--tiles", default="wg128x256,wg128x128,128x128",
+                   help="comma-separated CUDA tiles for the linear cases")
     args = p.parse_args()
     import mlx.core as mx
 
     from mlx_bricks.bench import gpu
     from mlx_bricks.ops import gemm_cuda
 
-    cases = [*gpu.linear_cases("cuda", tiles=tuple(gemm_cuda.TILES)),
+    tiles = tuple(t for t in args.tiles.split(",") if t in gemm_cuda.TILES)
+    cases = [*gpu.linear_cases("cuda", tiles=tiles),
              *gpu.swiglu_cases("cuda"), *gpu.rms_norm_qkv_cases("cuda")]
     if args.only:
         keep = tuple(args.only.split(","))

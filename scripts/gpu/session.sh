@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One GPU-machine session's steps, each under its own time limit, logs and JSON under $OUT.
+# Usage (on the GPU machine, after MLX is installed in /tmp/site; ../shared/docs/device.md):
+#   bash scripts/gpu/session.sh STEP [STEP ...]
+# Steps: gemm-tests gemm-bench attn-tests attn-check decode-tests decode-check e2e all-tests
+set -uo pipefail
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -c "import mlx.core as mx; assert mx.cuda.is_available(); print(mx.__version__, mx.device_info())" || exit 3
+PYT="python3 -m pytest -q -p no:cacheprovider -rfE --maxfail=40"
+step() {  # name, seconds, command...
+    local name=$1 secs=$2; shift 2
+    echo "=== $name ($(date +%T), limit ${secs}s)"
+    timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
+    echo "=== $name rc=$? ($(date +%T))"
+    tail -n 25 "$OUT/$name.log"
+}
+for s in "$@"; do
+    case $s in
+        gemm-tests) step gemm-tests 240 $PYT -n 8 -k cuda tests/test_gemm.py tests/test_swiglu.py \
+            tests/test_norm_qkv.py tests/test_quantized.py tests/test_quantized_bricks.py ;;
+        gemm-bench) step gemm-bench 200 python3 scripts/gpu/gemm_cuda_check.py --out "$OUT/gemm.json" ;;
+        attn-tests) step attn-tests 240 $PYT -n 8 -k cuda tests/test_attention.py ;;
+        attn-check) step attn-check 280 python3 scripts/gpu/attention_cuda_check.py --out "$OUT/attn.json" ;;
+        decode-tests) step decode-tests 150 $PYT -n 8 -k cuda tests/test_decode_attention.py tests/test_cache.py ;;
+        decode-check) step decode-check 200 python3 scripts/gpu/decode_cuda_check.py --out "$OUT/decode.json" ;;
+        e2e) step e2e 300 python3 -m mlx_bricks.bench --backend cuda --only e2e --out "$OUT/e2e.json" ;;
+        all-tests) step all-tests 500 $PYT -n 8 -m "not slow" tests ;;
+        *) echo "unknown step $s"; exit 2 ;;
+    esac
+done

@@ -1,0 +1,187 @@
+"""Run the CUDA attention twin on the CPU through ``warp_emu.h`` (tests only).
+
+:func:`run_attention` builds a host program from the exact kernel body and headers the cuda
+backend gives ``mx.fast.cuda_kernel`` (``kernels.kernel_source``), wrapped the way MLX wraps it
+(template constants inside the function, ``<name>_shape`` / ``_strides`` parameters), compiles
+it with the host C++ compiler against the CUDA toolkit's headers (types only), and runs one
+launch with the geometry ``launch_attention_cuda`` would use. Inputs are numpy buffers with
+explicit element offsets and strides, so transposed views, cache slices, non-unit head_dim
+strides and misaligned rows reach the kernel exactly as MLX would pass them.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import struct
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mlx_bricks import cudacheck, kernels
+
+HERE = Path(__file__).resolve().parent
+CUDA_SRC = Path(kernels.__file__).resolve().parent / "cuda_src"
+_CACHE = Path(tempfile.gettempdir()) / "mlx_bricks_cuda_emu"
+
+_CTYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "int8": "int8_t"}
+
+
+def toolchain() -> tuple[str, str] | None:
+    """(host C++ compiler, CUDA include dir) or None when either is missing."""
+    cxx = shutil.which("g++") or shutil.which("clang++")
+    nvcc = cudacheck.find_nvcc()
+    if cxx is None or nvcc is None:
+        return None
+    roots = [Path(nvcc).resolve().parent.parent, *sorted(Path("/usr/local").glob("cuda*"))]
+    for root in roots:
+        if (root / "include" / "cuda_fp16.h").is_file():
+            return cxx, str(root / "include")
+    return None
+
+
+@dataclass
+class Tensor:
+    """A strided view into a flat numpy buffer: ``dtype`` one of _CTYPE's keys, ``data`` raw
+    bits (uint16 for 16-bit floats), ``offset``/``strides`` in elements."""
+
+    dtype: str
+    data: np.ndarray
+    shape: tuple
+    strides: tuple
+    offset: int = 0
+
+
+def _source(template) -> str:
+    _, header, body = kernels.kernel_source("flash_attention", "cuda")
+    marker = "extern __shared__ __align__(16) unsigned char smem[];"
+    assert marker in body, "attention.cu must declare its dynamic shared memory as expected"
+    body = body.replace(marker, "unsigned char* smem = emu::blk->smem;")
+    tdict = dict(template)
+    T = _CTYPE[tdict["T"]]
+    KT = "int8_t" if tdict["KV_Q8"] else T
+    consts = []
+    for name, value in template:
+        if isinstance(value, bool):
+            consts.append(f"  constexpr bool {name} = {'true' if value else 'false'};")
+        elif isinstance(value, int):
+            consts.append(f"  constexpr int {name} = {value};")
+        else:
+            consts.append(f"  using {name} = {_CTYPE[value]};")
+    params = []
+    for name, ct in (("q", T), ("k", KT), ("v", KT), ("k_scale", "__half"),
+                     ("v_scale", "__half")):
+        params += [f"const {ct}* {name}", f"const Shape {name}_shape",
+                   f"const Strides {name}_strides"]
+    params += ["const float* fparams", "const int32_t* iparams", f"{T}* out"]
+    return "\n".join([
+        '#include "warp_emu.h"',
+        header,
+        "using Shape = std::array<int32_t, 10>;",
+        "using Strides = std::array<int64_t, 10>;",
+        f"static void kernel_fn({', '.join(params)}) {{",
+        *consts,
+        body,
+        "}",
+        _MAIN.replace("@T@", T).replace("@KT@", KT),
+    ])
+
+
+_MAIN = r"""
+template <typename E>
+static std::vector<E> read_buf(FILE* f, int64_t n) {
+  std::vector<E> v(size_t(n) + 1);
+  if (n && std::fread(v.data(), sizeof(E), size_t(n), f) != size_t(n)) std::abort();
+  return v;
+}
+static void read_geom(FILE* f, Shape& s, Strides& st, int64_t& off, int64_t& n) {
+  s.fill(0); st.fill(0);
+  int64_t h[10];
+  if (std::fread(h, 8, 10, f) != 10) std::abort();
+  for (int i = 0; i < 4; ++i) { s[i] = int32_t(h[i]); st[i] = h[4 + i]; }
+  off = h[8]; n = h[9];
+}
+int main(int argc, char** argv) {
+  FILE* f = std::fopen(argv[1], "rb");
+  Shape qs, ks, vs, kss, vss; Strides qst, kst, vst, ksst, vsst;
+  int64_t qo, qn, ko, kn, vo, vn, kso, ksn, vso, vsn;
+  read_geom(f, qs, qst, qo, qn); auto qb = read_buf<@T@>(f, qn);
+  read_geom(f, ks, kst, ko, kn); auto kb = read_buf<@KT@>(f, kn);
+  read_geom(f, vs, vst, vo, vn); auto vb = read_buf<@KT@>(f, vn);
+  read_geom(f, kss, ksst, kso, ksn); auto ksb = read_buf<__half>(f, ksn);
+  read_geom(f, vss, vsst, vso, vsn); auto vsb = read_buf<__half>(f, vsn);
+  float prm[3]; if (std::fread(prm, 4, 3, f) != 3) std::abort();
+  int32_t iprm[1]; if (std::fread(iprm, 4, 1, f) != 1) std::abort();
+  int64_t g[6]; if (std::fread(g, 8, 6, f) != 6) std::abort();
+  std::fclose(f);
+  const int64_t nout = g[5];
+  std::vector<unsigned char> ob(size_t(nout) * sizeof(@T@), 0xFF);  // poison: NaN bits
+  @T@* out = reinterpret_cast<@T@*>(ob.data());
+  emu::launch(emu::Dim3{unsigned(g[0]), unsigned(g[1]), unsigned(g[2])}, int(g[3]),
+              uint32_t(g[4]), 4, 64, [&] {
+    kernel_fn(qb.data() + qo, qs, qst, kb.data() + ko, ks, kst, vb.data() + vo, vs, vst,
+              ksb.data() + kso, kss, ksst, vsb.data() + vso, vss, vsst, prm, iprm, out);
+  });
+  FILE* o = std::fopen(argv[2], "wb");
+  std::fwrite(ob.data(), 1, ob.size(), o);
+  std::fclose(o);
+  return 0;
+}
+"""
+
+
+def build(template) -> Path:
+    """Compile (cached by source hash) the host program for one template; returns its path."""
+    tc = toolchain()
+    if tc is None:
+        raise FileNotFoundError("no host C++ compiler or CUDA headers for the CUDA emulator")
+    cxx, inc = tc
+    src = _source(template)
+    digest = hashlib.sha1((src + cxx).encode()).hexdigest()[:16]
+    exe = _CACHE / f"attn_{digest}"
+    if exe.is_file():
+        return exe
+    _CACHE.mkdir(parents=True, exist_ok=True)
+    cpp = _CACHE / f"attn_{digest}.cpp"
+    cpp.write_text(src)
+    tmp = exe.with_suffix(f".tmp{os.getpid()}")
+    cmd = [cxx, "-std=c++20", "-O1", "-pthread", "-w", "-I", str(HERE), "-I", str(CUDA_SRC),
+           "-I", inc, "-o", str(tmp), str(cpp)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"host compile failed:\n{res.stderr[-6000:]}")
+    os.replace(tmp, exe)
+    return exe
+
+
+def _geom(t: Tensor | None) -> bytes:
+    if t is None:
+        return struct.pack("<10q", 1, 1, 1, 1, 0, 0, 0, 0, 0, 1) + b"\0\0"
+    shape = list(t.shape) + [1] * (4 - len(t.shape))
+    strides = list(t.strides) + [0] * (4 - len(t.strides))
+    return struct.pack("<10q", *shape, *strides, t.offset, t.data.size) + t.data.tobytes()
+
+
+def run_attention(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
+                  v_scale: Tensor | None, fparams: np.ndarray, iparams: np.ndarray, template,
+                  grid, threads: int, smem: int, out_elems: int) -> np.ndarray:
+    """Run one launch; returns the raw output buffer (uint16 bits or float32)."""
+    exe = build(template)
+    with tempfile.TemporaryDirectory() as tmp:
+        fin, fout = Path(tmp) / "in.bin", Path(tmp) / "out.bin"
+        blob = b"".join([_geom(q), _geom(k), _geom(v), _geom(k_scale), _geom(v_scale),
+                         np.asarray(fparams, np.float32).tobytes(),
+                         np.asarray(iparams, np.int32).tobytes(),
+                         struct.pack("<6q", grid[0], grid[1], grid[2], threads, smem,
+                                     out_elems)])
+        fin.write_bytes(blob)
+        res = subprocess.run([str(exe), str(fin), str(fout)], capture_output=True, text=True,
+                             timeout=600)
+        if res.returncode != 0:
+            raise RuntimeError(f"emulated kernel failed ({res.returncode}): {res.stderr[-3000:]}")
+        raw = fout.read_bytes()
+    dt = np.float32 if dict(template)["T"] == "float32" else np.uint16
+    return np.frombuffer(raw, dt).copy()

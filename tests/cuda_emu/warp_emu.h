@@ -1,0 +1,315 @@
+// warp_emu.h -- run a CUDA twin's kernel body on the CPU (tests only; nothing here ships).
+//
+// Every CUDA thread of a block is an OS thread; __syncthreads, named barriers and __syncwarp are
+// std::barriers; warp collectives (__shfl_xor_sync, ldmatrix, mma.sync m16n8k16) exchange the
+// lanes' registers through per-warp scratch between two warp barriers and then compute each
+// lane's result from the PTX ISA fragment layouts (the same layouts cuda_src/mma.cuh documents).
+// cp.async copies land at cp_async_wait (the latest moment the PTX memory model allows), so a
+// read of a tile before its wait sees stale data. The kernel source is compiled unchanged by a
+// host C++20 compiler: this header replaces cuda_src/mma.cuh (same names, same semantics) and
+// supplies attention.cuh's PTX-only helpers (BRICKS_HOST_EMULATION).
+//
+// What it does not model: timing, bank conflicts, the exact rounding order inside the tensor
+// core (mma sums in float, in k order), ex2.approx's error (exact exp2f here).
+#pragma once
+
+#define BRICKS_HOST_EMULATION 1
+#define MLX_BRICKS_MMA_CUH 1  // the real mma.cuh is PTX; this file is its host twin
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <vector_functions.h>
+
+#include <array>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __grid_constant__
+
+namespace emu {
+
+struct Dim3 {
+  unsigned x = 0, y = 0, z = 0;
+};
+
+struct Block {
+  int nthreads = 0;
+  std::unique_ptr<std::barrier<>> all;
+  std::vector<std::unique_ptr<std::barrier<>>> warp;
+  std::unique_ptr<std::barrier<>> named[16];
+  unsigned char* smem = nullptr;
+  uint32_t smem_size = 0;
+  uint32_t xch[8][32][16];  // per-warp register exchange
+};
+
+struct Pending {
+  unsigned char* dst;
+  const unsigned char* src;
+  int n;
+};
+
+inline thread_local Dim3 t_idx, b_idx;
+inline thread_local Block* blk = nullptr;
+inline thread_local std::vector<Pending> pending;
+inline Dim3 g_dim;
+
+inline int lane() { return int(t_idx.x % 32); }
+inline int warp_id() { return int(t_idx.x / 32); }
+inline void warp_sync() { blk->warp[warp_id()]->arrive_and_wait(); }
+
+// All lanes' N registers: out[l][i] = lane l's mine[i].
+template <int N>
+inline void exchange(const uint32_t* mine, uint32_t (*out)[N]) {
+  static_assert(N <= 16, "exchange width");
+  uint32_t(&x)[32][16] = blk->xch[warp_id()];
+  for (int i = 0; i < N; ++i) x[lane()][i] = mine[i];
+  warp_sync();
+  for (int l = 0; l < 32; ++l)
+    for (int i = 0; i < N; ++i) out[l][i] = x[l][i];
+  warp_sync();
+}
+
+inline uint32_t fbits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float bitsf(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+}  // namespace emu
+
+#define threadIdx emu::t_idx
+#define blockIdx emu::b_idx
+#define gridDim emu::g_dim
+
+inline void __syncthreads() { emu::blk->all->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp_sync(); }
+inline void __trap() {
+  std::fprintf(stderr, "emu: __trap() in block (%u, %u, %u) thread %u\n", emu::b_idx.x,
+               emu::b_idx.y, emu::b_idx.z, emu::t_idx.x);
+  std::abort();
+}
+inline float __shfl_xor_sync(unsigned, float v, int m) {
+  uint32_t mine = emu::fbits(v), all[32][1];
+  emu::exchange<1>(&mine, all);
+  return emu::bitsf(all[emu::lane() ^ m][0]);
+}
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline int __float_as_int(float f) {
+  int i;
+  std::memcpy(&i, &f, 4);
+  return i;
+}
+
+namespace bricks {
+
+template <typename T>
+struct Num;
+template <>
+struct Num<float> {
+  static float to_float(float v) { return v; }
+  static float from_float(float v) { return v; }
+};
+template <>
+struct Num<__half> {
+  static float to_float(__half v) { return __half2float(v); }
+  static __half from_float(float v) { return __float2half_rn(v); }
+};
+template <>
+struct Num<__nv_bfloat16> {
+  static float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+  static __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+};
+template <typename T>
+inline float to_float(T v) { return Num<T>::to_float(v); }
+template <typename T>
+inline T from_float(float v) { return Num<T>::from_float(v); }
+
+template <typename T>
+inline uint32_t pack2(float lo, float hi) {
+  T l = Num<T>::from_float(lo), h = Num<T>::from_float(hi);
+  uint16_t a, b;
+  std::memcpy(&a, &l, 2);
+  std::memcpy(&b, &h, 2);
+  return uint32_t(a) | (uint32_t(b) << 16);
+}
+template <typename T>
+inline float2 unpack2(uint32_t r) {
+  uint16_t a = uint16_t(r & 0xffff), b = uint16_t(r >> 16);
+  T l, h;
+  std::memcpy(&l, &a, 2);
+  std::memcpy(&h, &b, 2);
+  return make_float2(Num<T>::to_float(l), Num<T>::to_float(h));
+}
+
+inline uint32_t smem_addr(const void* p) {
+  const auto* c = static_cast<const unsigned char*>(p);
+  if (c < emu::blk->smem || c > emu::blk->smem + emu::blk->smem_size) {
+    std::fprintf(stderr, "emu: smem_addr of a pointer outside shared memory\n");
+    std::abort();
+  }
+  return uint32_t(c - emu::blk->smem);
+}
+
+inline unsigned char* smem_ptr(uint32_t a, int bytes) {
+  if (uint64_t(a) + uint64_t(bytes) > emu::blk->smem_size) {
+    std::fprintf(stderr, "emu: shared access [%u, %u) past %u bytes\n", a, a + bytes,
+                 emu::blk->smem_size);
+    std::abort();
+  }
+  return emu::blk->smem + a;
+}
+
+inline void cp_async_n(uint32_t dst, const void* src, bool pred, int n) {
+  if (dst % n) {
+    std::fprintf(stderr, "emu: cp.async destination not %d-byte aligned\n", n);
+    std::abort();
+  }
+  if (pred && (reinterpret_cast<uintptr_t>(src) % n)) {
+    std::fprintf(stderr, "emu: cp.async source not %d-byte aligned\n", n);
+    std::abort();
+  }
+  emu::pending.push_back({smem_ptr(dst, n), pred ? static_cast<const unsigned char*>(src) : nullptr, n});
+}
+inline void cp_async16(uint32_t dst, const void* src, bool pred = true) { cp_async_n(dst, src, pred, 16); }
+inline void cp_async4(uint32_t dst, const void* src, bool pred = true) { cp_async_n(dst, src, pred, 4); }
+inline void cp_async_commit() {}
+template <int N>
+inline void cp_async_wait() {
+  static_assert(N == 0, "the emulator lands every copy at wait_group 0 only");
+  for (const auto& p : emu::pending) {
+    if (p.src) std::memcpy(p.dst, p.src, p.n);
+    else std::memset(p.dst, 0, p.n);
+  }
+  emu::pending.clear();
+}
+
+// ldmatrix: lane l addresses row l % 8 of matrix l / 8; lane (g, t) receives row g, 32-bit word
+// t of each matrix (trans: elements (2t, g) and (2t + 1, g)).
+template <int NM, bool TRANS>
+inline void ldmatrix_n(uint32_t* r, uint32_t addr) {
+  uint32_t all[32][1];
+  emu::exchange<1>(&addr, all);
+  const int g = emu::lane() / 4, t = emu::lane() % 4;
+  for (int i = 0; i < NM; ++i) {
+    if (!TRANS) {
+      std::memcpy(&r[i], smem_ptr(all[8 * i + g][0] + 4 * t, 4), 4);
+    } else {
+      uint16_t lo, hi;
+      std::memcpy(&lo, smem_ptr(all[8 * i + 2 * t][0] + 2 * g, 2), 2);
+      std::memcpy(&hi, smem_ptr(all[8 * i + 2 * t + 1][0] + 2 * g, 2), 2);
+      r[i] = uint32_t(lo) | (uint32_t(hi) << 16);
+    }
+  }
+}
+inline void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) { ldmatrix_n<4, false>(r, addr); }
+inline void ldmatrix_x2(uint32_t (&r)[2], uint32_t addr) { ldmatrix_n<2, false>(r, addr); }
+inline void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) { ldmatrix_n<4, true>(r, addr); }
+inline void ldmatrix_x2_trans(uint32_t (&r)[2], uint32_t addr) { ldmatrix_n<2, true>(r, addr); }
+
+// D = A B + C for m16n8k16 with the PTX fragment layouts (see mma.cuh).
+template <typename T>
+inline void mma_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+  uint32_t all[32][6];
+  emu::exchange<6>(mine, all);
+  float A[16][16], B[16][8];
+  for (int l = 0; l < 32; ++l) {
+    const int g = l / 4, t = l % 4;
+    const int ar[4] = {g, g + 8, g, g + 8}, ac[4] = {2 * t, 2 * t, 2 * t + 8, 2 * t + 8};
+    for (int i = 0; i < 4; ++i) {
+      const float2 v = unpack2<T>(all[l][i]);
+      A[ar[i]][ac[i]] = v.x;
+      A[ar[i]][ac[i] + 1] = v.y;
+    }
+    for (int i = 0; i < 2; ++i) {
+      const float2 v = unpack2<T>(all[l][4 + i]);
+      B[2 * t + 8 * i][g] = v.x;
+      B[2 * t + 8 * i + 1][g] = v.y;
+    }
+  }
+  const int g = emu::lane() / 4, t = emu::lane() % 4;
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + 8 * (e / 2), col = 2 * t + (e % 2);
+    float acc = d[e];
+    for (int kk = 0; kk < 16; ++kk) acc = std::fma(A[row][kk], B[kk][col], acc);
+    d[e] = acc;
+  }
+}
+
+inline float quad_max(float v) {
+  v = std::fmax(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return std::fmax(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+inline float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+namespace attn {
+inline float exp2_fast(float x) { return std::exp2(x); }
+inline void named_barrier(int id, int nthreads) {
+  if (id <= 0 || id >= 16 || !emu::blk->named[id]) {
+    std::fprintf(stderr, "emu: named barrier %d not set up\n", id);
+    std::abort();
+  }
+  (void)nthreads;
+  emu::blk->named[id]->arrive_and_wait();
+}
+inline uint32_t dynamic_smem_bytes() { return emu::blk->smem_size; }
+}  // namespace attn
+
+}  // namespace bricks
+
+namespace emu {
+
+// Run `kernel` (a callable run by every thread) over grid x block, with `smem_bytes` of dynamic
+// shared memory (filled with a poison byte) and named barriers 1 .. n_named of `named_count`
+// threads each.
+template <typename F>
+inline void launch(Dim3 grid, int nthreads, uint32_t smem_bytes, int n_named, int named_count,
+                   F kernel) {
+  g_dim = grid;
+  for (unsigned bz = 0; bz < grid.z; ++bz)
+    for (unsigned by = 0; by < grid.y; ++by)
+      for (unsigned bx = 0; bx < grid.x; ++bx) {
+        Block b;
+        b.nthreads = nthreads;
+        b.all = std::make_unique<std::barrier<>>(nthreads);
+        for (int w = 0; w < (nthreads + 31) / 32; ++w)
+          b.warp.push_back(std::make_unique<std::barrier<>>(32));
+        for (int i = 1; i <= n_named; ++i) b.named[i] = std::make_unique<std::barrier<>>(named_count);
+        std::vector<unsigned char> sm(smem_bytes + 16, 0xA5);
+        b.smem = sm.data();
+        b.smem_size = smem_bytes;
+        std::vector<std::thread> th;
+        for (int t = 0; t < nthreads; ++t) {
+          th.emplace_back([&, t] {
+            t_idx = Dim3{unsigned(t), 0, 0};
+            b_idx = Dim3{bx, by, bz};
+            blk = &b;
+            kernel();
+            if (!pending.empty()) {
+              std::fprintf(stderr, "emu: cp.async still pending at kernel end\n");
+              std::abort();
+            }
+          });
+        }
+        for (auto& x : th) x.join();
+      }
+}
+
+}  // namespace emu
