@@ -257,8 +257,9 @@ def test_tuner_never_picks_a_variant_that_fails_the_check():
     assert not d.variants["wrong"]["ok"] and "numeric check failed" in d.variants["wrong"]["error"]
     assert d.variants["wrong"]["s"] is None
     assert "failed to build or run: RuntimeError" in d.variants["broken"]["error"]
-    assert set(guard.disabled) == {("reference", "linear", "wrong", "float32 w=float"),
-                                   ("reference", "linear", "broken", "float32 w=float")}
+    scope = "linear[N=512,K=512,bias=0,res=0] float32 w=float"
+    assert set(guard.disabled) == {("reference", "linear", "wrong", scope),
+                                   ("reference", "linear", "broken", scope)}
     # all failing: stock, and the reason says why
     d = tune_op(KINDS["linear"], args, "reference", guard=guard,
                 variants=[Variant("wrong", run=_memo(args, 1.01))])

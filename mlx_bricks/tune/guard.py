@@ -24,10 +24,12 @@ GUARD_ERRORS = (RuntimeError, ValueError, NotImplementedError)
 
 
 def guard_scope(key: Key) -> str:
-    """What a disabled variant is disabled for besides backend, kind and name: the dtype and
-    the weight format (a kernel is built per template instantiation: a float16 build error, or
-    a tile too large for 4-bit weights, says nothing about bfloat16 or float weights)."""
-    return f"{key.dtype} w={key.weights}"
+    """What a disabled variant is disabled for besides backend, kind and name: everything in
+    the decision key but the shape bucket, i.e. the op's fixed shape parameters (head_dim, N,
+    K...), the dtype and the weight format. A kernel is built per template instantiation: a
+    float16 build error, a tile too large for 8-bit weights or a head_dim a twin lacks says
+    nothing about the other instantiations."""
+    return f"{key.kind}[{key.params}] {key.dtype} w={key.weights}"
 
 
 def one_line(e: BaseException) -> str:
