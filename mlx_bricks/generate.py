@@ -33,6 +33,8 @@ from mlx_bricks.ops.swiglu_variants import VARIANTS as SWIGLU_VARIANTS
 
 PROG = "mlx_bricks.generate"
 BRICKS_KV_CHOICES = ("none", "q8_0")
+#: ``patch_model(tune=...)`` values (kept here so --help does not import MLX).
+BRICKS_TUNE_CHOICES = ("auto", "off", "force")
 DEFAULT_BRICKS_KV = "none"
 
 
@@ -93,6 +95,14 @@ def setup_arg_parser(
         "brick's rule). Default: auto.",
     )
     group.add_argument(
+        "--bricks-tune",
+        choices=BRICKS_TUNE_CHOICES,
+        default="auto",
+        help="Tuning on a kernel backend (metal, cuda): auto (cached decisions; the missing "
+        "ones are measured at the first prefill), force (measure again), off (the bricks' own "
+        "rules, unmeasured). Default: auto.",
+    )
+    group.add_argument(
         "--bricks-report",
         action="store_true",
         help="Print the per-layer patch report, with the calls each brick served, to stderr "
@@ -137,15 +147,26 @@ class _PatchingLoad:
         variant = self._args.bricks_mlp_variant
         self.report = patch_model(model, kv_quant=kv_quant,
                                   mlp_variant=None if variant == "auto" else variant,
-                                  backend=self._args.bricks_backend)
+                                  backend=self._args.bricks_backend,
+                                  tune=self._args.bricks_tune)
         if self._args.verbose:
-            print(
-                f"[mlx-bricks] backend: {self.report.backend}; patched "
-                f"{self.report.n_patched} modules, {self.report.n_fallback} kept stock",
-                file=sys.stderr,
-            )
+            print(f"[mlx-bricks] {summary_line(self.report)}", file=sys.stderr)
         sys.stderr.flush()
         return result
+
+
+def summary_line(report) -> str:
+    """One line for ``--verbose``: the backend, what was patched, and why nothing was when
+    the model was left stock on purpose (no kernel backend)."""
+    line = (f"backend: {report.backend}; patched {report.n_patched} modules, "
+            f"{report.n_fallback + report.n_stock} kept stock")
+    stock = sorted({m.reason for m in report.modules if m.status == "stock"})
+    if stock:
+        line += f" ({'; '.join(stock)})"
+    tuning = report.tuning()
+    if tuning["applies"]:
+        line += f"; tuning: {report.options['tune']}"
+    return line
 
 
 def _check_args(args: argparse.Namespace) -> None:

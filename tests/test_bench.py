@@ -65,3 +65,51 @@ def test_bad_out_path_fails_before_running(tmp_path, monkeypatch, capsys):
     assert e.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("python -m mlx_bricks.bench: ") and "not a writable directory" in line
+
+
+def test_unknown_backend_in_the_environment_is_rejected(monkeypatch, capsys):
+    monkeypatch.setenv("MLX_BRICKS_BACKEND", "tpu")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--only", "emulator_gemm_256"])
+    assert e.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("python -m mlx_bricks.bench: error: unknown MLX_BRICKS_BACKEND value "
+                           "'tpu'; expected one of: ")
+
+
+def test_e2e_group_expands_and_needs_a_kernel_backend(monkeypatch):
+    from mlx_bricks.bench.core import GROUPS, expand
+
+    names = GROUPS["e2e_llama8b_4layer"]
+    assert names == [f"e2e_llama8b_4layer_{d}_m{m}" for d in ("bf16", "fp16")
+                     for m in (512, 2048, 8192)]
+    assert expand(["emulator_gemm_256", "e2e_llama8b_4layer", names[0]]) == [
+        "emulator_gemm_256", *names]
+    monkeypatch.setattr("mlx_bricks.backends.backend_status",
+                        lambda name: (False, f"no {name} here"))
+    results = run_benchmarks(["e2e_llama8b_4layer"], 1)["results"]
+    assert [r["name"] for r in results] == names
+    assert {r["skipped"] for r in results} == {
+        "backend metal|cuda unavailable: metal: no metal here; cuda: no cuda here"}
+
+
+def test_e2e_benchmark_on_a_tiny_llama():
+    """The e2e machinery (shared weights, same-process interleaved timing, the patch's facts)
+    on a tiny llama; on a machine without a kernel backend the patch leaves it stock."""
+    from mlx_bricks.backends import active_backend
+    from mlx_bricks.bench.core import KERNEL, run_one
+    from mlx_bricks.bench.e2e import LlamaShape, setup
+
+    tiny = LlamaShape(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, head_dim=64,
+                      vocab=64)
+    b = Benchmark("tiny", KERNEL, "tiny llama", lambda: setup(tiny, "fp16", 24), min_calls=2)
+    r = run_one(b, 2)
+    assert len(r["brick_runs_s"]) == len(r["stock_runs_s"]) == 2
+    assert r["calls_per_eval"]["brick"] >= 2 and r["ratio"] > 0
+    assert r["model"] == {"shape": tiny.__dict__, "dtype": "fp16", "M": 24}
+    assert json.loads(json.dumps(r)) == r
+    if active_backend().name == "reference":
+        assert r["patch"]["all_stock"] is True and r["patch"]["calls"] == {}
+        assert r["max_abs_diff"] == 0.0 and r["tuning"]["applies"] is False
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        setup(tiny, "fp32", 8)

@@ -202,7 +202,8 @@ def test_every_entry_point_parses_the_bricks_flags(installed):
     for name, r in results.items():
         assert r.returncode == 0, (name, r.stderr)
         assert "--max-tokens" in r.stdout, name  # mlx-lm's flags
-        has_bricks = "--bricks-backend" in r.stdout and "--bricks-kv {none,q8_0}" in r.stdout
+        has_bricks = ("--bricks-backend" in r.stdout and "--bricks-kv {none,q8_0}" in r.stdout
+                      and "--bricks-tune {auto,off,force}" in r.stdout)
         assert has_bricks == (name != "mlx_lm.generate (no flag)"), name
 
 
@@ -239,36 +240,73 @@ def test_editable_install_has_the_hook_and_uninstall_removes_it(tmp_path):
 # generation and the patch check on the default model
 
 
+def _verbose_line(stderr: str):
+    """(backend, patched, kept stock, rest of the line) of ``[mlx-bricks] backend: ...``."""
+    line = re.search(r"^\[mlx-bricks\] backend: (\w+) .*; patched (\d+) modules, (\d+) kept "
+                     r"stock(.*)$", stderr, re.M)
+    assert line, stderr
+    return line.group(1), int(line.group(2)), int(line.group(3)), line.group(4)
+
+
 def test_generate_use_bricks_gives_the_stock_text(installed, default_model_dir):
+    from mlx_bricks.backends import active_backend
+
     gen = _mlx_lm_generate(installed)
     results = _parallel(installed.run, {
         "stock": [*gen, "--model", default_model_dir, "--prompt", PROMPT, "--max-tokens", "16"],
         # no --model: the embedded default model
         "bricks": [*gen, "--use-bricks", "--prompt", PROMPT, "--max-tokens", "16"],
+        # a named backend patches even without a kernel backend (tests, debugging)
+        "named": [*gen, "--use-bricks", "--bricks-backend", "reference", "--prompt", PROMPT,
+                  "--max-tokens", "16"],
     })
-    stock, bricks = results["stock"], results["bricks"]
-    assert stock.returncode == 0, stock.stderr
-    assert bricks.returncode == 0, bricks.stderr
+    stock, bricks, named = results["stock"], results["bricks"], results["named"]
+    for r in results.values():
+        assert r.returncode == 0, r.stderr
     text = _framed_text(stock.stdout)
     assert text.strip()
     assert _framed_text(bricks.stdout) == text
+    assert _framed_text(named.stdout) == text
     # --verbose (mlx-lm's default): which backend, how many modules, mlx-lm's prompt tokens/s
-    line = re.search(r"^\[mlx-bricks\] backend: (\w+) .*; patched (\d+) modules, (\d+) kept "
-                     r"stock$", bricks.stderr, re.M)
-    assert line, bricks.stderr
-    assert int(line.group(2)) > 0 and int(line.group(3)) == 0
-    from mlx_bricks.backends import resolve_backend
-
-    assert line.group(1) == resolve_backend()
+    backend, patched, kept, rest = _verbose_line(bricks.stderr)
+    choice = active_backend()
+    assert backend == choice.name
+    if choice.name == "reference":  # no kernel backend: the model stays stock, and says so
+        assert (patched, kept) == (0, 30)
+        assert rest == " (no kernel backend on this machine (reference is the same math as " \
+                       "stock))"
+    else:
+        assert patched > 0 and kept == 0 and rest == "; tuning: auto"
+    assert _verbose_line(named.stderr)[:3] == ("reference", 30, 0)
     assert re.search(r"^Prompt: \d+ tokens, [\d.]+ tokens-per-sec$", bricks.stdout, re.M)
 
 
 def test_patch_cli_json_passes_on_the_default_model(installed, default_model_dir):
+    from mlx_bricks.backends import active_backend
+
     # A raw prompt (6 tokens; 37 with SmolLM's chat template): CPU prefill is slow.
-    r = installed.run([installed.python, "-m", "mlx_bricks.patch", default_model_dir, "--json",
-                       "--prompt", "The capital of France is", "--ignore-chat-template",
-                       "--max-tokens", "8", "--mlp-variant", "split",
-                       "--repeats", "1"])
+    base = [installed.python, "-m", "mlx_bricks.patch", default_model_dir, "--json", "--prompt",
+            "The capital of France is", "--ignore-chat-template", "--max-tokens", "8"]
+    results = _parallel(installed.run, {
+        "auto": [*base, "--repeats", "3"],
+        "named": [*base, "--backend", "reference", "--mlp-variant", "split", "--repeats", "1"],
+    })
+    auto = results["auto"]
+    assert auto.returncode == 0, auto.stderr + auto.stdout
+    (line,) = auto.stdout.splitlines()
+    f = json.loads(line)
+    assert f["passed"] is True and f["greedy_match"] is True
+    if active_backend().name == "reference":
+        # No kernel backend: the patch leaves every module stock (the same computation as
+        # stock, so prompt_tps_ratio is 1 up to timing noise: measured, not asserted).
+        print(f"\nno kernel backend: prompt_tps_ratio {f['prompt_tps_ratio']:.3f} "
+              f"(median of {f['repeats']})")
+        assert f["all_stock"] is True and f["report"]["n_patched"] == 0
+        assert f["stock_reason"] == ("no kernel backend on this machine (reference is the same "
+                                     "math as stock)")
+        assert f["report"]["calls"] == {} and f["report"]["n_stock"] == 30
+        assert f["max_abs_delta_logits_all"] == 0.0
+    r = results["named"]
     assert r.returncode == 0, r.stderr + r.stdout
     (line,) = r.stdout.splitlines()  # one JSON object
     f = json.loads(line)

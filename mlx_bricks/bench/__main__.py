@@ -12,14 +12,17 @@ PROG = "python -m mlx_bricks.bench"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mlx_bricks.bench.core import BENCHMARKS
+    from mlx_bricks.bench.core import BENCHMARKS, GROUPS
 
     parser = argparse.ArgumentParser(
         prog=PROG, description="Time the bricks against stock MLX in the same run; JSON out.")
-    parser.add_argument("--only", nargs="+", choices=list(BENCHMARKS), metavar="NAME",
-                        help=f"benchmarks to run (default: all: {', '.join(BENCHMARKS)})")
+    parser.add_argument("--only", nargs="+", choices=[*BENCHMARKS, *GROUPS], metavar="NAME",
+                        help="benchmarks or groups to run (default: all); benchmarks: "
+                        f"{', '.join(BENCHMARKS)}; groups: "
+                        + ", ".join(f"{g} ({len(m)} benchmarks)" for g, m in GROUPS.items()))
     parser.add_argument("--repeats", type=_cli.positive_int, default=3,
-                        help="timed runs per side after one warm-up (default: 3)")
+                        help="timed rounds per side, alternating, after a warm-up; a round "
+                        "evaluates several calls when one is short (default: 3)")
     parser.add_argument("--out", help="write the JSON here instead of standard output")
     return _cli.one_line_errors(parser)
 
@@ -28,7 +31,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
+        from mlx_bricks.backends import active_backend
         from mlx_bricks.bench.core import run_benchmarks
+
+        active_backend()  # an unknown or unavailable MLX_BRICKS_BACKEND fails, as elsewhere
 
         if args.out:  # before the run, so a bad path does not cost the results
             parent = os.path.dirname(os.path.abspath(args.out))

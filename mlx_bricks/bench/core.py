@@ -3,9 +3,25 @@ from __future__ import annotations
 
 import platform
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Callable
+
+#: ``Benchmark.backend`` of a benchmark that needs a kernel backend (``metal`` or ``cuda``) and
+#: runs on whichever the patch selects: without one the patch leaves the model stock, and a
+#: comparison of stock with itself would mean nothing.
+KERNEL = "metal|cuda"
+
+
+def _kernel_status() -> tuple[bool, str]:
+    from mlx_bricks.backends import backend_status
+
+    why = []
+    for name in ("metal", "cuda"):
+        ok, reason = backend_status(name)
+        if ok:
+            return True, reason
+        why.append(f"{name}: {reason}")
+    return False, "; ".join(why)
 
 
 @dataclass(frozen=True)
@@ -14,40 +30,40 @@ class Benchmark:
 
     Attributes:
         name: unique name (``--only`` selects by it).
-        backend: the bricks backend it needs (``mlx_bricks.backends.BACKENDS``).
+        backend: the bricks backend it needs (``mlx_bricks.backends.BACKENDS``), or
+            :data:`KERNEL` for one that runs on whichever kernel backend the patch selects.
         what: one line: the op, shape and dtype.
-        setup: ``() -> (brick, stock)``: two zero-argument callables that each run the op once
-            on the same inputs and return the ``mx.array`` result (evaluated by the timer).
+        setup: ``() -> (brick, stock)`` or ``(brick, stock, info)``: two zero-argument
+            callables that each run the computation once on the same inputs and return the lazy
+            ``mx.array`` result (evaluated by the timer), and optionally ``info() -> dict``,
+            JSON-ready facts merged into the result after timing (e.g. the patch's decisions).
+        min_calls: fewest calls per ``mx.eval`` when timing.
     """
 
     name: str
     backend: str
     what: str
-    setup: Callable[[], tuple[Callable, Callable]]
+    setup: Callable[[], tuple]
+    min_calls: int = 1
 
 
 def _check_repeats(repeats) -> None:
-    if not isinstance(repeats, int) or repeats < 1:
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a positive int, got {repeats!r}")
 
 
 def time_call(fn: Callable, repeats: int) -> list[float]:
-    """Wall seconds of ``repeats`` calls of ``fn`` (each result evaluated), after one warm-up
-    call (compilation and caches).
+    """Seconds per call of ``fn`` in each of ``repeats`` rounds, after a warm-up (see
+    ``mlx_bricks.tune.timing.time_interleaved``: several calls per evaluation when one call is
+    short, ``mx.synchronize`` before each clock read).
 
     Raises:
         ValueError: ``repeats`` < 1.
     """
-    import mlx.core as mx
+    from mlx_bricks.tune.timing import time_interleaved
 
     _check_repeats(repeats)
-    mx.eval(fn())
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        out.append(time.perf_counter() - t0)
-    return out
+    return time_interleaved({"fn": fn}, repeats=repeats).runs["fn"]
 
 
 def _emulator_gemm_256():
@@ -64,23 +80,92 @@ def _emulator_gemm_256():
             lambda: x @ w.T)
 
 
+def _e2e_benchmarks() -> dict[str, Benchmark]:
+    from mlx_bricks.bench.e2e import DTYPES, LLAMA_8B_4LAYER, M_VALUES, setup
+
+    table = {}
+    for dtype in DTYPES:
+        for M in M_VALUES:
+            name = f"e2e_llama8b_4layer_{dtype}_m{M}"
+            table[name] = Benchmark(
+                name, KERNEL,
+                f"full-model prefill, M={M} tokens, {dtype}: 8B-shaped llama, 4 layers "
+                f"({LLAMA_8B_4LAYER.describe()}), random weights; stock mlx-lm vs "
+                "patch_model(tune='auto') on the same weights",
+                lambda dtype=dtype, M=M: setup(LLAMA_8B_4LAYER, dtype, M), min_calls=2)
+    return table
+
+
 #: The benchmarks, by name.
 BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     Benchmark("emulator_gemm_256", "emulator",
               "GEMM brick, M=N=K=256, float16, 64x64 tile, on the MSL emulator (CPU) vs "
               "stock x @ w.T on the MLX default device", _emulator_gemm_256),
 )}
+BENCHMARKS.update(_e2e_benchmarks())
+
+#: Names that stand for several benchmarks (``--only GROUP``).
+GROUPS: dict[str, list[str]] = {
+    "e2e_llama8b_4layer": [n for n in BENCHMARKS if n.startswith("e2e_llama8b_4layer_")],
+}
+
+
+def expand(names) -> list[str]:
+    """Benchmark names with groups replaced by their members (order kept, no duplicates).
+
+    Raises:
+        ValueError: an unknown name (listing the known ones).
+    """
+    out = []
+    unknown = []
+    for n in names:
+        members = GROUPS.get(n, [n])
+        for m in members:
+            if m not in BENCHMARKS:
+                unknown.append(n)
+            elif m not in out:
+                out.append(m)
+    if unknown:
+        raise ValueError(f"unknown benchmark(s) {unknown}; known: "
+                         f"{', '.join([*BENCHMARKS, *GROUPS])}")
+    return out
+
+
+def run_one(b: Benchmark, repeats: int) -> dict:
+    """Run benchmark ``b`` (its backend is available) and return its result entry."""
+    import mlx.core as mx
+
+    from mlx_bricks.tune.timing import time_interleaved
+
+    made = b.setup()
+    brick, stock = made[0], made[1]
+    info = made[2] if len(made) > 2 else None
+    entry = {}
+    # a benchmark of a wrong result is meaningless: report how far apart they are
+    diff = mx.abs(brick().astype(mx.float32) - stock().astype(mx.float32)).max()
+    entry["max_abs_diff"] = diff.item()
+    timing = time_interleaved({"brick": brick, "stock": stock}, repeats=repeats,
+                              min_calls=b.min_calls)
+    brick_runs, stock_runs = timing.runs["brick"], timing.runs["stock"]
+    entry.update(brick_s=statistics.median(brick_runs), stock_s=statistics.median(stock_runs),
+                 brick_runs_s=brick_runs, stock_runs_s=stock_runs,
+                 calls_per_eval={"brick": timing.calls["brick"], "stock": timing.calls["stock"]})
+    entry["ratio"] = entry["stock_s"] / entry["brick_s"]
+    if info is not None:
+        entry.update(info())
+    return entry
 
 
 def run_benchmarks(names=None, repeats: int = 3) -> dict:
-    """Run the benchmarks ``names`` (default: all) and return the JSON-ready result.
+    """Run the benchmarks ``names`` (default: all; group names expand) and return the
+    JSON-ready result.
 
     Returns:
         ``{"machine": ..., "mlx": version, "results": [...]}``; each result has ``name``,
         ``backend``, ``what`` and either ``max_abs_diff`` (brick vs stock output),
-        ``brick_s``/``stock_s`` (median seconds),
-        ``brick_runs_s``/``stock_runs_s`` (every run) and ``ratio`` (stock_s / brick_s: above 1
-        the brick is faster), or ``skipped`` with the reason.
+        ``brick_s``/``stock_s`` (median seconds per call), ``brick_runs_s``/``stock_runs_s``
+        (every round), ``calls_per_eval`` and ``ratio`` (stock_s / brick_s: above 1 the brick is
+        faster), plus the benchmark's own facts, or ``skipped`` with the reason.
 
     Raises:
         ValueError: an unknown name (listing the known ones), ``repeats`` < 1.
@@ -90,28 +175,18 @@ def run_benchmarks(names=None, repeats: int = 3) -> dict:
     from mlx_bricks.backends import backend_status
 
     _check_repeats(repeats)  # before any setup: a kernel build is not free
-    names = list(BENCHMARKS) if names is None else list(names)
-    unknown = [n for n in names if n not in BENCHMARKS]
-    if unknown:
-        raise ValueError(f"unknown benchmark(s) {unknown}; known: {', '.join(BENCHMARKS)}")
+    names = list(BENCHMARKS) if names is None else expand(names)
     results = []
     for name in names:
         b = BENCHMARKS[name]
         entry = {"name": b.name, "backend": b.backend, "what": b.what}
-        ok, why = backend_status(b.backend)
+        ok, why = _kernel_status() if b.backend == KERNEL else backend_status(b.backend)
         if not ok:
             entry["skipped"] = f"backend {b.backend} unavailable: {why}"
         else:
-            brick, stock = b.setup()
-            # a benchmark of a wrong result is meaningless: report how far apart they are
-            diff = mx.abs(brick().astype(mx.float32) - stock().astype(mx.float32)).max()
-            entry["max_abs_diff"] = diff.item()
-            brick_runs, stock_runs = time_call(brick, repeats), time_call(stock, repeats)
-            entry.update(brick_s=statistics.median(brick_runs),
-                         stock_s=statistics.median(stock_runs),
-                         brick_runs_s=brick_runs, stock_runs_s=stock_runs)
-            entry["ratio"] = entry["stock_s"] / entry["brick_s"]
+            entry.update(run_one(b, repeats))
         results.append(entry)
     return {"machine": {"platform": platform.platform(), "processor": platform.machine(),
-                        "device": str(mx.default_device())},
+                        "device": str(mx.default_device()),
+                        "device_info": {k: str(v) for k, v in mx.device_info().items()}},
             "mlx": mx.__version__, "repeats": repeats, "results": results}

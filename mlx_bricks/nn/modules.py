@@ -7,10 +7,16 @@ original class still hold, and other instances of the class are untouched. This 
 counterpart of Liger-Kernel's per-instance method binding: MLX looks ``__call__`` up on the type,
 so binding a method on the instance would not take effect.
 
-Prefill (L > 1) runs through the bricks (``mlx_bricks.ops``); decode (L == 1) and every case the
-bricks do not cover call the original ``__call__`` unchanged, and the reason is counted in the
-module's :class:`BricksState`. The bricks write K/V into mlx-lm's ``KVCache`` with
-``cache.update_and_fetch`` exactly as stock does, so decode continues on the stock path.
+Prefill (L > 1) is split into pieces (the unified block: RMSNorm + QKV, attention, the
+out-projection with the residual, the SwiGLU MLP with the residual). For each piece the model's
+dispatcher (``state.dispatch``, ``mlx_bricks.patch.dispatch``) chooses a brick variant
+(``mlx_bricks.ops``) or the stock path, which is mlx-lm's own computation: the module's own
+submodules (``input_layernorm``, ``q_proj``, ``mlp``...) and mlx-lm's attention function, not the
+ops' ``*_reference`` functions. When every piece goes stock the module's original ``__call__``
+runs. Decode (L == 1) and every case the bricks do not cover call the original ``__call__``
+unchanged, and the reason is counted in the module's :class:`BricksState`. The bricks write K/V
+into mlx-lm's ``KVCache`` with ``cache.update_and_fetch`` exactly as stock does, so decode
+continues on the stock path.
 """
 from __future__ import annotations
 
@@ -20,10 +26,11 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
-from mlx_bricks import ops
 from mlx_bricks.ops._checks import FLOAT_DTYPES, dtype_name
+from mlx_bricks.tune.kinds import Act
 
 # Stock-call reason for single-token steps: decode is stock by design, not a fallback.
 DECODE = "decode (L == 1): stock path by design"
@@ -74,8 +81,15 @@ class BricksState:
         head_dim: attention head size (0 for an MLP).
         kv_quant: None or ``"q8_0"`` (K/V of the attention brick).
         mlp_variant: SwiGLU brick variant (None = the brick's own rule).
+        dispatch: the model's dispatcher (``mlx_bricks.patch.dispatch.Dispatch``): chooses
+            brick or stock per piece and runs bricks through the first-call guard.
         calls: brick op name -> number of calls (prefill through the bricks).
-        stock: reason -> number of calls that took the stock path (decode included).
+        stock: reason -> number of calls that took the stock path because the bricks do not
+            cover the call (decode included; a piece's reason starts with its name).
+        tuned: ``"<piece>: tuned: stock faster (x0.93)"`` -> calls where a piece ran stock
+            because tuning measured stock faster (a decision, not a fallback).
+        memo: call shape -> the dispatcher's choices for it (see ``_choose``).
+        structure: the last structure check, ``(fingerprint, reason)`` (``_structure_reason``).
     """
 
     backend: str
@@ -85,8 +99,12 @@ class BricksState:
     head_dim: int = 0
     kv_quant: str | None = None
     mlp_variant: str | None = None
+    dispatch: object = field(default=None, repr=False)
     calls: Counter = field(default_factory=Counter)
     stock: Counter = field(default_factory=Counter)
+    tuned: Counter = field(default_factory=Counter)
+    memo: dict = field(default_factory=dict, repr=False)
+    structure: tuple | None = field(default=None, repr=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,16 +186,149 @@ def _mlp_reason(mlp, layout: BlockLayout, dtype) -> str | None:
                            for n in layout.mlp_linears))
 
 
+def _block_reason(block, layout: BlockLayout, dtype) -> str | None:
+    return _first_reason(
+        rms_norm_reason(layout.input_norm, getattr(block, layout.input_norm), dtype),
+        rms_norm_reason(layout.post_attention_norm, getattr(block, layout.post_attention_norm),
+                        dtype),
+        _attention_reason(getattr(block, layout.attention), layout, dtype),
+        _mlp_reason(getattr(block, layout.mlp), layout, dtype),
+    )
+
+
+_STRUCTURE_CHECKS = {"block": _block_reason, "self_attn": _attention_reason,
+                     "mlp": _mlp_reason}
+def _fingerprint(module, names, out: list) -> None:
+    """Append the identity of each child ``names`` of ``module`` and of its weight array to
+    ``out`` (plain dict lookups: ``nn.Module`` is a dict of its children and arrays). A layer
+    swapped (LoRA, ``nn.quantize``) or its weight replaced (``set_dtype``, ``load_weights``)
+    changes it."""
+    get = module.get
+    for n in names:
+        child = get(n)
+        out.append(id(child))
+        if child is not None:
+            out.append(id(child.get("weight")))
+
+
+def _structure_reason(module, state: "BricksState", dtype) -> str | None:
+    """Why the module's current structure cannot run the bricks for ``dtype`` (None: it can).
+
+    The full check (module types, weight dtypes) runs again only when the layers or arrays it
+    looked at are other objects than last time (LoRA adapters attached, ``nn.quantize``,
+    ``set_dtype``, ``load_weights``): comparing their identities costs a few microseconds per
+    call, the checks themselves far more.
+    """
+    lay = state.layout
+    token: list = [dtype]
+    if state.role == "block":
+        _fingerprint(module, (lay.input_norm, lay.post_attention_norm, lay.attention, lay.mlp),
+                     token)
+        attn, mlp = module.get(lay.attention), module.get(lay.mlp)
+    else:
+        attn = mlp = module
+    if state.role != "mlp" and isinstance(attn, dict):
+        _fingerprint(attn, lay.attention_linears + (lay.qk_norm or ()), token)
+    if state.role != "self_attn" and isinstance(mlp, dict):
+        _fingerprint(mlp, lay.mlp_linears, token)
+    token = tuple(token)
+    if state.structure is not None and state.structure[0] == token:
+        return state.structure[1]
+    reason = _STRUCTURE_CHECKS[state.role](module, lay, dtype)
+    state.structure = (token, reason)
+    return reason
+
+
 # ---------------------------------------------------------------------------------------------
-# The prefill computation
+# The prefill computation, piece by piece
 # ---------------------------------------------------------------------------------------------
 
 def _heads(y, B, L, n):
     return y.reshape(B, L, n, -1).transpose(0, 2, 1, 3)
 
 
-def _attend(attn, state: BricksState, q, k, v, mask, cache):
-    """Per-head norms, RoPE, KV-cache update and the attention brick; q/k/v in head layout.
+def _weight(linear):
+    """The weight a brick takes from a linear layer: the array, or a ``QuantizedWeight`` for an
+    ``nn.QuantizedLinear`` (the tuner keys and times it by its format; the stock path calls
+    the layer itself)."""
+    if isinstance(linear, nn.QuantizedLinear):
+        from mlx_bricks.ops.quant import QuantizedWeight
+
+        return QuantizedWeight.from_module(linear)
+    return linear.weight
+
+
+def _linear_args(linear, x, residual=None) -> dict:
+    return {"x": x, "weight": _weight(linear), "bias": _bias(linear), "residual": residual}
+
+
+def _attention_args(attn, state: BricksState, B, L, offset, dtype, mask) -> dict:
+    """Arguments of the attention piece before q/k/v exist (shapes only): keys are the cached
+    ones plus this chunk's."""
+    hd = state.head_dim
+    kv = Act((B, attn.n_kv_heads, offset + L, hd), dtype)
+    return {"q": Act((B, attn.n_heads, L, hd), dtype), "k": kv, "v": kv, "scale": attn.scale,
+            "mask": mask, "kv_quant": state.kv_quant}
+
+
+def _mlp_args(mlp, layout: BlockLayout, x, residual=None) -> dict:
+    gate, up, down = (getattr(mlp, n) for n in layout.mlp_linears)
+    return {"x": x, "w_gate": _weight(gate), "w_up": _weight(up), "w_down": _weight(down),
+            "b_gate": _bias(gate), "b_up": _bias(up), "b_down": _bias(down),
+            "residual": residual}
+
+
+#: Call shapes whose choices a module remembers (chunked prefill adds one per chunk offset).
+_MEMO_SIZE = 64
+
+
+def _choose(state: BricksState, shape_key: tuple, pieces) -> dict:
+    """``{piece: Choice}`` for the call shape ``shape_key``; ``pieces()`` builds
+    ``{piece: (op kind, args)}`` (activations may be ``Act`` placeholders) when the choices are
+    not remembered yet. Remembered per module and call shape, so a prefill call pays a dict
+    lookup, not the dispatcher; forgotten when the guard disables a variant."""
+    d = state.dispatch
+    hit = state.memo.get(shape_key)
+    if hit is not None and hit[0] == d.generation:
+        return hit[1]
+    choices = {name: d.choose(kind, args) for name, (kind, args) in pieces().items()}
+    if len(state.memo) >= _MEMO_SIZE:
+        state.memo.clear()
+    state.memo[shape_key] = (d.generation, choices)
+    return choices
+
+
+def _count_stock(state: BricksState, name: str, choice) -> None:
+    counter = state.tuned if choice.tuned else state.stock
+    counter[f"{name}: {choice.reason}"] += 1
+
+
+def _all_stock(state: BricksState, choices: dict) -> bool:
+    """True (and every piece counted) when no piece runs a brick."""
+    if any(c.brick for c in choices.values()):
+        return False
+    for name, c in choices.items():
+        _count_stock(state, name, c)
+    return True
+
+
+def _piece(state: BricksState, name: str, choice, kind: str, args, stock, brick: str):
+    """One piece: its brick on ``args()`` (through the dispatcher's guard) or ``stock()``,
+    counted. ``args`` builds the op's arguments; it is called only when the brick runs."""
+    if not choice.brick:
+        _count_stock(state, name, choice)
+        return stock()
+    out, failed = state.dispatch.run(choice, kind, args(), stock)
+    if failed is None:
+        state.calls[brick] += 1
+    else:
+        state.stock[f"{name}: {failed}"] += 1
+    return out
+
+
+def _attend(attn, state: BricksState, choice, args, q, k, v, mask, cache):
+    """Per-head norms, RoPE, KV-cache update and the attention piece; q/k/v in head layout;
+    ``args()`` builds the piece's arguments without q/k/v (called only for the brick).
 
     Returns (B, L, n_heads * head_dim), ready for the out-projection.
     """
@@ -194,20 +345,18 @@ def _attend(attn, state: BricksState, q, k, v, mask, cache):
     else:
         q = attn.rope(q)
         k = attn.rope(k)
-    o = ops.flash_attention(q, k, v, scale=attn.scale, mask=mask, kv_quant=state.kv_quant,
-                            backend=state.backend)
-    state.calls["flash_attention"] += 1
+
+    def stock():
+        if state.kv_quant is not None:  # the requested Q8_0 K/V: the brick's MLX reference
+            from mlx_bricks.ops.attention import flash_attention_reference
+
+            return flash_attention_reference(q, k, v, scale=attn.scale, mask=mask,
+                                             kv_quant=state.kv_quant)
+        return scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
+
+    o = _piece(state, "attention", choice, "attention", lambda: dict(args(), q=q, k=k, v=v),
+               stock, "flash_attention")
     return o.transpose(0, 2, 1, 3).reshape(B, L, -1)
-
-
-def _mlp(mlp, state: BricksState, x, residual=None):
-    lay = state.layout
-    gate, up, down = (getattr(mlp, n) for n in lay.mlp_linears)
-    out = ops.swiglu_mlp(x, gate.weight, up.weight, down.weight, residual,
-                         b_gate=_bias(gate), b_up=_bias(up), b_down=_bias(down),
-                         variant=state.mlp_variant, backend=state.backend)
-    state.calls["swiglu_mlp"] += 1
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,35 +366,60 @@ def _mlp(mlp, state: BricksState, x, residual=None):
 class BricksAttention:
     """Attention with prefill on the GEMM and attention bricks (mixin over mlx-lm's Attention).
 
-    Prefill: ``linear`` for q/k/v (biases kept), per-head q/k RMSNorm when the layout has it,
-    the module's rope at ``cache.offset``, ``cache.update_and_fetch``, ``flash_attention``
-    (causal, bottom-right aligned when the cache already holds tokens), ``linear`` for o.
+    Prefill pieces: ``q_proj``/``k_proj``/``v_proj`` (``linear``, biases kept), per-head q/k
+    RMSNorm when the layout has it, the module's rope at ``cache.offset``,
+    ``cache.update_and_fetch``, ``attention`` (``flash_attention``, causal, bottom-right aligned
+    when the cache already holds tokens), ``o_proj`` (``linear``). Each linear piece and the
+    attention piece run brick or stock (the module's own layer, mlx-lm's attention function)
+    as the dispatcher decides; all stock runs the original ``__call__``.
     Call signature as mlx-lm's: ``(x: (B, L, D), mask=None | "causal" | array, cache=None)``.
     """
 
     def __call__(self, x, mask=None, cache=None, *args, **kwargs):
         state = self._bricks_state
-        reason = _call_reason(x, mask, cache, args, kwargs) or _attention_reason(
-            self, state.layout, x.dtype)
+        reason = _call_reason(x, mask, cache, args, kwargs) or _structure_reason(
+            self, state, x.dtype)
         if reason is not None:
             state.stock[reason] += 1
             return super().__call__(x, mask, cache, *args, **kwargs)
-        lay, be = state.layout, state.backend
+        lay = state.layout
         B, L, _ = x.shape
-        qp, kp, vp, op = (getattr(self, n) for n in lay.attention_linears)
-        q = _heads(ops.linear(x, qp.weight, _bias(qp), backend=be), B, L, self.n_heads)
-        k = _heads(ops.linear(x, kp.weight, _bias(kp), backend=be), B, L, self.n_kv_heads)
-        v = _heads(ops.linear(x, vp.weight, _bias(vp), backend=be), B, L, self.n_kv_heads)
-        o = _attend(self, state, q, k, v, mask, cache)
-        out = ops.linear(o, op.weight, _bias(op), backend=be)
-        state.calls["linear"] += 4
-        return out
+        qp, kp, vp, op = (self[n] for n in lay.attention_linears)
+        offset = cache.offset if cache is not None else 0
+
+        def pieces():
+            o = Act((B, L, self.n_heads * state.head_dim), x.dtype)
+            return {"q_proj": ("linear", _linear_args(qp, x)),
+                    "k_proj": ("linear", _linear_args(kp, x)),
+                    "v_proj": ("linear", _linear_args(vp, x)),
+                    "attention": ("attention",
+                                  _attention_args(self, state, B, L, offset, x.dtype, mask)),
+                    "o_proj": ("linear", _linear_args(op, o))}
+
+        choices = _choose(state, (x.shape, x.dtype, offset, mask), pieces)
+        if _all_stock(state, choices):
+            return super().__call__(x, mask, cache)
+
+        def proj(name, layer, n):
+            y = _piece(state, name, choices[name], "linear", lambda: _linear_args(layer, x),
+                       lambda: layer(x), "linear")
+            return _heads(y, B, L, n)
+
+        q = proj("q_proj", qp, self.n_heads)
+        k = proj("k_proj", kp, self.n_kv_heads)
+        v = proj("v_proj", vp, self.n_kv_heads)
+        o = _attend(self, state, choices["attention"],
+                    lambda: _attention_args(self, state, B, L, offset, x.dtype, mask),
+                    q, k, v, mask, cache)
+        return _piece(state, "o_proj", choices["o_proj"], "linear", lambda: _linear_args(op, o),
+                      lambda: op(o), "linear")
 
 
 class BricksMLP:
     """SwiGLU MLP with prefill on the SwiGLU brick (mixin over mlx-lm's MLP).
 
-    Prefill: ``swiglu_mlp(x, gate, up, down)`` with biases when the layers have them.
+    Prefill: one piece, ``swiglu_mlp(x, gate, up, down)`` with biases when the layers have
+    them, or the original ``__call__`` when the dispatcher chooses stock.
     Call signature as mlx-lm's: ``(x: (..., L, D))``.
     """
 
@@ -260,26 +434,38 @@ class BricksMLP:
         elif x.dtype not in FLOAT_DTYPES:
             reason = f"input dtype {dtype_name(x.dtype)} is not float16/bfloat16/float32"
         else:
-            reason = _mlp_reason(self, state.layout, x.dtype)
+            reason = _structure_reason(self, state, x.dtype)
         if reason is not None:
             state.stock[reason] += 1
             return super().__call__(x, *args, **kwargs)
-        return _mlp(self, state, x)
+        choices = _choose(state, (x.shape, x.dtype),
+                          lambda: {"mlp": ("swiglu_mlp", _mlp_args(self, state.layout, x))})
+        if _all_stock(state, choices):
+            return super().__call__(x)
+        return _piece(state, "mlp", choices["mlp"], "swiglu_mlp",
+                      lambda: _mlp_args(self, state.layout, x),
+                      lambda: super(BricksMLP, self).__call__(x), "swiglu_mlp")
 
 
 class BricksBlock:
     """The unified prefill block (mixin over a standard pre-norm mlx-lm TransformerBlock).
 
-    Prefill, for x (B, L, D)::
+    Prefill, for x (B, L, D), in four pieces::
 
-        q, k, v = rms_norm_qkv(x, input_norm, Wq, Wk, Wv)    # head layout (B, H, L, head_dim)
-        q, k    = q_norm(q), k_norm(k)                        # qwen3 only
-        q, k    = rope(q, k, offset=cache.offset); k, v = cache.update_and_fetch(k, v)
-        h       = linear(flash_attention(q, k, v, causal), Wo, residual=x)
-        out     = swiglu_mlp(rms_norm(h, post_attention_norm), W_gate, W_up, W_down, residual=h)
+        qkv:       q, k, v = rms_norm_qkv(x, input_norm, Wq, Wk, Wv)   # head layout (B, H, L, hd)
+                   q, k    = q_norm(q), k_norm(k)                       # qwen3 only
+                   q, k    = rope(q, k, offset=cache.offset); k, v = cache.update_and_fetch(k, v)
+        attention: o       = flash_attention(q, k, v, causal)
+        o_proj:    h       = linear(o, Wo, residual=x)
+        mlp:       out     = swiglu_mlp(rms_norm(h, post_attention_norm), W_gate, W_up, W_down,
+                                        residual=h)
 
-    Decode, array masks, caches other than ``KVCache`` and modules that are not plain
-    ``nn.Linear``/``nn.RMSNorm`` run the block's own ``__call__`` (counted with the reason).
+    Each piece runs its brick or the stock path as the dispatcher decides; the stock path of a
+    piece is mlx-lm's: ``input_layernorm`` then ``q_proj``/``k_proj``/``v_proj``; mlx-lm's
+    ``scaled_dot_product_attention``; ``x + o_proj(o)``; ``h + mlp(post_attention_layernorm(h))``.
+    When every piece is stock the block's own ``__call__`` runs. Decode, array masks, caches
+    other than ``KVCache`` and modules that are not plain ``nn.Linear``/``nn.RMSNorm`` run the
+    block's own ``__call__`` (counted with the reason).
     Source: ``TransformerBlock``/``Attention``/``MLP`` of mlx-lm 0.32's ``models/llama.py``,
     ``qwen2.py``, ``qwen3.py``; the same math with the pieces fused into the bricks.
     """
@@ -287,33 +473,52 @@ class BricksBlock:
     def __call__(self, x, mask=None, cache=None, *args, **kwargs):
         state = self._bricks_state
         lay = state.layout
-        reason = _call_reason(x, mask, cache, args, kwargs)
-        if reason is None:
-            attn, mlp = getattr(self, lay.attention), getattr(self, lay.mlp)
-            reason = _first_reason(
-                rms_norm_reason(lay.input_norm, getattr(self, lay.input_norm), x.dtype),
-                rms_norm_reason(lay.post_attention_norm, getattr(self, lay.post_attention_norm),
-                                x.dtype),
-                _attention_reason(attn, lay, x.dtype),
-                _mlp_reason(mlp, lay, x.dtype),
-            )
+        reason = _call_reason(x, mask, cache, args, kwargs) or _structure_reason(
+            self, state, x.dtype)
         if reason is not None:
             state.stock[reason] += 1
             return super().__call__(x, mask, cache, *args, **kwargs)
 
-        be = state.backend
-        qp, kp, vp, op = (getattr(attn, n) for n in lay.attention_linears)
-        norm = getattr(self, lay.input_norm)
-        q, k, v = ops.rms_norm_qkv(x, norm.weight, norm.eps, qp.weight, kp.weight, vp.weight,
-                                   _bias(qp), _bias(kp), _bias(vp), n_heads=attn.n_heads,
-                                   n_kv_heads=attn.n_kv_heads, head_dim=state.head_dim,
-                                   backend=be)
-        state.calls["rms_norm_qkv"] += 1
-        o = _attend(attn, state, q, k, v, mask, cache)
-        h = ops.linear(o, op.weight, _bias(op), residual=x, backend=be)
-        state.calls["linear"] += 1
-        post = getattr(self, lay.post_attention_norm)
-        return _mlp(mlp, state, mx.fast.rms_norm(h, post.weight, post.eps), residual=h)
+        offset = cache.offset if cache is not None else 0
+        B, L, D = x.shape
+        attn, mlp = self[lay.attention], self[lay.mlp]
+        qp, kp, vp, op = (attn[n] for n in lay.attention_linears)
+        norm, post = self[lay.input_norm], self[lay.post_attention_norm]
+
+        def qkv_args():
+            return {"x": x, "norm_weight": norm.weight, "eps": norm.eps, "wq": _weight(qp),
+                    "wk": _weight(kp), "wv": _weight(vp), "bq": _bias(qp), "bk": _bias(kp),
+                    "bv": _bias(vp), "n_heads": attn.n_heads, "n_kv_heads": attn.n_kv_heads,
+                    "head_dim": state.head_dim}
+
+        def pieces():
+            h = Act((B, L, D), x.dtype)
+            o = Act((B, L, attn.n_heads * state.head_dim), x.dtype)
+            return {"qkv": ("rms_norm_qkv", qkv_args()),
+                    "attention": ("attention",
+                                  _attention_args(attn, state, B, L, offset, x.dtype, mask)),
+                    "o_proj": ("linear", _linear_args(op, o, residual=x)),
+                    "mlp": ("swiglu_mlp", _mlp_args(mlp, lay, h, h))}
+
+        choices = _choose(state, (x.shape, x.dtype, offset, mask), pieces)
+        if _all_stock(state, choices):
+            return super().__call__(x, mask, cache)
+
+        def stock_qkv():
+            h = norm(x)
+            return (_heads(qp(h), B, L, attn.n_heads), _heads(kp(h), B, L, attn.n_kv_heads),
+                    _heads(vp(h), B, L, attn.n_kv_heads))
+
+        q, k, v = _piece(state, "qkv", choices["qkv"], "rms_norm_qkv", qkv_args, stock_qkv,
+                         "rms_norm_qkv")
+        o = _attend(attn, state, choices["attention"],
+                    lambda: _attention_args(attn, state, B, L, offset, x.dtype, mask),
+                    q, k, v, mask, cache)
+        h = _piece(state, "o_proj", choices["o_proj"], "linear",
+                   lambda: _linear_args(op, o, residual=x), lambda: x + op(o), "linear")
+        hn = post(h)  # nn.RMSNorm: mx.fast.rms_norm(h, weight, eps), as the brick path needs
+        return _piece(state, "mlp", choices["mlp"], "swiglu_mlp",
+                      lambda: _mlp_args(mlp, lay, hn, h), lambda: h + mlp(hn), "swiglu_mlp")
 
 
 MIXINS = (BricksAttention, BricksMLP, BricksBlock)

@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx_bricks import kernels
 from mlx_bricks.backends import kernel_backend
 from mlx_bricks.ops._checks import check_array, check_float_dtype, dtype_name
+from mlx_bricks.ops._variants import kernel_variants
 from mlx_bricks.ops.q8_0 import (
     QK8_0,
     dequantize_q8_0_reference,
@@ -44,6 +45,23 @@ kernels.register(kernels.KernelSpec(
     cuda_body="attention.cu",
     cuda_headers=("mma.cuh", "attention.cuh"),
 ))
+
+
+#: The attention kernel has one variant so far (tiles fixed by head_dim and dtype, see
+#: :func:`attention_tile_config`); its name in the tuner's decisions.
+DEFAULT_VARIANT = "default"
+
+
+def variant_names(backend: str, dtype=None) -> tuple[str, ...]:
+    """Variants of :func:`flash_attention` on ``backend`` (what the tuner times against stock):
+    ``("default",)``, the one kernel (called without variant arguments), where it runs; ``()``
+    on ``reference`` and on ``cuda`` without a twin. ``dtype`` (of q) is accepted for the
+    tuner's uniform call; every float dtype runs on the MSL backends.
+
+    Raises:
+        mlx_bricks.backends.BackendError: ``backend`` is not one of ``BACKENDS``.
+    """
+    return kernel_variants(backend, "flash_attention", (DEFAULT_VARIANT,))
 
 
 class AttentionTiles(NamedTuple):

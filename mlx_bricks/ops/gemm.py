@@ -21,6 +21,7 @@ from mlx_bricks.ops import gemm_cuda
 from mlx_bricks.ops.gemm_cuda import cuda_or
 from mlx_bricks.ops._checks import check_array, check_float_dtype, check_k, check_same_dtype
 from mlx_bricks.ops.quant import check_weight, is_quantized, quantized_linear_reference
+from mlx_bricks.ops._variants import kernel_variants
 
 register(KernelSpec(
     name="gemm",
@@ -112,6 +113,27 @@ class GemmPlan:
         return [("T", dtype), ("BM", t.bm), ("BN", t.bn), ("BK", self.bk), ("WM", t.wm),
                 ("WN", t.wn), ("PAD", self.pad), ("VEC", self.vec),
                 ("ALIGN_MN", self.align_mn), ("STAGES", t.stages), *flags.items()]
+
+
+def tile_names(backend: str, dtype=None) -> tuple[str, ...]:
+    """The names :func:`linear` accepts as ``tile=`` on ``backend`` for activations of
+    ``dtype`` (None: any): the variants the tuner (``mlx_bricks.tune``) times against stock.
+    MSL backends: :data:`TILES`; ``cuda``: the twin's tiles this GPU can run
+    (``gemm_cuda.tile_names``), none for a dtype without a twin (float32); ``reference``: none
+    (it runs MLX ops).
+
+    Raises:
+        mlx_bricks.backends.BackendError: ``backend`` is not one of ``BACKENDS``.
+    """
+    return kernel_variants(backend, "gemm", tuple(TILES),
+                           cuda_names=lambda: gemm_cuda_tiles(gemm_cuda.TILES, dtype))
+
+
+def gemm_cuda_tiles(tiles: dict, dtype, weight_operands: int = 1) -> tuple[str, ...]:
+    """The CUDA tiles of ``tiles`` this GPU runs for ``dtype`` (None: any supported dtype)."""
+    if dtype is not None and gemm_cuda.unsupported_reason(dtype) is not None:
+        return ()
+    return gemm_cuda.tile_names(tiles, weight_operands=weight_operands)
 
 
 def select_tile(M: int, N: int) -> str:

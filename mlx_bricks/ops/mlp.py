@@ -29,6 +29,7 @@ from mlx_bricks.kernels import KernelSpec, launch, register
 from mlx_bricks.ops import gemm_cuda
 from mlx_bricks.ops.gemm_cuda import cuda_or
 from mlx_bricks.ops._checks import check_array, check_float_dtype, check_k, check_same_dtype
+from mlx_bricks.ops._variants import kernel_variants
 from mlx_bricks.ops.gemm import (
     MIN_THREADGROUPS_64,
     TILES as GEMM_TILES,
@@ -78,6 +79,50 @@ register(KernelSpec(
 #: also single-buffered (``"64x32_sb"``...: for the tuner to measure; never chosen by the rule).
 FUSED_TILES = with_single_buffer(
     {"64x32": GemmTile(64, 32), "32x16": GemmTile(32, 16), "64x64": GemmTile(64, 64)})
+
+
+#: The kernels each SwiGLU variant launches (the down projection is the GEMM brick); on cuda the
+#: split variant is the GEMM twin with a SwiGLU epilogue.
+_VARIANT_KERNELS = {"fused": ("swiglu_fused", "gemm"), "split": ("swiglu_split", "gemm")}
+_CUDA_VARIANT_KERNELS = {"fused": ("swiglu_fused", "gemm"), "split": ("gemm",)}
+
+
+def _kernels(backend: str, variant: str) -> tuple[str, ...]:
+    return (_CUDA_VARIANT_KERNELS if backend == "cuda" else _VARIANT_KERNELS)[variant]
+
+
+def variant_names(backend: str, dtype=None) -> tuple[str, ...]:
+    """The names :func:`swiglu` / :func:`swiglu_mlp` accept as ``variant=`` on ``backend`` for
+    activations of ``dtype`` (None: any): the variants the tuner times against stock; none on
+    ``reference`` (MLX ops) nor where a variant's kernels have no twin (``cuda``, float32 on
+    ``cuda``).
+
+    Raises:
+        mlx_bricks.backends.BackendError: ``backend`` is not one of ``BACKENDS``.
+    """
+    return tuple(v for v in VARIANTS if tile_names(backend, v, dtype))
+
+
+def tile_names(backend: str, variant: str, dtype=None) -> tuple[str, ...]:
+    """The names :func:`swiglu` accepts as ``tile=`` for ``variant`` on ``backend``: MSL
+    :data:`FUSED_TILES` for ``fused``, the GEMM tiles for ``split``; on ``cuda`` the twins'
+    tiles this GPU runs (``gemm_cuda.SWIGLU_TILES`` / ``TILES``); ``()`` where the variant does
+    not run (see :func:`variant_names`).
+
+    Raises:
+        ValueError: an unknown ``variant``.
+        mlx_bricks.backends.BackendError: ``backend`` is not one of ``BACKENDS``.
+    """
+    from mlx_bricks.ops.gemm import gemm_cuda_tiles
+
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}, "
+                         f"got {variant!r}")
+    if variant == "fused":  # gate and up: two weight tiles per stage
+        msl, cuda = FUSED_TILES, lambda: gemm_cuda_tiles(gemm_cuda.SWIGLU_TILES, dtype, 2)
+    else:
+        msl, cuda = GEMM_TILES, lambda: gemm_cuda_tiles(gemm_cuda.TILES, dtype)
+    return kernel_variants(backend, _kernels(backend, variant), tuple(msl), cuda_names=cuda)
 
 
 def select_fused_tile(M: int, N: int) -> str:

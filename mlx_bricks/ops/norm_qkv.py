@@ -19,6 +19,7 @@ from mlx_bricks.backends import resolve_backend
 from mlx_bricks.kernels import KernelSpec, launch, register
 from mlx_bricks.ops import gemm, gemm_cuda
 from mlx_bricks.ops._checks import check_array, check_float_dtype, check_k, check_same_dtype
+from mlx_bricks.ops._variants import kernel_variants
 from mlx_bricks.ops.quant import check_weight, matmul_t
 
 register(KernelSpec(
@@ -48,6 +49,18 @@ register(KernelSpec(
     cuda_input_names=("h", "wq", "sq", "zq", "wk", "sk", "zk", "wv", "sv", "zv", "bq", "bk",
                       "bv"),
 ))
+
+
+def tile_names(backend: str, dtype=None) -> tuple[str, ...]:
+    """The names :func:`rms_norm_qkv` accepts as ``tile=`` on ``backend`` for activations of
+    ``dtype`` (None: any): the GEMM tiles of the backend (``gemm.tile_names``), the variants
+    the tuner times against stock; none on ``reference`` or without a twin.
+
+    Raises:
+        mlx_bricks.backends.BackendError: ``backend`` is not one of ``BACKENDS``.
+    """
+    return kernel_variants(backend, "rms_norm_qkv", tuple(gemm.TILES),
+                           cuda_names=lambda: gemm.gemm_cuda_tiles(gemm_cuda.TILES, dtype))
 
 
 def rms_norm_qkv_reference(x, norm_weight, eps, wq, wk, wv, bq=None, bk=None, bv=None, *,

@@ -6,13 +6,15 @@ report; decisions that depend on the call (mask, cache type, L == 1) are made by
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
 
 import mlx.nn as nn
 
 from mlx_bricks.backends import active_backend
 from mlx_bricks.ops.attention import SUPPORTED_HEAD_DIMS
-from mlx_bricks.ops.swiglu_variants import resolve_variant
+from mlx_bricks.ops.swiglu_variants import VARIANT_ENV_VAR, resolve_variant
 from mlx_bricks.ops.q8_0 import QK8_0
 from mlx_bricks.nn.modules import (
     BricksAttention,
@@ -25,7 +27,15 @@ from mlx_bricks.nn.modules import (
     linear_reason,
     rms_norm_reason,
 )
-from mlx_bricks.patch.report import DISABLED, FALLBACK, PATCHED, ModuleReport, PatchReport
+from mlx_bricks.patch.dispatch import NO_KERNEL_BACKEND, TUNE_MODES, Dispatch
+from mlx_bricks.patch.report import (
+    DISABLED,
+    FALLBACK,
+    PATCHED,
+    STOCK,
+    ModuleReport,
+    PatchReport,
+)
 from mlx_bricks.patch.table import lookup, supported_model_types
 
 KV_QUANTS = (None, "q8_0")
@@ -140,7 +150,10 @@ def _block_structure(layer, layout) -> str | None:
     return _signature_reason(layer, ("mask", "cache"))
 
 
-def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend: str) -> None:
+def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend: str,
+                 dispatch: Dispatch | None) -> None:
+    """Patch layer ``i`` (or, with ``dispatch`` None, only report what would be patched: the
+    modules are then left stock with :data:`NO_KERNEL_BACKEND`)."""
     attention, mlp, fuse_block, kv_quant = (
         opts["attention"], opts["mlp"], opts["fuse_block"], opts["kv_quant"])
     attn_mod = getattr(layer, layout.attention, None)
@@ -155,21 +168,30 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
     rope = describe_rope(attn_mod.rope) if attn_mod is not None and callable(
         getattr(attn_mod, "rope", None)) else ""
     attn_variant = f"kv_quant={kv_quant or 'none'}"
-    # the reference backend runs MLX ops: no kernel variant to report
-    mlp_variant = "swiglu=" + ("reference" if backend == "reference" else opts["mlp_variant"])
+    # the reference backend runs MLX ops: no kernel variant to report; tuning picks per bucket
+    if dispatch is not None and dispatch.tuning:
+        mlp_variant = "swiglu=tuned" + (f" ({opts['mlp_variant']} only)"
+                                        if dispatch.mlp_variant_fixed else "")
+    elif backend == "reference":
+        mlp_variant = "swiglu=reference"
+    else:
+        mlp_variant = f"swiglu={opts['mlp_variant']}"
 
-    def state(role):
-        return BricksState(backend=backend, layer=i, role=role, layout=layout,
-                           head_dim=head_dim, kv_quant=kv_quant,
-                           mlp_variant=opts["mlp_variant"])
+    def patch(module, mixin, role, bricks, variant, rope=""):
+        if dispatch is None:
+            add(ModuleReport(i, role, STOCK, reason=NO_KERNEL_BACKEND, rope=rope))
+            return
+        st = BricksState(backend=backend, layer=i, role=role, layout=layout,
+                         head_dim=head_dim, kv_quant=kv_quant,
+                         mlp_variant=opts["mlp_variant"], dispatch=dispatch)
+        attach(module, mixin, st)
+        add(ModuleReport(i, role, PATCHED, bricks, variant, backend, rope=rope, state=st))
 
     if attention and mlp and fuse_block and attn_reason is None and mlp_reason is None:
         block_reason = _block_structure(layer, layout)
         if block_reason is None:
-            st = state("block")
-            attach(layer, BricksBlock, st)
-            add(ModuleReport(i, "block", PATCHED, _BLOCK_BRICKS, f"{attn_variant}, {mlp_variant}",
-                             backend, rope=rope, state=st))
+            patch(layer, BricksBlock, "block", _BLOCK_BRICKS, f"{attn_variant}, {mlp_variant}",
+                  rope)
             return
         add(ModuleReport(i, "block", FALLBACK, reason=f"not fused: {block_reason}"))
 
@@ -178,19 +200,14 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
     elif attn_reason is not None:
         add(ModuleReport(i, "self_attn", FALLBACK, reason=attn_reason, rope=rope))
     else:
-        st = state("self_attn")
-        attach(attn_mod, BricksAttention, st)
-        add(ModuleReport(i, "self_attn", PATCHED, _ATTN_BRICKS, attn_variant, backend,
-                         rope=rope, state=st))
+        patch(attn_mod, BricksAttention, "self_attn", _ATTN_BRICKS, attn_variant, rope)
 
     if not mlp:
         add(ModuleReport(i, "mlp", DISABLED, reason="mlp=False"))
     elif mlp_reason is not None:
         add(ModuleReport(i, "mlp", FALLBACK, reason=mlp_reason))
     else:
-        st = state("mlp")
-        attach(mlp_mod, BricksMLP, st)
-        add(ModuleReport(i, "mlp", PATCHED, _MLP_BRICKS, mlp_variant, backend, state=st))
+        patch(mlp_mod, BricksMLP, "mlp", _MLP_BRICKS, mlp_variant)
 
 
 def _check_flag(name, value):
@@ -199,18 +216,27 @@ def _check_flag(name, value):
 
 
 def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=None,
-                mlp_variant=None, backend=None) -> PatchReport:
-    """Run prefill of a loaded mlx-lm model through the bricks, in place.
+                mlp_variant=None, backend=None, tune="auto", progress=None) -> PatchReport:
+    """Run prefill of a loaded mlx-lm model through the bricks, in place, where they are
+    faster than stock on this device.
 
     Each supported decoder layer gets, on that instance only (other models are untouched):
     ``BricksBlock`` when ``fuse_block`` (and ``attention`` and ``mlp``) and the block is a
     standard pre-norm block, else ``BricksAttention`` and/or ``BricksMLP``. Parameters stay the
-    same arrays under the same names. Prefill (L > 1) runs the bricks; decode (L == 1) and the
-    cases the bricks do not cover (array masks, caches other than ``KVCache``, quantized or
-    LoRA/DoRA linears, unknown call signatures, sliding-window layers) run the stock code, with
-    the reason in the report. Calling it again re-patches from scratch with the new options.
-    The API follows Liger-Kernel's instance patching (``apply_liger_kernel_to_llama(...,
-    model=...)``): one flag per brick, a live model, weights left where they are.
+    same arrays under the same names. Prefill (L > 1) is split into pieces (RMSNorm + QKV,
+    attention, the out-projection, the MLP), each running its brick or mlx-lm's own stock code
+    as the dispatcher decides (``tune``); decode (L == 1) and the cases the bricks do not cover
+    (array masks, caches other than ``KVCache``, quantized or LoRA/DoRA linears, unknown call
+    signatures, sliding-window layers) run the stock code, with the reason in the report. A
+    brick that fails to build, or whose first output disagrees with stock, is disabled for the
+    process and its pieces run stock (the report says which and why).
+
+    On a machine without a kernel backend (auto selection gave ``reference``, which is the same
+    math as stock), no module is patched: each is reported ``stock`` with that reason. Naming a
+    backend (argument or ``MLX_BRICKS_BACKEND``), ``reference`` included, patches as asked.
+    Calling it again re-patches from scratch with the new options. The API follows
+    Liger-Kernel's instance patching (``apply_liger_kernel_to_llama(..., model=...)``): one
+    flag per brick, a live model, weights left where they are.
 
     Args:
         model: an mlx-lm model (``nn.Module`` with ``layers`` and ``model_type``).
@@ -224,13 +250,20 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
             Resolved once here and reported; the reference backend has no variants.
         backend: ``None`` (``MLX_BRICKS_BACKEND``, then auto) or a name from
             ``mlx_bricks.backends.BACKENDS``; resolved once here.
+        tune: on a kernel backend (``metal``, ``cuda``): ``"auto"`` uses the decision cache
+            and measures the missing decisions (each piece's shape bucket, at its first
+            prefill); ``"force"`` measures again and overwrites the cache; ``"off"`` runs the
+            bricks by the ops' rules, unmeasured. Tuning does not apply to ``emulator`` or
+            ``reference`` (they run as asked). See docs/tuning.md.
+        progress: show the tuner's progress bar on stderr (None: when stderr is a terminal).
 
     Returns:
         PatchReport (also kept as ``model._bricks_report``).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``; a flag is not a bool.
-        ValueError: ``kv_quant`` is not None or ``"q8_0"``; an unknown ``mlp_variant``.
+        ValueError: ``kv_quant`` is not None or ``"q8_0"``; an unknown ``mlp_variant`` or
+            ``tune``.
         mlx_bricks.backends.BackendError: unknown or unavailable backend.
     """
     if not isinstance(model, nn.Module):
@@ -239,16 +272,25 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
         _check_flag(name, value)
     if kv_quant not in KV_QUANTS:
         raise ValueError(f"kv_quant must be None or 'q8_0', got {kv_quant!r}")
+    if tune not in TUNE_MODES:
+        raise ValueError(f"tune must be one of {', '.join(map(repr, TUNE_MODES))}, "
+                         f"got {tune!r}")
     choice = active_backend(backend)
+    fixed = mlp_variant is not None or bool(os.environ.get(VARIANT_ENV_VAR, "").strip())
     mlp_variant = resolve_variant(mlp_variant, "mlp_variant")
 
     unpatch_model(model)
     model_type = _model_type(model)
     arch, layout = lookup(model_type)
     opts = {"attention": attention, "mlp": mlp, "fuse_block": fuse_block, "kv_quant": kv_quant,
-            "mlp_variant": mlp_variant}
+            "mlp_variant": mlp_variant, "tune": tune}
+    if choice.name == "reference" and choice.source == "auto":
+        dispatch = None  # honest CPU: reference would run the same math as stock, slower
+    else:
+        dispatch = Dispatch(choice, tune, mlp_variant=mlp_variant, mlp_variant_fixed=fixed,
+                            progress=progress)
     report = PatchReport(model_type=model_type, architecture=arch, backend=choice,
-                         options=opts)
+                         options=opts, dispatch=dispatch)
     layers = getattr(model, "layers", None)
     if layout is None:
         report.modules.append(ModuleReport(
@@ -261,7 +303,7 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
     else:
         report.n_layers = len(layers)
         for i, layer in enumerate(layers):
-            _patch_layer(report, i, layer, layout, opts, choice.name)
+            _patch_layer(report, i, layer, layout, opts, choice.name, dispatch)
     object.__setattr__(model, "_bricks_report", report)
     return report
 
@@ -279,6 +321,27 @@ def unpatch_model(model) -> int:
     restored = sum(detach(m) for m in model.modules())
     model.__dict__.pop("_bricks_report", None)
     return restored
+
+
+@contextlib.contextmanager
+def stock_path(model):
+    """Within the block, every patched module of ``model`` runs its original class (stock
+    code); afterwards the patch is back with the same report, states and counters. For A/B
+    timing of one instance in one process (``python -m mlx_bricks.patch``).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an mlx.nn.Module, got {type(model).__name__}")
+    patched = [(m, type(m)) for m in model.modules() if is_patched(m)]
+    for m, cls in patched:
+        m.__class__ = cls._bricks_base
+    try:
+        yield model
+    finally:
+        for m, cls in patched:
+            m.__class__ = cls
 
 
 def patch_report(model) -> PatchReport | None:

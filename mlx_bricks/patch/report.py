@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from mlx_bricks.backends import BackendChoice
 from mlx_bricks.nn.modules import DECODE, BricksState
 
-PATCHED, FALLBACK, DISABLED = "patched", "fallback", "disabled"
+PATCHED, FALLBACK, DISABLED, STOCK = "patched", "fallback", "disabled", "stock"
 
 
 @dataclass(eq=False)
@@ -17,8 +17,10 @@ class ModuleReport:
     Attributes:
         layer: decoder layer index, or None for a model-level entry.
         module: ``"block"`` (unified block), ``"self_attn"``, ``"mlp"`` or ``"model"``.
-        status: ``"patched"``, ``"fallback"`` (left stock for ``reason``) or ``"disabled"``
-            (left stock because the caller asked, e.g. ``attention=False``).
+        status: ``"patched"``, ``"fallback"`` (left stock for ``reason``: the bricks do not
+            cover it), ``"disabled"`` (left stock because the caller asked, e.g.
+            ``attention=False``) or ``"stock"`` (the bricks cover it, but it is left stock on
+            purpose: no kernel backend on this machine).
         bricks: op names the module runs in prefill (empty unless patched).
         variant: brick options in words (``"kv_quant=q8_0"``, ``"swiglu=fused"``).
         backend: backend name of the bricks (empty unless patched).
@@ -44,15 +46,21 @@ class ModuleReport:
 
     @property
     def stock_calls(self) -> dict[str, int]:
-        """Reason -> calls that ran the stock path so far (decode included)."""
+        """Reason -> calls that ran the stock path so far because the bricks do not cover them
+        (decode included; a piece's stock path is counted as ``"<piece>: <reason>"``)."""
         return dict(self.state.stock) if self.state is not None else {}
+
+    @property
+    def tuned_stock_calls(self) -> dict[str, int]:
+        """``"<piece>: tuned: stock faster (x0.93)"`` -> calls where tuning chose stock."""
+        return dict(self.state.tuned) if self.state is not None else {}
 
     def to_dict(self) -> dict:
         return {
             "layer": self.layer, "module": self.module, "status": self.status,
             "bricks": list(self.bricks), "variant": self.variant, "backend": self.backend,
             "reason": self.reason, "rope": self.rope, "calls": self.calls,
-            "stock_calls": self.stock_calls,
+            "stock_calls": self.stock_calls, "tuned_stock_calls": self.tuned_stock_calls,
         }
 
 
@@ -67,8 +75,11 @@ class PatchReport:
         options: the ``patch_model`` keyword arguments.
         n_layers: decoder layers found.
         modules: one :class:`ModuleReport` per (layer, module), in layer order.
+        dispatch: the model's ``mlx_bricks.patch.dispatch.Dispatch`` (tuning decisions, the
+            guard's reasons), or None when nothing was patched on purpose (no kernel backend).
 
-    Counters are live: run the model, then read ``calls()`` / ``str(report)`` again.
+    Counters and decisions are live: run the model, then read ``calls()`` / ``tuning()`` /
+    ``str(report)`` again.
     """
 
     model_type: str | None
@@ -77,6 +88,7 @@ class PatchReport:
     options: dict
     n_layers: int = 0
     modules: list[ModuleReport] = field(default_factory=list)
+    dispatch: object = field(default=None, repr=False)
 
     @property
     def n_patched(self) -> int:
@@ -87,6 +99,16 @@ class PatchReport:
     def n_fallback(self) -> int:
         """Modules left stock at patch time because the bricks do not cover them."""
         return sum(m.status == FALLBACK for m in self.modules)
+
+    @property
+    def n_stock(self) -> int:
+        """Modules the bricks cover but that were left stock on purpose (no kernel backend)."""
+        return sum(m.status == STOCK for m in self.modules)
+
+    @property
+    def all_stock(self) -> bool:
+        """True when no module was patched: the model runs exactly the stock code."""
+        return self.n_patched == 0
 
     @property
     def fallbacks(self) -> list[ModuleReport]:
@@ -115,6 +137,24 @@ class PatchReport:
         """Like :meth:`stock_calls` without decode: call-time fallbacks only."""
         return Counter({r: n for r, n in self.stock_calls().items() if r != DECODE})
 
+    def tuned_stock_calls(self) -> Counter:
+        """``"<piece>: tuned: stock faster (x0.93)"`` -> calls, summed over the modules."""
+        total = Counter()
+        for m in self.modules:
+            total.update(m.tuned_stock_calls)
+        return total
+
+    def tuning(self) -> dict:
+        """Tuning as of now: ``mode``, ``applies``, ``why``, the ``decisions`` taken (key,
+        winner, ratio = stock time / best brick time, reason, source: cache or measured) and
+        the guard's ``disabled`` reasons (see ``Dispatch.summary``)."""
+        if self.dispatch is None:
+            return {"mode": self.options.get("tune"), "applies": False,
+                    "why": "nothing patched" + (f": {self.modules[0].reason}"
+                                                if self.n_stock else ""),
+                    "decisions": [], "disabled": []}
+        return self.dispatch.summary()
+
     def to_dict(self) -> dict:
         """JSON-serialisable snapshot (counters as of now)."""
         b = self.backend
@@ -126,9 +166,13 @@ class PatchReport:
             "n_layers": self.n_layers,
             "n_patched": self.n_patched,
             "n_fallback": self.n_fallback,
+            "n_stock": self.n_stock,
+            "all_stock": self.all_stock,
             "modules": [m.to_dict() for m in self.modules],
             "calls": dict(self.calls()),
             "stock_calls": dict(self.stock_calls()),
+            "tuned_stock_calls": dict(self.tuned_stock_calls()),
+            "tuning": self.tuning(),
         }
 
     def __str__(self) -> str:
@@ -139,8 +183,12 @@ class PatchReport:
             f"{self.n_layers} layers",
             f"backend: {self.backend}",
             f"options: {opts}",
-            f"patched modules: {self.n_patched}, fallbacks: {self.n_fallback}",
+            f"patched modules: {self.n_patched}, fallbacks: {self.n_fallback}"
+            + (f", left stock: {self.n_stock}" if self.n_stock else ""),
         ]
+        tuning = self.tuning()
+        if self.dispatch is not None:
+            lines.append(f"tuning: {tuning['why']}")
         rows = [("layer", "module", "status", "backend", "variant", "bricks: prefill calls",
                  "stock-path calls")]
         for m in self.modules:
@@ -148,19 +196,30 @@ class PatchReport:
             if m.status == PATCHED:
                 calls = m.calls
                 bricks = " ".join(f"{b}:{calls.get(b, 0)}" for b in m.bricks)
-                row = (m.backend, m.variant, bricks, str(sum(m.stock_calls.values())))
+                stock = sum(m.stock_calls.values()) + sum(m.tuned_stock_calls.values())
+                row = (m.backend, m.variant, bricks, str(stock))
             else:
                 row = ("-", "-", "-", "-")
             rows.append((layer, m.module, m.status, *row))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for r in rows:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-        not_patched = [m for m in self.modules if m.status != PATCHED]
+        not_patched = [m for m in self.modules if m.status not in (PATCHED, STOCK)]
         if not_patched:
             lines.append("left stock:")
             for m in not_patched:
                 where = "model" if m.layer is None else f"layer {m.layer} {m.module}"
                 lines.append(f"  {where} ({m.status}): {m.reason}")
+        kept = [m for m in self.modules if m.status == STOCK]
+        if kept:
+            lines.append(f"left stock on purpose ({len(kept)} modules): {kept[0].reason}")
+        if tuning["decisions"]:
+            lines.append("tuning decisions (ratio = stock time / brick time):")
+            for d in tuning["decisions"]:
+                lines.append(f"  {d['key']}: {d['winner']} - {d['reason']} [{d['source']}]")
+        if tuning["disabled"]:
+            lines.append("disabled for this process (pieces run stock):")
+            lines += [f"  {r}" for r in tuning["disabled"]]
         ropes = sorted({m.rope for m in self.modules if m.rope})
         for rope in ropes:
             lines.append(f"rope: {rope}")
@@ -168,6 +227,10 @@ class PatchReport:
         if runtime:
             lines.append("call-time fallbacks (stock path):")
             lines += [f"  {n} x {reason}" for reason, n in sorted(runtime.items())]
+        tuned = self.tuned_stock_calls()
+        if tuned:
+            lines.append("tuned stock paths (stock measured faster):")
+            lines += [f"  {n} x {reason}" for reason, n in sorted(tuned.items())]
         decode = self.stock_calls().get(DECODE, 0)
         if decode:
             lines.append(f"stock-path calls that were decode (stock by design): {decode}")

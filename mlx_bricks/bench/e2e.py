@@ -1,0 +1,113 @@
+"""End-to-end benchmark: a whole model's prefill, stock mlx-lm vs ``patch_model(tune="auto")``.
+
+The model is mlx-lm's own llama (``mlx_lm.models.llama``) with random weights, built twice on
+the same parameter arrays: one instance stays stock, the other is patched, so both sides run in
+one process on identical weights and are timed interleaved (``tune.timing``). One forward is
+a full prefill of M tokens with a fresh ``KVCache`` evaluating the last position's logits, as
+the last chunk of mlx-lm's generate does. The patched side's first call (the timer's warm-up)
+takes the tuning decisions it needs; the result reports them.
+
+The lead's H200 command (bf16 and fp16, M = 512 / 2048 / 8192, one process)::
+
+    mkdir -p bench/results && python -m mlx_bricks.bench --only e2e_llama8b_4layer --repeats 10 \
+        --out bench/results/h200-e2e.json
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: dtypes of the e2e benchmarks (names as in the benchmark names).
+DTYPES = ("bf16", "fp16")
+#: Prompt lengths (one prefill chunk each).
+M_VALUES = (512, 2048, 8192)
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The shape of a llama model (mlx-lm ``ModelArgs`` fields)."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    def describe(self) -> str:
+        return (f"hidden {self.hidden}, intermediate {self.intermediate}, {self.heads}/"
+                f"{self.kv_heads} heads of {self.head_dim}, vocab {self.vocab}")
+
+    def model_args(self):
+        from mlx_lm.models.llama import ModelArgs
+
+        return ModelArgs(model_type="llama", hidden_size=self.hidden,
+                         num_hidden_layers=self.layers, intermediate_size=self.intermediate,
+                         num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+                         head_dim=self.head_dim, rms_norm_eps=1e-5, vocab_size=self.vocab,
+                         rope_theta=500000.0, tie_word_embeddings=False)
+
+
+#: Llama-3-8B's layer shapes, 4 layers (llama 2's 32000-token vocabulary keeps the LM head,
+#: which is stock on both sides, from dominating).
+LLAMA_8B_4LAYER = LlamaShape(hidden=4096, intermediate=14336, layers=4, heads=32, kv_heads=8,
+                             head_dim=128, vocab=32000)
+
+_MODELS: dict = {}
+
+
+def _models(shape: LlamaShape, dtype: str):
+    """(stock, patched-to-be) instances of one random model on shared parameter arrays; one
+    shape and dtype is kept at a time (an 8B-shaped 4-layer model is about 2 GB)."""
+    import mlx.core as mx
+    from mlx_lm.models.llama import Model
+
+    key = (shape, dtype)
+    if key not in _MODELS:
+        _MODELS.clear()
+        mx.random.seed(0)
+        stock = Model(shape.model_args())
+        stock.set_dtype({"bf16": mx.bfloat16, "fp16": mx.float16}[dtype])
+        mx.eval(stock.parameters())
+        patched = Model(shape.model_args())
+        patched.update(stock.parameters())  # the same arrays; its own init is never evaluated
+        _MODELS[key] = (stock, patched)
+    return _MODELS[key]
+
+
+def setup(shape: LlamaShape, dtype: str, M: int, *, tune: str = "auto"):
+    """``(patched forward, stock forward, info)`` for ``mlx_bricks.bench.core.Benchmark``.
+
+    Args:
+        shape: the model shape.
+        dtype: ``"bf16"`` or ``"fp16"``.
+        M: prompt tokens (one chunk).
+        tune: ``patch_model(tune=...)``.
+
+    Raises:
+        ValueError: an unknown dtype.
+    """
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_bricks.patch import patch_model
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    stock, patched = _models(shape, dtype)
+    report = patch_model(patched, tune=tune)
+    tokens = mx.random.randint(0, shape.vocab, (1, M), key=mx.random.key(M))
+
+    def forward(model):
+        return model(tokens, cache=make_prompt_cache(model))[:, -1, :]
+
+    def info() -> dict:
+        tuning = report.tuning()
+        return {"model": {"shape": shape.__dict__, "dtype": dtype, "M": M},
+                "patch": {"backend": report.backend.name, "n_patched": report.n_patched,
+                          "all_stock": report.all_stock, "calls": dict(report.calls()),
+                          "tuned_stock_calls": dict(report.tuned_stock_calls()),
+                          "stock_calls": dict(report.stock_calls())},
+                "tuning": tuning}
+
+    return (lambda: forward(patched), lambda: forward(stock), info)

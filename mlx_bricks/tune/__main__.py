@@ -1,0 +1,153 @@
+"""``python -m mlx_bricks.tune [MODEL_DIR]``: tune a model ahead of time; show or clear the cache.
+
+Tuning patches the model (``patch_model(tune="auto")``, or ``"force"`` with ``--force``) and runs
+one prefill per ``--m`` value (a prompt of M random tokens in one chunk, so the attention pieces
+see q_len = kv_len = M): every piece's decision for those shape buckets is then taken (from the
+cache, or measured) and written to the cache, so later runs of the same model on this device
+start without measuring. Decisions are printed (``--json``: one JSON object).
+
+``--show`` prints this device's cached decisions; ``--clear`` deletes the cache file. Exit
+status: 0 done, 2 bad input (one line on stderr), 130 Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mlx_bricks import _cli
+
+PROG = "python -m mlx_bricks.tune"
+#: One M per bucket of ``buckets.M_EDGES`` (the last one above 2048).
+DEFAULT_M = (32, 128, 512, 2048, 4096)
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    """Parser of ``python -m mlx_bricks.tune``; a bad flag value exits 2 with one line."""
+    from mlx_bricks.backends import BACKENDS, ENV_VAR
+
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Measure, on this device, which mlx-bricks variants beat stock MLX for a "
+        "model's shapes, and cache the decisions (docs/tuning.md). Exit status: 0 done, 2 bad "
+        "input.")
+    parser.add_argument(
+        "model_dir", metavar="MODEL_DIR", nargs="?", default=None,
+        help="mlx-lm model directory or .gguf file (default: the embedded default model)")
+    parser.add_argument("--m", type=_cli.positive_int, nargs="+", default=list(DEFAULT_M),
+                        metavar="M", help="prefill chunk sizes (tokens) to tune for "
+                        f"(default: {' '.join(map(str, DEFAULT_M))}: one per M bucket)")
+    parser.add_argument("--backend", choices=BACKENDS, default=None,
+                        help=f"backend of the bricks (default: ${ENV_VAR}, else auto)")
+    parser.add_argument("--force", action="store_true",
+                        help="measure again even where the cache has a decision")
+    parser.add_argument("--show", action="store_true",
+                        help="print this device's cached decisions and exit")
+    parser.add_argument("--clear", action="store_true", help="delete the cache file and exit")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return _cli.one_line_errors(parser)
+
+
+def _print_decisions(result: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result))
+        return
+    print(f"tuning cache: {result['cache']}")
+    if result.get("context"):
+        print(f"context: {result['context']}")
+    if result.get("note"):
+        print(result["note"])
+    decisions = result.get("decisions", [])
+    if decisions:
+        print("decisions (ratio = stock time / best brick time):")
+        for d in decisions:
+            ratio = "-" if d.get("ratio") is None else f"x{d['ratio']:.2f}"
+            print(f"  {d['key']}: {d['winner']} ({ratio}) {d.get('source', '')}".rstrip())
+    elif not result.get("note"):
+        print("no decisions")
+
+
+def _show(cache) -> dict:
+    from mlx_bricks.tune.tuner import Decision
+
+    decisions = []
+    for key, data in sorted(cache.decisions().items()):
+        try:
+            d = Decision.from_dict(key, data)
+        except ValueError:
+            continue
+        decisions.append({"key": key, "winner": d.winner, "ratio": d.ratio,
+                          "reason": d.reason, "source": "cache"})
+    return {"cache": str(cache.path), "context": cache.context.id, "decisions": decisions}
+
+
+def _tune(args) -> dict:
+    from mlx_bricks.backends import active_backend
+
+    active_backend(args.backend)  # an unknown or unavailable backend fails before loading
+    model_dir = _cli.resolve_model(args.model_dir, what="MODEL_DIR", allow_hub=False,
+                                   need_patchable=True)
+    from pathlib import Path
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    from mlx_bricks.patch import patch_model
+    from mlx_bricks.tune.cache import default_path
+
+    try:
+        model, config = load_model(Path(model_dir))  # no tokenizer needed: tokens are random
+    except (OSError, ValueError) as e:
+        raise _cli.CliError(f"cannot load {str(model_dir)!r}: {_cli.one_line(e)}") from None
+    report = patch_model(model, backend=args.backend, tune="force" if args.force else "auto")
+    result = {"cache": str(default_path()), "model": str(model_dir),
+              "backend": report.backend.name, "m": list(args.m)}
+    tuning = report.tuning()
+    if not tuning["applies"]:
+        result["note"] = f"nothing to tune: {tuning['why']}"
+        result["decisions"] = []
+        return result
+    vocab = int(config.get("vocab_size", 2))
+    for M in args.m:
+        tokens = mx.random.randint(0, vocab, (1, M), key=mx.random.key(M))
+        mx.eval(model(tokens, cache=make_prompt_cache(model)))
+    tuning = report.tuning()
+    result["context"] = report.dispatch.cache.context.id
+    result["decisions"] = tuning["decisions"]
+    result["disabled"] = tuning["disabled"]
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    """The command; returns the exit status."""
+    if args.show and args.clear:
+        raise _cli.CliError("--show and --clear are exclusive")
+    if args.show or args.clear:
+        from mlx_bricks.tune.cache import DecisionCache
+
+        cache = DecisionCache()
+        if args.clear:
+            existed = cache.clear()
+            result = {"cache": str(cache.path), "cleared": existed,
+                      "note": "deleted" if existed else "no cache file"}
+        else:
+            result = _show(cache)
+    else:
+        result = _tune(args)
+    _print_decisions(result, args.json)
+    return _cli.EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; see the module docstring.
+
+    Raises:
+        SystemExit: 2 on bad input (one line on stderr), 130 on Ctrl-C.
+    """
+    args = setup_arg_parser().parse_args(argv)
+    return _cli.run_cli(PROG, lambda: run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""The build and first-call guard: a brick variant that fails to build or run, or whose first
+output disagrees with stock beyond the dtype-scaled tolerance, is disabled for the process, and
+the computation continues on stock.
+
+MLX builds a custom kernel lazily, when its output is first evaluated (``mx.fast.metal_kernel``
+compiles the MSL, ``mx.fast.cuda_kernel`` runs NVRTC), so an error would surface far from the
+call, inside the model's evaluation. The guard therefore evaluates the first call of each
+(backend, op kind, variant, decision key) eagerly, together with stock on the same inputs, and
+checks the brick's last rows against a high-precision reference (``OpKind.check``). Later calls
+of a checked key run lazily as usual.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+
+from mlx_bricks.tune.kinds import Key, OpKind, Variant
+
+#: What a kernel that cannot be built or launched raises: MLX's compile and launch errors
+#: (``RuntimeError``; the emulator's faults derive from it), argument errors of the op
+#: (``ValueError``), and a brick without a twin on this backend (``NotImplementedError``).
+GUARD_ERRORS = (RuntimeError, ValueError, NotImplementedError)
+
+
+def guard_scope(key: Key) -> str:
+    """What a disabled variant is disabled for besides backend, kind and name: everything in
+    the decision key but the shape bucket, i.e. the op's fixed shape parameters (head_dim, N,
+    K...), the dtype and the weight format. A kernel is built per template instantiation: a
+    float16 build error, a tile too large for 8-bit weights or a head_dim a twin lacks says
+    nothing about the other instantiations."""
+    return f"{key.kind}[{key.params}] {key.dtype} w={key.weights}"
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line (its first 300 characters), with its type."""
+    text = " ".join(str(e).split())
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return f"{type(e).__name__}: {text}"
+
+
+class Guard:
+    """Process-wide record of disabled and checked brick variants (module docstring).
+
+    Attributes:
+        disabled: ``(backend, kind, variant, scope) -> reason`` of every disabled variant
+            (scope: :func:`guard_scope`).
+        passed: ``(backend, kind, variant, key)`` whose first call was checked.
+        generation: changes whenever ``disabled`` does.
+    """
+
+    def __init__(self):
+        self.disabled: dict[tuple[str, str, str, str], str] = {}
+        self.passed: set[tuple[str, str, str, str]] = set()
+        #: Incremented by every change of ``disabled`` (remembered choices are then stale).
+        self.generation = 0
+
+    def reset(self) -> None:
+        """Forget everything (tests; a process that changed its kernels)."""
+        self.disabled.clear()
+        self.passed.clear()
+        self.generation += 1
+
+    def disabled_reason(self, backend: str, kind: str, variant: str, scope: str
+                        ) -> str | None:
+        """Why ``variant`` of ``kind`` on ``backend`` is disabled for ``scope``, or None."""
+        return self.disabled.get((backend, kind, variant, scope))
+
+    def disable(self, backend: str, kind: str, variant: str, scope: str, reason: str) -> None:
+        """Disable ``variant`` for ``scope`` for the rest of the process (the first reason is
+        kept)."""
+        k = (backend, kind, variant, scope)
+        if k not in self.disabled:
+            self.disabled[k] = reason
+            self.generation += 1
+
+    def run(self, kind: OpKind, variant: Variant, args: dict, backend: str, key: Key,
+            stock: Callable[[], object]) -> tuple[object, str | None]:
+        """The brick's output for ``args``, or stock's with the reason it replaced the brick.
+
+        Args:
+            kind: the op kind.
+            variant: the brick variant chosen.
+            args: the op's arguments (real arrays).
+            backend: the backend the brick runs on.
+            key: the decision key (the first call of each key is checked; a failure disables
+                the variant for the key's dtype and weight format).
+            stock: zero-argument callable computing the same values the stock way (the
+                patch passes mlx-lm's own modules).
+
+        Returns:
+            ``(output, None)`` when the brick ran, ``(stock output, reason)`` when it is, or
+            just became, disabled.
+        """
+        scope = guard_scope(key)
+        reason = self.disabled_reason(backend, kind.name, variant.name, scope)
+        if reason is not None:
+            return stock(), reason
+        gk = (backend, kind.name, variant.name, str(key))
+        if gk in self.passed:
+            return kind.run(variant, args, backend), None
+        what = f"{kind.name} variant {variant.name} on {backend}"
+        try:
+            out = kind.run(variant, args, backend)
+            mx.eval(out)
+        except GUARD_ERRORS as e:
+            reason = f"{what} failed to build or run: {one_line(e)}"
+            self.disable(backend, kind.name, variant.name, scope, reason)
+            return stock(), reason
+        naive = stock()
+        mx.eval(naive)
+        result = kind.check(out, naive, args)
+        if not result.ok:
+            reason = f"{what}: first output disagrees with stock beyond tolerance ({result})"
+            self.disable(backend, kind.name, variant.name, scope, reason)
+            return naive, reason
+        self.passed.add(gk)
+        return out, None
+
+
+#: The process's guard (decisions and disabled variants are per process).
+GUARD = Guard()

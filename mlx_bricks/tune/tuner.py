@@ -1,0 +1,194 @@
+"""Measure one op at one shape: every brick variant against stock, in the same process.
+
+:func:`tune_op` builds synthetic activations of the call's shapes (the weights are the real
+ones), runs stock once, runs every candidate variant once eagerly (a build error disables it, as
+the guard does) and checks it against a high-precision reference with the dtype-scaled rule (a
+variant that fails can never win), times stock and the passing variants interleaved
+(``timing.time_interleaved``: warm-up, several calls per evaluation, ``mx.synchronize``,
+median), and picks the winner: the fastest variant when it beats stock by at least
+:data:`MIN_SPEEDUP`, else stock.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from mlx_bricks.tune.guard import GUARD, GUARD_ERRORS, Guard, guard_scope, one_line
+from mlx_bricks.tune.kinds import OpKind, Variant
+from mlx_bricks.tune.timing import time_interleaved
+
+#: The winner's name when no brick variant beats stock.
+STOCK = "stock"
+#: A brick must be at least this much faster than stock (stock time / brick time) to win: below
+#: it the difference is within the noise of a few timed rounds, and stock is the safe side.
+MIN_SPEEDUP = 1.02
+#: Timed rounds per candidate.
+REPEATS = 5
+
+
+@dataclass
+class Decision:
+    """The tuner's answer for one (backend, decision key).
+
+    Attributes:
+        key: ``"<backend>|<Key>"``.
+        winner: :data:`STOCK` or the winning variant's name.
+        kwargs: the winner's op keyword arguments (``{}`` for stock).
+        ratio: stock seconds / the fastest passing variant's seconds (above 1: the brick is
+            faster); None when no variant passed or none exists.
+        stock_s: median seconds per call of stock (None when nothing was timed).
+        variants: name -> ``{"s": median seconds or None, "ok": passed the check,
+            "error": why not, "calls": calls per evaluation}``.
+        measured: the shapes the timing ran at (``{"M": ...}`` or ``{"q_len", "kv_len"}``).
+        source: ``"measured"`` in this process, or ``"cache"``.
+        note: why nothing was measured (no variant on this backend), else empty.
+    """
+
+    key: str
+    winner: str
+    kwargs: dict = field(default_factory=dict)
+    ratio: float | None = None
+    stock_s: float | None = None
+    variants: dict = field(default_factory=dict)
+    measured: dict = field(default_factory=dict)
+    source: str = "measured"
+    note: str = ""
+
+    @property
+    def brick(self) -> bool:
+        """True when a brick variant won."""
+        return self.winner != STOCK
+
+    @property
+    def reason(self) -> str:
+        """One phrase for reports: ``"tuned: stock faster (x0.93)"``, ``"tuned: 64x64 faster
+        (x1.12)"``..."""
+        if self.brick:
+            return f"tuned: {self.winner} faster (x{self.ratio:.2f})"
+        if self.note:
+            return f"tuned: {self.note}"
+        if self.ratio is None:
+            return "tuned: no brick variant passed the numeric check"
+        if self.ratio < 1:
+            return f"tuned: stock faster (x{self.ratio:.2f})"
+        return (f"tuned: stock kept (best brick x{self.ratio:.2f}, under the "
+                f"x{MIN_SPEEDUP:.2f} margin)")
+
+    def to_dict(self) -> dict:
+        """JSON-serialisable form (what the cache stores; ``source`` is not stored)."""
+        return {"winner": self.winner, "kwargs": dict(self.kwargs), "ratio": self.ratio,
+                "stock_s": self.stock_s, "variants": self.variants, "measured": self.measured,
+                "note": self.note}
+
+    @classmethod
+    def from_dict(cls, key: str, data: dict, source: str = "cache") -> "Decision":
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ValueError: ``data`` is not a decision (missing or mistyped fields).
+        """
+        try:
+            winner, kwargs = data["winner"], data.get("kwargs", {})
+            ratio = data.get("ratio")
+            if not isinstance(winner, str) or not isinstance(kwargs, dict) or not (
+                    ratio is None or isinstance(ratio, (int, float))):
+                raise TypeError("mistyped field")
+            return cls(key, winner, dict(kwargs), ratio, data.get("stock_s"),
+                       dict(data.get("variants", {})), dict(data.get("measured", {})),
+                       source, str(data.get("note", "")))
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"not a tuning decision: {e}") from None
+
+
+def _measured_shapes(kind: OpKind, args: dict) -> dict:
+    if kind.name == "attention":
+        return {"q_len": args["q"].shape[2], "kv_len": args["k"].shape[2],
+                "batch": args["q"].shape[0], "heads": args["q"].shape[1]}
+    return {"M": math.prod(args["x"].shape[:-1])}
+
+
+def _progress_bar(total: int, desc: str, progress: bool | None):
+    from tqdm import tqdm
+
+    show = sys.stderr.isatty() if progress is None else bool(progress)
+    return tqdm(total=total, desc=desc, disable=not show, leave=False, file=sys.stderr,
+                unit="step")
+
+
+def tune_op(kind: OpKind, args: dict, backend: str, *, variants: list[Variant] | None = None,
+            repeats: int = REPEATS, seed: int = 0, guard: Guard = GUARD,
+            progress: bool | None = None) -> Decision:
+    """Time every variant of ``kind`` against stock for the shapes of ``args``.
+
+    Args:
+        kind: the op kind (``mlx_bricks.tune.kinds.KINDS``).
+        args: the op's arguments; activations may be real arrays or ``Act`` placeholders (only
+            their shapes and dtypes are used: the tuner times synthetic values), weights are
+            used as they are.
+        backend: the backend the variants run on.
+        variants: the candidates (default: ``kind.variants(backend, dtype)``, the op's
+            listing).
+        repeats: timed rounds per candidate.
+        seed: seed of the synthetic activations.
+        guard: where build and numeric failures are recorded (disabled for the process).
+        progress: show a tqdm bar on stderr (None: when stderr is a terminal).
+
+    Returns:
+        The :class:`Decision` (``source="measured"``).
+    """
+    k = kind.key(args)
+    key, scope = f"{backend}|{k}", guard_scope(k)
+    candidates = kind.variants(backend, kind.dtype(args)) if variants is None else list(variants)
+    measured = _measured_shapes(kind, args)
+    if not candidates:
+        return Decision(key, STOCK, measured=measured, note=f"no brick variant on {backend}")
+    synth = kind.synthetic(args, seed)
+    mx.eval([synth[n] for n in kind.activations if synth.get(n) is not None])
+    results: dict[str, dict] = {}
+    passing: dict[str, Variant] = {}
+    bar = _progress_bar(len(candidates) + 1, f"mlx-bricks tune {kind.key(args)}", progress)
+    try:
+        naive = kind.stock(synth)
+        mx.eval(naive)
+        for v in candidates:
+            bar.set_postfix_str(f"check {v.name}")
+            reason = guard.disabled_reason(backend, kind.name, v.name, scope)
+            if reason is None:
+                try:
+                    out = kind.run(v, synth, backend)
+                    mx.eval(out)
+                except GUARD_ERRORS as e:
+                    reason = f"{kind.name} variant {v.name} on {backend} failed to build or " \
+                             f"run: {one_line(e)}"
+                    guard.disable(backend, kind.name, v.name, scope, reason)
+                else:
+                    check = kind.check(out, naive, synth)
+                    if not check.ok:
+                        reason = f"{kind.name} variant {v.name} on {backend}: numeric check " \
+                                 f"failed ({check})"
+                        guard.disable(backend, kind.name, v.name, scope, reason)
+            results[v.name] = {"s": None, "ok": reason is None, "error": reason, "calls": 0}
+            if reason is None:
+                passing[v.name] = v
+            bar.update(1)
+        if not passing:
+            return Decision(key, STOCK, variants=results, measured=measured)
+        bar.set_postfix_str("timing")
+        fns = {STOCK: lambda: kind.stock(synth)}
+        for name, v in passing.items():
+            fns[name] = lambda v=v: kind.run(v, synth, backend)
+        timing = time_interleaved(fns, repeats=repeats)
+        bar.update(1)
+    finally:
+        bar.close()
+    stock_s = timing.median(STOCK)
+    for name in passing:
+        results[name].update(s=timing.median(name), calls=timing.calls[name])
+    best = min(passing, key=timing.median)
+    ratio = stock_s / timing.median(best)
+    if ratio >= MIN_SPEEDUP:
+        return Decision(key, best, dict(passing[best].kwargs), ratio, stock_s, results, measured)
+    return Decision(key, STOCK, {}, ratio, stock_s, results, measured)
