@@ -115,25 +115,27 @@ class GemmPlan:
                 ("ALIGN_MN", self.align_mn), ("STAGES", t.stages), *flags.items()]
 
 
-def tile_names(backend: str, dtype=None) -> tuple[str, ...]:
+def tile_names(backend: str, dtype=None, bits: int | None = None) -> tuple[str, ...]:
     """The names :func:`linear` accepts as ``tile=`` on ``backend`` for activations of
-    ``dtype`` (None: any): the variants the tuner (``mlx_bricks.tune``) times against stock.
-    MSL backends: :data:`TILES`; ``cuda``: the twin's tiles this GPU can run
-    (``gemm_cuda.tile_names``), none for a dtype without a twin (float32); ``reference``: none
-    (it runs MLX ops).
+    ``dtype`` (None: any) and weights of ``bits`` (None: float): the variants the tuner
+    (``mlx_bricks.tune``) times against stock. MSL backends: :data:`TILES`; ``cuda``: the
+    twin's tiles this GPU can run for that format (``gemm_cuda.tile_names``), none for a dtype
+    without a twin (float32); ``reference``: none (it runs MLX ops).
 
     Raises:
         mlx_bricks.backends.BackendError: ``backend`` is not one of ``BACKENDS``.
     """
     return kernel_variants(backend, "gemm", tuple(TILES),
-                           cuda_names=lambda: gemm_cuda_tiles(gemm_cuda.TILES, dtype))
+                           cuda_names=lambda: gemm_cuda_tiles(gemm_cuda.TILES, dtype, bits=bits))
 
 
-def gemm_cuda_tiles(tiles: dict, dtype, weight_operands: int = 1) -> tuple[str, ...]:
-    """The CUDA tiles of ``tiles`` this GPU runs for ``dtype`` (None: any supported dtype)."""
+def gemm_cuda_tiles(tiles: dict, dtype, weight_operands: int = 1,
+                    bits: int | None = None) -> tuple[str, ...]:
+    """The CUDA tiles of ``tiles`` this GPU runs for ``dtype`` (None: any supported dtype) and
+    weights of ``bits`` (None: float)."""
     if dtype is not None and gemm_cuda.unsupported_reason(dtype) is not None:
         return ()
-    return gemm_cuda.tile_names(tiles, weight_operands=weight_operands)
+    return gemm_cuda.tile_names(tiles, weight_operands=weight_operands, bits=bits)
 
 
 def select_tile(M: int, N: int) -> str:

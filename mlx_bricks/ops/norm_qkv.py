@@ -51,16 +51,18 @@ register(KernelSpec(
 ))
 
 
-def tile_names(backend: str, dtype=None) -> tuple[str, ...]:
+def tile_names(backend: str, dtype=None, bits: int | None = None) -> tuple[str, ...]:
     """The names :func:`rms_norm_qkv` accepts as ``tile=`` on ``backend`` for activations of
-    ``dtype`` (None: any): the GEMM tiles of the backend (``gemm.tile_names``), the variants
-    the tuner times against stock; none on ``reference`` or without a twin.
+    ``dtype`` (None: any) and the widest weight format ``bits`` (None: float): the GEMM tiles of
+    the backend (``gemm.tile_names``), the variants the tuner times against stock; none on
+    ``reference`` or without a twin.
 
     Raises:
         mlx_bricks.backends.BackendError: ``backend`` is not one of ``BACKENDS``.
     """
     return kernel_variants(backend, "rms_norm_qkv", tuple(gemm.TILES),
-                           cuda_names=lambda: gemm.gemm_cuda_tiles(gemm_cuda.TILES, dtype))
+                           cuda_names=lambda: gemm.gemm_cuda_tiles(gemm_cuda.TILES, dtype,
+                                                                   bits=bits))
 
 
 def rms_norm_qkv_reference(x, norm_weight, eps, wq, wk, wv, bq=None, bk=None, bv=None, *,

@@ -159,9 +159,16 @@ class OpKind:
     def variant_kwargs(self, name: str) -> dict:
         raise NotImplementedError
 
-    def variants(self, backend: str, dtype=None) -> list[Variant]:
-        """The candidates on ``backend`` for ``dtype``, from the op's own listing function."""
-        return [Variant(n, self.variant_kwargs(n)) for n in self.variant_names(backend, dtype)]
+    def variants(self, backend: str, dtype=None, args: dict | None = None) -> list[Variant]:
+        """The candidates on ``backend`` for ``dtype`` (and, given ``args``, for their weight
+        formats: a CUDA tile may not take every width), from the op's own listing function."""
+        names = (self.variant_names(backend, dtype) if args is None
+                 else self.variant_names_for(backend, dtype, args))
+        return [Variant(n, self.variant_kwargs(n)) for n in names]
+
+    def variant_names_for(self, backend: str, dtype, args: dict) -> tuple[str, ...]:
+        """:meth:`variant_names` for these arguments' weights (default: the same)."""
+        return self.variant_names(backend, dtype)
 
     def run(self, variant: Variant, args: dict, backend: str):
         """Output of ``variant`` (its injected ``run``, or the op with its kwargs)."""
@@ -207,6 +214,12 @@ def _flags(**flags) -> str:
     return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in flags.items())
 
 
+
+def _bits(weight) -> int | None:
+    """Bits of an affine weight, None for a float one."""
+    return getattr(weight, "bits", None)
+
+
 class Linear(OpKind):
     """``y = x @ W.T (+ bias) (+ residual)``; args ``x, weight, bias, residual``."""
 
@@ -232,10 +245,13 @@ class Linear(OpKind):
         res = args.get("residual")
         return y if res is None else res + y  # the block's "h = x + r"
 
-    def variant_names(self, backend, dtype=None):
+    def variant_names(self, backend, dtype=None, bits=None):
         from mlx_bricks.ops.gemm import tile_names
 
-        return tile_names(backend, dtype)
+        return tile_names(backend, dtype, bits)
+
+    def variant_names_for(self, backend, dtype, args):
+        return self.variant_names(backend, dtype, _bits(args["weight"]))
 
     def variant_kwargs(self, name):
         return {"tile": name}
@@ -357,10 +373,14 @@ class RmsNormQKV(OpKind):
                 proj(args["wk"], args.get("bk"), args["n_kv_heads"]),
                 proj(args["wv"], args.get("bv"), args["n_kv_heads"]))
 
-    def variant_names(self, backend, dtype=None):
+    def variant_names(self, backend, dtype=None, bits=None):
         from mlx_bricks.ops.norm_qkv import tile_names
 
-        return tile_names(backend, dtype)
+        return tile_names(backend, dtype, bits)
+
+    def variant_names_for(self, backend, dtype, args):
+        return self.variant_names(backend, dtype,
+                                  max((_bits(args[w]) or 0) for w in ("wq", "wk", "wv")) or None)
 
     def variant_kwargs(self, name):
         return {"tile": name}

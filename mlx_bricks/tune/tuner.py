@@ -141,7 +141,8 @@ def tune_op(kind: OpKind, args: dict, backend: str, *, variants: list[Variant] |
     """
     k = kind.key(args)
     key, scope = f"{backend}|{k}", guard_scope(k)
-    candidates = kind.variants(backend, kind.dtype(args)) if variants is None else list(variants)
+    candidates = (kind.variants(backend, kind.dtype(args), args) if variants is None
+                  else list(variants))
     measured = _measured_shapes(kind, args)
     if not candidates:
         return Decision(key, STOCK, measured=measured, note=f"no brick variant on {backend}")
