@@ -26,9 +26,18 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
+from mlx_bricks.nn.sharding import (
+    QUANTIZED_SHARDED,
+    is_float_sharded,
+    is_row_sharded,
+    quantized_sharded_reason,
+    reduce_partial,
+    role_reason,
+)
 from mlx_bricks.ops._checks import FLOAT_DTYPES, dtype_name
 from mlx_bricks.tune.kinds import Act
 
@@ -112,8 +121,10 @@ class BricksState:
 # ---------------------------------------------------------------------------------------------
 
 def linear_reason(name: str, module, dtype=None) -> str | None:
-    """Why ``module`` cannot feed a brick (None if it is a plain ``nn.Linear`` of ``dtype``)."""
-    if type(module) is nn.Linear:
+    """Why ``module`` cannot feed a brick (None if it is a plain ``nn.Linear`` of ``dtype``, or
+    MLX's float tensor-parallel ``AllToShardedLinear`` / ``ShardedToAllLinear``: the bricks run
+    on the local shard, see ``mlx_bricks.nn.sharding``)."""
+    if type(module) is nn.Linear or is_float_sharded(module):
         if dtype is not None:
             for what in ("weight", "bias"):
                 if what in module and module[what].dtype != dtype:
@@ -126,6 +137,9 @@ def linear_reason(name: str, module, dtype=None) -> str | None:
     if isinstance(module, nn.QuantizedLinear):
         return (f"{name} is nn.QuantizedLinear ({module.bits}-bit, group {module.group_size}): "
                 "no brick reads quantized weights yet")
+    sharded = quantized_sharded_reason(name, module)
+    if sharded is not None:
+        return sharded
     if type(module).__module__.startswith("mlx_lm.tuner"):
         return f"{name} is {cls} (LoRA/DoRA adapter): the bricks do not apply adapters"
     return f"{name} is {cls}, not nn.Linear"
@@ -172,9 +186,19 @@ def _call_reason(x, mask, cache, args, kwargs) -> str | None:
     return None
 
 
+def sharding_reason(module, layout: BlockLayout, part: str) -> str | None:
+    """Why the tensor-parallel sharding of an attention (``part="attention"``) or MLP
+    (``"mlp"``) module's linears is not mlx-lm's (None: plain, or q/k/v and gate/up
+    column-sharded and o/down row-sharded; ``mlx_bricks.nn.sharding.role_reason``)."""
+    if part == "attention":
+        return role_reason((layout.q_proj, layout.k_proj, layout.v_proj), (layout.o_proj,),
+                           module)
+    return role_reason((layout.gate_proj, layout.up_proj), (layout.down_proj,), module)
+
+
 def _attention_reason(attn, layout: BlockLayout, dtype) -> str | None:
     reasons = (linear_reason(n, getattr(attn, n, None), dtype) for n in layout.attention_linears)
-    r = _first_reason(*reasons)
+    r = _first_reason(*reasons) or sharding_reason(attn, layout, "attention")
     if r is None and layout.qk_norm is not None:
         r = _first_reason(*(rms_norm_reason(n, getattr(attn, n, None), dtype)
                             for n in layout.qk_norm))
@@ -183,7 +207,7 @@ def _attention_reason(attn, layout: BlockLayout, dtype) -> str | None:
 
 def _mlp_reason(mlp, layout: BlockLayout, dtype) -> str | None:
     return _first_reason(*(linear_reason(n, getattr(mlp, n, None), dtype)
-                           for n in layout.mlp_linears))
+                           for n in layout.mlp_linears)) or sharding_reason(mlp, layout, "mlp")
 
 
 def _block_reason(block, layout: BlockLayout, dtype) -> str | None:
@@ -249,9 +273,9 @@ def _heads(y, B, L, n):
 
 def _weight(linear):
     """The weight a brick takes from a linear layer: the array, or a ``QuantizedWeight`` for an
-    ``nn.QuantizedLinear`` (the tuner keys and times it by its format; the stock path calls
-    the layer itself)."""
-    if isinstance(linear, nn.QuantizedLinear):
+    ``nn.QuantizedLinear`` or a quantized tensor-parallel linear (the tuner keys and times it
+    by its format; the stock path calls the layer itself)."""
+    if isinstance(linear, nn.QuantizedLinear) or type(linear) in QUANTIZED_SHARDED:
         from mlx_bricks.ops.quant import QuantizedWeight
 
         return QuantizedWeight.from_module(linear)
@@ -259,7 +283,51 @@ def _weight(linear):
 
 
 def _linear_args(linear, x, residual=None) -> dict:
+    """The ``linear`` piece's arguments. For a row-sharded layer the brick computes the local
+    partial product only: bias and residual come after the ``all_sum`` (:func:`_finish`)."""
+    if is_row_sharded(linear):
+        return {"x": x, "weight": _weight(linear), "bias": None, "residual": None}
     return {"x": x, "weight": _weight(linear), "bias": _bias(linear), "residual": residual}
+
+
+def _finish(linear, y, residual=None):
+    """The output of an output projection (o, down) from its piece's output ``y``: for a
+    row-sharded layer ``y`` is this rank's partial product, reduced as the stock layer does
+    (``all_sum``, bias, then the residual once); otherwise ``y`` is already complete."""
+    return reduce_partial(linear, y, residual) if is_row_sharded(linear) else y
+
+
+def _partial(linear, x):
+    """A row-sharded layer's local product as its stock forward computes it (``x @ W.T`` on
+    the local shard, before the ``all_sum``; ``mx.quantized_matmul`` for a quantized one)."""
+    if "scales" in linear:
+        return mx.quantized_matmul(x, linear["weight"], scales=linear["scales"],
+                                   biases=linear.get("biases"), transpose=True,
+                                   group_size=linear.group_size, bits=linear.bits,
+                                   mode=linear.mode)
+    return x @ linear["weight"].T
+
+
+def _out_stock(linear, x, residual=None):
+    """The stock path of an output-projection piece: mlx-lm's ``residual + linear(x)``; for a
+    row-sharded layer the piece's value is the local partial product (:func:`_finish` reduces
+    it)."""
+    if is_row_sharded(linear):
+        return _partial(linear, x)
+    y = linear(x)
+    return y if residual is None else residual + y
+
+
+def _mlp_stock(mlp, layout: BlockLayout, x, residual=None):
+    """The stock path of the MLP piece: mlx-lm's ``residual + mlp(x)``; with a row-sharded
+    down projection, mlx-lm's ``swiglu(gate_proj(x), up_proj(x))`` (the table's MLPs are
+    SwiGLU) times the local down shard, before the ``all_sum`` (:func:`_finish`)."""
+    down = getattr(mlp, layout.down_proj)
+    if is_row_sharded(down):
+        gate, up = getattr(mlp, layout.gate_proj), getattr(mlp, layout.up_proj)
+        return _partial(down, swiglu(gate(x), up(x)))
+    y = mlp(x)
+    return y if residual is None else residual + y
 
 
 def _attention_args(attn, state: BricksState, B, L, offset, dtype, mask) -> dict:
@@ -273,8 +341,12 @@ def _attention_args(attn, state: BricksState, B, L, offset, dtype, mask) -> dict
 
 def _mlp_args(mlp, layout: BlockLayout, x, residual=None) -> dict:
     gate, up, down = (getattr(mlp, n) for n in layout.mlp_linears)
+    if is_row_sharded(down):  # partial product only: b_down and residual after the all_sum
+        b_down, residual = None, None
+    else:
+        b_down = _bias(down)
     return {"x": x, "w_gate": _weight(gate), "w_up": _weight(up), "w_down": _weight(down),
-            "b_gate": _bias(gate), "b_up": _bias(up), "b_down": _bias(down),
+            "b_gate": _bias(gate), "b_up": _bias(up), "b_down": b_down,
             "residual": residual}
 
 
@@ -411,8 +483,9 @@ class BricksAttention:
         o = _attend(self, state, choices["attention"],
                     lambda: _attention_args(self, state, B, L, offset, x.dtype, mask),
                     q, k, v, mask, cache)
-        return _piece(state, "o_proj", choices["o_proj"], "linear", lambda: _linear_args(op, o),
-                      lambda: op(o), "linear")
+        y = _piece(state, "o_proj", choices["o_proj"], "linear", lambda: _linear_args(op, o),
+                   lambda: _out_stock(op, o), "linear")
+        return _finish(op, y)
 
 
 class BricksMLP:
@@ -442,9 +515,11 @@ class BricksMLP:
                           lambda: {"mlp": ("swiglu_mlp", _mlp_args(self, state.layout, x))})
         if _all_stock(state, choices):
             return super().__call__(x)
-        return _piece(state, "mlp", choices["mlp"], "swiglu_mlp",
-                      lambda: _mlp_args(self, state.layout, x),
-                      lambda: super(BricksMLP, self).__call__(x), "swiglu_mlp")
+        down = getattr(self, state.layout.down_proj)
+        y = _piece(state, "mlp", choices["mlp"], "swiglu_mlp",
+                   lambda: _mlp_args(self, state.layout, x),
+                   lambda: _mlp_stock(self, state.layout, x), "swiglu_mlp")
+        return _finish(down, y)
 
 
 class BricksBlock:
@@ -514,11 +589,16 @@ class BricksBlock:
         o = _attend(attn, state, choices["attention"],
                     lambda: _attention_args(attn, state, B, L, offset, x.dtype, mask),
                     q, k, v, mask, cache)
-        h = _piece(state, "o_proj", choices["o_proj"], "linear",
-                   lambda: _linear_args(op, o, residual=x), lambda: x + op(o), "linear")
+        # A row-sharded o/down: the piece gives the local partial product; _finish all-sums
+        # it, adds the bias, then the residual once (as the stock layer and block do).
+        h = _finish(op, _piece(state, "o_proj", choices["o_proj"], "linear",
+                               lambda: _linear_args(op, o, residual=x),
+                               lambda: _out_stock(op, o, x), "linear"), x)
         hn = post(h)  # nn.RMSNorm: mx.fast.rms_norm(h, weight, eps), as the brick path needs
-        return _piece(state, "mlp", choices["mlp"], "swiglu_mlp",
-                      lambda: _mlp_args(mlp, lay, hn, h), lambda: h + mlp(hn), "swiglu_mlp")
+        y = _piece(state, "mlp", choices["mlp"], "swiglu_mlp",
+                   lambda: _mlp_args(mlp, lay, hn, h), lambda: _mlp_stock(mlp, lay, hn, h),
+                   "swiglu_mlp")
+        return _finish(mlp[lay.down_proj], y, h)
 
 
 MIXINS = (BricksAttention, BricksMLP, BricksBlock)

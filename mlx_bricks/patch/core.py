@@ -26,6 +26,7 @@ from mlx_bricks.nn.modules import (
     is_patched,
     linear_reason,
     rms_norm_reason,
+    sharding_reason,
 )
 from mlx_bricks.patch.dispatch import NO_KERNEL_BACKEND, TUNE_MODES, Dispatch
 from mlx_bricks.patch.report import (
@@ -95,6 +96,9 @@ def _attention_structure(attn, layout, kv_quant) -> tuple[str | None, int]:
         r = linear_reason(name, getattr(attn, name, None))
         if r is not None:
             return r, 0
+    r = sharding_reason(attn, layout, "attention")  # tensor-parallel: mlx-lm's shard() layout
+    if r is not None:
+        return r, 0
     for name in layout.qk_norm or ():
         r = rms_norm_reason(name, getattr(attn, name, None))
         if r is not None:
@@ -133,7 +137,7 @@ def _mlp_structure(mlp, layout) -> str | None:
         r = linear_reason(name, getattr(mlp, name, None))
         if r is not None:
             return r
-    return _signature_reason(mlp, ())
+    return sharding_reason(mlp, layout, "mlp") or _signature_reason(mlp, ())
 
 
 def _block_structure(layer, layout) -> str | None:

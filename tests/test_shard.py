@@ -1,0 +1,173 @@
+"""Tensor-parallel (sharded) mlx-lm models under the patch (issue 18; docs/sharding.md).
+
+The main test starts two ranks of MLX's ``ring`` backend over loopback on this machine
+(``mlx_bricks.launch``; the rank side is ``tests/shard_worker.py``): tiny random llama and
+qwen3 models sharded with mlx-lm's own ``Model.shard()``, stock vs patched on the reference
+backend (named), fused block and unfused modules, with and without biases, float32 and
+bfloat16. The in-process tests use the singleton group (size 1: ``all_sum`` is the identity),
+which exercises the same code paths without a second process.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.nn.layers.distributed import shard_linear
+
+from mlx_bricks.launch import launch_local
+from mlx_bricks.nn import DECODE
+from mlx_bricks.patch import patch_model
+from tests.models import build_model, tokens
+
+ROOT = Path(__file__).resolve().parents[1]
+RANKS = 2
+BRICK_CALLS = {"block": ("rms_norm_qkv", "flash_attention", "linear", "swiglu_mlp"),
+               "self_attn": ("linear", "flash_attention"), "mlp": ("swiglu_mlp",)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """The per-rank JSON of ``tests.shard_worker`` run as 2 ring ranks (skip with the reason
+    when the ring backend is unavailable or the ranks cannot connect)."""
+    if not mx.distributed.is_available("ring"):
+        pytest.skip("MLX's ring distributed backend is not available in this build")
+    out = tmp_path_factory.mktemp("shard")
+    results = launch_local([sys.executable, "-m", "tests.shard_worker", str(out)], RANKS,
+                           "ring", timeout=240, cwd=ROOT)
+    init_errors = sorted(out.glob("rank*-init.json"))
+    if init_errors:
+        pytest.skip("ring backend over loopback unavailable here: "
+                    + json.loads(init_errors[0].read_text())["init_error"])
+    for r in results:
+        assert r.returncode == 0, (f"rank {r.rank} exited with {r.returncode}:\n"
+                                   f"{r.stderr[-4000:]}")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(RANKS)]
+
+
+def _cases(two_ranks):
+    return [(rank, case) for rank in two_ranks for case in rank["cases"]]
+
+
+def test_two_ranks_form_a_group(two_ranks):
+    assert [r["rank"] for r in two_ranks] == list(range(RANKS))
+    assert all(r["size"] == RANKS and r["all_sum_check"] == RANKS for r in two_ranks)
+
+
+def test_sharded_patched_logits_and_tokens_match_stock(two_ranks):
+    for rank, c in _cases(two_ranks):
+        what = f"rank {rank['rank']} {c['name']}"
+        assert c["logits_ok"], (f"{what}: patched error {c['error']:.3g} vs float64 exceeds "
+                                f"budget {c['budget']:.3g} (stock's {c['naive_error']:.3g})")
+        if c["dtype"] == "float32":  # the reference backend: same math as stock in float32
+            assert c["max_abs_patched_vs_stock"] <= 1e-4, what
+        tie = c["tie"]
+        assert c["patched_tokens"] == c["stock_tokens"] or tie["tie"], (
+            f"{what}: greedy token {tie['first_diff']} differs from stock where float64 prefers "
+            f"one by {tie.get('margin')} > {tie.get('budget')}")
+
+
+def test_ranks_agree_after_the_reductions(two_ranks):
+    """Every rank ends with the same logits (the row-sharded layers all-sum the partials)."""
+    by_name = [{c["name"]: c["patched_sha"] for c in r["cases"]} for r in two_ranks]
+    assert by_name[0] == by_name[1]
+
+
+def test_sharded_modules_run_the_bricks(two_ranks):
+    for rank, c in _cases(two_ranks):
+        s = c["shapes"]
+        assert s["classes"] == ["AllToShardedLinear", "ShardedToAllLinear"], c["name"]
+        for m in c["modules"]:
+            what = f"rank {rank['rank']} {c['name']} layer {m['layer']} {m['module']}"
+            assert m["status"] == "patched", f"{what}: {m['reason']}"
+            assert m["module"] == ("block" if c["fuse_block"] else m["module"])
+            for brick in BRICK_CALLS[m["module"]]:
+                assert m["calls"].get(brick, 0) > 0, f"{what}: {brick} never ran"
+            assert set(m["stock_calls"]) <= {DECODE}, f"{what}: {m['stock_calls']}"
+
+
+def test_tuner_keys_use_the_per_rank_shapes(two_ranks):
+    """Decision keys carry each rank's local weight shapes and head counts (half the model's
+    q/gate rows, half the o/down columns), not the unsharded ones."""
+    for rank, c in _cases(two_ranks):
+        s = c["shapes"]
+        n_q, hidden = s["q_proj_full"]
+        inter = s["gate_proj_full"][0]
+        assert s["q_proj"] == [n_q // RANKS, hidden] and s["gate_proj"] == [inter // RANKS, hidden]
+        assert s["o_proj"] == [hidden, n_q // RANKS]
+        keys = "\n".join(c["keys"])
+        head_dim = n_q // (s["n_heads"] * RANKS)
+        assert f"swiglu_mlp[K={hidden},N={inter // RANKS}," in keys, keys
+        assert f"N={inter}," not in keys, keys
+        # the out-projection: the local partial product (no bias, no residual in the brick)
+        assert f"linear[N={hidden},K={n_q // RANKS},bias=0,res=0]" in keys, keys
+        assert f"linear[N={hidden},K={n_q}," not in keys, keys
+        if c["fuse_block"]:
+            heads = f"heads={s['n_heads']}/{s['n_kv_heads']}x{head_dim}"
+            assert f"rms_norm_qkv[K={hidden},{heads}," in keys, keys
+
+
+# ---------------------------------------------------------------------------------------------
+# in process: the singleton group (size 1)
+# ---------------------------------------------------------------------------------------------
+
+def _sharded(arch, **overrides):
+    model = build_model(arch, mx.float32, **overrides)
+    model.shard(mx.distributed.init())
+    return model
+
+
+@pytest.mark.parametrize("fuse_block", (True, False))
+def test_singleton_group_sharded_model_matches_stock(fuse_block):
+    model = _sharded("llama", attention_bias=True, mlp_bias=True)
+    toks = tokens(9)
+    stock = model(toks)
+    report = patch_model(model, backend="reference", fuse_block=fuse_block)
+    patched = model(toks)
+    assert mx.abs(patched - stock).max().item() <= 1e-4
+    assert report.n_fallback == 0 and report.n_patched > 0
+    assert all(sum(m.calls.values()) > 0 for m in report.modules)
+
+
+def test_quantized_sharded_linears_stay_stock_with_the_reason():
+    model = build_model("llama", mx.float32)
+    nn.quantize(model, group_size=64, bits=4)
+    model.shard(mx.distributed.init())
+    attn = model.layers[0].self_attn
+    assert type(attn.q_proj).__name__ == "QuantizedAllToShardedLinear"
+    report = patch_model(model, backend="reference")
+    reasons = {m.reason for m in report.modules if m.status == "fallback"}
+    assert any("QuantizedAllToShardedLinear" in r and "tensor-parallel" in r for r in reasons), \
+        reasons
+    assert report.n_patched == 0
+    toks = tokens(5)
+    assert model(toks).shape == (1, 5, model.args.vocab_size)
+
+
+def test_sharding_other_than_mlx_lms_is_left_stock():
+    """A row-sharded input projection (or a column-sharded output one) is not mlx-lm's layout:
+    attention and MLP stay stock with the reason."""
+    model = build_model("llama", mx.float32)
+    group = mx.distributed.init()
+    layer = model.layers[0]
+    layer.self_attn.q_proj = shard_linear(layer.self_attn.q_proj, "sharded-to-all", group=group)
+    layer.mlp.down_proj = shard_linear(layer.mlp.down_proj, "all-to-sharded", group=group)
+    report = patch_model(model, backend="reference")
+    layer0 = {m.module: m for m in report.modules if m.layer == 0}
+    assert "q_proj is ShardedToAllLinear (row-sharded)" in layer0["self_attn"].reason
+    assert "down_proj is AllToShardedLinear (column-sharded)" in layer0["mlp"].reason
+    assert all(m.status == "patched" for m in report.modules if m.layer != 0)
+
+
+def test_call_time_structure_check_sees_a_resharded_layer():
+    model = _sharded("llama")
+    patch_model(model, backend="reference", fuse_block=False)
+    attn = model.layers[1].self_attn
+    attn.o_proj = shard_linear(nn.Linear(*reversed(attn.o_proj.weight.shape), bias=False),
+                               "all-to-sharded", group=mx.distributed.init())
+    model(tokens(4))
+    assert any("o_proj is AllToShardedLinear (column-sharded)" in r
+               for r in attn._bricks_state.stock), attn._bricks_state.stock
