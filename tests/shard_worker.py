@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step, generation_stream
 
+from mlx_bricks.bench.shard import run_rank
 from mlx_bricks.patch import patch_model
 from mlx_bricks.tune.check import EPS, dtype_close, to_f64
 from tests.models import build_model, clone, tokens
@@ -126,7 +127,10 @@ def main(out_dir: str) -> int:
         path.write_text(json.dumps({"init_error": f"{type(e).__name__}: {e}"}))
         return 0
     out = {"rank": rank, "size": group.size(), "all_sum_check": float(check[0]),
-           "cases": [run_case(group, *case) for case in CASES]}
+           "cases": [run_case(group, *case) for case in CASES],
+           # scripts/gpu/shard_check.py's rank side, tiny, on this group
+           "bench": run_rank(shape_name="tiny", dtype="bf16", M=32, backend="reference",
+                             tune="off", repeats=1, group=group)}
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(out))
     return 0
 

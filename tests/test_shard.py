@@ -171,3 +171,22 @@ def test_call_time_structure_check_sees_a_resharded_layer():
     model(tokens(4))
     assert any("o_proj is AllToShardedLinear (column-sharded)" in r
                for r in attn._bricks_state.stock), attn._bricks_state.stock
+
+
+def test_gpu_check_rank_side_runs_tiny_on_the_ring(two_ranks):
+    """``scripts/gpu/shard_check.py``'s rank side (``mlx_bricks.bench.shard.run_rank``), tiny,
+    reference bricks: correct, every layer patched and used, per-rank shapes, both ranks'
+    timings gathered."""
+    for rank in two_ranks:
+        b = rank["bench"]
+        assert b["correct"]["ok"], b["correct"]
+        assert b["patch"]["n_patched"] == b["model"]["shape"]["layers"]
+        assert b["patch"]["n_fallback"] == 0 and b["patch"]["stock_calls"] == {}
+        assert set(b["patch"]["calls"]) == set(BRICK_CALLS["block"])
+        shape, local = b["model"]["shape"], b["model"]["local"]
+        assert local["n_heads"] == shape["heads"] // RANKS
+        assert local["gate_proj"] == [shape["intermediate"] // RANKS, shape["hidden"]]
+        assert local["down_proj"] == [shape["hidden"], shape["intermediate"] // RANKS]
+        assert len(b["timing"]["per_rank_s"]) == RANKS
+    assert two_ranks[0]["bench"]["timing"]["per_rank_s"] == \
+        two_ranks[1]["bench"]["timing"]["per_rank_s"]

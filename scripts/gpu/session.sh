@@ -3,8 +3,11 @@
 # Usage (on the GPU machine, after MLX is installed in /tmp/site; ../shared/docs/device.md):
 #   bash scripts/gpu/session.sh STEP [STEP ...]
 # Steps: gemm-tests gemm-bench attn-tests attn-check decode-tests decode-check e2e all-tests
+#        shard (needs kind nvidia-h200-x2: 2 NCCL ranks, one GPU each; NVLink multicast off)
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# NVLink multicast off for NCCL (and PyTorch / NVSHMEM): device notes, KINDS.md
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -c "import mlx.core as mx; assert mx.cuda.is_available(); print(mx.__version__, mx.device_info())" || exit 3
@@ -26,6 +29,8 @@ for s in "$@"; do
         decode-tests) step decode-tests 150 $PYT -n 8 -k cuda tests/test_decode_attention.py tests/test_cache.py ;;
         decode-check) step decode-check 200 python3 scripts/gpu/decode_cuda_check.py --out "$OUT/decode.json" ;;
         e2e) step e2e 300 python3 -m mlx_bricks.bench --backend cuda --only e2e --out "$OUT/e2e.json" ;;
+        shard) step shard 560 python3 scripts/gpu/shard_check.py \
+            --out "$OUT/shard.json" ;;
         all-tests) step all-tests 500 $PYT -n 8 -m "not slow" tests ;;
         *) echo "unknown step $s"; exit 2 ;;
     esac
