@@ -22,6 +22,8 @@ from mlx_bricks.launch import launch_local
 from mlx_bricks.nn import DECODE
 from mlx_bricks.patch import patch_model
 from tests.models import build_model, tokens
+from tests.support import require_backend
+from tests.tolerance import assert_dtype_close
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS = 2
@@ -130,6 +132,28 @@ def test_singleton_group_sharded_model_matches_stock(fuse_block):
     assert mx.abs(patched - stock).max().item() <= 1e-4
     assert report.n_fallback == 0 and report.n_patched > 0
     assert all(sum(m.calls.values()) > 0 for m in report.modules)
+
+
+@pytest.mark.parametrize("fuse_block", (True, False))
+def test_singleton_group_sharded_model_on_msl(fuse_block):
+    """The MSL kernels (emulator) on a sharded model: the first-call guard compares each
+    row-sharded piece's partial product with stock's (no bias, no residual) and keeps the
+    bricks; logits within the dtype-scaled rule of float64."""
+    require_backend("emulator")
+    model = _sharded("llama", num_hidden_layers=1, attention_bias=True, mlp_bias=True)
+    ref = build_model("llama", mx.float64, num_hidden_layers=1, attention_bias=True,
+                      mlp_bias=True)
+    toks = tokens(7)
+    with mx.stream(mx.cpu):
+        want = ref(toks)
+        mx.eval(want)
+    stock = model(toks)
+    report = patch_model(model, backend="emulator", fuse_block=fuse_block)
+    got = model(toks)
+    assert_dtype_close(got, want, stock, dtype=mx.float32, what=f"fuse_block={fuse_block}")
+    assert report.stock_calls() == {} and report.tuning()["disabled"] == []
+    for m in report.modules:
+        assert m.status == "patched" and all(m.calls.get(b, 0) > 0 for b in m.bricks), m
 
 
 def test_quantized_sharded_linears_stay_stock_with_the_reason():

@@ -140,8 +140,9 @@ def run_rank(*, shape_name: str = "llama8b_4layer", dtype: str = "bf16", M: int 
                             "gate_proj": list(mlp.gate_proj.weight.shape),
                             "down_proj": list(mlp.down_proj.weight.shape)}},
         "patch": {"backend": report.backend.name, "tune": tune, "n_patched": report.n_patched,
-                  "n_fallback": report.n_fallback, "fallbacks": [f"layer {m.layer} {m.module}: {m.reason}"
-                                                for m in report.fallbacks],
+                  "n_fallback": report.n_fallback,
+                  "fallbacks": [f"layer {m.layer} {m.module}: {m.reason}"
+                                for m in report.fallbacks],
                   "calls": dict(report.calls()), "stock_calls": dict(report.stock_calls()),
                   "tuned_stock_calls": dict(report.tuned_stock_calls())},
         "tuning": report.tuning(),

@@ -17,6 +17,11 @@ runs. Decode (L == 1) and every case the bricks do not cover call the original `
 unchanged, and the reason is counted in the module's :class:`BricksState`. The bricks write K/V
 into mlx-lm's ``KVCache`` with ``cache.update_and_fetch`` exactly as stock does, so decode
 continues on the stock path.
+
+Tensor-parallel models (mlx-lm's ``Model.shard()``; ``mlx_bricks.nn.sharding``): column-sharded
+q/k/v and gate/up run the bricks on the local shard (the attention's local ``n_heads`` /
+``n_kv_heads``); for a row-sharded o/down the piece computes the local partial product (no bias,
+no residual), then ``_finish`` applies the layer's ``all_sum``, its bias and the residual once.
 """
 from __future__ import annotations
 
@@ -318,15 +323,16 @@ def _out_stock(linear, x, residual=None):
     return y if residual is None else residual + y
 
 
-def _mlp_stock(mlp, layout: BlockLayout, x, residual=None):
-    """The stock path of the MLP piece: mlx-lm's ``residual + mlp(x)``; with a row-sharded
-    down projection, mlx-lm's ``swiglu(gate_proj(x), up_proj(x))`` (the table's MLPs are
-    SwiGLU) times the local down shard, before the ``all_sum`` (:func:`_finish`)."""
+def _mlp_stock(mlp, layout: BlockLayout, x, residual=None, call=None):
+    """The stock path of the MLP piece: mlx-lm's ``residual + mlp(x)`` (``call``: the MLP's
+    stock ``__call__``, default ``mlp`` itself); with a row-sharded down projection, mlx-lm's
+    ``swiglu(gate_proj(x), up_proj(x))`` (the table's MLPs are SwiGLU) times the local down
+    shard, before the ``all_sum`` (:func:`_finish`)."""
     down = getattr(mlp, layout.down_proj)
     if is_row_sharded(down):
         gate, up = getattr(mlp, layout.gate_proj), getattr(mlp, layout.up_proj)
         return _partial(down, swiglu(gate(x), up(x)))
-    y = mlp(x)
+    y = (call or mlp)(x)
     return y if residual is None else residual + y
 
 
@@ -518,7 +524,8 @@ class BricksMLP:
         down = getattr(self, state.layout.down_proj)
         y = _piece(state, "mlp", choices["mlp"], "swiglu_mlp",
                    lambda: _mlp_args(self, state.layout, x),
-                   lambda: _mlp_stock(self, state.layout, x), "swiglu_mlp")
+                   lambda: _mlp_stock(self, state.layout, x,
+                                      call=super(BricksMLP, self).__call__), "swiglu_mlp")
         return _finish(down, y)
 
 
