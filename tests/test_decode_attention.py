@@ -350,49 +350,59 @@ def test_argument_errors():
 
 
 # ---------------------------------------------------------------------------------------------
-# CUDA twin: compiles as MLX builds it, for sm_90a and sm_80, without spills
+# CUDA twins: the launches the op makes compile as MLX builds them, for sm_90a and sm_80, with
+# no local memory (the pattern of tests/test_cuda_compile.py; correctness runs on the GPU).
+
+import mlx_bricks.ops.decode as decode_module  # noqa: E402
 
 
-def _twin_inputs(dtype, q8):
-    kv = mx.int8 if q8 else dtype
-    return [(dtype, 4), (kv, 4), (kv, 4), (F16, 4), (F16, 4), (mx.int32, 1), (F32, 1)]
+def _compile_launches(arch, dtype, q8, D, Lq, heads, Lk):
+    if cudacheck.find_nvcc() is None:
+        pytest.skip("nvcc not found")
+    (Hq, Hkv) = heads
+    q, k, v = make_qkv(1, Lq, Lk, Hq, Hkv, D, dtype, seed=0)
+    ks = vs = None
+    if q8:
+        (k, ks), (v, vs) = quantize_q8_0_reference(k), quantize_q8_0_reference(v)
+    with cudacheck.recorded_launches(decode_module) as records:
+        launch_decode_attention(q, k, v, ks, vs, D**-0.5, True, None, "cuda")
+    assert [r.name for r in records] == ["decode_attention", "decode_attention_reduce"]
+    rt = dict(records[0].template)["RT"]
+    for rec in records:
+        res = rec.compile(arch)
+        assert res.stack == 0 and res.spill_stores == 0 and res.spill_loads == 0, (rec.name, res)
+        # No __launch_bounds__ on generated kernels: the block must fit in any case.
+        assert res.registers * rec.threadgroup[0] <= 65536, (rec.name, res)
+        # MLX launches ceil(grid / threadgroup) blocks of min(threadgroup, grid) threads.
+        assert all(g >= t and g % t == 0 for g, t in zip(rec.grid, rec.threadgroup)), rec.grid
+        want_smem = _threadgroup_bytes(D, rt) if rec.name == "decode_attention" else 0
+        assert res.smem == want_smem, (rec.name, res)
 
 
-# (dtype, q8, D, RT): two of the register-heaviest row tiles in the default suite (nvcc takes
-# seconds per kernel); every (dtype, q8, D) with its largest tile in the slow one.
-CUDA_DEFAULT = [(F16, True, 128, 8), (BF16, False, 256, 4)]
-CUDA_FULL = [(dt, q8, D, rows_per_threadgroup(D, 64)) for dt in DTYPES for q8 in (False, True)
+# (dtype, q8, D, Lq, (Hq, Hkv), Lk): the default suite compiles the llama-3-8B decode (Q8_0,
+# GQA 4) and the register-heaviest tile of head_dim 256 (nvcc takes seconds per kernel); the
+# slow one every (dtype, q8, head_dim) with its largest row tile.
+CUDA_DEFAULT = [(F16, True, 128, 1, (32, 8), 100), (BF16, False, 256, 8, (8, 2), 50)]
+CUDA_FULL = [(dt, q8, D, 8, (8, 1), 40) for dt in DTYPES for q8 in (False, True)
              for D in SUPPORTED_HEAD_DIMS if not (q8 and D % 32)]
 
 
-def _compile_check(arch, dtype, q8, D, rt):
-    if cudacheck.find_nvcc() is None:
-        pytest.skip("nvcc not found")
-    res = cudacheck.compile_twin(
-        "decode_attention", _twin_inputs(dtype, q8), [F32, F32],
-        [("T", dtype), ("D", D), ("RT", rt), ("KV_Q8", q8), ("CAUSAL", True)], arch=arch)
-    assert res.spill_stores == 0 and res.spill_loads == 0, res
-    assert res.smem == _threadgroup_bytes(D, rt), res
-    red = cudacheck.compile_twin("decode_attention_reduce", [(F32, 5), (F32, 5)], [dtype],
-                                 [("T", dtype), ("D", D)], arch=arch)
-    assert red.spill_stores == 0 and red.spill_loads == 0, red
-
-
 def _cuda_id(c):
-    return f"{str(c[0]).split('.')[-1]}{'-q8' if c[1] else ''}-D{c[2]}-rt{c[3]}"
+    dt, q8, D, Lq, (Hq, Hkv), Lk = c
+    return f"{str(dt).split('.')[-1]}{'-q8' if q8 else ''}-D{D}-Lq{Lq}-h{Hq}x{Hkv}"
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 @pytest.mark.parametrize("case", CUDA_DEFAULT, ids=_cuda_id)
 def test_cuda_twin_compiles_without_spills(arch, case):
-    _compile_check(arch, *case)
+    _compile_launches(arch, *case)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 @pytest.mark.parametrize("case", CUDA_FULL, ids=_cuda_id)
 def test_cuda_twin_compiles_without_spills_full(arch, case):
-    _compile_check(arch, *case)
+    _compile_launches(arch, *case)
 
 
 def test_nsg_matches_the_header():

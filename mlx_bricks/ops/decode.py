@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from mlx_bricks import kernels
 from mlx_bricks.backends import kernel_backend
+from mlx_bricks.kernels import launch
 from mlx_bricks.ops._checks import check_array, check_float_dtype, dtype_name
 from mlx_bricks.ops.q8_0 import QK8_0, dequantize_q8_0_reference, quantize_q8_0
 
@@ -200,7 +201,7 @@ def launch_decode_attention(q, k, v, k_scale, v_scale, scale, causal, splits, ba
     if not kv_q8:
         k_scale = v_scale = mx.zeros((1, 1, 1, 1), mx.float16)  # never read; 4-D strides
     nt = 32 * DECODE_NSG
-    o_part, ml_part = kernels.launch(
+    o_part, ml_part = launch(
         "decode_attention", backend,
         inputs=[q, k, v, k_scale, v_scale, mx.array([split_len], mx.int32),
                 mx.array([scale], mx.float32)],
@@ -211,7 +212,7 @@ def launch_decode_attention(q, k, v, k_scale, v_scale, scale, causal, splits, ba
         template=[("T", q.dtype), ("D", D), ("RT", rt), ("KV_Q8", kv_q8),
                   ("CAUSAL", bool(causal) and Lq > 1)],
     )
-    (out,) = kernels.launch(
+    (out,) = launch(
         "decode_attention_reduce", backend,
         inputs=[o_part, ml_part],
         grid=(32, Lq * Hq, B),
