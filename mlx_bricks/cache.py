@@ -23,11 +23,14 @@ looked up in its own module's globals. :func:`register_with_mlx_lm` adds ``Q8KVC
 that registration done first. ``save_prompt_cache`` needs nothing.
 
 Attention over this cache needs the bricks: mlx-lm's stock attention cannot read ``(qs, d)``
-tuples. A model uses it through the patch (``kv_cache="q8_0"``), which calls
-:func:`q8_0_cache_attention` where stock calls ``scaled_dot_product_attention``.
+tuples. :func:`q8_0_cache_attention` is the drop-in for mlx-lm's ``scaled_dot_product_attention``
+on such a layer, and :func:`route_attention` makes a model's stock attention call it for every
+layer whose cache is a ``Q8KVCache`` (what the patch's ``kv_cache="q8_0"`` needs for the calls
+it leaves stock, decode included).
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -368,3 +371,61 @@ def q8_0_cache_attention(queries, keys, values, *, scale, mask=None, backend=Non
     k = dequantize_q8_0(*keys, dtype=queries.dtype, backend=be)
     v = dequantize_q8_0(*values, dtype=queries.dtype, backend=be)
     return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
+
+
+# --- routing mlx-lm's attention -------------------------------------------------------------------
+
+#: module name -> (original scaled_dot_product_attention, number of active routes)
+_ROUTES: dict[str, list] = {}
+
+
+def route_attention(model):
+    """Make ``model``'s stock attention read :class:`Q8KVCache` layers through the bricks.
+
+    mlx-lm's attention modules call the module-level name ``scaled_dot_product_attention`` of
+    their model file (``mlx_lm/models/llama.py`` etc., imported from ``models/base.py``). This
+    replaces that name in the model's module by a function that sends a call whose ``cache`` is
+    a ``Q8KVCache`` to :func:`q8_0_cache_attention` (on the cache's ``backend``) and every other
+    call, unchanged, to the original; so it is harmless to other models of the same
+    architecture. Routes are counted per module: the original comes back when the last one is
+    undone.
+
+    Returns:
+        A function of no arguments that undoes this route (idempotent).
+
+    Raises:
+        ValueError: the model's module has no ``scaled_dot_product_attention`` (architectures
+            whose attention does not go through ``models/base.py``).
+    """
+    name = type(model).__module__
+    module = sys.modules[name]
+    if name not in _ROUTES:
+        original = getattr(module, "scaled_dot_product_attention", None)
+        if original is None:
+            raise ValueError(f"{name} has no scaled_dot_product_attention to route")
+
+        def routed(queries, keys, values, cache, scale, mask, sinks=None):
+            if isinstance(cache, Q8KVCache):
+                if sinks is not None:
+                    raise ValueError("attention sinks are not supported with a Q8_0 KV cache")
+                return q8_0_cache_attention(queries, keys, values, scale=scale, mask=mask,
+                                            backend=cache.backend)
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
+                            sinks=sinks)
+
+        module.scaled_dot_product_attention = routed
+        _ROUTES[name] = [original, 0]
+    _ROUTES[name][1] += 1
+    done = []
+
+    def undo():
+        if done:
+            return
+        done.append(True)
+        entry = _ROUTES[name]
+        entry[1] -= 1
+        if entry[1] == 0:
+            module.scaled_dot_product_attention = entry[0]
+            del _ROUTES[name]
+
+    return undo

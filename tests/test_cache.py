@@ -21,6 +21,7 @@ from mlx_bricks.cache import (
     plan_prompt_cache,
     q8_0_cache_attention,
     register_with_mlx_lm,
+    route_attention,
 )
 from mlx_bricks.ops.q8_0 import dequantize_q8_0_reference, quantize_q8_0_reference
 from mlx_bricks.tools.kv_driver import q8_0_attention
@@ -206,8 +207,8 @@ def test_plan_keeps_rotating_and_unsupported_layers_with_reasons():
     cache = [p.cache for p in plan]
     ref = [mlx_cache.RotatingKVCache(max_size=8), RoundTripKVCache()]
     toks = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [13], [14]]
-    np.testing.assert_allclose(np.array(run(model, cache, toks, "reference")),
-                               np.array(run(model, ref, toks, "reference")), atol=1e-4)
+    np.testing.assert_allclose(np.array(run(model, cache, toks)),
+                               np.array(run(model, ref, toks)), atol=1e-4)
 
     class NoMakeCache:  # mlx-lm gives every layer a RotatingKVCache for max_kv_size
         layers = model.layers
@@ -235,10 +236,10 @@ class RoundTripKVCache(mlx_cache.KVCache):
         return super().update_and_fetch(rt(keys), rt(values))
 
 
-def run(model, cache, chunks, backend):
+def run(model, cache, chunks):
     """Logits of each chunk (list of token lists) fed in turn through ``cache``."""
     outs = []
-    with q8_0_attention(model, backend=backend):
+    with q8_0_attention(model):
         for toks in chunks:
             outs.append(model(mx.array([toks]), cache=cache)[0])
     return mx.concatenate(outs, axis=0)
@@ -249,9 +250,9 @@ def test_prefill_and_decode_match_the_q8_0_round_trip(kernel_backend):
     # then decode 3 single tokens and one 3-token draft (decode brick, causal Lq = 3).
     model = tiny_llama(seed=1)
     chunks = [list(range(1, 13)), list(range(20, 28)), [5], [9], [33], [7, 8, 40]]
-    q8 = run(model, make_prompt_cache(model, backend=kernel_backend), chunks, kernel_backend)
-    rtc = run(model, [RoundTripKVCache() for _ in model.layers], chunks, kernel_backend)
-    fp = run(model, [mlx_cache.KVCache() for _ in model.layers], chunks, kernel_backend)
+    q8 = run(model, make_prompt_cache(model, backend=kernel_backend), chunks)
+    rtc = run(model, [RoundTripKVCache() for _ in model.layers], chunks)
+    fp = run(model, [mlx_cache.KVCache() for _ in model.layers], chunks)
     q8, rtc, fp = (np.array(x) for x in (q8, rtc, fp))
     # Same K/V values attended: only float32 rounding apart.
     np.testing.assert_allclose(q8, rtc, atol=2e-5 * np.abs(fp).max())
@@ -270,7 +271,7 @@ def test_generate_loop_and_multi_turn_reuse():
     # then a second turn continues in the same cache, as a chat front end would reuse it.
     model = tiny_llama(seed=2)
     cache = make_prompt_cache(model, backend="reference")
-    with q8_0_attention(model, backend="reference"):
+    with q8_0_attention(model):
         turn1 = [t for t, _ in generate_step(mx.array([3, 1, 4, 1, 5, 9, 2, 6]), model,
                                              prompt_cache=cache, max_tokens=4)]
         # generate_step has fed every token it yielded (it computes one step ahead).
@@ -307,3 +308,24 @@ def test_cache_attention_dispatch(kernel_backend):
     got = q8_0_cache_attention(q, kq, vq, scale=0.125, mask=mask, backend=kernel_backend)
     want = mx.fast.scaled_dot_product_attention(q, kd, vd, scale=0.125, mask=mask)
     np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5)
+
+
+def test_route_attention_is_counted_and_undone():
+    # Two routes on one architecture module (two models, or the patch and a driver): the
+    # original comes back only when both are undone; undo is idempotent; float caches still take
+    # mlx-lm's own attention meanwhile.
+    a, b = tiny_llama(seed=3), tiny_llama(seed=4)
+    original = llama.scaled_dot_product_attention
+    undo_a, undo_b = route_attention(a), route_attention(b)
+    assert llama.scaled_dot_product_attention is not original
+    toks = mx.array([[1, 2, 3]])
+    routed = np.array(a(toks, cache=[mlx_cache.KVCache() for _ in a.layers]))
+    undo_a()
+    undo_a()
+    assert llama.scaled_dot_product_attention is not original
+    undo_b()
+    assert llama.scaled_dot_product_attention is original
+    np.testing.assert_array_equal(routed, np.array(a(toks, cache=[mlx_cache.KVCache()
+                                                                  for _ in a.layers])))
+    with pytest.raises(ValueError, match="no scaled_dot_product_attention"):
+        route_attention(type("M", (), {"__module__": "json"})())

@@ -46,14 +46,15 @@ def _versions() -> dict:
             "python": platform.python_version(), "machine": platform.platform()}
 
 
-def run_logits(model, tokens, cache, chunk: int, backend: str | None):
-    """Logits (L, vocab) float32 of ``tokens`` fed through ``cache`` in chunks."""
+def run_logits(model, tokens, cache, chunk: int):
+    """Logits (L, vocab) float32 of ``tokens`` fed through ``cache`` in chunks (Q8_0 layers
+    attend on their cache's backend)."""
     import mlx.core as mx
 
     from mlx_bricks.tools.kv_driver import q8_0_attention
 
     outs = []
-    with q8_0_attention(model, backend=backend):
+    with q8_0_attention(model):
         for lo in range(0, len(tokens), chunk):
             logits = model(mx.array([tokens[lo:lo + chunk]]), cache=cache)[0]
             logits = logits.astype(mx.float32)
@@ -104,11 +105,10 @@ def measure(model_dir: str | None = None, n_tokens: int = 1536, text_path: str |
     tokens = tokens[:n_tokens]
     dtype = model.layers[0].self_attn.q_proj.weight.dtype
 
-    fp16 = run_logits(model, tokens, stock_cache(model), chunk, backend)
-    q8 = run_logits(model, tokens, make_prompt_cache(model, "q8_0", backend=backend), chunk,
-                    backend)
+    fp16 = run_logits(model, tokens, stock_cache(model), chunk)
+    q8 = run_logits(model, tokens, make_prompt_cache(model, "q8_0", backend=backend), chunk)
     model.set_dtype(mx.float32)
-    fp32 = run_logits(model, tokens, stock_cache(model), chunk, backend)
+    fp32 = run_logits(model, tokens, stock_cache(model), chunk)
 
     return {
         "what": "next-token distributions: Q8_0 KV cache vs float KV cache (KL in nats)",

@@ -69,7 +69,7 @@ def measure_one(kind: str, model_dir: str, n_tokens: int, chunk: int, backend,
     mx.reset_peak_memory()
     before = mx.get_active_memory()
     t0 = time.perf_counter()
-    with q8_0_attention(model, backend=backend):
+    with q8_0_attention(model):
         for lo in range(0, n_tokens, chunk):
             logits = model(tokens[None, lo:lo + chunk], cache=cache)
             if lo + chunk < n_tokens:

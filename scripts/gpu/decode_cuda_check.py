@@ -289,7 +289,7 @@ def model_runs(n_tokens=16384, chunk=2048, decode_steps=10) -> list:
             mx.reset_peak_memory()
             before = mx.get_active_memory()
             t0 = time.perf_counter()
-            with q8_0_attention(model, backend=BACKEND):
+            with q8_0_attention(model):
                 for lo in range(0, n_tokens, chunk):
                     logits = model(tokens[:, lo:lo + chunk], cache=cache)
                     mx.eval([c.state for c in cache])
