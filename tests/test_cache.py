@@ -329,3 +329,31 @@ def test_route_attention_is_counted_and_undone():
                                                                   for _ in a.layers])))
     with pytest.raises(ValueError, match="no scaled_dot_product_attention"):
         route_attention(type("M", (), {"__module__": "json"})())
+
+
+# ---------------------------------------------------------------------------------------------
+# measurement tools (their numbers are in docs/kv_cache.md)
+
+
+def test_kld_summary():
+    from mlx_bricks.tools.kv_accuracy import compare
+
+    a = mx.array(np.random.default_rng(16).standard_normal((5, 50)).astype(np.float32))
+    same = compare(a, a)
+    assert same["mean_kld"] == pytest.approx(0.0, abs=1e-6) and same["top1_agreement"] == 1.0
+    b = a.at[:, 0].add(100.0)  # token 0 becomes the certain prediction of `b`
+    other = compare(a, b)
+    assert other["mean_kld"] > 10 and other["top1_agreement"] == np.mean(
+        np.array(mx.argmax(a, axis=-1)) == 0)
+
+
+def test_outlier_study():
+    # Q8_0 K error grows with a constant outlier channel; K smoothing removes the growth.
+    from mlx_bricks.tools.kv_outlier import measure
+
+    rows = measure(D=64, n_keys=128, n_queries=8)["rows"]
+    kld = [r["weights_kld"] for r in rows]
+    assert all(x < y for x, y in zip(kld[2:], kld[3:]))
+    assert kld[-1] > 100 * kld[0]
+    smooth = [r["smoothed_weights_kld"] for r in rows]
+    assert max(smooth) < 2 * min(smooth)
