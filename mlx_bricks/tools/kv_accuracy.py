@@ -95,6 +95,7 @@ def measure(model_dir: str | None = None, n_tokens: int = 1536, text_path: str |
 
     if n_tokens < 1 or chunk < 1:
         raise ValueError(f"--tokens and --chunk must be >= 1, got {n_tokens}, {chunk}")
+    versions = _versions()  # before the run: the commit that runs
     model_dir = str(model_dir or mlx_bricks.default_model())
     paths = [Path(text_path)] if text_path else list(DEFAULT_TEXTS)
     model, tokenizer = load(model_dir)
@@ -113,7 +114,7 @@ def measure(model_dir: str | None = None, n_tokens: int = 1536, text_path: str |
     return {
         "what": "next-token distributions: Q8_0 KV cache vs float KV cache (KL in nats)",
         "date": datetime.date.today().isoformat(),
-        "versions": _versions(),
+        "versions": versions,
         "model": model_dir, "model_dtype": str(dtype).replace("mlx.core.", ""),
         "text": [str(p.relative_to(ROOT) if p.is_relative_to(ROOT) else p) for p in paths],
         "tokens": n_tokens, "prefill_chunk": chunk, "backend": backend,

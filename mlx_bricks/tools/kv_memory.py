@@ -97,6 +97,7 @@ def measure(model_dir: str | None = None, n_tokens: int = 16384, chunk: int = 20
     import mlx_bricks
     from mlx_bricks.tools.kv_accuracy import _versions
 
+    versions = _versions()  # before the runs: the commit that runs
     model_dir = str(model_dir or mlx_bricks.default_model())
     runs = []
     for kind in KINDS:
@@ -114,7 +115,7 @@ def measure(model_dir: str | None = None, n_tokens: int = 16384, chunk: int = 20
     import datetime
 
     return {"what": "peak memory of a long prefill per KV cache kind (mx.get_peak_memory)",
-            "date": datetime.date.today().isoformat(), "versions": _versions(),
+            "date": datetime.date.today().isoformat(), "versions": versions,
             "model": model_dir, "layers_kept": n_layers, "backend": backend, "runs": runs}
 
 
