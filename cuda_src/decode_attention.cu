@@ -180,7 +180,6 @@ for (int c0 = k_begin + sg * 32; c0 < k_end; c0 += NT) {
 
   // O += P V: lane owns columns (32 i + lane) * CV .. + CV - 1.
   const int n_keys = min(32, k_end - c0);
-#pragma unroll 4
   for (int j = 0; j < n_keys; ++j) {
     const int64_t vo = v_base + (c0 + j) * v_strides[2];
     const int64_t vso = vs_base + (c0 + j) * (KV_Q8 ? v_scale_strides[2] : 0);
