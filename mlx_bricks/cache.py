@@ -63,8 +63,10 @@ class Q8KVCache(_mlx_cache._BaseCache):
 
     Attributes:
         keys, values: None before the first append, else ``(qs, d)`` buffers: qs int8
-            (B, Hkv, capacity, D), d float16 (B, Hkv, capacity, D // 32), capacity a multiple of
-            ``step`` (more after a load or a trim). Positions ``>= offset`` are stale.
+            (B, Hkv, capacity, D), d float16 (B, Hkv, capacity, D // 32). The capacity grows as
+            mlx-lm's KVCache's (by multiples of ``step``, cut to the offset first after a
+            partial step), so both hold the same capacity after the same appends; a loaded
+            cache holds exactly ``offset``. Positions ``>= offset`` are stale.
         offset: number of valid positions (tokens) in the cache.
         step: growth granularity in positions (256, as mlx-lm's KVCache).
 

@@ -171,8 +171,8 @@ def _check(q, k, v, scale, mask, kv_quant, splits):
     if ks != vs:
         raise ValueError(f"k and v must have the same shape, got {ks} and {vs}")
     if ks[0] != B or ks[3] != D:
-        raise ValueError(
-            f"k and v must have shape (B={B}, Hkv, Lk, D={D}) to match q {tuple(q.shape)}, got {ks}")
+        raise ValueError(f"k and v must have shape (B={B}, Hkv, Lk, D={D}) to match q "
+                         f"{tuple(q.shape)}, got {ks}")
     Hkv, Lk = ks[1], ks[2]
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"q's heads ({Hq}) must be a multiple of k/v's heads ({Hkv}) for GQA")

@@ -8,9 +8,9 @@ a table on stdout, JSON.
    None/3/7; Lq 1/3/8 causal) against a float64 numpy attention with the tests' dtype-scaled
    rule: covering cases first, then the rest in a fixed hash order until ``--budget-s`` (NVRTC
    compiles each template variant once; the whole product needs about 90 variants).
-2. timings, same process, median of repeats (``mlx_bricks.bench.gpu.time_op``: several calls per
-   ``mx.eval``, warm-up, ``mx.synchronize``): decode (Lq = 1) at head_dim 128, 32 query / 8 KV
-   heads, contexts 4k / 32k / 128k: the brick over Q8_0 K/V, the brick over float16 K/V, and
+2. timings, same process, median of repeats (``time_op``: 50 calls' graphs built, then one
+   ``mx.eval`` between ``mx.synchronize`` calls, after a warm-up round): decode (Lq = 1) at
+   head_dim 128, 32 query / 8 KV heads, contexts 4k / 32k / 128k: the brick over Q8_0 K/V, the brick over float16 K/V, and
    stock ``mx.fast.scaled_dot_product_attention`` over float16 K/V; bytes of K/V read and GB/s;
    a split-count sweep at 32k; GQA 8 (64 / 8 heads) and a 4-token draft (Lq = 4, causal).
 3. model: an 8B-shaped 4-layer llama (random bf16 weights), 16k-token prefill in chunks of 2048
@@ -179,10 +179,27 @@ def kv_bytes(Hkv, Lk, D, q8, B=1) -> int:
     return 2 * B * Hkv * Lk * per_row
 
 
+def time_op(fn, n=50, repeats=7) -> float:
+    """Median seconds per call of ``fn`` on the GPU: ``n`` calls' graphs are built first (the
+    Python side of the op, not timed), then evaluated in one ``mx.eval`` between
+    ``mx.synchronize`` calls; one warm-up round (compilation, allocator)."""
+    import mlx.core as mx
+
+    times = []
+    for i in range(repeats + 1):
+        outs = [fn() for _ in range(n)]
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.eval(outs)
+        mx.synchronize()
+        if i:
+            times.append((time.perf_counter() - t0) / n)
+    return statistics.median(times)
+
+
 def time_decode(Lk, Hq=32, Hkv=8, D=128, Lq=1, dtype=None, splits=None, stock=True) -> dict:
     import mlx.core as mx
 
-    from mlx_bricks.bench.gpu import time_op
     from mlx_bricks.ops.decode import decode_attention
     from mlx_bricks.ops.q8_0 import quantize_q8_0_reference
 
@@ -337,7 +354,7 @@ def model_runs(n_tokens=16384, chunk=2048, decode_steps=10) -> list:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--budget-s", type=float, default=70.0,
+    p.add_argument("--budget-s", type=float, default=45.0,
                    help="seconds for the correctness sweep after its covering cases")
     p.add_argument("--skip", default="", help="comma-separated sections to skip: "
                    "correctness,timings,model")
@@ -356,12 +373,15 @@ def main() -> int:
     from importlib.metadata import version
 
     doc["mlx_lm"] = version("mlx-lm")
-    if "correctness" not in skip:
-        doc["correctness"] = correctness(args.budget_s)
-    if "timings" not in skip:
-        doc["timings"] = timings()
-    if "model" not in skip:
-        doc["model"] = model_runs()
+    sections = {"correctness": lambda: correctness(args.budget_s), "timings": timings,
+                "model": model_runs}
+    for name, run in sections.items():
+        if name in skip:
+            continue
+        t1 = time.time()
+        doc[name] = run()
+        doc[f"{name}_seconds"] = round(time.time() - t1, 1)
+        print(f"[{name}: {doc[f'{name}_seconds']} s]", flush=True)
     doc["seconds"] = round(time.time() - t0, 1)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1, default=str)
