@@ -357,3 +357,26 @@ def test_outlier_study():
     assert kld[-1] > 100 * kld[0]
     smooth = [r["smoothed_weights_kld"] for r in rows]
     assert max(smooth) < 2 * min(smooth)
+
+
+@pytest.mark.slow
+def test_default_model_answers_the_same_on_the_q8_0_cache():
+    # The embedded default model through mlx-lm's stream_generate, stock cache vs Q8_0 cache
+    # (route_attention, reference backend): the same greedy answer. About a minute on 2 cores.
+    import mlx_bricks
+    from mlx_lm import load, stream_generate
+
+    model, tok = load(str(mlx_bricks.default_model()))
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True)
+    stock = "".join(r.text for r in stream_generate(model, tok, prompt, max_tokens=10))
+    undo = route_attention(model)
+    try:
+        cache = make_prompt_cache(model, backend="reference")
+        q8 = "".join(r.text for r in stream_generate(model, tok, prompt, max_tokens=10,
+                                                     prompt_cache=cache))
+    finally:
+        undo()
+    assert type(cache[0]) is Q8KVCache and cache[0].offset > 10
+    assert q8 == stock and "Paris" in q8
