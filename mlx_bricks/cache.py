@@ -324,11 +324,15 @@ def make_prompt_cache(model, kv: str = "q8_0", *, max_kv_size: int | None = None
         kv: ``"q8_0"`` (Q8KVCache for full-attention layers) or ``"fp16"`` (mlx-lm's own cache,
             whatever its dtype: the name says "not quantized").
         max_kv_size: as mlx-lm's ``make_prompt_cache`` (rotating caches, kept stock).
-        backend: backend of the Q8_0 quantizer (see :class:`Q8KVCache`).
+        backend: backend of the Q8_0 quantizer (see :class:`Q8KVCache`); None: the backend the
+            model was patched on (``patch_model(kv_cache="q8_0")``), else ``MLX_BRICKS_BACKEND``
+            or auto.
 
     Returns a list with one cache per layer, usable wherever mlx-lm takes ``prompt_cache``,
     *provided* the model's attention reads Q8_0 (patched with ``kv_cache="q8_0"``).
     """
+    if backend is None:  # a model patched with kv_cache="q8_0" gives its backend
+        backend = getattr(model, "__dict__", {}).get("_bricks_kv_backend")
     return [p.cache for p in plan_prompt_cache(model, kv, max_kv_size=max_kv_size,
                                                backend=backend)]
 
