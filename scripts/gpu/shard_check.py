@@ -14,7 +14,10 @@ On the GPU machine (kind ``nvidia-h200-x2``; MLX in /tmp/site, ../shared/docs/de
 or through MLX's own launcher (the same worker; each rank sees one GPU)::
 
     PATH=/tmp/site/bin:$PATH mlx.launch --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 \\
-        -- python3 scripts/gpu/shard_check.py --worker --out $OUT/shard.json
+        -- python3 scripts/gpu/shard_check.py --worker --dist nccl --out $OUT/shard.json
+
+(each rank then writes ``shard.rank<r>.json``; a worker started without a launcher fails
+instead of running alone in a group of one).
 
 NVLink multicast stays off: the launcher and the worker set ``NCCL_NVLS_ENABLE=0`` (and the
 PyTorch / NVSHMEM equivalents) before NCCL starts. The same code runs tiny on the CPU with the
@@ -50,7 +53,8 @@ def worker(args) -> int:
     from mlx_bricks.bench.shard import run_rank
 
     res = run_rank(shape_name=args.shape, dtype=args.dtype, M=args.M, backend=args.backend,
-                   tune=args.tune, repeats=args.repeats, dist_backend=args.dist_backend)
+                   tune=args.tune, repeats=args.repeats, dist_backend=args.dist,
+                   expect_size=args.ranks)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     _rank_path(out, res["rank"]).write_text(json.dumps(res, indent=1))
@@ -68,7 +72,7 @@ def launcher(args) -> int:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--out", str(out),
            "--shape", args.shape, "--dtype", args.dtype, "--M", str(args.M),
            "--backend", args.backend, "--tune", args.tune, "--repeats", str(args.repeats),
-           "--dist-backend", args.dist]
+           "--dist", args.dist, "--ranks", str(args.ranks)]
     results = launch_local(cmd, args.ranks, args.dist, timeout=args.timeout, cwd=ROOT)
     ranks = []
     for r in results:
@@ -105,11 +109,10 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="cuda", help="the bricks' backend (patch_model)")
     p.add_argument("--tune", default="auto", choices=("auto", "off", "force"))
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--ranks", type=int, default=2,
+                   help="ranks to start (launcher) / the group size to expect (worker)")
     p.add_argument("--dist", default="nccl", choices=("nccl", "ring"),
-                   help="distributed backend the launcher sets up")
-    p.add_argument("--dist-backend", default="any",
-                   help="(worker) backend for mx.distributed.init")
+                   help="distributed backend (the launcher sets it up; the worker joins it)")
     p.add_argument("--timeout", type=float, default=540.0, help="seconds for all ranks")
     args = p.parse_args(argv)
     if args.tiny:
