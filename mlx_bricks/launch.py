@@ -74,8 +74,32 @@ def rank_envs(n: int, backend: str, workdir: str | os.PathLike) -> list[dict[str
             for r in range(n)]
 
 
+def _wait(procs: list, timeout: float, grace: float) -> list[int | None]:
+    """Exit codes of ``procs``; the ones still running at ``timeout``, or ``grace`` seconds
+    after another rank failed (its peers would wait in a collective), are killed (None)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return codes
+        if any(c not in (None, 0) for c in codes):
+            deadline = min(deadline, time.monotonic() + grace)
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    codes = []
+    for p in procs:  # only the processes started here, by their own handle
+        code = p.poll()
+        if code is None:
+            p.kill()
+            p.wait()
+        codes.append(code)
+    return codes
+
+
 def launch_local(cmd: list[str], n: int, backend: str, *, timeout: float,
-                 env: dict[str, str] | None = None, cwd=None) -> list[RankResult]:
+                 env: dict[str, str] | None = None, cwd=None,
+                 grace: float = 10.0) -> list[RankResult]:
     """Run ``cmd`` as ranks ``0 .. n-1`` of a ``backend`` group on this host and wait.
 
     Args:
@@ -84,6 +108,8 @@ def launch_local(cmd: list[str], n: int, backend: str, *, timeout: float,
         backend: ``"ring"`` (TCP over loopback; CPU or GPU) or ``"nccl"`` (one GPU per rank).
         timeout: seconds for all ranks together; ranks still running then are killed (their
             ``returncode`` is None).
+        grace: once a rank exits with a nonzero status, seconds the others get before they
+            are killed (they may be waiting for it in a collective).
         env: extra environment variables (on top of this process's).
         cwd: working directory of the ranks.
 
@@ -102,17 +128,7 @@ def launch_local(cmd: list[str], n: int, backend: str, *, timeout: float,
             procs.append(subprocess.Popen(cmd, env={**os.environ, **(env or {}), **renv},
                                           cwd=cwd, stdout=out[0], stderr=out[1],
                                           stdin=subprocess.DEVNULL))
-        deadline = time.monotonic() + timeout
-        codes: list[int | None] = []
-        for p in procs:
-            try:
-                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                codes.append(None)
-        for p, code in zip(procs, codes):
-            if code is None:  # only the processes started here, by their own handle
-                p.kill()
-                p.wait()
+        codes = _wait(procs, timeout, grace)
         results = []
         for r, (o, e) in enumerate(outs):
             o.seek(0)

@@ -7,7 +7,7 @@ the model with mlx-lm's own ``Model.shard(group)``, runs it stock (logits of a p
 tokens through ``generate_step``), patches it on the reference backend (named) and runs it
 again. It writes ``OUT_DIR/rank<r>.json`` with the numbers; the test asserts on them, so a
 failure shows in pytest with the values. A rank that cannot join the group writes
-``{"init_error": ...}`` (the test then skips with that reason).
+``{"init_error": ...}`` and exits with 3 (the test then skips with that reason).
 """
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def main(out_dir: str) -> int:
     except RuntimeError as e:  # MLX raises RuntimeError when the ring cannot be formed
         path = Path(out_dir) / f"rank{rank}-init.json"
         path.write_text(json.dumps({"init_error": f"{type(e).__name__}: {e}"}))
-        return 0
+        return 3  # the launcher then stops the other rank (waiting to accept it)
     out = {"rank": rank, "size": group.size(), "all_sum_check": float(check[0]),
            "cases": [run_case(group, *case) for case in CASES],
            # scripts/gpu/shard_check.py's rank side, tiny, on this group

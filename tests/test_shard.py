@@ -18,7 +18,7 @@ import mlx.nn as nn
 import pytest
 from mlx.nn.layers.distributed import shard_linear
 
-from mlx_bricks.launch import launch_local
+from mlx_bricks.launch import launch_local, rank_envs
 from mlx_bricks.nn import DECODE
 from mlx_bricks.patch import patch_model
 from tests.models import build_model, tokens
@@ -39,7 +39,7 @@ def two_ranks(tmp_path_factory):
         pytest.skip("MLX's ring distributed backend is not available in this build")
     out = tmp_path_factory.mktemp("shard")
     results = launch_local([sys.executable, "-m", "tests.shard_worker", str(out)], RANKS,
-                           "ring", timeout=240, cwd=ROOT)
+                           "ring", timeout=180, cwd=ROOT)
     init_errors = sorted(out.glob("rank*-init.json"))
     if init_errors:
         pytest.skip("ring backend over loopback unavailable here: "
@@ -214,3 +214,29 @@ def test_gpu_check_rank_side_runs_tiny_on_the_ring(two_ranks):
         assert len(b["timing"]["per_rank_s"]) == RANKS
     assert two_ranks[0]["bench"]["timing"]["per_rank_s"] == \
         two_ranks[1]["bench"]["timing"]["per_rank_s"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the local launcher
+# ---------------------------------------------------------------------------------------------
+
+def test_launcher_environments(tmp_path):
+    ring = rank_envs(2, "ring", tmp_path)
+    assert [e["MLX_RANK"] for e in ring] == ["0", "1"]
+    hosts = json.loads(Path(ring[0]["MLX_HOSTFILE"]).read_text())
+    assert len(hosts) == 2 and all(h[0].startswith("127.0.0.1:") for h in hosts)
+    nccl = rank_envs(2, "nccl", tmp_path)
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in nccl] == ["0", "1"]
+    assert all(e["NCCL_NVLS_ENABLE"] == "0" and e["MLX_WORLD_SIZE"] == "2" for e in nccl)
+    assert nccl[0]["NCCL_PORT"] == nccl[1]["NCCL_PORT"]
+    with pytest.raises(ValueError, match="backend"):
+        rank_envs(2, "mpi", tmp_path)
+
+
+def test_launcher_stops_the_others_when_a_rank_fails():
+    """A failed rank's peers would wait for it in a collective: they are killed after the
+    grace period, not at the timeout."""
+    code = ("import os, sys, time\n"
+            "sys.exit(3) if os.environ['MLX_RANK'] == '0' else time.sleep(60)")
+    results = launch_local([sys.executable, "-c", code], 2, "ring", timeout=50, grace=0.5)
+    assert [(r.rank, r.returncode) for r in results] == [(0, 3), (1, None)]
