@@ -5,7 +5,7 @@ Start one process per rank with MLX's launcher (docs/sharding.md), e.g. two GPUs
     mlx.launch --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 -- \\
         python examples/sharded_generate.py path/to/mlx-model
 
-or two Macs over TCP: ``mlx.launch --backend ring --hosts mac1,mac2 examples/...``.
+or two Macs over TCP: ``mlx.launch --backend ring --hosts IP1,IP2 -- python examples/...``.
 """
 from __future__ import annotations
 
