@@ -1,7 +1,8 @@
 """Tiny random mlx-lm models for the patch tests, built from mlx-lm's own ``ModelArgs``.
 
 Shapes are chosen so the bricks see what real models give them: head_dim 64, GQA (llama,
-qwen3), q/k/v biases (qwen2), per-head q/k norms (qwen3), q width != hidden size (qwen3).
+qwen3), q/k/v biases (qwen2), per-head q/k norms (qwen3), q width != hidden size (qwen3);
+gemma3_text: head_dim 256, one KV head, a sliding-window layer (window 8) then a global one.
 """
 from __future__ import annotations
 
@@ -24,13 +25,19 @@ CONFIGS = {
     "qwen3": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=192,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
                   max_position_embeddings=4096, rope_theta=1000000.0, tie_word_embeddings=True),
+    # layer 0 sliding (window 8, RotatingKVCache), layer 1 global (sliding_window_pattern 2).
+    "gemma3_text": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=160,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+                        rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=8,
+                        sliding_window_pattern=2, max_position_embeddings=4096),
 }
 
 # Parameters scaled up to sharpen attention (q_norm/k_norm: qwen3 normalises q and k per head).
 ATTENTION_SHARPEN = ("q_proj.", "k_proj.", "q_norm.", "k_norm.")
 
 # model_type -> mlx-lm module that builds it (mlx_lm.utils.MODEL_REMAPPING: mistral -> llama).
-MODULES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+MODULES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+           "gemma3_text": "gemma3_text"}
 
 
 def model_args(model_type: str, **overrides):
