@@ -30,6 +30,11 @@ CONFIGS = {
                         num_attention_heads=2, num_key_value_heads=1, head_dim=256,
                         rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=8,
                         sliding_window_pattern=2, max_position_embeddings=4096),
+    # soft-cap 5: tanh bends the (sharpened) scores of this tiny model noticeably
+    "gemma2": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=160,
+                   num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+                   rms_norm_eps=1e-6, query_pre_attn_scalar=256, attn_logit_softcapping=5.0,
+                   final_logit_softcapping=30.0),
 }
 
 # Parameters scaled up to sharpen attention (q_norm/k_norm: qwen3 normalises q and k per head).
@@ -37,7 +42,7 @@ ATTENTION_SHARPEN = ("q_proj.", "k_proj.", "q_norm.", "k_norm.")
 
 # model_type -> mlx-lm module that builds it (mlx_lm.utils.MODEL_REMAPPING: mistral -> llama).
 MODULES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-           "gemma3_text": "gemma3_text"}
+           "gemma3_text": "gemma3_text", "gemma2": "gemma2"}
 
 
 def model_args(model_type: str, **overrides):

@@ -1,12 +1,13 @@
-"""patch_model on a tiny random gemma3 (mlx-lm's ``gemma3_text``) vs stock mlx-lm.
+"""patch_model on a tiny random gemma3 (mlx-lm's ``gemma3_text``) and gemma2 vs stock mlx-lm.
 
 The model (tests/models.py): head_dim 256, one KV head, layer 0 sliding-window (window 8, a
 ``RotatingKVCache``), layer 1 global; gemma's ``1 + w`` RMSNorms (q/k norms included), the
 GELU-tanh MLP, ``query_pre_attn_scalar`` scale. Prompts are longer than the window, prefilled
 whole (no cache: mlx-lm's array window mask) and in two chunks through the model's own caches
-(the second chunk's keys come from a rotated ``RotatingKVCache``). Logits follow the design
-note's dtype-scaled rule against a float64 run of the same weights; greedy tokens must be
-identical.
+(the second chunk's keys come from a rotated ``RotatingKVCache``). gemma2: the same norms and
+MLP, attention logit soft-capping, the causal mask passed as an array, every layer global.
+Logits follow the design note's dtype-scaled rule against a float64 run of the same weights;
+greedy tokens must be identical.
 """
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ N_TOKENS = 20
 CHUNKS = [(0, 13), (13, N_TOKENS)]  # both longer than the window; the second rotates the cache
 
 
-def _check_report(report):
-    assert report.architecture == "gemma3_text"
+def _check_report(report, arch="gemma3_text"):
+    assert report.architecture == arch
     by_module = {(m.layer, m.module): m for m in report.modules}
     for layer in (0, 1):
         assert by_module[(layer, "self_attn")].status == "patched"
@@ -47,15 +48,16 @@ def _check_report(report):
     assert_bricks_used(report)
 
 
-def _case(backend, dtype, *, whole=True, n_greedy=16):
+def _case(backend, dtype, *, arch="gemma3_text", whole=True, n_greedy=16):
     """Patched vs stock and float64: whole prompt (no cache), chunked prefill, greedy."""
     dt = DTYPES[dtype]
-    model = build_model("gemma3_text", dt)
-    assert model.model.layers[0].self_attn.is_sliding
-    assert not model.model.layers[1].self_attn.is_sliding
+    model = build_model(arch, dt)
     cache = make_prompt_cache(model)
-    assert [type(c) for c in cache] == [RotatingKVCache, KVCache]
-    assert cache[0].max_size == WINDOW
+    if arch == "gemma3_text":
+        assert model.model.layers[0].self_attn.is_sliding
+        assert not model.model.layers[1].self_attn.is_sliding
+        assert [type(c) for c in cache] == [RotatingKVCache, KVCache]
+        assert cache[0].max_size == WINDOW
     toks = tokens(N_TOKENS)
     m64 = clone(model, mx.float64)
     refs = run_chunks(m64, run64, toks, CHUNKS)
@@ -66,7 +68,7 @@ def _case(backend, dtype, *, whole=True, n_greedy=16):
 
     report = patch_model(model, backend=backend)
     try:
-        what = f"gemma3 {backend} {dtype}"
+        what = f"{arch} {backend} {dtype}"
         if whole:
             assert_dtype_close(run(model, toks), ref_whole, stock_whole, dtype=dt,
                                what=f"{what} whole prompt")
@@ -75,7 +77,7 @@ def _case(backend, dtype, *, whole=True, n_greedy=16):
             assert_dtype_close(p, r, s, dtype=dt, what=f"{what} chunk {a}:{b}")
         got = greedy(model, toks[0], n=n_greedy, prefill_step_size=CHUNKS[0][1])
         assert_same_greedy(model, dt, [toks[0].tolist()], [stock_greedy], [got])
-        _check_report(report)
+        _check_report(report, arch)
         return report
     finally:
         unpatch_model(model)
@@ -104,6 +106,31 @@ def test_gemma3_emulator(dtype):
 def test_gemma3_emulator_slow(dtype):
     require_backend("emulator")
     _case("emulator", dtype)
+
+
+@pytest.mark.parametrize("backend,dtype", [("reference", "float32"), ("reference", "bfloat16"),
+                                           ("emulator", "float16")])
+def test_gemma2(backend, dtype):
+    require_backend(backend)
+    _case(backend, dtype, arch="gemma2", whole=backend == "reference")
+
+
+def test_gemma2_soft_cap_reaches_the_brick(monkeypatch):
+    """The attention brick gets the module's soft-cap (without it the logits move by O(1))."""
+    from mlx_bricks.ops import attention
+
+    seen = []
+    real = attention.flash_attention
+
+    def spy(*a, **kw):
+        seen.append(kw.get("softcap"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(attention, "flash_attention", spy)
+    model = build_model("gemma2", mx.float32)
+    patch_model(model, backend="reference")
+    run(model, tokens(12))
+    assert seen == [5.0, 5.0]
 
 
 def test_gemma3_wrapper_alias():

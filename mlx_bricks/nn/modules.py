@@ -57,6 +57,10 @@ class BlockLayout:
             while unknown (sliding layers then run stock, with the reason).
         unfused: why the unified block (``BricksBlock``) does not apply to this architecture
             (None: it does); attention and MLP are then patched one by one.
+        softcap: attribute of the attention module that holds the logit soft-cap
+            (gemma2: ``attn_logit_softcapping``, ``cap * tanh(s / cap)``); None: no soft-cap.
+        causal_array: the model passes its causal mask as mlx-lm's boolean
+            ``create_causal_mask`` array (gemma2: ``return_array=True``), taken as causal.
     """
 
     source: str
@@ -77,6 +81,8 @@ class BlockLayout:
     window_arg: str | None = None
     sliding_window: int | None = None
     unfused: str | None = None
+    softcap: str | None = None
+    causal_array: bool = False
 
     @property
     def attention_linears(self) -> tuple[str, str, str, str]:
@@ -213,17 +219,21 @@ def _kv_length(cache, L: int) -> int:
     return cache.offset + L
 
 
-def _window_reason(mask, cache, L: int) -> str | None:
-    """On a sliding-window layer: None when the brick's ``window`` (causal, bottom-right
-    aligned over the keys the cache returns) computes what mlx-lm's mask does.
+def _array_mask_reason(mask, cache, L: int, window) -> str | None:
+    """On a sliding-window layer (``window`` set) or a model that passes its causal mask as an
+    array (``BlockLayout.causal_array``): None when the brick's causal mask (with ``window``,
+    bottom-right aligned over the keys the cache returns) computes what mlx-lm's mask does.
 
     mlx-lm (``base.create_attention_mask``, ``RotatingKVCache.make_mask``) gives a sliding layer
     ``"causal"`` while the window cannot exclude a key, else the 2-D boolean
-    ``create_causal_mask(L, offset, window_size)`` of shape (L, keys); batch padding masks are
-    4-D and fall back. A ``RotatingKVCache`` returns its keys in temporal order when
+    ``create_causal_mask(L, offset, window_size)`` of shape (L, keys); ``return_array=True``
+    gives the same without a window. Batch padding masks are 4-D and fall back. A
+    ``RotatingKVCache`` (sliding layers only) returns its keys in temporal order when
     ``keep == 0`` (``_update_concat``), which the bottom-right alignment needs."""
-    if cache is not None and type(cache) not in (KVCache, RotatingKVCache):
-        return f"cache is {type(cache).__name__}, not KVCache or RotatingKVCache"
+    caches = (KVCache, RotatingKVCache) if window is not None else (KVCache,)
+    if cache is not None and type(cache) not in caches:
+        names = " or ".join(c.__name__ for c in caches)
+        return f"cache is {type(cache).__name__}, not {names}"
     if type(cache) is RotatingKVCache and cache.keep:
         return f"RotatingKVCache keeps {cache.keep} leading tokens: keys are not contiguous"
     if isinstance(mask, str) and mask == "causal":
@@ -232,12 +242,19 @@ def _window_reason(mask, cache, L: int) -> str | None:
             and tuple(mask.shape) == (L, _kv_length(cache, L))):
         return None
     what = f"an array {tuple(mask.shape)}" if isinstance(mask, mx.array) else repr(mask)
-    return f"mask is {what}: not mlx-lm's (L, keys) sliding-window mask"
+    kind = "sliding-window" if window is not None else "causal"
+    return f"mask is {what}: not mlx-lm's (L, keys) {kind} mask"
 
 
-def _call_reason(x, mask, cache, args, kwargs, window=None) -> str | None:
+def _mask_key(mask, cache, L: int):
+    """The mask as a call-shape key: an accepted array mask by its key count."""
+    return ("array", _kv_length(cache, L)) if isinstance(mask, mx.array) else mask
+
+
+def _call_reason(x, mask, cache, args, kwargs, window=None, causal_array=False) -> str | None:
     """Per-call conditions shared by attention and block (cheap checks first); ``window``:
-    the layer's sliding window (:func:`layer_window`), whose mask and cache differ."""
+    the layer's sliding window (:func:`layer_window`), ``causal_array``: the layout's (both
+    accept mlx-lm's array masks, :func:`_array_mask_reason`)."""
     if args or kwargs:
         extra = [f"{len(args)} extra positional"] if args else []
         extra += sorted(kwargs)
@@ -248,8 +265,8 @@ def _call_reason(x, mask, cache, args, kwargs, window=None) -> str | None:
         return DECODE
     if x.dtype not in FLOAT_DTYPES:
         return f"input dtype {dtype_name(x.dtype)} is not float16/bfloat16/float32"
-    if window is not None:
-        return _window_reason(mask, cache, x.shape[1])
+    if window is not None or causal_array:
+        return _array_mask_reason(mask, cache, x.shape[1], window)
     if mask is not None and not (isinstance(mask, str) and mask == "causal"):
         what = "an array" if isinstance(mask, mx.array) else repr(mask)
         return f"mask is {what} (sliding window or padding): the attention brick takes causal only"
@@ -348,16 +365,31 @@ def _linear_args(linear, x, residual=None) -> dict:
     return {"x": x, "weight": _weight(linear), "bias": _bias(linear), "residual": residual}
 
 
+def _softcap(attn, layout: BlockLayout):
+    return getattr(attn, layout.softcap) if layout.softcap is not None else None
+
+
+def _masking(attn, layout: BlockLayout, mask, window) -> dict:
+    """The brick's masking arguments for mlx-lm's ``mask`` (already accepted by
+    :func:`_call_reason`): an array mask is causal (with the layer's ``window``, if any), plus
+    the layout's soft-cap."""
+    out = {"mask": "causal" if isinstance(mask, mx.array) else mask}
+    if window is not None:
+        out["window"] = window
+    softcap = _softcap(attn, layout)
+    if softcap is not None:
+        out["softcap"] = softcap
+    return out
+
+
 def _attention_args(attn, state: BricksState, B, L, cache, dtype, mask, window=None) -> dict:
     """Arguments of the attention piece before q/k/v exist (shapes only): keys are the ones
-    the cache returns (the cached ones plus this chunk's). On a sliding-window layer the mask
-    is ``"causal"`` with ``window`` (see :func:`_window_reason`)."""
+    the cache returns (the cached ones plus this chunk's); masking by :func:`_masking`."""
     hd = state.head_dim
     kv = Act((B, attn.n_kv_heads, _kv_length(cache, L), hd), dtype)
     args = {"q": Act((B, attn.n_heads, L, hd), dtype), "k": kv, "v": kv, "scale": attn.scale,
-            "mask": mask, "kv_quant": state.kv_quant}
-    if window is not None:
-        args.update(mask="causal", window=window)
+            "kv_quant": state.kv_quant}
+    args.update(_masking(attn, state.layout, mask, window))
     return args
 
 
@@ -441,12 +473,13 @@ def _attend(attn, state: BricksState, choice, args, q, k, v, mask, cache, window
         k = attn.rope(k)
 
     def stock():
-        if state.kv_quant is not None:  # the requested Q8_0 K/V: the brick's MLX reference
+        if state.kv_quant is not None or state.layout.softcap is not None:
+            # the requested Q8_0 K/V, or a soft-cap mlx-lm's attention function does not
+            # apply: the brick's MLX-ops reference
             from mlx_bricks.ops.attention import flash_attention_reference
 
-            return flash_attention_reference(
-                q, k, v, scale=attn.scale, kv_quant=state.kv_quant,
-                **({"mask": mask} if window is None else {"mask": "causal", "window": window}))
+            return flash_attention_reference(q, k, v, scale=attn.scale, kv_quant=state.kv_quant,
+                                             **_masking(attn, state.layout, mask, window))
         return scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
 
     o = _piece(state, "attention", choice, "attention", lambda: dict(args(), q=q, k=k, v=v),
@@ -474,8 +507,8 @@ class BricksAttention:
         state = self._bricks_state
         lay = state.layout
         window, reason = layer_window(self, lay)
-        reason = reason or _call_reason(x, mask, cache, args, kwargs, window) or \
-            _structure_reason(self, state, x.dtype)
+        reason = (reason or _call_reason(x, mask, cache, args, kwargs, window, lay.causal_array)
+                  or _structure_reason(self, state, x.dtype))
         if reason is not None:
             state.stock[reason] += 1
             return super().__call__(x, mask, cache, *args, **kwargs)
@@ -494,9 +527,7 @@ class BricksAttention:
                     "attention": ("attention", attention_args()),
                     "o_proj": ("linear", _linear_args(op, o))}
 
-        # a sliding layer's array mask is the window's (_window_reason): keyed by the window
-        key_mask = mask if window is None else ("causal", window, _kv_length(cache, L))
-        choices = _choose(state, (x.shape, x.dtype, offset, key_mask), pieces)
+        choices = _choose(state, (x.shape, x.dtype, offset, _mask_key(mask, cache, L)), pieces)
         if _all_stock(state, choices):
             return super().__call__(x, mask, cache)
 
@@ -574,8 +605,8 @@ class BricksBlock:
         lay = state.layout
         attn = self[lay.attention]
         window, reason = layer_window(attn, lay)
-        reason = reason or _call_reason(x, mask, cache, args, kwargs, window) or \
-            _structure_reason(self, state, x.dtype)
+        reason = (reason or _call_reason(x, mask, cache, args, kwargs, window, lay.causal_array)
+                  or _structure_reason(self, state, x.dtype))
         if reason is not None:
             state.stock[reason] += 1
             return super().__call__(x, mask, cache, *args, **kwargs)
@@ -603,8 +634,7 @@ class BricksBlock:
                     "o_proj": ("linear", _linear_args(op, o, residual=x)),
                     "mlp": ("swiglu_mlp", _mlp_args(mlp, lay, h, h))}
 
-        key_mask = mask if window is None else ("causal", window, _kv_length(cache, L))
-        choices = _choose(state, (x.shape, x.dtype, offset, key_mask), pieces)
+        choices = _choose(state, (x.shape, x.dtype, offset, _mask_key(mask, cache, L)), pieces)
         if _all_stock(state, choices):
             return super().__call__(x, mask, cache)
 

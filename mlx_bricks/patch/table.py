@@ -12,10 +12,10 @@ import numbers
 from mlx_bricks.nn.modules import BlockLayout
 
 # gemma's blocks wrap each sublayer in two norms (input / post-attention, pre- / post-
-# feedforward) and clip the fp16 residual: not the unified pre-norm block.
+# feedforward; gemma3 also clips the fp16 residual): not the unified pre-norm block.
 _SANDWICH = ("the block normalises each sublayer's output too (post_attention_layernorm, "
-             "post_feedforward_layernorm) and clips the fp16 residual: the unified block is "
-             "pre-norm only; attention and MLP are patched one by one")
+             "post_feedforward_layernorm): the unified block is pre-norm only; attention and "
+             "MLP are patched one by one")
 
 ARCHITECTURES: dict[str, BlockLayout] = {
     "llama": BlockLayout(source="mlx_lm/models/llama.py"),
@@ -30,6 +30,12 @@ ARCHITECTURES: dict[str, BlockLayout] = {
                                qk_norm=("q_norm", "k_norm"), activation="gelu_tanh",
                                sliding="is_sliding", window_arg="sliding_window",
                                unfused=_SANDWICH),
+    # gemma2: 1 + w RMSNorms, GELU-tanh MLP, attention logit soft-capping
+    # (attn_logit_softcapping), the causal mask passed as an array (return_array=True). mlx-lm's
+    # gemma2 has no sliding-window layers (every layer attends globally), so neither do we.
+    "gemma2": BlockLayout(source="mlx_lm/models/gemma2.py", activation="gelu_tanh",
+                          softcap="attn_logit_softcapping", causal_array=True,
+                          unfused=_SANDWICH),
 }
 
 # model_type -> ARCHITECTURES key, for types mlx-lm builds with another type's model file
