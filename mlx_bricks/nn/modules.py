@@ -197,6 +197,12 @@ def _first_reason(*reasons):
     return None
 
 
+def _is_q8_cache(cache) -> bool:
+    from mlx_bricks.cache import Q8KVCache  # late: mlx_bricks.cache imports the ops
+
+    return type(cache) is Q8KVCache
+
+
 def layer_window(attn, layout: BlockLayout) -> tuple[int | None, str | None]:
     """``(window, reason)`` of an attention module: ``(None, None)`` on a global layer,
     ``(layout.sliding_window, None)`` on a sliding-window layer (``layout.sliding`` set on the
@@ -270,8 +276,8 @@ def _call_reason(x, mask, cache, args, kwargs, window=None, causal_array=False) 
     if mask is not None and not (isinstance(mask, str) and mask == "causal"):
         what = "an array" if isinstance(mask, mx.array) else repr(mask)
         return f"mask is {what} (sliding window or padding): the attention brick takes causal only"
-    if cache is not None and type(cache) is not KVCache:
-        return f"cache is {type(cache).__name__}, not KVCache"
+    if cache is not None and type(cache) is not KVCache and not _is_q8_cache(cache):
+        return f"cache is {type(cache).__name__}, not KVCache or Q8KVCache"
     return None
 
 
@@ -468,6 +474,12 @@ def _attend(attn, state: BricksState, choice, args, q, k, v, mask, cache, window
         q = attn.rope(q, offset=cache.offset)
         k = attn.rope(k, offset=cache.offset)
         k, v = cache.update_and_fetch(k, v)
+        if _is_q8_cache(cache):  # k, v are (qs, d): only the Q8_0 readers take them
+            from mlx_bricks.cache import q8_0_cache_attention
+
+            state.calls["q8_0_cache_attention"] += 1
+            o = q8_0_cache_attention(q, k, v, scale=attn.scale, mask=mask, backend=cache.backend)
+            return o.transpose(0, 2, 1, 3).reshape(B, L, -1)
     else:
         q = attn.rope(q)
         k = attn.rope(k)
@@ -515,6 +527,7 @@ class BricksAttention:
         B, L, _ = x.shape
         qp, kp, vp, op = (self[n] for n in lay.attention_linears)
         offset = cache.offset if cache is not None else 0
+        q8 = cache is not None and _is_q8_cache(cache)  # attention: the Q8_0 readers, untuned
 
         def attention_args():
             return _attention_args(self, state, B, L, cache, x.dtype, mask, window)
@@ -524,10 +537,11 @@ class BricksAttention:
             return {"q_proj": ("linear", _linear_args(qp, x)),
                     "k_proj": ("linear", _linear_args(kp, x)),
                     "v_proj": ("linear", _linear_args(vp, x)),
-                    "attention": ("attention", attention_args()),
+                    **({} if q8 else {"attention": ("attention", attention_args())}),
                     "o_proj": ("linear", _linear_args(op, o))}
 
-        choices = _choose(state, (x.shape, x.dtype, offset, _mask_key(mask, cache, L)), pieces)
+        choices = _choose(state, (x.shape, x.dtype, offset, _mask_key(mask, cache, L), q8),
+                          pieces)
         if _all_stock(state, choices):
             return super().__call__(x, mask, cache)
 
@@ -539,8 +553,8 @@ class BricksAttention:
         q = proj("q_proj", qp, self.n_heads)
         k = proj("k_proj", kp, self.n_kv_heads)
         v = proj("v_proj", vp, self.n_kv_heads)
-        o = _attend(self, state, choices["attention"], attention_args, q, k, v, mask, cache,
-                    window)
+        o = _attend(self, state, choices.get("attention"), attention_args, q, k, v, mask,
+                    cache, window)
         return _piece(state, "o_proj", choices["o_proj"], "linear", lambda: _linear_args(op, o),
                       lambda: op(o), "linear")
 
@@ -612,6 +626,7 @@ class BricksBlock:
             return super().__call__(x, mask, cache, *args, **kwargs)
 
         offset = cache.offset if cache is not None else 0
+        q8 = cache is not None and _is_q8_cache(cache)  # attention: the Q8_0 readers, untuned
         B, L, D = x.shape
         mlp = self[lay.mlp]
         qp, kp, vp, op = (attn[n] for n in lay.attention_linears)
@@ -630,11 +645,12 @@ class BricksBlock:
             h = Act((B, L, D), x.dtype)
             o = Act((B, L, attn.n_heads * state.head_dim), x.dtype)
             return {"qkv": ("rms_norm_qkv", qkv_args()),
-                    "attention": ("attention", attention_args()),
+                    **({} if q8 else {"attention": ("attention", attention_args())}),
                     "o_proj": ("linear", _linear_args(op, o, residual=x)),
                     "mlp": ("swiglu_mlp", _mlp_args(mlp, lay, h, h))}
 
-        choices = _choose(state, (x.shape, x.dtype, offset, _mask_key(mask, cache, L)), pieces)
+        choices = _choose(state, (x.shape, x.dtype, offset, _mask_key(mask, cache, L), q8),
+                          pieces)
         if _all_stock(state, choices):
             return super().__call__(x, mask, cache)
 
@@ -645,8 +661,8 @@ class BricksBlock:
 
         q, k, v = _piece(state, "qkv", choices["qkv"], "rms_norm_qkv", qkv_args, stock_qkv,
                          "rms_norm_qkv")
-        o = _attend(attn, state, choices["attention"], attention_args, q, k, v, mask, cache,
-                    window)
+        o = _attend(attn, state, choices.get("attention"), attention_args, q, k, v, mask,
+                    cache, window)
         h = _piece(state, "o_proj", choices["o_proj"], "linear",
                    lambda: _linear_args(op, o, residual=x), lambda: x + op(o), "linear")
         hn = post(h)  # nn.RMSNorm: mx.fast.rms_norm(h, weight, eps), as the brick path needs
