@@ -44,6 +44,10 @@ ATTENTION_SHARPEN = ("q_proj.", "k_proj.", "q_norm.", "k_norm.")
 MODULES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
            "gemma3_text": "gemma3_text", "gemma2": "gemma2"}
 
+# Architectures whose RMSNorm computes rms_norm(x, 1 + w): their stored norm weights are the
+# effective ones minus 1.
+OFFSET_NORMS = ("gemma3_text", "gemma2")
+
 
 def model_args(model_type: str, **overrides):
     """mlx-lm ``ModelArgs`` of a tiny ``model_type`` model with ``overrides`` applied."""
@@ -61,7 +65,9 @@ def build_model(model_type: str, dtype=mx.float32, *, seed: int = 0, **overrides
     have gaps well above float16/bfloat16 rounding: greedy tokens then test the bricks, not
     ties between near-equal logits. Queries and keys are scaled by 3 (scores by 9) so attention
     is peaked as in trained models; with near-uniform attention a wrong position or mask would
-    hardly change the output.
+    hardly change the output. For gemma (``OFFSET_NORMS``) these are the effective norm weights
+    ``1 + w``: the stored ``w`` is drawn 1 lower, so the model is as well conditioned as the
+    others.
     """
     module, args = model_args(model_type, **overrides)
     mx.random.seed(seed)
@@ -75,6 +81,8 @@ def build_model(model_type: str, dtype=mx.float32, *, seed: int = 0, **overrides
             p = scale * (1.0 + 0.2 * mx.random.normal(p.shape, key=k))
         if any(t in name for t in ATTENTION_SHARPEN):
             p = 3.0 * p
+        if name.endswith("norm.weight") and MODULES[model_type] in OFFSET_NORMS:
+            p = p - 1.0
         new.append((name, p))
     model.update(tree_unflatten(new))
     model.set_dtype(dtype)

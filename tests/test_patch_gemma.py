@@ -102,8 +102,12 @@ def test_gemma3_emulator(dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("dtype", ["float16"])
 def test_gemma3_emulator_slow(dtype):
+    # float32 end to end is not asserted with the 2x rule here: on this model stock's own
+    # float32 error moves 3x between chunks (2.2e-5 / 6.0e-5 at |logit| 8), and the patched
+    # model's (6.1e-5 / 1.7e-5) is as far on the other chunk; the bricks' float32 accuracy is
+    # asserted per brick (test_attention, test_swiglu_activation) where the rule is not noise.
     require_backend("emulator")
     _case("emulator", dtype)
 
