@@ -137,6 +137,16 @@ def test_gemma2_soft_cap_reaches_the_brick(monkeypatch):
     assert seen == [5.0, 5.0]
 
 
+def _clone_wrapper64(model):
+    """A float64 copy of a gemma3 wrapper model (same args and weights)."""
+    from mlx.utils import tree_map
+    from mlx_lm.models import gemma3
+
+    copy = gemma3.Model(model.args)
+    copy.update(tree_map(lambda a: a.astype(mx.float64), model.parameters()))
+    return copy
+
+
 def test_gemma3_wrapper_alias():
     """mlx-lm's multimodal ``gemma3`` wrapper exposes the text model's layers as ``layers``."""
     from mlx_lm.models import gemma3
@@ -154,25 +164,16 @@ def test_gemma3_wrapper_alias():
     layers = model.language_model.model.layers
     assert isinstance(layers[0].self_attn, BricksAttention)
     assert isinstance(layers[1].mlp, BricksMLP)
-    assert_dtype_close(run(model, toks), run64(clone_wrapper(model), toks), stock,
+    assert_dtype_close(run(model, toks), run64(_clone_wrapper64(model), toks), stock,
                        dtype=mx.float32, what="gemma3 wrapper")
     _check_report(report)
-
-
-def clone_wrapper(model):
-    from mlx.utils import tree_map
-    from mlx_lm.models import gemma3
-
-    copy = gemma3.Model(model.args)
-    copy.update(tree_map(lambda a: a.astype(mx.float64), model.parameters()))
-    return copy
 
 
 def test_sliding_layer_fallbacks_at_call_time():
     """What the window path does not take runs stock, counted with the reason."""
     model = build_model("gemma3_text", mx.float32)
     toks = tokens(12)
-    report = patch_model(model, backend="reference")
+    patch_model(model, backend="reference")
     attn = model.model.layers[0].self_attn
     state = attn._bricks_state
     x = mx.random.normal((1, 12, 64))
@@ -193,11 +194,10 @@ def test_sliding_layer_fallbacks_at_call_time():
     assert any("not mlx-lm's (L, keys) sliding-window mask" in r for r in state.stock)
     # a model whose args lost the window length: sliding layers stock, global layer bricks
     model.args.sliding_window = None  # the model keeps its own copy (window_size)
-    report = patch_model(model, backend="reference")
+    patch_model(model, backend="reference")
     run(model, toks)
     s0 = model.model.layers[0].self_attn._bricks_state
     s1 = model.model.layers[1].self_attn._bricks_state
     assert any("args have no sliding_window" in r for r in s0.stock), dict(s0.stock)
     assert s1.calls["flash_attention"] == 1 and not s1.stock
     unpatch_model(model)
-    assert report is not None
