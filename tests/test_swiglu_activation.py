@@ -203,3 +203,22 @@ def test_activation_errors(backend):
     with pytest.raises(TypeError, match="activation must be a str, got NoneType"):
         swiglu_mlp(x, wg, wu, wd, activation=None, backend=backend)
     assert [activation_code(a) for a in ("silu", "gelu_tanh")] == [0, 1]
+
+
+def test_tuner_key_stock_and_reference_follow_the_activation():
+    """The tuner keys GELU-tanh MLPs apart (SiLU keys unchanged), and its stock side and
+    high-precision reference compute the activation asked for (float64 numpy here)."""
+    from mlx_bricks.tune.kinds import kind
+
+    k = kind("swiglu_mlp")
+    d = _data(7, 64, 72, "float32")
+    args = dict(x=d["x"], w_gate=d["wg"], w_up=d["wu"], w_down=d["wd"], residual=d["r"])
+    silu = str(k.key(args))
+    assert silu == str(k.key(dict(args, activation="silu"))) and "act=" not in silu
+    assert "act=gelu_tanh" in str(k.key(dict(args, activation="gelu_tanh")))
+    for activation in ACTIVATIONS:
+        a = dict(args, activation=activation)
+        ref64 = (_ACT64[activation](d["g64"]) * d["u64"]) @ to_f64(d["wd"]).T + to_f64(d["r"])
+        for name, out in (("stock", k.stock(a)), ("reference", k.reference_tail(a, 7))):
+            np.testing.assert_allclose(to_f64(out), ref64, rtol=1e-4, atol=1e-4,
+                                       err_msg=f"{name} {activation}")
