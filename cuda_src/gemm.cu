@@ -1,11 +1,13 @@
 // CUDA twin of Bricks 1 and 2 (metal_src/gemm.metal): y = x @ W.T (+ bias) (+ residual), W a
 // 16-bit float weight or MLX affine weight; with SWIGLU_UP, the split SwiGLU's gate GEMM
-// (metal_src/swiglu_split.metal): act = SiLU(x @ W.T + bias) * up. Headers: mma.cuh, gemm.cuh.
+// (metal_src/swiglu_split.metal): act = act(x @ W.T + bias) * up, act SiLU or GELU-tanh (ACT).
+// Headers: mma.cuh, gemm.cuh.
 //
 // Template: T (__half, __nv_bfloat16), BM, BN, WM, WN (WM * WN warps), STAGES (>= 3 for affine
 // weights: a stage is dequantized one ahead), BITS (0: float weight; else 2..8 affine), GS
 // (group size, affine only), HAS_BIAS, HAS_RESIDUAL, SWIGLU_UP, WGMMA (sm_90a warpgroup MMA,
-// then WM = BM / 16 and WN = 1; else mma.sync), DEPTH (wgmma groups kept in flight, 0 or 1).
+// then WM = BM / 16 and WN = 1; else mma.sync), DEPTH (wgmma groups kept in flight, 0 or 1),
+// ACT (SWIGLU_UP's gate activation: 0 SiLU, 1 GELU-tanh; gemm.cuh).
 // Inputs: x (M, K) row-contiguous (the op reshapes / copies); w: (N, K) of T, or uint32
 // (N, K * BITS / 32); scales, biases (N, K / GS) of T (placeholders for float weights); bias (N,);
 // residual (M, N) (the up projection when SWIGLU_UP); absent ones are placeholders never read.
@@ -25,7 +27,7 @@ const T* ss[1] = {scales};
 const T* bs[1] = {biases};
 typename bricks::WeightLoader<Cfg, BITS, GS>::type bl(ws, ss, bs, N, K, tn * BN);
 if constexpr (SWIGLU_UP) {
-  bricks::SwiGLUUpOut<T, HAS_BIAS> epi{y, bias, residual, M, N, tm * BM, tn * BN};
+  bricks::SwiGLUUpOut<T, HAS_BIAS, ACT> epi{y, bias, residual, M, N, tm * BM, tn * BN};
   bricks::gemm_block<Cfg, Mma>(smem, x, M, K, tm * BM, bl, epi);
 } else {
   bricks::BiasResidualOut<T, HAS_BIAS, HAS_RESIDUAL> epi{y, bias, residual, M, N, tm * BM,

@@ -610,6 +610,28 @@ __device__ __forceinline__ float silu(float g) {
   return g >= 0.0f ? g / d : (g * e) / d;
 }
 
+// GELU, tanh approximation (mlx.nn.gelu_approx), as the MSL brick computes it
+// (metal_src/swiglu.h): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), the tanh argument
+// clamped to [-10, 10] so an overflowing g^3 never reaches tanh.
+__device__ __forceinline__ float gelu_tanh(float g) {
+  const float u = 0.7978845608028654f * g * (1.0f + 0.044715f * g * g);
+  return 0.5f * g * (1.0f + tanhf(fminf(fmaxf(u, -10.0f), 10.0f)));
+}
+
+// The SwiGLU kernels' ACT template parameter: the gate's activation (metal_src/swiglu.h).
+constexpr int ACT_SILU = 0;
+constexpr int ACT_GELU_TANH = 1;
+
+template <int ACT>
+__device__ __forceinline__ float activation(float g) {
+  static_assert(ACT == ACT_SILU || ACT == ACT_GELU_TANH, "ACT must be 0 (SiLU) or 1 (GELU-tanh)");
+  if constexpr (ACT == ACT_GELU_TANH) {
+    return gelu_tanh(g);
+  } else {
+    return silu(g);
+  }
+}
+
 // y = acc (+ bias[col]) (+ residual[row, col]), summed in float, rounded once; y and residual
 // (M, N) row-major. Block-relative (r, c) from WarpTile::for_each.
 template <typename T, bool HAS_BIAS, bool HAS_RESIDUAL>
@@ -639,9 +661,9 @@ struct BiasResidualOut {
   }
 };
 
-// act = SiLU(acc + bias[col]) * up[row, col] (the split SwiGLU's gate GEMM; up was computed by
-// the up GEMM and rounded to T, as the MSL split variant and the stock MLP do).
-template <typename T, bool HAS_BIAS>
+// act = act(acc + bias[col]) * up[row, col] (act: ACT; the split SwiGLU's gate GEMM; up was
+// computed by the up GEMM and rounded to T, as the MSL split variant and the stock MLP do).
+template <typename T, bool HAS_BIAS, int ACT = ACT_SILU>
 struct SwiGLUUpOut {
   T* act;
   const T* bias;
@@ -662,13 +684,13 @@ struct SwiGLUUpOut {
     const T* up_p = up + long(row) * N + col;
     const float u0 = to_float(up_p[0]);
     const float u1 = two ? to_float(up_p[1]) : 0.0f;
-    store_pair(act, N, row, col, M, N, silu(g0) * u0, silu(g1) * u1);
+    store_pair(act, N, row, col, M, N, activation<ACT>(g0) * u0, activation<ACT>(g1) * u1);
   }
 };
 
-// act = SiLU(gate + b_gate) * (up + b_up) from the fused block's two operands (b = 0 gate,
-// b = 1 up), all in float, one rounding.
-template <typename T, bool HAS_BIAS_GATE, bool HAS_BIAS_UP>
+// act = act(gate + b_gate) * (up + b_up) (act: ACT) from the fused block's two operands
+// (b = 0 gate, b = 1 up), all in float, one rounding.
+template <typename T, bool HAS_BIAS_GATE, bool HAS_BIAS_UP, int ACT = ACT_SILU>
 struct SwiGLUOut {
   T* act;
   const T* b_gate;
@@ -689,7 +711,7 @@ struct SwiGLUOut {
       u0 += to_float(b_up[col]);
       u1 += to_float(b_up[c1]);
     }
-    store_pair(act, N, row, col, M, N, silu(g0) * u0, silu(g1) * u1);
+    store_pair(act, N, row, col, M, N, activation<ACT>(g0) * u0, activation<ACT>(g1) * u1);
   }
 };
 

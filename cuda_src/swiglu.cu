@@ -1,11 +1,13 @@
 // CUDA twin of Brick 3, fused variant (metal_src/swiglu_fused.metal):
-// act = SiLU(x @ Wg.T + b_gate) * (x @ Wu.T + b_up), one kernel: each block stages one x tile
-// and BN rows of each weight per K step; every warp holds gate and up of the same outputs in
-// the same lanes, so SiLU(gate) * up is formed in float registers and written once.
+// act = act(x @ Wg.T + b_gate) * (x @ Wu.T + b_up) (act: SiLU or GELU-tanh, ACT), one kernel:
+// each block stages one x tile and BN rows of each weight per K step; every warp holds gate and
+// up of the same outputs in the same lanes, so act(gate) * up is formed in float registers and
+// written once.
 // Headers: mma.cuh, gemm.cuh, wgmma.cuh.
 //
 // Template: T, BM, BN (act columns per block), WM, WN, STAGES, BITS (0: float weights; else
-// affine, the same for gate and up), GS, HAS_BIAS_GATE, HAS_BIAS_UP, WGMMA, DEPTH (as gemm.cu).
+// affine, the same for gate and up), GS, HAS_BIAS_GATE, HAS_BIAS_UP, WGMMA, DEPTH (as gemm.cu),
+// ACT (the gate's activation: 0 SiLU, 1 GELU-tanh; gemm.cuh).
 // Inputs: x (M, K) row-contiguous; w_gate, w_up and their scales / biases triples as gemm.cu's
 // w / scales / biases; b_gate, b_up (N,) (placeholders when absent).
 // Output: act (M, N).
@@ -23,5 +25,6 @@ const void* ws[2] = {w_gate, w_up};
 const T* ss[2] = {scales_gate, scales_up};
 const T* bs[2] = {biases_gate, biases_up};
 typename bricks::WeightLoader<Cfg, BITS, GS>::type bl(ws, ss, bs, N, K, tn * BN);
-bricks::SwiGLUOut<T, HAS_BIAS_GATE, HAS_BIAS_UP> epi{act, b_gate, b_up, M, N, tm * BM, tn * BN};
+bricks::SwiGLUOut<T, HAS_BIAS_GATE, HAS_BIAS_UP, ACT> epi{act, b_gate, b_up, M, N, tm * BM,
+                                                         tn * BN};
 bricks::gemm_block<Cfg, Mma>(smem, x, M, K, tm * BM, bl, epi);

@@ -1,14 +1,19 @@
 // swiglu.h -- Brick 3 (SwiGLU MLP) as a thin layer on gemm.h: loader binding, the gate + up
-// MMA block of the fused kernel, and the SiLU(gate) * up epilogue math. Concatenated after
+// MMA block of the fused kernel, and the act(gate) * up epilogue math. Concatenated after
 // gemm.h by the kernel registry (headers = gemm.h, swiglu.h).
 //
-//   silu / swiglu_value            SiLU(g) * u in float, with no inf or NaN intermediate.
+// The gate's activation is the kernels' ACT template parameter (one kernel, not a copy per
+// activation): ACT_SILU (0, SwiGLU: llama, qwen) or ACT_GELU_TANH (1, GeGLU with the tanh
+// approximation of GELU: gemma's gelu_approx).
+//
+//   silu, gelu_tanh                the activations in float, with no inf or NaN intermediate.
+//   swiglu_value<ACT>              act(g) * u in float.
 //   bind_x_rows                    points a TileLoader at rows of x read through x's strides.
 //   bind_gate_up_rows              one weight loader of 2 * BN rows: w_gate rows, then w_up
 //                                  rows (float or affine-quantized, one format for both).
 //   GateUpMMA                      two SimdgroupMMA blocks of one geometry; each A fragment
 //                                  read from threadgroup memory feeds both gate and up.
-//   swiglu_combine                 gate acc <- SiLU(gate + b_gate) * (up + b_up), in registers.
+//   swiglu_combine                 gate acc <- act(gate + b_gate) * (up + b_up), in registers.
 //   SwiGLUUpEpilogue               split variant: store op that reads the up projection.
 
 #ifndef MLX_BRICKS_SWIGLU_H
@@ -25,8 +30,28 @@ inline float silu(float g) {
   return g >= 0.0f ? g / d : (g * e) / d;
 }
 
+// GELU, tanh approximation (Hendrycks & Gimpel 2016; mlx.nn.gelu_approx):
+// 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))). The tanh argument is clamped to
+// [-10, 10] (tanh(10) rounds to 1 in float32), so g^3 overflowing to inf for huge |g| can
+// never reach tanh: large positive g gives g, large negative g gives -0.
+inline float gelu_tanh(float g) {
+  const float u = 0.7978845608028654f * g * (1.0f + 0.044715f * g * g);
+  return 0.5f * g * (1.0f + precise::tanh(clamp(u, -10.0f, 10.0f)));
+}
+
+// The kernels' ACT template parameter.
+enum Activation : int { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+
+template <int ACT>
+inline float activation(float g) {
+  static_assert(ACT == ACT_SILU || ACT == ACT_GELU_TANH, "ACT must be 0 (SiLU) or 1 (GELU-tanh)");
+  return ACT == ACT_GELU_TANH ? gelu_tanh(g) : silu(g);
+}
+
+// act(g) * u for the ACT activation.
+template <int ACT>
 inline float swiglu_value(float g, float u) {
-  return silu(g) * u;
+  return activation<ACT>(g) * u;
 }
 
 // Points the loader's chunks at rows m0 + tile_row of x, the flattened leading dims of a
@@ -100,11 +125,12 @@ struct GateUpMMA {
   }
 };
 
-// mma.gate.acc <- SiLU(gate + b_gate) * (up + b_up), elementwise in float registers, so the
-// block is then written once by mma.gate.store / store_checked. Bias pointers are the whole
-// (N,) vectors (placeholders when absent: never read); columns past N clamp to N - 1 so edge
-// tiles read in bounds (those values are never stored).
-template <bool HAS_BIAS_GATE, bool HAS_BIAS_UP, typename MMA, typename GPtr, typename UPtr>
+// mma.gate.acc <- act(gate + b_gate) * (up + b_up) (act: ACT), elementwise in float
+// registers, so the block is then written once by mma.gate.store / store_checked. Bias
+// pointers are the whole (N,) vectors (placeholders when absent: never read); columns past N
+// clamp to N - 1 so edge tiles read in bounds (those values are never stored).
+template <int ACT, bool HAS_BIAS_GATE, bool HAS_BIAS_UP, typename MMA, typename GPtr,
+          typename UPtr>
 void swiglu_combine(thread MMA& mma, GPtr b_gate, UPtr b_up, int n0, int N) {
   BRICKS_UNROLL
   for (short i = 0; i < MMA::Block::TM; ++i) {
@@ -120,7 +146,7 @@ void swiglu_combine(thread MMA& mma, GPtr b_gate, UPtr b_up, int n0, int N) {
         float uv = u[e];
         if (HAS_BIAS_GATE) gv += float(b_gate[n]);
         if (HAS_BIAS_UP) uv += float(b_up[n]);
-        g[e] = swiglu_value(gv, uv);
+        g[e] = swiglu_value<ACT>(gv, uv);
       }
     }
   }
@@ -131,9 +157,9 @@ struct StoreAsIs {
   float operator()(float v, short, short) const { return v; }
 };
 
-// Split variant's store op: SiLU(acc + bias[col]) * up[row, col]. Only called for stored
+// Split variant's store op: act(acc + bias[col]) * up[row, col] (act: ACT). Only called for stored
 // (in-bounds) elements, so reading up at (row, col) is safe. Pointer types as the inputs'.
-template <bool HAS_BIAS, typename BiasPtr, typename UpPtr>
+template <int ACT, bool HAS_BIAS, typename BiasPtr, typename UpPtr>
 struct SwiGLUUpEpilogue {
   BiasPtr bias;  // at the block's first column
   UpPtr up;      // at the block's (0, 0)
@@ -141,7 +167,7 @@ struct SwiGLUUpEpilogue {
 
   float operator()(float v, short r, short c) const {
     if (HAS_BIAS) v += float(bias[c]);
-    return swiglu_value(v, float(up[long(r) * ldu + c]));
+    return swiglu_value<ACT>(v, float(up[long(r) * ldu + c]));
   }
 };
 

@@ -1,15 +1,15 @@
-// Brick 3, fused variant: act = SiLU(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up) in one
+// Brick 3, fused variant: out = act(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up) in one
 // kernel, one BM x BN act tile per threadgroup. Each K step loads the x tile into threadgroup
 // memory once and the 2 * BN weight rows (BN of w_gate, BN of w_up) beside it; every simdgroup
 // multiplies its x fragments by both, so gate and up of an element meet in the same lane and
-// SiLU(gate) * up is formed in float registers and written once.
+// act(gate) * up is formed in float registers and written once (act: SiLU or GELU-tanh, ACT).
 //
 // Template: T (half, bfloat, float), BM, BN (act columns per tile), BK, WM, WN (WM * WN
 // simdgroups), PAD (row pitch padding, a multiple of the 128-bit vector width), VEC
 // (K % (16 / sizeof(T)) == 0: 128-bit loads allowed), ALIGN_MN (M % BM == 0 and N % BN == 0: no
 // store predication compiled), STAGES (2: ping-pong buffers, 1: single buffer), HAS_BIAS_GATE,
 // HAS_BIAS_UP, BITS and GROUP_SIZE (the weights' format, one for both: 0 = float, else MLX
-// affine; see gemm.metal).
+// affine; see gemm.metal), ACT (the gate's activation: 0 SiLU, 1 GELU-tanh; see swiglu.h).
 // Inputs: x (..., K) with any strides (rows = flattened leading dims); w_gate and w_up (N, K)
 // of T, or affine (uint32 (N, K * BITS / 32) with gate_/up_ scales and biases
 // (N, K / GROUP_SIZE) of T); the optional b_gate, b_up (N,); all but x row-contiguous (absent
@@ -56,7 +56,7 @@ const ushort sg = ushort(simdgroup_index_in_threadgroup);
 const ushort lane = ushort(thread_index_in_simdgroup);
 bricks::GateUpMMA<BM, BN, BK, WM, WN, LDA, LDB> mma(sg, lane);
 bricks::gemm_k_loop<BK, STAGES>(la, lb, mma, As, Bs, K, bricks::NoTransform());
-bricks::swiglu_combine<HAS_BIAS_GATE, HAS_BIAS_UP>(mma, b_gate, b_up, n0, N);
+bricks::swiglu_combine<ACT, HAS_BIAS_GATE, HAS_BIAS_UP>(mma, b_gate, b_up, n0, N);
 
 device T* act_tile = act + long(m0) * N + n0;
 if (ALIGN_MN || (m0 + BM <= M && n0 + BN <= N)) {

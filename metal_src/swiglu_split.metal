@@ -1,10 +1,11 @@
-// Brick 3, split variant, second kernel: act = SiLU(x @ w_gate.T + b_gate) * up, the gate GEMM
+// Brick 3, split variant, second kernel: out = act(x @ w_gate.T + b_gate) * up, the gate GEMM
 // of the GEMM brick's tiling with an epilogue that reads up = x @ w_up.T + b_up (computed before
 // by the GEMM brick) at each stored element. One BM x BN act tile per threadgroup.
 //
 // Template: the GEMM brick's (T, BM, BN, BK, WM, WN, PAD, VEC, ALIGN_MN, STAGES, HAS_BIAS,
 // HAS_RESIDUAL, BITS, GROUP_SIZE; see gemm.metal); HAS_BIAS is b_gate's, HAS_RESIDUAL is unused
-// (always false), BITS and GROUP_SIZE are w_gate's format.
+// (always false), BITS and GROUP_SIZE are w_gate's format; ACT is the gate's activation (0 SiLU,
+// 1 GELU-tanh; see swiglu.h).
 // Inputs: x (..., K) with any strides (rows = flattened leading dims), w_gate (N, K) of T or
 // affine (uint32 with gate_scales, gate_biases; see gemm.metal), the optional b_gate (N,) (a
 // placeholder when absent, never read) and up (M, N), row-contiguous.
@@ -49,7 +50,7 @@ const ushort lane = ushort(thread_index_in_simdgroup);
 bricks::SimdgroupMMA<BM, BN, BK, WM, WN, LDA, LDB> mma(sg, lane);
 bricks::gemm_k_loop<BK, STAGES>(la, lb, mma, As, Bs, K, bricks::NoTransform());
 
-const bricks::SwiGLUUpEpilogue<HAS_BIAS, decltype(b_gate + 0), decltype(up + 0)> epilogue = {
+const bricks::SwiGLUUpEpilogue<ACT, HAS_BIAS, decltype(b_gate + 0), decltype(up + 0)> epilogue = {
     HAS_BIAS ? b_gate + n0 : b_gate, up + long(m0) * N + n0, N};
 device T* act_tile = act + long(m0) * N + n0;
 if (ALIGN_MN || (m0 + BM <= M && n0 + BN <= N)) {

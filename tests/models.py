@@ -1,7 +1,8 @@
 """Tiny random mlx-lm models for the patch tests, built from mlx-lm's own ``ModelArgs``.
 
 Shapes are chosen so the bricks see what real models give them: head_dim 64, GQA (llama,
-qwen3), q/k/v biases (qwen2), per-head q/k norms (qwen3), q width != hidden size (qwen3).
+qwen3), q/k/v biases (qwen2), per-head q/k norms (qwen3), q width != hidden size (qwen3);
+gemma3_text: head_dim 256, one KV head, a sliding-window layer (window 8) then a global one.
 """
 from __future__ import annotations
 
@@ -24,13 +25,28 @@ CONFIGS = {
     "qwen3": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=192,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
                   max_position_embeddings=4096, rope_theta=1000000.0, tie_word_embeddings=True),
+    # layer 0 sliding (window 8, RotatingKVCache), layer 1 global (sliding_window_pattern 2).
+    "gemma3_text": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=160,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+                        rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=8,
+                        sliding_window_pattern=2, max_position_embeddings=4096),
+    # soft-cap 5: tanh bends the (sharpened) scores of this tiny model noticeably
+    "gemma2": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=160,
+                   num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+                   rms_norm_eps=1e-6, query_pre_attn_scalar=256, attn_logit_softcapping=5.0,
+                   final_logit_softcapping=30.0),
 }
 
 # Parameters scaled up to sharpen attention (q_norm/k_norm: qwen3 normalises q and k per head).
 ATTENTION_SHARPEN = ("q_proj.", "k_proj.", "q_norm.", "k_norm.")
 
 # model_type -> mlx-lm module that builds it (mlx_lm.utils.MODEL_REMAPPING: mistral -> llama).
-MODULES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+MODULES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+           "gemma3_text": "gemma3_text", "gemma2": "gemma2"}
+
+# Architectures whose RMSNorm computes rms_norm(x, 1 + w): their stored norm weights are the
+# effective ones minus 1.
+OFFSET_NORMS = ("gemma3_text", "gemma2")
 
 
 def model_args(model_type: str, **overrides):
@@ -49,7 +65,9 @@ def build_model(model_type: str, dtype=mx.float32, *, seed: int = 0, **overrides
     have gaps well above float16/bfloat16 rounding: greedy tokens then test the bricks, not
     ties between near-equal logits. Queries and keys are scaled by 3 (scores by 9) so attention
     is peaked as in trained models; with near-uniform attention a wrong position or mask would
-    hardly change the output.
+    hardly change the output. For gemma (``OFFSET_NORMS``) these are the effective norm weights
+    ``1 + w``: the stored ``w`` is drawn 1 lower, so the model is as well conditioned as the
+    others.
     """
     module, args = model_args(model_type, **overrides)
     mx.random.seed(seed)
@@ -63,6 +81,8 @@ def build_model(model_type: str, dtype=mx.float32, *, seed: int = 0, **overrides
             p = scale * (1.0 + 0.2 * mx.random.normal(p.shape, key=k))
         if any(t in name for t in ATTENTION_SHARPEN):
             p = 3.0 * p
+        if name.endswith("norm.weight") and MODULES[model_type] in OFFSET_NORMS:
+            p = p - 1.0
         new.append((name, p))
     model.update(tree_unflatten(new))
     model.set_dtype(dtype)

@@ -121,6 +121,27 @@ def test_swiglu_twins_compile(variant, fmt_g, fmt_u, tile):
     _compile_all(rec, "sm_90a")
 
 
+@pytest.mark.parametrize("variant,fmt,tile,arch", [
+    ("fused", None, "128x64", "sm_90a"), ("fused", (4, 64), "wg128x64", "sm_90a"),
+    ("split", None, "128x128", "sm_90a"), ("fused", (4, 64), "64x64", "sm_80"),
+])
+def test_swiglu_gelu_tanh_twins_compile(monkeypatch, variant, fmt, tile, arch):
+    """The GELU-tanh activation (ACT = 1) of both twins: the fused kernel's SwiGLUOut and the
+    split variant's gate GEMM epilogue (SwiGLUUpOut), each the same kernel with ACT set."""
+    if arch == "sm_80":
+        monkeypatch.setattr(gemm_cuda, "device_capability", lambda: (8, 0))
+    M, N, K, dtype = 70, 384, 256, mx.bfloat16
+    x = mx.zeros((M, K), dtype=dtype)
+    with cudacheck.recorded_launches(gemm_cuda) as rec:
+        act = gemm_cuda.swiglu(x, _weight(N, K, fmt, dtype), _weight(N, K, fmt, dtype), None,
+                               None, variant=variant, tile=tile, act=1)
+    assert act.shape == (M, N)
+    acts = [dict(r.template)["ACT"] for r in rec]
+    # split: the up GEMM (plain epilogue, ACT 0) then the gate GEMM with the activation
+    assert acts == ([1] if variant == "fused" else [0, 1]), acts
+    _compile_all(rec, arch)
+
+
 @pytest.mark.parametrize("fmts", [(None, None, None), ((4, 64), (4, 64), (8, 64))])
 def test_rms_norm_qkv_twin_compiles(fmts):
     B, L, K, H, Hkv, D, dtype = 2, 9, 256, 4, 2, 64, mx.float16

@@ -33,7 +33,7 @@ import mlx.nn as nn
 
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import scaled_dot_product_attention
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from mlx_bricks.nn.sharding import (
     QUANTIZED_SHARDED,
@@ -57,7 +57,24 @@ class BlockLayout:
     The block computes ``h = x + attn(input_norm(x)); out = h + mlp(post_attention_norm(h))``;
     the attention projects with q/k/v/o ``nn.Linear`` layers (biases optional), optionally
     applies per-head RMSNorms (``qk_norm``, qwen3) before RoPE, and the MLP is
-    ``down(silu(gate(x)) * up(x))``.
+    ``down(act(gate(x)) * up(x))`` with ``act`` the layout's ``activation``.
+
+    Gemma-style fields:
+        activation: the MLP's gate activation, ``"silu"`` or ``"gelu_tanh"`` (gemma's
+            ``nn.gelu_approx``; ``ops.swiglu_variants.ACTIVATIONS``).
+        sliding: attribute of the attention module that is True on sliding-window layers
+            (gemma3: ``is_sliding``); None: no sliding-window layers.
+        window_arg: field of the model's args that holds the window length
+            (``sliding_window``); :func:`mlx_bricks.patch.table.lookup` copies its value into
+            ``sliding_window`` for one model.
+        sliding_window: the window length (keys each query sees, itself included), or None
+            while unknown (sliding layers then run stock, with the reason).
+        unfused: why the unified block (``BricksBlock``) does not apply to this architecture
+            (None: it does); attention and MLP are then patched one by one.
+        softcap: attribute of the attention module that holds the logit soft-cap
+            (gemma2: ``attn_logit_softcapping``, ``cap * tanh(s / cap)``); None: no soft-cap.
+        causal_array: the model passes its causal mask as mlx-lm's boolean
+            ``create_causal_mask`` array (gemma2: ``return_array=True``), taken as causal.
     """
 
     source: str
@@ -73,6 +90,13 @@ class BlockLayout:
     up_proj: str = "up_proj"
     down_proj: str = "down_proj"
     qk_norm: tuple[str, str] | None = None
+    activation: str = "silu"
+    sliding: str | None = None
+    window_arg: str | None = None
+    sliding_window: int | None = None
+    unfused: str | None = None
+    softcap: str | None = None
+    causal_array: bool = False
 
     @property
     def attention_linears(self) -> tuple[str, str, str, str]:
@@ -153,9 +177,30 @@ def linear_reason(name: str, module, dtype=None) -> str | None:
     return f"{name} is {cls}, not nn.Linear"
 
 
+#: mlx-lm's gemma RMSNorm classes: ``mx.fast.rms_norm(x, 1 + weight, eps)`` (the checkpoint
+#: stores ``w - 1``), by (module, class name).
+OFFSET_RMS_NORMS = frozenset(
+    (f"mlx_lm.models.{m}", "RMSNorm") for m in ("gemma", "gemma2", "gemma3_text"))
+
+
+def is_offset_rms_norm(module) -> bool:
+    """True for mlx-lm's gemma RMSNorm (``rms_norm(x, 1 + weight, eps)``, see
+    :data:`OFFSET_RMS_NORMS`)."""
+    cls = type(module)
+    return (cls.__module__, cls.__name__) in OFFSET_RMS_NORMS
+
+
+def norm_weight(norm):
+    """The weight ``mx.fast.rms_norm`` takes for ``norm``: ``norm.weight`` for ``nn.RMSNorm``,
+    ``1 + norm.weight`` (in the weight's dtype, as the gemma module computes it) for a gemma
+    RMSNorm."""
+    return 1.0 + norm.weight if is_offset_rms_norm(norm) else norm.weight
+
+
 def rms_norm_reason(name: str, module, dtype=None) -> str | None:
-    """Why ``module`` cannot be fused as an RMSNorm (None if it is a plain ``nn.RMSNorm``)."""
-    if type(module) is not nn.RMSNorm:
+    """Why ``module`` cannot be fused as an RMSNorm (None if it is a plain ``nn.RMSNorm`` or a
+    gemma RMSNorm, whose weight the bricks take as ``1 + weight``: :func:`norm_weight`)."""
+    if type(module) is not nn.RMSNorm and not is_offset_rms_norm(module):
         return f"{name} is {type(module).__name__}, not nn.RMSNorm"
     if dtype is not None and module.weight.dtype != dtype:
         return (f"{name}.weight is {dtype_name(module.weight.dtype)} but the input is "
@@ -185,8 +230,64 @@ def _is_q8_cache(cache) -> bool:
     return type(cache) is _Q8KVCache[0]
 
 
-def _call_reason(x, mask, cache, args, kwargs) -> str | None:
-    """Per-call conditions shared by attention and block (cheap checks first)."""
+def layer_window(attn, layout: BlockLayout) -> tuple[int | None, str | None]:
+    """``(window, reason)`` of an attention module: ``(None, None)`` on a global layer,
+    ``(layout.sliding_window, None)`` on a sliding-window layer (``layout.sliding`` set on the
+    module), ``(None, reason)`` when the window length is unknown."""
+    if layout.sliding is None or not getattr(attn, layout.sliding, False):
+        return None, None
+    if layout.sliding_window is None:
+        return None, (f"sliding-window layer ({layout.sliding}=True): the model's args have no "
+                      f"{layout.window_arg or 'window length'}")
+    return layout.sliding_window, None
+
+
+def _kv_length(cache, L: int) -> int:
+    """Keys ``cache.update_and_fetch`` returns for L new tokens (``RotatingKVCache`` with
+    ``keep == 0``: at most ``max_size - 1`` earlier ones, in temporal order)."""
+    if cache is None:
+        return L
+    if type(cache) is RotatingKVCache:
+        return min(cache.offset, cache.max_size - 1) + L
+    return cache.offset + L
+
+
+def _array_mask_reason(mask, cache, L: int, window) -> str | None:
+    """On a sliding-window layer (``window`` set) or a model that passes its causal mask as an
+    array (``BlockLayout.causal_array``): None when the brick's causal mask (with ``window``,
+    bottom-right aligned over the keys the cache returns) computes what mlx-lm's mask does.
+
+    mlx-lm (``base.create_attention_mask``, ``RotatingKVCache.make_mask``) gives a sliding layer
+    ``"causal"`` while the window cannot exclude a key, else the 2-D boolean
+    ``create_causal_mask(L, offset, window_size)`` of shape (L, keys); ``return_array=True``
+    gives the same without a window. Batch padding masks are 4-D and fall back. A
+    ``RotatingKVCache`` (sliding layers only) returns its keys in temporal order when
+    ``keep == 0`` (``_update_concat``), which the bottom-right alignment needs."""
+    caches = (KVCache, RotatingKVCache) if window is not None else (KVCache,)
+    if cache is not None and type(cache) not in caches:
+        names = " or ".join(c.__name__ for c in caches)
+        return f"cache is {type(cache).__name__}, not {names}"
+    if type(cache) is RotatingKVCache and cache.keep:
+        return f"RotatingKVCache keeps {cache.keep} leading tokens: keys are not contiguous"
+    if isinstance(mask, str) and mask == "causal":
+        return None
+    if (isinstance(mask, mx.array) and mask.dtype == mx.bool_
+            and tuple(mask.shape) == (L, _kv_length(cache, L))):
+        return None
+    what = f"an array {tuple(mask.shape)}" if isinstance(mask, mx.array) else repr(mask)
+    kind = "sliding-window" if window is not None else "causal"
+    return f"mask is {what}: not mlx-lm's (L, keys) {kind} mask"
+
+
+def _mask_key(mask, cache, L: int):
+    """The mask as a call-shape key: an accepted array mask by its key count."""
+    return ("array", _kv_length(cache, L)) if isinstance(mask, mx.array) else mask
+
+
+def _call_reason(x, mask, cache, args, kwargs, window=None, causal_array=False) -> str | None:
+    """Per-call conditions shared by attention and block (cheap checks first); ``window``:
+    the layer's sliding window (:func:`layer_window`), ``causal_array``: the layout's (both
+    accept mlx-lm's array masks, :func:`_array_mask_reason`)."""
     if args or kwargs:
         extra = [f"{len(args)} extra positional"] if args else []
         extra += sorted(kwargs)
@@ -197,6 +298,8 @@ def _call_reason(x, mask, cache, args, kwargs) -> str | None:
         return DECODE
     if x.dtype not in FLOAT_DTYPES:
         return f"input dtype {dtype_name(x.dtype)} is not float16/bfloat16/float32"
+    if window is not None or causal_array:
+        return _array_mask_reason(mask, cache, x.shape[1], window)
     if mask is not None and not (isinstance(mask, str) and mask == "causal"):
         what = "an array" if isinstance(mask, mx.array) else repr(mask)
         return f"mask is {what} (sliding window or padding): the attention brick takes causal only"
@@ -340,23 +443,44 @@ def _out_stock(linear, x, residual=None):
 def _mlp_stock(mlp, layout: BlockLayout, x, residual=None, call=None):
     """The stock path of the MLP piece: mlx-lm's ``residual + mlp(x)`` (``call``: the MLP's
     stock ``__call__``, default ``mlp`` itself); with a row-sharded down projection, mlx-lm's
-    ``swiglu(gate_proj(x), up_proj(x))`` (the table's MLPs are SwiGLU) times the local down
-    shard, before the ``all_sum`` (:func:`_finish`)."""
+    ``swiglu(gate_proj(x), up_proj(x))`` (``gelu_approx(gate) * up`` for the layout's
+    ``gelu_tanh``, as mlx-lm's gemma MLPs) times the local down shard, before the ``all_sum``
+    (:func:`_finish`)."""
     down = getattr(mlp, layout.down_proj)
     if is_row_sharded(down):
-        gate, up = getattr(mlp, layout.gate_proj), getattr(mlp, layout.up_proj)
-        return _partial(down, swiglu(gate(x), up(x)))
+        g, u = getattr(mlp, layout.gate_proj)(x), getattr(mlp, layout.up_proj)(x)
+        act = nn.gelu_approx(g) * u if layout.activation == "gelu_tanh" else swiglu(g, u)
+        return _partial(down, act)
     y = (call or mlp)(x)
     return y if residual is None else residual + y
 
 
-def _attention_args(attn, state: BricksState, B, L, offset, dtype, mask) -> dict:
-    """Arguments of the attention piece before q/k/v exist (shapes only): keys are the cached
-    ones plus this chunk's."""
+def _softcap(attn, layout: BlockLayout):
+    return getattr(attn, layout.softcap) if layout.softcap is not None else None
+
+
+def _masking(attn, layout: BlockLayout, mask, window) -> dict:
+    """The brick's masking arguments for mlx-lm's ``mask`` (already accepted by
+    :func:`_call_reason`): an array mask is causal (with the layer's ``window``, if any), plus
+    the layout's soft-cap."""
+    out = {"mask": "causal" if isinstance(mask, mx.array) else mask}
+    if window is not None:
+        out["window"] = window
+    softcap = _softcap(attn, layout)
+    if softcap is not None:
+        out["softcap"] = softcap
+    return out
+
+
+def _attention_args(attn, state: BricksState, B, L, cache, dtype, mask, window=None) -> dict:
+    """Arguments of the attention piece before q/k/v exist (shapes only): keys are the ones
+    the cache returns (the cached ones plus this chunk's); masking by :func:`_masking`."""
     hd = state.head_dim
-    kv = Act((B, attn.n_kv_heads, offset + L, hd), dtype)
-    return {"q": Act((B, attn.n_heads, L, hd), dtype), "k": kv, "v": kv, "scale": attn.scale,
-            "mask": mask, "kv_quant": state.kv_quant}
+    kv = Act((B, attn.n_kv_heads, _kv_length(cache, L), hd), dtype)
+    args = {"q": Act((B, attn.n_heads, L, hd), dtype), "k": kv, "v": kv, "scale": attn.scale,
+            "kv_quant": state.kv_quant}
+    args.update(_masking(attn, state.layout, mask, window))
+    return args
 
 
 def _mlp_args(mlp, layout: BlockLayout, x, residual=None) -> dict:
@@ -365,9 +489,12 @@ def _mlp_args(mlp, layout: BlockLayout, x, residual=None) -> dict:
         b_down, residual = None, None
     else:
         b_down = _bias(down)
-    return {"x": x, "w_gate": _weight(gate), "w_up": _weight(up), "w_down": _weight(down),
+    args = {"x": x, "w_gate": _weight(gate), "w_up": _weight(up), "w_down": _weight(down),
             "b_gate": _bias(gate), "b_up": _bias(up), "b_down": b_down,
             "residual": residual}
+    if layout.activation != "silu":  # SiLU MLPs keep their arguments (and tuning keys)
+        args["activation"] = layout.activation
+    return args
 
 
 #: Call shapes whose choices a module remembers (chunked prefill adds one per chunk offset).
@@ -439,9 +566,10 @@ def _piece(state: BricksState, name: str, choice, kind: str, args, stock, brick:
     return out
 
 
-def _attend(attn, state: BricksState, choice, args, q, k, v, mask, cache):
+def _attend(attn, state: BricksState, choice, args, q, k, v, mask, cache, window=None):
     """Per-head norms, RoPE, KV-cache update and the attention piece; q/k/v in head layout;
-    ``args()`` builds the piece's arguments without q/k/v (called only for the brick).
+    ``args()`` builds the piece's arguments without q/k/v (called only for the brick);
+    ``window``: the layer's sliding window (the stock path uses mlx-lm's ``mask`` as given).
 
     Returns (B, L, n_heads * head_dim), ready for the out-projection.
     """
@@ -466,11 +594,13 @@ def _attend(attn, state: BricksState, choice, args, q, k, v, mask, cache):
         k = attn.rope(k)
 
     def stock():
-        if state.kv_quant is not None:  # the requested Q8_0 K/V: the brick's MLX reference
+        if state.kv_quant is not None or state.layout.softcap is not None:
+            # the requested Q8_0 K/V, or a soft-cap mlx-lm's attention function does not
+            # apply: the brick's MLX-ops reference
             from mlx_bricks.ops.attention import flash_attention_reference
 
-            return flash_attention_reference(q, k, v, scale=attn.scale, mask=mask,
-                                             kv_quant=state.kv_quant)
+            return flash_attention_reference(q, k, v, scale=attn.scale, kv_quant=state.kv_quant,
+                                             **_masking(attn, state.layout, mask, window))
         return scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
 
     o = _piece(state, "attention", choice, "attention", lambda: dict(args(), q=q, k=k, v=v),
@@ -496,28 +626,31 @@ class BricksAttention:
 
     def __call__(self, x, mask=None, cache=None, *args, **kwargs):
         state = self._bricks_state
-        reason = _call_reason(x, mask, cache, args, kwargs)
+        lay = state.layout
+        window, reason = layer_window(self, lay)
+        reason = reason or _call_reason(x, mask, cache, args, kwargs, window, lay.causal_array)
         if reason is None:
             offset = cache.offset if cache is not None else 0
             q8 = cache is not None and _is_q8_cache(cache)  # attention: Q8_0 readers, untuned
-            shape_key = (x.shape, x.dtype, offset, mask, q8)
+            shape_key = (x.shape, x.dtype, offset, _mask_key(mask, cache, x.shape[1]), q8)
             if _stock_fast(state, shape_key):
                 return super().__call__(x, mask, cache)
             reason = _structure_reason(self, state, x.dtype)
         if reason is not None:
             state.stock[reason] += 1
             return super().__call__(x, mask, cache, *args, **kwargs)
-        lay = state.layout
         B, L, _ = x.shape
         qp, kp, vp, op = (self[n] for n in lay.attention_linears)
+
+        def attention_args():
+            return _attention_args(self, state, B, L, cache, x.dtype, mask, window)
 
         def pieces():
             o = Act((B, L, self.n_heads * state.head_dim), x.dtype)
             return {"q_proj": ("linear", _linear_args(qp, x)),
                     "k_proj": ("linear", _linear_args(kp, x)),
                     "v_proj": ("linear", _linear_args(vp, x)),
-                    **({} if q8 else {"attention": ("attention", _attention_args(
-                        self, state, B, L, offset, x.dtype, mask))}),
+                    **({} if q8 else {"attention": ("attention", attention_args())}),
                     "o_proj": ("linear", _linear_args(op, o))}
 
         choices = _choose(state, shape_key, pieces)
@@ -532,9 +665,8 @@ class BricksAttention:
         q = proj("q_proj", qp, self.n_heads)
         k = proj("k_proj", kp, self.n_kv_heads)
         v = proj("v_proj", vp, self.n_kv_heads)
-        o = _attend(self, state, choices.get("attention"),
-                    lambda: _attention_args(self, state, B, L, offset, x.dtype, mask),
-                    q, k, v, mask, cache)
+        o = _attend(self, state, choices.get("attention"), attention_args, q, k, v, mask,
+                    cache, window)
         y = _piece(state, "o_proj", choices["o_proj"], "linear", lambda: _linear_args(op, o),
                    lambda: _out_stock(op, o), "linear")
         return _finish(op, y)
@@ -603,11 +735,13 @@ class BricksBlock:
     def __call__(self, x, mask=None, cache=None, *args, **kwargs):
         state = self._bricks_state
         lay = state.layout
-        reason = _call_reason(x, mask, cache, args, kwargs)
+        attn = self[lay.attention]
+        window, reason = layer_window(attn, lay)
+        reason = reason or _call_reason(x, mask, cache, args, kwargs, window, lay.causal_array)
         if reason is None:
             offset = cache.offset if cache is not None else 0
             q8 = cache is not None and _is_q8_cache(cache)  # attention: Q8_0 readers, untuned
-            shape_key = (x.shape, x.dtype, offset, mask, q8)
+            shape_key = (x.shape, x.dtype, offset, _mask_key(mask, cache, x.shape[1]), q8)
             if _stock_fast(state, shape_key):
                 return super().__call__(x, mask, cache)
             reason = _structure_reason(self, state, x.dtype)
@@ -616,22 +750,24 @@ class BricksBlock:
             return super().__call__(x, mask, cache, *args, **kwargs)
 
         B, L, D = x.shape
-        attn, mlp = self[lay.attention], self[lay.mlp]
+        mlp = self[lay.mlp]
         qp, kp, vp, op = (attn[n] for n in lay.attention_linears)
         norm, post = self[lay.input_norm], self[lay.post_attention_norm]
 
         def qkv_args():
-            return {"x": x, "norm_weight": norm.weight, "eps": norm.eps, "wq": _weight(qp),
+            return {"x": x, "norm_weight": norm_weight(norm), "eps": norm.eps, "wq": _weight(qp),
                     "wk": _weight(kp), "wv": _weight(vp), "bq": _bias(qp), "bk": _bias(kp),
                     "bv": _bias(vp), "n_heads": attn.n_heads, "n_kv_heads": attn.n_kv_heads,
                     "head_dim": state.head_dim}
+
+        def attention_args():
+            return _attention_args(attn, state, B, L, cache, x.dtype, mask, window)
 
         def pieces():
             h = Act((B, L, D), x.dtype)
             o = Act((B, L, attn.n_heads * state.head_dim), x.dtype)
             return {"qkv": ("rms_norm_qkv", qkv_args()),
-                    **({} if q8 else {"attention": ("attention", _attention_args(
-                        attn, state, B, L, offset, x.dtype, mask))}),
+                    **({} if q8 else {"attention": ("attention", attention_args())}),
                     "o_proj": ("linear", _linear_args(op, o, residual=x)),
                     "mlp": ("swiglu_mlp", _mlp_args(mlp, lay, h, h))}
 
@@ -646,9 +782,8 @@ class BricksBlock:
 
         q, k, v = _piece(state, "qkv", choices["qkv"], "rms_norm_qkv", qkv_args, stock_qkv,
                          "rms_norm_qkv")
-        o = _attend(attn, state, choices.get("attention"),
-                    lambda: _attention_args(attn, state, B, L, offset, x.dtype, mask),
-                    q, k, v, mask, cache)
+        o = _attend(attn, state, choices.get("attention"), attention_args, q, k, v, mask,
+                    cache, window)
         # A row-sharded o/down: the piece gives the local partial product; _finish all-sums
         # it, adds the bias, then the residual once (as the stock layer and block do).
         h = _finish(op, _piece(state, "o_proj", choices["o_proj"], "linear",

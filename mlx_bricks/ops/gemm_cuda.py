@@ -225,7 +225,8 @@ def _geom(t: CudaTile, dtype) -> list:
             ("STAGES", t.stages), ("WGMMA", t.wgmma), ("DEPTH", t.depth)]
 
 
-def _gemm(x2, triple, bits, gs, bias, residual, t: CudaTile, swiglu_up: bool = False):
+def _gemm(x2, triple, bits, gs, bias, residual, t: CudaTile, swiglu_up: bool = False,
+          act: int = 0):
     M, K = x2.shape
     N = triple[0].shape[0]
     grid, tg = _grid(t, M, N)
@@ -237,7 +238,7 @@ def _gemm(x2, triple, bits, gs, bias, residual, t: CudaTile, swiglu_up: bool = F
         template=_geom(t, x2.dtype) + [
             ("BITS", bits), ("GS", gs), ("HAS_BIAS", bias is not None),
             ("HAS_RESIDUAL", residual is not None and not swiglu_up),
-            ("SWIGLU_UP", swiglu_up)],
+            ("SWIGLU_UP", swiglu_up), ("ACT", act)],
         grid=grid, threadgroup=tg, output_shapes=[(M, N)], output_dtypes=[x2.dtype],
         shared_memory=_smem(t, [bits]),
     )
@@ -266,9 +267,10 @@ def linear(x, weight, bias=None, residual=None, *, tile=None):
     return y.reshape(*x.shape[:-1], N)
 
 
-def swiglu(x, w_gate, w_up, b_gate=None, b_up=None, *, variant="fused", tile=None):
-    """The SwiGLU twins: ``SiLU(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)``, (M, N_mlp) of
-    x's dtype, for validated arguments (weights float or affine). ``fused``: one kernel
+def swiglu(x, w_gate, w_up, b_gate=None, b_up=None, *, variant="fused", tile=None, act=0):
+    """The SwiGLU twins: ``act(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)``, (M, N_mlp) of
+    x's dtype, for validated arguments (weights float or affine; ``act`` the ``ACT`` template
+    value, ``ops.swiglu_variants.ACTIVATIONS``: 0 SiLU, 1 GELU-tanh). ``fused``: one kernel
     (swiglu.cu); gate and up in different formats run ``split``. ``split``: the up GEMM, then
     the gate GEMM whose epilogue reads up (gemm.cu with SWIGLU_UP).
 
@@ -293,14 +295,14 @@ def swiglu(x, w_gate, w_up, b_gate=None, b_up=None, *, variant="fused", tile=Non
                     ph if b_up is None else mx.contiguous(b_up)],
             template=_geom(t, x.dtype) + [
                 ("BITS", g_bits), ("GS", g_gs), ("HAS_BIAS_GATE", b_gate is not None),
-                ("HAS_BIAS_UP", b_up is not None)],
+                ("HAS_BIAS_UP", b_up is not None), ("ACT", act)],
             grid=grid, threadgroup=tg, output_shapes=[(M, N)], output_dtypes=[x.dtype],
             shared_memory=_smem(t, [g_bits], weight_operands=2),
         )
         return act
     t = _tile(TILES, None if variant == "fused" else tile, M, N, 1, max(g_bits, u_bits))
     up = _gemm(x2, u3, u_bits, u_gs, b_up, None, t)
-    return _gemm(x2, g3, g_bits, g_gs, b_gate, up, t, swiglu_up=True)
+    return _gemm(x2, g3, g_bits, g_gs, b_gate, up, t, swiglu_up=True, act=act)
 
 
 def rms_norm_qkv(x, norm_weight, eps, wq, wk, wv, bq=None, bk=None, bv=None, *, n_heads,

@@ -1,7 +1,10 @@
-"""Brick 3: SwiGLU MLP, ``down(SiLU(gate(x)) * up(x))`` as in llama-family models.
+"""Brick 3: SwiGLU MLP, ``down(act(gate(x)) * up(x))`` as in llama-family models (act = SiLU)
+and gemma (act = GELU, tanh approximation: GeGLU).
 
-Two MSL variants compute ``act = SiLU(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)``; the down
-projection (with the residual in its epilogue) is the GEMM brick's :func:`linear`.
+Two MSL variants compute ``act(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)``; the down
+projection (with the residual in its epilogue) is the GEMM brick's :func:`linear`. The gate's
+activation (``activation="silu"`` or ``"gelu_tanh"``, :data:`ACTIVATIONS`) is the kernels'
+``ACT`` template parameter: one kernel per variant, not a copy per activation.
 
 * ``fused`` (``metal_src/swiglu_fused.metal``): one kernel. Per K step the x tile is loaded into
   threadgroup memory once, beside BN rows of w_gate and BN rows of w_up; every simdgroup
@@ -15,8 +18,9 @@ Every weight may be a float array or MLX affine-quantized (``QuantizedWeight``,
 ``nn.QuantizedLinear``): the weight loader of the shared pipeline dequantizes each staged tile.
 
 The variant rule, the tiles and their threadgroup memory are in ``docs/bricks.md`` (Brick 3).
-SwiGLU: Shazeer, "GLU Variants Improve Transformer" (2020); the llama MLP as in
-``mlx_lm.models.llama.MLP``.
+SwiGLU and GeGLU: Shazeer, "GLU Variants Improve Transformer" (2020); the llama MLP as in
+``mlx_lm.models.llama.MLP``, the gemma MLP as in ``mlx_lm.models.gemma3_text.MLP``
+(``nn.gelu_approx``).
 """
 from __future__ import annotations
 
@@ -43,9 +47,11 @@ from mlx_bricks.ops.gemm import (
 )
 from mlx_bricks.ops.quant import check_weight, is_quantized
 from mlx_bricks.ops.swiglu_variants import (  # noqa: F401  (re-exported)
+    ACTIVATIONS,
     DEFAULT_VARIANT,
     VARIANT_ENV_VAR,
     VARIANTS,
+    activation_code,
     resolve_variant,
 )
 
@@ -169,25 +175,47 @@ def silu_reference(g):
     return g32 * mx.sigmoid(g32)
 
 
-def swiglu_reference(x, w_gate, w_up, b_gate=None, b_up=None):
+def gelu_tanh_reference(g):
+    """GELU's tanh approximation in float32, ``mlx.nn.gelu_approx``:
+    ``0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))``."""
+    import mlx.nn as nn
+
+    return nn.gelu_approx(g.astype(mx.float32))
+
+
+#: activation name -> its MLX-ops reference (float32 in, float32 out).
+_ACTIVATION_REFERENCES = {"silu": silu_reference, "gelu_tanh": gelu_tanh_reference}
+
+
+def swiglu_reference(x, w_gate, w_up, b_gate=None, b_up=None, activation="silu"):
     """Reference of :func:`swiglu` in MLX ops:
-    ``SiLU(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)`` (``mx.quantized_matmul`` for a
-    quantized weight, through :func:`~mlx_bricks.ops.gemm.linear_reference`)."""
+    ``act(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)`` (``mx.quantized_matmul`` for a
+    quantized weight, through :func:`~mlx_bricks.ops.gemm.linear_reference`).
+
+    Raises:
+        TypeError, ValueError: an unknown ``activation`` (see :data:`ACTIVATIONS`).
+    """
+    act = _ACTIVATION_REFERENCES[_check_activation(activation)]
     gate = linear_reference(x, w_gate, b_gate)
     up = linear_reference(x, w_up, b_up)
-    return (silu_reference(gate) * up.astype(mx.float32)).astype(x.dtype)
+    return (act(gate) * up.astype(mx.float32)).astype(x.dtype)
 
 
 def swiglu_mlp_reference(x, w_gate, w_up, w_down, residual=None, b_gate=None, b_up=None,
-                         b_down=None):
+                         b_down=None, activation="silu"):
     """Reference of :func:`swiglu_mlp` in MLX ops."""
-    act = swiglu_reference(x, w_gate, w_up, b_gate, b_up)
+    act = swiglu_reference(x, w_gate, w_up, b_gate, b_up, activation)
     return linear_reference(act, w_down, b_down, residual)
 
 
 # ---------------------------------------------------------------------------------------------
 # Checks
 # ---------------------------------------------------------------------------------------------
+
+
+def _check_activation(activation) -> str:
+    activation_code(activation)  # raises TypeError / ValueError naming the argument
+    return activation
 
 
 def _check_vector(name: str, value, length: int, what: str) -> None:
@@ -241,7 +269,7 @@ def _check_tile(variant: str, tile) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _swiglu_fused(x, w_gate, w_up, b_gate, b_up, M, N, K, tile, backend):
+def _swiglu_fused(x, w_gate, w_up, b_gate, b_up, M, N, K, tile, backend, act):
     gate_in, flags = weight_inputs(w_gate)
     up_in, _ = weight_inputs(w_up)  # same format (same_format): the same flags
     plan = plan_fused(M, N, K, x.dtype, tile=tile, group_size=flags["GROUP_SIZE"] or None)
@@ -252,7 +280,7 @@ def _swiglu_fused(x, w_gate, w_up, b_gate, b_up, M, N, K, tile, backend):
                 gate_in[1] if b_gate is None else mx.contiguous(b_gate),
                 gate_in[1] if b_up is None else mx.contiguous(b_up)],
         template=plan.template(x.dtype, HAS_BIAS_GATE=b_gate is not None,
-                               HAS_BIAS_UP=b_up is not None, **flags),
+                               HAS_BIAS_UP=b_up is not None, **flags, ACT=act),
         grid=plan.grid,
         threadgroup=plan.threadgroup,
         output_shapes=[(M, N)],
@@ -261,7 +289,7 @@ def _swiglu_fused(x, w_gate, w_up, b_gate, b_up, M, N, K, tile, backend):
     return act
 
 
-def _swiglu_split(x, w_gate, w_up, b_gate, b_up, M, N, K, tile, backend):
+def _swiglu_split(x, w_gate, w_up, b_gate, b_up, M, N, K, tile, backend, act):
     up = linear(x, w_up, b_up, tile=tile, backend=backend).reshape(M, N)
     gate_in, flags = weight_inputs(w_gate)
     plan = plan_gemm(M, N, K, x.dtype, tile=tile, group_size=flags["GROUP_SIZE"] or None)
@@ -270,7 +298,7 @@ def _swiglu_split(x, w_gate, w_up, b_gate, b_up, M, N, K, tile, backend):
         inputs=[x, *gate_in, gate_in[1] if b_gate is None else mx.contiguous(b_gate),
                 mx.contiguous(up)],
         template=plan.template(x.dtype, HAS_BIAS=b_gate is not None, HAS_RESIDUAL=False,
-                               **flags),
+                               **flags, ACT=act),
         grid=plan.grid,
         threadgroup=plan.threadgroup,
         output_shapes=[(M, N)],
@@ -296,15 +324,19 @@ def _resolve_variant(variant, w_gate, w_up) -> str:
     return variant
 
 
-def swiglu(x, w_gate, w_up, *, b_gate=None, b_up=None, variant=None, tile=None, backend=None):
-    """``SiLU(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)`` on the SwiGLU brick.
+def swiglu(x, w_gate, w_up, *, b_gate=None, b_up=None, activation="silu", variant=None,
+           tile=None, backend=None):
+    """``act(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)`` on the SwiGLU brick, act SiLU
+    (SwiGLU) or GELU's tanh approximation (GeGLU, gemma).
 
     Algorithm: SwiGLU (Shazeer 2020) on the GEMM brick's tiling (8x8 ``simdgroup_matrix`` with
     float accumulators, 128-bit loads into ping-pong threadgroup buffers). ``fused``: one
     kernel, gate and up accumulated side by side from one x tile, ``SiLU(gate) * up`` in float
     registers, one write. ``split``: ``up`` by the GEMM brick, then the gate GEMM with an
     epilogue that reads ``up``. SiLU is ``g / (1 + exp(-g))`` in float32, computed from
-    ``exp(-|g|)`` so no intermediate overflows (finite for any finite gate).
+    ``exp(-|g|)`` so no intermediate overflows (finite for any finite gate); GELU-tanh is
+    ``0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))`` in float32 (``nn.gelu_approx``), the
+    tanh argument clamped to [-10, 10] (where tanh is 1 in float32) so it stays finite too.
 
     Args:
         x: (..., K) float16, bfloat16 or float32, K >= 1; M is the product of the leading dims
@@ -315,6 +347,8 @@ def swiglu(x, w_gate, w_up, *, b_gate=None, b_up=None, variant=None, tile=None, 
             x's dtype; see :func:`~mlx_bricks.ops.gemm.linear`). ``fused`` needs both in one
             format (both float, or the same bits and group_size).
         b_gate, b_up: optional (N_mlp,) biases, x's dtype (``mlp_bias`` models).
+        activation: the gate's activation, ``"silu"`` (default) or ``"gelu_tanh"``
+            (:data:`ACTIVATIONS`): the kernels' ``ACT`` template parameter.
         variant: ``None`` (``MLX_BRICKS_SWIGLU_VARIANT`` if set, else :data:`DEFAULT_VARIANT`;
             ``split`` when w_gate and w_up differ in format; the rule is in docs/bricks.md),
             ``"fused"`` or ``"split"``.
@@ -331,37 +365,40 @@ def swiglu(x, w_gate, w_up, *, b_gate=None, b_up=None, variant=None, tile=None, 
 
     Raises:
         TypeError: non-array arguments, non-float dtypes, or mixed dtypes (quantized weights'
-            scales included).
+            scales included), a non-str ``activation``.
         ValueError: shapes that do not match, a quantized weight MLX's affine format does not
             describe, ``variant="fused"`` with gate and up in different formats, an unknown
-            ``variant`` or ``tile``, a bad backend.
-        NotImplementedError: backend ``cuda`` (no CUDA twin yet).
+            ``activation``, ``variant`` or ``tile``, a bad backend.
+        NotImplementedError: backend ``cuda`` with float32 activations (no CUDA twin).
     """
     w_gate, w_up, N, K = _check_swiglu(x, w_gate, w_up, b_gate, b_up)
+    act = activation_code(activation)
     variant = _resolve_variant(variant, w_gate, w_up)
     name = cuda_or(backend, x.dtype)
     if name != "cuda":
         _check_tile(variant, tile)
     if name == "reference":
-        return swiglu_reference(x, w_gate, w_up, b_gate, b_up)
+        return swiglu_reference(x, w_gate, w_up, b_gate, b_up, activation)
     out_shape = (*x.shape[:-1], N)
     M = math.prod(x.shape[:-1])
     if M == 0 or N == 0:
         return mx.zeros(out_shape, dtype=x.dtype)
     if name == "cuda":
         return gemm_cuda.swiglu(x, w_gate, w_up, b_gate, b_up, variant=variant,
-                                tile=tile).reshape(out_shape)
+                                tile=tile, act=act).reshape(out_shape)
     run = _swiglu_fused if variant == "fused" else _swiglu_split
-    return run(x, w_gate, w_up, b_gate, b_up, M, N, K, tile, name).reshape(out_shape)
+    return run(x, w_gate, w_up, b_gate, b_up, M, N, K, tile, name, act).reshape(out_shape)
 
 
 def swiglu_mlp(x, w_gate, w_up, w_down, residual=None, *, b_gate=None, b_up=None, b_down=None,
-               variant=None, backend=None):
-    """The llama MLP ``down(SiLU(gate(x)) * up(x)) (+ residual)`` on the bricks.
+               activation="silu", variant=None, backend=None):
+    """The llama MLP ``down(SiLU(gate(x)) * up(x)) (+ residual)`` on the bricks (gemma's
+    ``down(gelu_approx(gate(x)) * up(x))`` with ``activation="gelu_tanh"``).
 
     ``act`` by :func:`swiglu`, then ``act @ w_down.T + b_down + residual`` by the GEMM brick's
     :func:`~mlx_bricks.ops.gemm.linear` (bias and residual added in its epilogue). Same
-    computation as ``mlx_lm.models.llama.MLP`` (plus the residual add of the block).
+    computation as ``mlx_lm.models.llama.MLP`` (plus the residual add of the block), or with
+    ``activation="gelu_tanh"`` as ``mlx_lm.models.gemma3_text.MLP``.
 
     Args:
         x: (..., K) float16, bfloat16 or float32 (K = hidden size).
@@ -370,18 +407,20 @@ def swiglu_mlp(x, w_gate, w_up, w_down, residual=None, *, b_gate=None, b_up=None
             ``nn.QuantizedLinear``, scales of x's dtype), independently of the others.
         residual: optional (..., K), x's dtype, added to the output.
         b_gate, b_up: optional (N_mlp,); b_down: optional (K,).
-        variant, backend: as in :func:`swiglu`.
+        activation, variant, backend: as in :func:`swiglu`.
 
     Returns:
         (..., K) of x's dtype.
 
     Raises:
-        TypeError: non-array arguments, non-float dtypes, or mixed dtypes.
+        TypeError: non-array arguments, non-float dtypes, or mixed dtypes; a non-str
+            ``activation``.
         ValueError: shapes that do not match, a quantized weight MLX's affine format does not
-            describe, an unknown ``variant``, a bad backend.
-        NotImplementedError: backend ``cuda`` (no CUDA twin yet).
+            describe, an unknown ``activation`` or ``variant``, a bad backend.
+        NotImplementedError: backend ``cuda`` with float32 activations (no CUDA twin).
     """
     w_gate, w_up, N, K = _check_swiglu(x, w_gate, w_up, b_gate, b_up)
+    _check_activation(activation)
     w_down = check_weight("w_down", w_down, x, None)
     check_same_dtype("x", x, b_down=b_down, residual=residual)
     if tuple(w_down.shape) != (K, N):
@@ -398,5 +437,6 @@ def swiglu_mlp(x, w_gate, w_up, w_down, residual=None, *, b_gate=None, b_up=None
                 f"got {tuple(residual.shape)}"
             )
     name = cuda_or(backend, x.dtype)
-    act = swiglu(x, w_gate, w_up, b_gate=b_gate, b_up=b_up, variant=variant, backend=name)
+    act = swiglu(x, w_gate, w_up, b_gate=b_gate, b_up=b_up, activation=activation,
+                 variant=variant, backend=name)
     return linear(act, w_down, b_down, residual, backend=name)

@@ -1,5 +1,6 @@
-"""The SwiGLU brick's variants and the rule that picks one, without importing MLX (the CLIs
-list them in ``--help``). The rule and its reasons are in ``docs/bricks.md`` (Brick 3)."""
+"""The SwiGLU brick's variants and the rule that picks one, and its gate activations, without
+importing MLX (the CLIs list them in ``--help``). The rule and its reasons are in
+``docs/bricks.md`` (Brick 3)."""
 from __future__ import annotations
 
 import os
@@ -10,6 +11,26 @@ VARIANTS = ("fused", "split")
 DEFAULT_VARIANT = "fused"
 #: Environment variable that overrides the default variant (e.g. to benchmark both per chip).
 VARIANT_ENV_VAR = "MLX_BRICKS_SWIGLU_VARIANT"
+
+#: The gate activations, by name, and the kernels' ``ACT`` template value for each:
+#: ``"silu"`` (SwiGLU: llama, qwen; ``mlx_lm.models.activations.swiglu``) and ``"gelu_tanh"``
+#: (GeGLU with GELU's tanh approximation: gemma's ``nn.gelu_approx``).
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
+def activation_code(activation) -> int:
+    """The kernels' ``ACT`` template value for ``activation`` (a key of :data:`ACTIVATIONS`).
+
+    Raises:
+        TypeError: ``activation`` is not a str.
+        ValueError: an unknown activation.
+    """
+    if not isinstance(activation, str):
+        raise TypeError(f"activation must be a str, got {type(activation).__name__}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(map(repr, ACTIVATIONS))}, "
+                         f"got {activation!r}")
+    return ACTIVATIONS[activation]
 
 
 def resolve_variant(variant: str | None, name: str = "variant") -> str:

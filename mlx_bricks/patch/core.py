@@ -143,6 +143,8 @@ def _mlp_structure(mlp, layout) -> str | None:
 
 
 def _block_structure(layer, layout) -> str | None:
+    if layout.unfused is not None:
+        return layout.unfused
     if is_patched(layer):
         return "module is already patched"
     attn = getattr(layer, layout.attention)
@@ -307,7 +309,7 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
 
     unpatch_model(model)
     model_type = _model_type(model)
-    arch, layout = lookup(model_type)
+    arch, layout = lookup(model_type, model)
     opts = {"attention": attention, "mlp": mlp, "fuse_block": fuse_block, "kv_quant": kv_quant,
             "kv_cache": kv_cache, "mlp_variant": mlp_variant, "tune": tune}
     if choice.name == "reference" and choice.source == "auto":

@@ -6,27 +6,68 @@ with ``attention_bias``/``mlp_bias``), so they need no entry here.
 """
 from __future__ import annotations
 
+import dataclasses
+import numbers
+
 from mlx_bricks.nn.modules import BlockLayout
+
+# gemma's blocks wrap each sublayer in two norms (input / post-attention, pre- / post-
+# feedforward; gemma3 also clips the fp16 residual): not the unified pre-norm block.
+_SANDWICH = ("the block normalises each sublayer's output too (post_attention_layernorm, "
+             "post_feedforward_layernorm): the unified block is pre-norm only; attention and "
+             "MLP are patched one by one")
 
 ARCHITECTURES: dict[str, BlockLayout] = {
     "llama": BlockLayout(source="mlx_lm/models/llama.py"),
     "qwen2": BlockLayout(source="mlx_lm/models/qwen2.py"),
     # qwen3: per-head RMSNorm of q and k (over head_dim) before RoPE.
     "qwen3": BlockLayout(source="mlx_lm/models/qwen3.py", qk_norm=("q_norm", "k_norm")),
+    # gemma3 (text): RMSNorm of 1 + w (q/k norms too), GELU-tanh MLP, scale from
+    # query_pre_attn_scalar (the module's own scale), sliding-window layers (is_sliding, a
+    # RotatingKVCache of sliding_window) between global ones; embedding scaling stays in the
+    # model's own code (outside the layers).
+    "gemma3_text": BlockLayout(source="mlx_lm/models/gemma3_text.py",
+                               qk_norm=("q_norm", "k_norm"), activation="gelu_tanh",
+                               sliding="is_sliding", window_arg="sliding_window",
+                               unfused=_SANDWICH),
+    # gemma2: 1 + w RMSNorms, GELU-tanh MLP, attention logit soft-capping
+    # (attn_logit_softcapping), the causal mask passed as an array (return_array=True). mlx-lm's
+    # gemma2 has no sliding-window layers (every layer attends globally), so neither do we.
+    "gemma2": BlockLayout(source="mlx_lm/models/gemma2.py", activation="gelu_tanh",
+                          softcap="attn_logit_softcapping", causal_array=True,
+                          unfused=_SANDWICH),
 }
 
 # model_type -> ARCHITECTURES key, for types mlx-lm builds with another type's model file
 # (mlx_lm.utils.MODEL_REMAPPING maps "mistral" to llama.py).
-ALIASES: dict[str, str] = {"mistral": "llama"}
+# "gemma3" is the multimodal wrapper: model.layers are gemma3_text's (language_model.layers).
+ALIASES: dict[str, str] = {"mistral": "llama", "gemma3": "gemma3_text"}
 
 
-def lookup(model_type) -> tuple[str | None, BlockLayout | None]:
-    """``(architecture name, layout)`` for ``model_type``, or ``(None, None)`` if unsupported."""
+def _model_args(model):
+    """The text model's args: ``model.args``, or the wrapped ``language_model.args``."""
+    lm = getattr(model, "language_model", None)
+    return getattr(lm if lm is not None else model, "args", None)
+
+
+def bind(layout: BlockLayout, model) -> BlockLayout:
+    """``layout`` with the values one model sets (the sliding-window length from its args'
+    ``layout.window_arg``; None if absent or not a positive int)."""
+    if layout.window_arg is None or model is None:
+        return layout
+    window = getattr(_model_args(model), layout.window_arg, None)
+    ok = isinstance(window, numbers.Integral) and not isinstance(window, bool) and window > 0
+    return dataclasses.replace(layout, sliding_window=int(window) if ok else None)
+
+
+def lookup(model_type, model=None) -> tuple[str | None, BlockLayout | None]:
+    """``(architecture name, layout)`` for ``model_type``, or ``(None, None)`` if unsupported;
+    with ``model``, the layout is bound to it (:func:`bind`)."""
     if not isinstance(model_type, str):
         return None, None
     name = ALIASES.get(model_type, model_type)
     layout = ARCHITECTURES.get(name)
-    return (name, layout) if layout is not None else (None, None)
+    return (name, bind(layout, model)) if layout is not None else (None, None)
 
 
 def supported_model_types() -> tuple[str, ...]:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from mlx_bricks.ops._checks import dtype_name
 from mlx_bricks.tune.buckets import attention_bucket, m_bucket, weight_format
@@ -274,8 +275,9 @@ class Linear(OpKind):
 
 
 class SwigluMLP(OpKind):
-    """``down(SiLU(gate(x)) * up(x)) (+ residual)``; args ``x, w_gate, w_up, w_down, b_gate,
-    b_up, b_down, residual``."""
+    """``down(act(gate(x)) * up(x)) (+ residual)``; args ``x, w_gate, w_up, w_down, b_gate,
+    b_up, b_down, residual`` and optionally ``activation`` (``"silu"`` when absent, or
+    ``"gelu_tanh"``: gemma's ``nn.gelu_approx``)."""
 
     name = "swiglu_mlp"
     activations = ("x", "residual")
@@ -283,8 +285,11 @@ class SwigluMLP(OpKind):
     def key(self, args):
         x, wg = args["x"], args["w_gate"]
         N, K = _weight_shape(wg)
-        params = _flags(K=K, N=N, bias=args.get("b_gate") is not None,
-                        res=args.get("residual") is not None)
+        flags = dict(K=K, N=N, bias=args.get("b_gate") is not None,
+                     res=args.get("residual") is not None)
+        if args.get("activation", "silu") != "silu":  # SiLU keys stay as they were
+            flags["act"] = args["activation"]
+        params = _flags(**flags)
         return Key(self.name, params, m_bucket(math.prod(x.shape[:-1])), dtype_name(x.dtype),
                    weight_format(wg))
 
@@ -293,15 +298,19 @@ class SwigluMLP(OpKind):
 
         return swiglu_mlp(args["x"], args["w_gate"], args["w_up"], args["w_down"],
                           args.get("residual"), b_gate=args.get("b_gate"),
-                          b_up=args.get("b_up"), b_down=args.get("b_down"), backend=backend,
-                          **kwargs)
+                          b_up=args.get("b_up"), b_down=args.get("b_down"),
+                          activation=args.get("activation", "silu"), backend=backend, **kwargs)
 
     def stock(self, args):
         from mlx_lm.models.activations import swiglu
 
         x = args["x"]
-        act = swiglu(stock_linear(x, args["w_gate"], args.get("b_gate")),
-                     stock_linear(x, args["w_up"], args.get("b_up")))
+        gate = stock_linear(x, args["w_gate"], args.get("b_gate"))
+        up = stock_linear(x, args["w_up"], args.get("b_up"))
+        if args.get("activation", "silu") == "gelu_tanh":
+            act = nn.gelu_approx(gate) * up  # mlx_lm.models.gemma3_text.MLP
+        else:
+            act = swiglu(gate, up)
         y = stock_linear(act, args["w_down"], args.get("b_down"))
         res = args.get("residual")
         return y if res is None else res + y
@@ -331,7 +340,11 @@ class SwigluMLP(OpKind):
 
             g = lin(x2, args["w_gate"], args.get("b_gate"))
             u = lin(x2, args["w_up"], args.get("b_up"))
-            y = lin(g * mx.sigmoid(g) * u, args["w_down"], args.get("b_down"))
+            if args.get("activation", "silu") == "gelu_tanh":
+                a = 0.5 * g * (1 + mx.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3)))
+            else:
+                a = g * mx.sigmoid(g)
+            y = lin(a * u, args["w_down"], args.get("b_down"))
             if res is not None:
                 y = y + res.reshape(-1, res.shape[-1])[-rows:].astype(hp)
         return y
