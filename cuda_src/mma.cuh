@@ -7,7 +7,14 @@
 //   mma_16816<T>                                      D = A * B + D, m16n8k16, f32 accumulate,
 //                                                     T = __half or __nv_bfloat16.
 //   pack2<T> / unpack2<T>                             two floats <-> one 32-bit register of T.
-//   Num<T>                                            float conversion for __half, bf16, float.
+//   Num<T>                                            float conversion for __half, bf16, float
+//                                                     (and int8_t -> float, for Q8_0 quants).
+//   ldg16_as_float                                    16 aligned bytes of float/half/bf16/int8
+//                                                     -> 4/8/8/16 floats (one 128-bit load).
+//   i8x4_to_float4                                    four int8 in a 32-bit word -> float4,
+//                                                     exact, without I2F (integer + FADD only).
+//   ld_as_float<N>                                    N aligned elements -> floats, one load.
+//   warp_max / warp_sum                               butterfly over all 32 lanes of a warp.
 //
 // Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16"): with lane = 4 * g + t,
 //   A (16x16, row): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
@@ -53,6 +60,11 @@ struct Num<__nv_bfloat16> {
   __device__ __forceinline__ static __nv_bfloat16 from_float(float v) {
     return __float2bfloat16_rn(v);
   }
+};
+
+template <>
+struct Num<int8_t> {
+  __device__ __forceinline__ static float to_float(int8_t v) { return static_cast<float>(v); }
 };
 
 template <typename T>
@@ -209,6 +221,112 @@ __device__ __forceinline__ float quad_max(float v) {
 __device__ __forceinline__ float quad_sum(float v) {
   v += __shfl_xor_sync(0xffffffffu, v, 1);
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 128-bit loads converted to float (memory-bound kernels: the decode attention brick)
+// ---------------------------------------------------------------------------------------------
+
+// Four int8 packed little-endian in w -> float4, exact. Each byte b is flipped to b + 128 (an
+// unsigned 0..255), placed in the low mantissa bits of the float 2^23 (bit pattern 0x4B0000uu:
+// the value 2^23 + u, exact) with one byte permute, and 2^23 + 128 is subtracted: integer and
+// FADD pipes only, no I2F conversions (a quarter-rate instruction on sm_80/sm_90).
+__device__ __forceinline__ float4 i8x4_to_float4(uint32_t w) {
+  const uint32_t u = w ^ 0x80808080u;
+  const float bias = 8388736.0f;  // 2^23 + 128
+  float4 r;
+  r.x = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7540)) - bias;
+  r.y = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7541)) - bias;
+  r.z = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7542)) - bias;
+  r.w = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7543)) - bias;
+  return r;
+}
+
+// 16 bytes at p, which must be 16-byte aligned, through the read-only path, as floats.
+__device__ __forceinline__ void ldg16_as_float(const float* p, float (&o)[4]) {
+  const float4 v = __ldg(reinterpret_cast<const float4*>(p));
+  o[0] = v.x;
+  o[1] = v.y;
+  o[2] = v.z;
+  o[3] = v.w;
+}
+
+template <typename T>
+__device__ __forceinline__ void ldg16_as_float_b16(const T* p, float (&o)[8]) {
+  const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = unpack2<T>(w[i]);
+    o[2 * i] = f.x;
+    o[2 * i + 1] = f.y;
+  }
+}
+
+__device__ __forceinline__ void ldg16_as_float(const __half* p, float (&o)[8]) {
+  ldg16_as_float_b16(p, o);
+}
+
+__device__ __forceinline__ void ldg16_as_float(const __nv_bfloat16* p, float (&o)[8]) {
+  ldg16_as_float_b16(p, o);
+}
+
+__device__ __forceinline__ void ldg16_as_float(const int8_t* p, float (&o)[16]) {
+  const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float4 f = i8x4_to_float4(w[i]);
+    o[4 * i] = f.x;
+    o[4 * i + 1] = f.y;
+    o[4 * i + 2] = f.z;
+    o[4 * i + 3] = f.w;
+  }
+}
+
+// N consecutive elements at p as floats in one load of N * sizeof(E) bytes (<= 16): p must be
+// aligned to N * sizeof(E) bytes.
+template <int N, typename E>
+__device__ __forceinline__ void ld_as_float(const E* p, float (&o)[N]) {
+  static_assert(N * sizeof(E) <= 16, "at most 16 bytes per load");
+  struct alignas(N * sizeof(E)) Chunk {
+    E e[N];
+  };
+  const Chunk c = *reinterpret_cast<const Chunk*>(p);
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    o[i] = to_float(c.e[i]);
+  }
+}
+
+// Four int8 quants: one 32-bit load and the exact conversion without I2F.
+template <>
+__device__ __forceinline__ void ld_as_float<4, int8_t>(const int8_t* p, float (&o)[4]) {
+  const float4 f = i8x4_to_float4(*reinterpret_cast<const uint32_t*>(p));
+  o[0] = f.x;
+  o[1] = f.y;
+  o[2] = f.z;
+  o[3] = f.w;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Whole-warp reductions (every lane gets the result)
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
+  }
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) {
+    v += __shfl_xor_sync(0xffffffffu, v, m);
+  }
+  return v;
 }
 
 }  // namespace bricks

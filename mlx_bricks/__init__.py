@@ -22,6 +22,8 @@ _LAZY = {
     "patch_model": "mlx_bricks.patch",
     "unpatch_model": "mlx_bricks.patch",
     "PatchReport": "mlx_bricks.patch",
+    "make_prompt_cache": "mlx_bricks.cache",
+    "Q8KVCache": "mlx_bricks.cache",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -32,10 +32,11 @@ from mlx_bricks.ops.swiglu_variants import VARIANT_ENV_VAR as SWIGLU_VARIANT_ENV
 from mlx_bricks.ops.swiglu_variants import VARIANTS as SWIGLU_VARIANTS
 
 PROG = "mlx_bricks.generate"
-BRICKS_KV_CHOICES = ("none", "q8_0")
+#: ``--bricks-kv``: mlx-lm's KV cache, or the Q8_0 cache (``patch_model(kv_cache=...)``).
+BRICKS_KV_CHOICES = ("fp16", "q8_0")
 #: ``patch_model(tune=...)`` values (kept here so --help does not import MLX).
 BRICKS_TUNE_CHOICES = ("auto", "off", "force")
-DEFAULT_BRICKS_KV = "none"
+DEFAULT_BRICKS_KV = "fp16"
 
 
 def setup_arg_parser(
@@ -83,8 +84,9 @@ def setup_arg_parser(
         "--bricks-kv",
         choices=BRICKS_KV_CHOICES,
         default=DEFAULT_BRICKS_KV,
-        help="K/V format inside the attention brick: none, or q8_0 (K and V rounded to Q8_0 "
-        "blocks of 32 values before attention; mlx-lm's KV cache itself stays as it is). "
+        help="KV cache: fp16 (mlx-lm's own cache, whatever its float dtype) or q8_0 (K and V "
+        "stored as Q8_0 blocks, 34/64 of the float16 bytes, read directly by the attention "
+        "and decode bricks; sliding-window layers keep mlx-lm's rotating cache). "
         f"Default: {DEFAULT_BRICKS_KV}.",
     )
     group.add_argument(
@@ -143,16 +145,33 @@ class _PatchingLoad:
             _cli.check_model_type(result[2], path_or_hf_repo)
         from mlx_bricks.patch import patch_model
 
-        kv_quant = None if self._args.bricks_kv == "none" else self._args.bricks_kv
         variant = self._args.bricks_mlp_variant
-        self.report = patch_model(model, kv_quant=kv_quant,
+        self.report = patch_model(model, kv_cache=self._args.bricks_kv,
                                   mlp_variant=None if variant == "auto" else variant,
                                   backend=self._args.bricks_backend,
                                   tune=self._args.bricks_tune)
         if self._args.verbose:
             print(f"[mlx-bricks] {summary_line(self.report)}", file=sys.stderr)
         sys.stderr.flush()
+        self.model = model
         return result
+
+
+class _BricksPromptCache:
+    """Stands in for ``mlx_lm.generate.make_prompt_cache``: the patched model gets
+    ``mlx_bricks.make_prompt_cache`` (Q8_0 K/V) under ``--bricks-kv q8_0``; any other model (a
+    ``--draft-model``) gets mlx-lm's own cache."""
+
+    def __init__(self, make_prompt_cache, load: _PatchingLoad):
+        self._stock = make_prompt_cache
+        self._load = load
+
+    def __call__(self, model, max_kv_size=None):
+        if model is getattr(self._load, "model", None):
+            from mlx_bricks.cache import make_prompt_cache
+
+            return make_prompt_cache(model, "q8_0", max_kv_size=max_kv_size)
+        return self._stock(model, max_kv_size=max_kv_size)
 
 
 def summary_line(report) -> str:
@@ -173,6 +192,13 @@ def _check_args(args: argparse.Namespace) -> None:
     """Bad flag values mlx-lm would accept or fail on late (raises ``CliError``)."""
     if not args.prompt.strip():
         raise _cli.CliError("--prompt is empty")
+    if getattr(args, "bricks_kv", DEFAULT_BRICKS_KV) == "q8_0":
+        if not args.use_bricks:
+            raise _cli.CliError("--bricks-kv q8_0 needs --use-bricks (the stock attention "
+                                "cannot read a Q8_0 cache)")
+        if args.kv_bits is not None:
+            raise _cli.CliError("--kv-bits and --bricks-kv q8_0 exclude each other (both "
+                                "quantize the KV cache); choose one")
     if args.prefill_step_size < 1:
         raise _cli.CliError(f"--prefill-step-size must be >= 1, got {args.prefill_step_size}")
     if args.max_tokens == 0 or args.max_tokens < -1:
@@ -202,13 +228,20 @@ def _generate(argv: list[str] | None, prog: str, use_bricks_default: bool) -> in
                                    need_patchable=args.use_bricks)
         args.model = str(model)
 
-    saved = mlx_lm_generate.setup_arg_parser, mlx_lm_generate.load
+    saved = (mlx_lm_generate.setup_arg_parser, mlx_lm_generate.load,
+             mlx_lm_generate.make_prompt_cache)
     mlx_lm_generate.setup_arg_parser = lambda: _ParsedArgs(args)
     mlx_lm_generate.load = load = _PatchingLoad(mlx_lm_generate.load, args)
+    if args.use_bricks and args.bricks_kv == "q8_0":
+        from mlx_bricks.cache import register_with_mlx_lm
+
+        register_with_mlx_lm()  # --prompt-cache-file is read before the model is loaded
+        mlx_lm_generate.make_prompt_cache = _BricksPromptCache(saved[2], load)
     try:
         stock_main()
     finally:
-        mlx_lm_generate.setup_arg_parser, mlx_lm_generate.load = saved
+        (mlx_lm_generate.setup_arg_parser, mlx_lm_generate.load,
+         mlx_lm_generate.make_prompt_cache) = saved
     if args.bricks_report and load.report is not None:
         # After the run, so the report's call counters say which bricks really ran.
         print(load.report, file=sys.stderr)

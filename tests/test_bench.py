@@ -81,8 +81,13 @@ def test_e2e_group_expands_and_needs_a_kernel_backend(monkeypatch):
     from mlx_bricks.bench.core import GROUPS, expand
 
     names = GROUPS["e2e_llama8b_4layer"]
-    assert names == [f"e2e_llama8b_4layer_{d}_m{m}" for d in ("bf16", "fp16")
-                     for m in (512, 2048, 8192)]
+    float_names = [f"e2e_llama8b_4layer_{d}_m{m}" for d in ("bf16", "fp16")
+                   for m in (512, 2048, 8192)]
+    quant_names = [f"e2e_llama8b_4layer_bf16_{q}_m{m}" for q in ("q4g64", "q8g64")
+                   for m in (512, 2048, 8192)]
+    assert names == float_names + quant_names
+    assert GROUPS["e2e_llama8b_4layer_float"] == float_names
+    assert GROUPS["e2e_llama8b_4layer_quantized"] == quant_names
     assert expand(["emulator_gemm_256", "e2e_llama8b_4layer", names[0]]) == [
         "emulator_gemm_256", *names]
     monkeypatch.setattr("mlx_bricks.backends.backend_status",
@@ -106,10 +111,32 @@ def test_e2e_benchmark_on_a_tiny_llama():
     r = run_one(b, 2)
     assert len(r["brick_runs_s"]) == len(r["stock_runs_s"]) == 2
     assert r["calls_per_eval"]["brick"] >= 2 and r["ratio"] > 0
-    assert r["model"] == {"shape": tiny.__dict__, "dtype": "fp16", "M": 24}
+    assert r["model"] == {"shape": tiny.__dict__, "dtype": "fp16", "M": 24, "weights": "float"}
     assert json.loads(json.dumps(r)) == r
     if active_backend().name == "reference":
         assert r["patch"]["all_stock"] is True and r["patch"]["calls"] == {}
         assert r["max_abs_diff"] == 0.0 and r["tuning"]["applies"] is False
     with pytest.raises(ValueError, match="dtype must be one of"):
         setup(tiny, "fp32", 8)
+
+
+def test_e2e_quantized_model_shares_the_quantized_weights():
+    # Both sides hold the same nn.quantize'd arrays: the decoder linears are QuantizedLinear
+    # (embedding and LM head float), and the forwards agree exactly when nothing is patched.
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from mlx_bricks.bench import e2e
+
+    tiny = e2e.LlamaShape(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2,
+                          head_dim=64, vocab=64)
+    patched_fwd, stock_fwd, info = e2e.setup(tiny, "bf16", 16, fmt=(4, 64))
+    stock, patched = e2e._models(tiny, "bf16", (4, 64))
+    layer = stock.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, nn.QuantizedLinear)
+    assert (layer.mlp.down_proj.bits, layer.mlp.down_proj.group_size) == (4, 64)
+    assert type(stock.model.embed_tokens) is nn.Embedding
+    assert patched.model.layers[0].self_attn.q_proj.weight is layer.self_attn.q_proj.weight
+    assert info()["model"]["weights"] == "affine 4-bit, group_size 64"
+    if info()["patch"]["all_stock"]:
+        assert mx.array_equal(patched_fwd(), stock_fwd())

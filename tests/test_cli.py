@@ -202,7 +202,7 @@ def test_every_entry_point_parses_the_bricks_flags(installed):
     for name, r in results.items():
         assert r.returncode == 0, (name, r.stderr)
         assert "--max-tokens" in r.stdout, name  # mlx-lm's flags
-        has_bricks = ("--bricks-backend" in r.stdout and "--bricks-kv {none,q8_0}" in r.stdout
+        has_bricks = ("--bricks-backend" in r.stdout and "--bricks-kv {fp16,q8_0}" in r.stdout
                       and "--bricks-tune {auto,off,force}" in r.stdout)
         assert has_bricks == (name != "mlx_lm.generate (no flag)"), name
 
@@ -259,6 +259,9 @@ def test_generate_use_bricks_gives_the_stock_text(installed, default_model_dir):
         # a named backend patches even without a kernel backend (tests, debugging)
         "named": [*gen, "--use-bricks", "--bricks-backend", "reference", "--prompt", PROMPT,
                   "--max-tokens", "16"],
+        # the Q8_0 KV cache (prefill and decode read it; report: the cache kind per layer)
+        "q8": [*gen, "--use-bricks", "--bricks-kv", "q8_0", "--bricks-report", "--prompt",
+               PROMPT, "--max-tokens", "16"],
     })
     stock, bricks, named = results["stock"], results["bricks"], results["named"]
     for r in results.values():
@@ -267,6 +270,8 @@ def test_generate_use_bricks_gives_the_stock_text(installed, default_model_dir):
     assert text.strip()
     assert _framed_text(bricks.stdout) == text
     assert _framed_text(named.stdout) == text
+    assert _framed_text(results["q8"].stdout) == text
+    assert "KV cache per layer (kv_cache=q8_0): Q8KVCache x 30" in results["q8"].stderr
     # --verbose (mlx-lm's default): which backend, how many modules, mlx-lm's prompt tokens/s
     backend, patched, kept, rest = _verbose_line(bricks.stderr)
     choice = active_backend()
@@ -408,6 +413,9 @@ def test_bad_input_is_one_line_and_exit_2(installed, default_model_dir):
                                      "--max-tokens must be a positive integer or -1"),
         "generate: bad --bricks-kv": ([*gen, "--bricks-kv", "q4_0"],
                                       "argument --bricks-kv: invalid choice: 'q4_0'"),
+        "generate: --kv-bits with --bricks-kv q8_0": (
+            [*gen, "--prompt", "hi", "--bricks-kv", "q8_0", "--kv-bits", "8"],
+            "--kv-bits and --bricks-kv q8_0 exclude each other"),
         "generate: bad --bricks-mlp-variant": (
             [*gen, "--bricks-mlp-variant", "fast"],
             "argument --bricks-mlp-variant: invalid choice: 'fast'"),

@@ -12,17 +12,23 @@ PROG = "python -m mlx_bricks.bench"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mlx_bricks.backends import BACKENDS, ENV_VAR
     from mlx_bricks.bench.core import BENCHMARKS, GROUPS
 
     parser = argparse.ArgumentParser(
         prog=PROG, description="Time the bricks against stock MLX in the same run; JSON out.")
     parser.add_argument("--only", nargs="+", choices=[*BENCHMARKS, *GROUPS], metavar="NAME",
                         help="benchmarks or groups to run (default: all); benchmarks: "
-                        f"{', '.join(BENCHMARKS)}; groups: "
+                        f"{', '.join(n for n in BENCHMARKS if not n.startswith('cuda_'))}, "
+                        f"cuda_* ({sum(n.startswith('cuda_') for n in BENCHMARKS)} CUDA twin "
+                        "benchmarks); groups: "
                         + ", ".join(f"{g} ({len(m)} benchmarks)" for g, m in GROUPS.items()))
     parser.add_argument("--repeats", type=_cli.positive_int, default=3,
                         help="timed rounds per side, alternating, after a warm-up; a round "
                         "evaluates several calls when one is short (default: 3)")
+    parser.add_argument("--backend", choices=BACKENDS, default=None,
+                        help=f"bricks backend for the run (sets ${ENV_VAR}; default: "
+                        "the variable, else auto)")
     parser.add_argument("--out", help="write the JSON here instead of standard output")
     return _cli.one_line_errors(parser)
 
@@ -34,6 +40,10 @@ def main(argv=None) -> int:
         from mlx_bricks.backends import active_backend
         from mlx_bricks.bench.core import run_benchmarks
 
+        if args.backend is not None:  # the patch and the ops read it
+            from mlx_bricks.backends import ENV_VAR
+
+            os.environ[ENV_VAR] = args.backend
         active_backend()  # an unknown or unavailable MLX_BRICKS_BACKEND fails, as elsewhere
 
         if args.out:  # before the run, so a bad path does not cost the results

@@ -81,18 +81,22 @@ def _emulator_gemm_256():
 
 
 def _e2e_benchmarks() -> dict[str, Benchmark]:
-    from mlx_bricks.bench.e2e import DTYPES, LLAMA_8B_4LAYER, M_VALUES, setup
+    from mlx_bricks.bench.e2e import DTYPES, FORMATS, LLAMA_8B_4LAYER, M_VALUES, setup
 
     table = {}
-    for dtype in DTYPES:
-        for M in M_VALUES:
-            name = f"e2e_llama8b_4layer_{dtype}_m{M}"
-            table[name] = Benchmark(
-                name, KERNEL,
-                f"full-model prefill, M={M} tokens, {dtype}: 8B-shaped llama, 4 layers "
-                f"({LLAMA_8B_4LAYER.describe()}), random weights; stock mlx-lm vs "
-                "patch_model(tune='auto') on the same weights",
-                lambda dtype=dtype, M=M: setup(LLAMA_8B_4LAYER, dtype, M), min_calls=2)
+    for suffix, fmt in FORMATS.items():
+        for dtype in DTYPES if fmt is None else ("bf16",):
+            for M in M_VALUES:
+                name = f"e2e_llama8b_4layer_{dtype}{suffix}_m{M}"
+                weights = ("" if fmt is None else
+                           f", linears quantized {fmt[0]}-bit gs{fmt[1]} (nn.quantize)")
+                table[name] = Benchmark(
+                    name, KERNEL,
+                    f"full-model prefill, M={M} tokens, {dtype}{weights}: 8B-shaped llama, 4 "
+                    f"layers ({LLAMA_8B_4LAYER.describe()}), random weights; stock mlx-lm vs "
+                    "patch_model(tune='auto') on the same weights",
+                    lambda dtype=dtype, M=M, fmt=fmt: setup(LLAMA_8B_4LAYER, dtype, M, fmt=fmt),
+                    min_calls=2)
     return table
 
 
@@ -104,9 +108,34 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
 )}
 BENCHMARKS.update(_e2e_benchmarks())
 
+
+def _cuda_kernel_benchmarks() -> dict[str, Benchmark]:
+    """The GEMM-family CUDA twins (linear per weight format and projection, SwiGLU fused and
+    split, RMSNorm + QKV) at the llama-3-8B shapes vs stock MLX: ``mlx_bricks.bench.gpu``."""
+    from mlx_bricks.bench import gpu
+
+    def setup(case):
+        brick, stock, flops = case.build()
+        return brick, stock, lambda: {"flop": flops}
+
+    cases = [*gpu.linear_cases("cuda"), *gpu.swiglu_cases("cuda"),
+             *gpu.rms_norm_qkv_cases("cuda")]
+    return {f"cuda_{c.name}": Benchmark(f"cuda_{c.name}", "cuda",
+                                        f"CUDA twin {c.name} (bf16 activations, llama-3-8B "
+                                        "shapes) vs stock MLX", lambda c=c: setup(c))
+            for c in cases}
+
+
+BENCHMARKS.update(_cuda_kernel_benchmarks())
+
 #: Names that stand for several benchmarks (``--only GROUP``).
 GROUPS: dict[str, list[str]] = {
+    "cuda_kernels": [n for n in BENCHMARKS if n.startswith("cuda_")],
     "e2e_llama8b_4layer": [n for n in BENCHMARKS if n.startswith("e2e_llama8b_4layer_")],
+    "e2e_llama8b_4layer_float": [n for n in BENCHMARKS if n.startswith("e2e_llama8b_4layer_")
+                                 and "_q" not in n],
+    "e2e_llama8b_4layer_quantized": [n for n in BENCHMARKS
+                                     if n.startswith("e2e_llama8b_4layer_") and "_q" in n],
 }
 
 
@@ -153,6 +182,9 @@ def run_one(b: Benchmark, repeats: int) -> dict:
     entry["ratio"] = entry["stock_s"] / entry["brick_s"]
     if info is not None:
         entry.update(info())
+    if "flop" in entry:
+        entry["brick_tflops"] = entry["flop"] / entry["brick_s"] / 1e12
+        entry["stock_tflops"] = entry["flop"] / entry["stock_s"] / 1e12
     return entry
 
 

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 #: dtypes of the e2e benchmarks (names as in the benchmark names).
 DTYPES = ("bf16", "fp16")
+#: Weight formats: float, or MLX affine (bits, group_size) by ``nn.quantize`` of the decoder
+#: layers' linears (embedding and LM head stay float, as the patch leaves them stock anyway).
+FORMATS = {"": None, "_q4g64": (4, 64), "_q8g64": (8, 64)}
 #: Prompt lengths (one prefill chunk each).
 M_VALUES = (512, 2048, 8192)
 
@@ -56,26 +59,32 @@ LLAMA_8B_4LAYER = LlamaShape(hidden=4096, intermediate=14336, layers=4, heads=32
 _MODELS: dict = {}
 
 
-def _models(shape: LlamaShape, dtype: str):
+def _models(shape: LlamaShape, dtype: str, fmt=None):
     """(stock, patched-to-be) instances of one random model on shared parameter arrays; one
-    shape and dtype is kept at a time (an 8B-shaped 4-layer model is about 2 GB)."""
+    shape, dtype and format is kept at a time (an 8B-shaped 4-layer model is about 2 GB)."""
     import mlx.core as mx
+    import mlx.nn as nn
     from mlx_lm.models.llama import Model
 
-    key = (shape, dtype)
+    key = (shape, dtype, fmt)
     if key not in _MODELS:
         _MODELS.clear()
         mx.random.seed(0)
-        stock = Model(shape.model_args())
+        models = [Model(shape.model_args()) for _ in range(2)]
+        stock, patched = models
         stock.set_dtype({"bf16": mx.bfloat16, "fp16": mx.float16}[dtype])
+        if fmt is not None:
+            for m in models:
+                nn.quantize(m, group_size=fmt[1], bits=fmt[0],
+                            class_predicate=lambda path, mod: isinstance(mod, nn.Linear)
+                            and path.startswith("model.layers."))
         mx.eval(stock.parameters())
-        patched = Model(shape.model_args())
         patched.update(stock.parameters())  # the same arrays; its own init is never evaluated
         _MODELS[key] = (stock, patched)
     return _MODELS[key]
 
 
-def setup(shape: LlamaShape, dtype: str, M: int, *, tune: str = "auto"):
+def setup(shape: LlamaShape, dtype: str, M: int, *, tune: str = "auto", fmt=None):
     """``(patched forward, stock forward, info)`` for ``mlx_bricks.bench.core.Benchmark``.
 
     Args:
@@ -83,6 +92,8 @@ def setup(shape: LlamaShape, dtype: str, M: int, *, tune: str = "auto"):
         dtype: ``"bf16"`` or ``"fp16"``.
         M: prompt tokens (one chunk).
         tune: ``patch_model(tune=...)``.
+        fmt: None (float weights) or ``(bits, group_size)``: the decoder layers' linears
+            quantized with ``nn.quantize`` (MLX affine), on both sides.
 
     Raises:
         ValueError: an unknown dtype.
@@ -94,7 +105,7 @@ def setup(shape: LlamaShape, dtype: str, M: int, *, tune: str = "auto"):
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    stock, patched = _models(shape, dtype)
+    stock, patched = _models(shape, dtype, fmt)
     report = patch_model(patched, tune=tune)
     tokens = mx.random.randint(0, shape.vocab, (1, M), key=mx.random.key(M))
 
@@ -103,7 +114,9 @@ def setup(shape: LlamaShape, dtype: str, M: int, *, tune: str = "auto"):
 
     def info() -> dict:
         tuning = report.tuning()
-        return {"model": {"shape": shape.__dict__, "dtype": dtype, "M": M},
+        return {"model": {"shape": shape.__dict__, "dtype": dtype, "M": M,
+                          "weights": "float" if fmt is None else
+                          f"affine {fmt[0]}-bit, group_size {fmt[1]}"},
                 "patch": {"backend": report.backend.name, "n_patched": report.n_patched,
                           "all_stock": report.all_stock, "calls": dict(report.calls()),
                           "tuned_stock_calls": dict(report.tuned_stock_calls()),

@@ -217,6 +217,12 @@ def _first_reason(*reasons):
     return None
 
 
+def _is_q8_cache(cache) -> bool:
+    from mlx_bricks.cache import Q8KVCache  # late: mlx_bricks.cache imports the ops
+
+    return type(cache) is Q8KVCache
+
+
 def _call_reason(x, mask, cache, args, kwargs) -> str | None:
     """Per-call conditions shared by attention and block (cheap checks first)."""
     if args or kwargs:
@@ -232,8 +238,8 @@ def _call_reason(x, mask, cache, args, kwargs) -> str | None:
     if mask is not None and not (isinstance(mask, str) and mask == "causal"):
         what = "an array" if isinstance(mask, mx.array) else repr(mask)
         return f"mask is {what} (sliding window or padding): the attention brick takes causal only"
-    if cache is not None and type(cache) is not KVCache:
-        return f"cache is {type(cache).__name__}, not KVCache"
+    if cache is not None and type(cache) is not KVCache and not _is_q8_cache(cache):
+        return f"cache is {type(cache).__name__}, not KVCache or Q8KVCache"
     return None
 
 
@@ -409,6 +415,12 @@ def _attend(attn, state: BricksState, choice, args, q, k, v, mask, cache):
         q = attn.rope(q, offset=cache.offset)
         k = attn.rope(k, offset=cache.offset)
         k, v = cache.update_and_fetch(k, v)
+        if _is_q8_cache(cache):  # k, v are (qs, d): only the Q8_0 readers take them
+            from mlx_bricks.cache import q8_0_cache_attention
+
+            state.calls["q8_0_cache_attention"] += 1
+            o = q8_0_cache_attention(q, k, v, scale=attn.scale, mask=mask, backend=cache.backend)
+            return o.transpose(0, 2, 1, 3).reshape(B, L, -1)
     else:
         q = attn.rope(q)
         k = attn.rope(k)
@@ -453,17 +465,18 @@ class BricksAttention:
         B, L, _ = x.shape
         qp, kp, vp, op = (self[n] for n in lay.attention_linears)
         offset = cache.offset if cache is not None else 0
+        q8 = cache is not None and _is_q8_cache(cache)  # attention: the Q8_0 readers, untuned
 
         def pieces():
             o = Act((B, L, self.n_heads * state.head_dim), x.dtype)
             return {"q_proj": ("linear", _linear_args(qp, x)),
                     "k_proj": ("linear", _linear_args(kp, x)),
                     "v_proj": ("linear", _linear_args(vp, x)),
-                    "attention": ("attention",
-                                  _attention_args(self, state, B, L, offset, x.dtype, mask)),
+                    **({} if q8 else {"attention": ("attention", _attention_args(
+                        self, state, B, L, offset, x.dtype, mask))}),
                     "o_proj": ("linear", _linear_args(op, o))}
 
-        choices = _choose(state, (x.shape, x.dtype, offset, mask), pieces)
+        choices = _choose(state, (x.shape, x.dtype, offset, mask, q8), pieces)
         if _all_stock(state, choices):
             return super().__call__(x, mask, cache)
 
@@ -475,7 +488,7 @@ class BricksAttention:
         q = proj("q_proj", qp, self.n_heads)
         k = proj("k_proj", kp, self.n_kv_heads)
         v = proj("v_proj", vp, self.n_kv_heads)
-        o = _attend(self, state, choices["attention"],
+        o = _attend(self, state, choices.get("attention"),
                     lambda: _attention_args(self, state, B, L, offset, x.dtype, mask),
                     q, k, v, mask, cache)
         return _piece(state, "o_proj", choices["o_proj"], "linear", lambda: _linear_args(op, o),
@@ -549,6 +562,7 @@ class BricksBlock:
             return super().__call__(x, mask, cache, *args, **kwargs)
 
         offset = cache.offset if cache is not None else 0
+        q8 = cache is not None and _is_q8_cache(cache)  # attention: the Q8_0 readers, untuned
         B, L, D = x.shape
         attn, mlp = self[lay.attention], self[lay.mlp]
         qp, kp, vp, op = (attn[n] for n in lay.attention_linears)
@@ -564,12 +578,12 @@ class BricksBlock:
             h = Act((B, L, D), x.dtype)
             o = Act((B, L, attn.n_heads * state.head_dim), x.dtype)
             return {"qkv": ("rms_norm_qkv", qkv_args()),
-                    "attention": ("attention",
-                                  _attention_args(attn, state, B, L, offset, x.dtype, mask)),
+                    **({} if q8 else {"attention": ("attention", _attention_args(
+                        attn, state, B, L, offset, x.dtype, mask))}),
                     "o_proj": ("linear", _linear_args(op, o, residual=x)),
                     "mlp": ("swiglu_mlp", _mlp_args(mlp, lay, h, h))}
 
-        choices = _choose(state, (x.shape, x.dtype, offset, mask), pieces)
+        choices = _choose(state, (x.shape, x.dtype, offset, mask, q8), pieces)
         if _all_stock(state, choices):
             return super().__call__(x, mask, cache)
 
@@ -580,7 +594,7 @@ class BricksBlock:
 
         q, k, v = _piece(state, "qkv", choices["qkv"], "rms_norm_qkv", qkv_args, stock_qkv,
                          "rms_norm_qkv")
-        o = _attend(attn, state, choices["attention"],
+        o = _attend(attn, state, choices.get("attention"),
                     lambda: _attention_args(attn, state, B, L, offset, x.dtype, mask),
                     q, k, v, mask, cache)
         h = _piece(state, "o_proj", choices["o_proj"], "linear",

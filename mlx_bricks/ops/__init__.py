@@ -17,6 +17,8 @@ _LAZY = {
     "swiglu_mlp_reference": ".mlp",
     "flash_attention": ".attention",
     "flash_attention_reference": ".attention",
+    "decode_attention": ".decode",
+    "decode_attention_reference": ".decode",
     "quantize_q8_0": ".q8_0",
     "quantize_q8_0_reference": ".q8_0",
     "dequantize_q8_0": ".q8_0",

@@ -40,6 +40,8 @@ from mlx_bricks.patch.report import (
 from mlx_bricks.patch.table import lookup, supported_model_types
 
 KV_QUANTS = (None, "q8_0")
+#: ``patch_model(kv_cache=...)``: mlx-lm's own cache, or the Q8_0 cache (``mlx_bricks.cache``).
+KV_CACHES = ("fp16", "q8_0")
 
 _BLOCK_BRICKS = ("rms_norm_qkv", "flash_attention", "linear", "swiglu_mlp")
 _ATTN_BRICKS = ("linear", "flash_attention")
@@ -169,6 +171,8 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
     rope = describe_rope(attn_mod.rope) if attn_mod is not None and callable(
         getattr(attn_mod, "rope", None)) else ""
     attn_variant = f"kv_quant={kv_quant or 'none'}"
+    if opts["kv_cache"] == "q8_0":
+        attn_variant = "kv_cache=q8_0"
     # the reference backend runs MLX ops: no kernel variant to report; tuning picks per bucket
     if dispatch is not None and dispatch.tuning:
         mlp_variant = "swiglu=tuned" + (f" ({opts['mlp_variant']} only)"
@@ -186,6 +190,8 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
                          head_dim=head_dim, kv_quant=kv_quant,
                          mlp_variant=opts["mlp_variant"], dispatch=dispatch)
         attach(module, mixin, st)
+        if opts["kv_cache"] == "q8_0" and "flash_attention" in bricks:
+            bricks = (*bricks, "q8_0_cache_attention")
         add(ModuleReport(i, role, PATCHED, bricks, variant, backend, rope=rope, state=st))
 
     if attention and mlp and fuse_block and attn_reason is None and mlp_reason is None:
@@ -217,7 +223,8 @@ def _check_flag(name, value):
 
 
 def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=None,
-                mlp_variant=None, backend=None, tune="auto", progress=None) -> PatchReport:
+                kv_cache="fp16", mlp_variant=None, backend=None, tune="auto",
+                progress=None) -> PatchReport:
     """Run prefill of a loaded mlx-lm model through the bricks, in place, where they are
     faster than stock on this device.
 
@@ -244,8 +251,17 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
         attention: patch the attention modules.
         mlp: patch the MLP modules.
         fuse_block: use the unified block where both can be patched.
-        kv_quant: None or ``"q8_0"``: K/V format of the attention brick (needs head_dim % 32
-            == 0). The mlx-lm cache keeps full precision, so decode stays stock.
+        kv_quant: None or ``"q8_0"``: K/V rounded to Q8_0 inside the attention brick (needs
+            head_dim % 32 == 0). The mlx-lm cache keeps full precision: no memory is saved and
+            decode stays stock; for a real Q8_0 cache use ``kv_cache``.
+        kv_cache: ``"fp16"`` (default: mlx-lm's cache, whatever its float dtype) or ``"q8_0"``:
+            the model's attention (bricks and stock code, prefill and decode) reads
+            ``mlx_bricks.cache.Q8KVCache`` layers directly (34/64 of the float16 bytes; decode
+            through the flash-decoding brick). Build the cache with
+            ``mlx_bricks.make_prompt_cache(model)``; the report lists the cache kind per layer
+            (sliding-window layers keep mlx-lm's ``RotatingKVCache``, with the reason). Applies
+            on every backend, ``reference`` included (it saves memory there too). See
+            docs/kv_cache.md.
         mlp_variant: SwiGLU brick variant, ``"fused"`` or ``"split"``; ``None`` takes
             ``MLX_BRICKS_SWIGLU_VARIANT``, then the brick's default (``ops.swiglu_variants``).
             Resolved once here and reported; the reference backend has no variants.
@@ -263,8 +279,9 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``; a flag is not a bool.
-        ValueError: ``kv_quant`` is not None or ``"q8_0"``; an unknown ``mlp_variant`` or
-            ``tune``.
+        ValueError: ``kv_quant`` is not None or ``"q8_0"``; ``kv_cache`` is not ``"fp16"`` or
+            ``"q8_0"``, or ``"q8_0"`` together with ``kv_quant``; an unknown ``mlp_variant`` or
+            ``tune``; ``kv_cache="q8_0"`` on a model whose attention cannot be routed.
         mlx_bricks.backends.BackendError: unknown or unavailable backend.
     """
     if not isinstance(model, nn.Module):
@@ -273,6 +290,11 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
         _check_flag(name, value)
     if kv_quant not in KV_QUANTS:
         raise ValueError(f"kv_quant must be None or 'q8_0', got {kv_quant!r}")
+    if kv_cache not in KV_CACHES:
+        raise ValueError(f"kv_cache must be 'fp16' or 'q8_0', got {kv_cache!r}")
+    if kv_cache == "q8_0" and kv_quant is not None:
+        raise ValueError("kv_quant and kv_cache='q8_0' exclude each other: the Q8_0 cache "
+                         "already gives the attention Q8_0 K/V (leave kv_quant=None)")
     if tune not in TUNE_MODES:
         raise ValueError(f"tune must be one of {', '.join(map(repr, TUNE_MODES))}, "
                          f"got {tune!r}")
@@ -284,7 +306,7 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
     model_type = _model_type(model)
     arch, layout = lookup(model_type)
     opts = {"attention": attention, "mlp": mlp, "fuse_block": fuse_block, "kv_quant": kv_quant,
-            "mlp_variant": mlp_variant, "tune": tune}
+            "kv_cache": kv_cache, "mlp_variant": mlp_variant, "tune": tune}
     if choice.name == "reference" and choice.source == "auto":
         dispatch = None  # honest CPU: reference would run the same math as stock, slower
     else:
@@ -306,8 +328,22 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
         for i, layer in enumerate(layers):
             _patch_layer(report, i, layer, layout, opts, choice.name, dispatch)
         record_weight_formats(report, layers, layout)
+    if kv_cache == "q8_0" and layout is not None:
+        _route_q8_0_cache(model, report, choice.name)
     object.__setattr__(model, "_bricks_report", report)
     return report
+
+
+def _route_q8_0_cache(model, report: PatchReport, backend: str) -> None:
+    """``kv_cache="q8_0"``: route the model file's stock attention to the Q8_0 cache readers
+    (undone by ``unpatch_model``) and record the per-layer cache plan."""
+    from mlx_bricks import cache as kv
+
+    kv.register_with_mlx_lm()  # so mlx-lm's load_prompt_cache can rebuild Q8KVCache
+    object.__setattr__(model, "_bricks_kv_undo", kv.route_attention(model))
+    object.__setattr__(model, "_bricks_kv_backend", backend)
+    report.kv_caches = [(p.layer, p.kind, p.reason)
+                        for p in kv.plan_prompt_cache(model, "q8_0", backend=backend)]
 
 
 def unpatch_model(model) -> int:
@@ -322,6 +358,10 @@ def unpatch_model(model) -> int:
         raise TypeError(f"model must be an mlx.nn.Module, got {type(model).__name__}")
     restored = sum(detach(m) for m in model.modules())
     model.__dict__.pop("_bricks_report", None)
+    undo = model.__dict__.pop("_bricks_kv_undo", None)
+    model.__dict__.pop("_bricks_kv_backend", None)
+    if undo is not None:
+        undo()
     return restored
 
 

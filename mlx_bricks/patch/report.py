@@ -118,6 +118,8 @@ class PatchReport:
         modules: one :class:`ModuleReport` per (layer, module), in layer order.
         dispatch: the model's ``mlx_bricks.patch.dispatch.Dispatch`` (tuning decisions, the
             guard's reasons), or None when nothing was patched on purpose (no kernel backend).
+        kv_caches: with ``kv_cache="q8_0"``, one ``(layer, cache kind, reason)`` per layer:
+            what ``mlx_bricks.make_prompt_cache(model)`` builds (empty for ``"fp16"``).
 
     Counters and decisions are live: run the model, then read ``calls()`` / ``tuning()`` /
     ``str(report)`` again.
@@ -130,6 +132,7 @@ class PatchReport:
     n_layers: int = 0
     modules: list[ModuleReport] = field(default_factory=list)
     dispatch: object = field(default=None, repr=False)
+    kv_caches: list = field(default_factory=list)
 
     @property
     def n_patched(self) -> int:
@@ -214,6 +217,7 @@ class PatchReport:
             "stock_calls": dict(self.stock_calls()),
             "tuned_stock_calls": dict(self.tuned_stock_calls()),
             "tuning": self.tuning(),
+            "kv_caches": [{"layer": i, "kind": k, "reason": r} for i, k, r in self.kv_caches],
         }
 
     def __str__(self) -> str:
@@ -261,6 +265,13 @@ class PatchReport:
         if tuning["disabled"]:
             lines.append("disabled for this process (pieces run stock):")
             lines += [f"  {r}" for r in tuning["disabled"]]
+        if self.kv_caches:
+            kinds = Counter(k for _, k, _ in self.kv_caches)
+            lines.append("KV cache per layer (kv_cache=q8_0): " + ", ".join(
+                f"{k} x {n}" for k, n in sorted(kinds.items())))
+            for reason in sorted({r for _, k, r in self.kv_caches if k != "Q8KVCache"}):
+                layers = [str(i) for i, _, r in self.kv_caches if r == reason]
+                lines.append(f"  layers {','.join(layers)}: {reason}")
         ropes = sorted({m.rope for m in self.modules if m.rope})
         for rope in ropes:
             lines.append(f"rope: {rope}")

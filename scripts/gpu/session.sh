@@ -2,7 +2,8 @@
 # One GPU-machine session's steps, each under its own time limit, logs and JSON under $OUT.
 # Usage (on the GPU machine, after MLX is installed in /tmp/site; ../shared/docs/device.md):
 #   bash scripts/gpu/session.sh STEP [STEP ...]
-# Steps: gemm-tests gemm-bench attn-tests attn-check decode-tests decode-check e2e all-tests
+# Steps: gemm-tests gemm-bench gemm-depth kernels attn-tests attn-check decode-tests decode-check
+#        e2e e2e-quant kv-tests all-tests
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -25,7 +26,15 @@ for s in "$@"; do
         attn-check) step attn-check 280 python3 scripts/gpu/attention_cuda_check.py --out "$OUT/attn.json" ;;
         decode-tests) step decode-tests 150 $PYT -n 8 -k cuda tests/test_decode_attention.py tests/test_cache.py ;;
         decode-check) step decode-check 200 python3 scripts/gpu/decode_cuda_check.py --out "$OUT/decode.json" ;;
-        e2e) step e2e 300 python3 -m mlx_bricks.bench --backend cuda --only e2e --out "$OUT/e2e.json" ;;
+        gemm-depth) step gemm-depth 150 python3 scripts/gpu/gemm_cuda_check.py --out "$OUT/gemm_depth.json" \
+            --tiles wg128x256d,wg128x256d5,wg128x128d --only linear_q4,linear_bf16 ;;
+        kernels) step kernels 300 python3 -m mlx_bricks.bench --backend cuda --only cuda_kernels \
+            --out "$OUT/kernels.json" ;;
+        e2e) step e2e 300 python3 -m mlx_bricks.bench --backend cuda --only e2e_llama8b_4layer_float \
+            --repeats 5 --out "$OUT/e2e.json" ;;
+        e2e-quant) step e2e-quant 300 python3 -m mlx_bricks.bench --backend cuda \
+            --only e2e_llama8b_4layer_quantized --repeats 5 --out "$OUT/e2e_quant.json" ;;
+        kv-tests) step kv-tests 150 $PYT -n 8 -k cuda tests/test_kv_patch.py tests/test_cache.py ;;
         all-tests) step all-tests 500 $PYT -n 8 -m "not slow" tests ;;
         *) echo "unknown step $s"; exit 2 ;;
     esac
