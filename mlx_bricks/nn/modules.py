@@ -90,6 +90,8 @@ class BricksState:
             because tuning measured stock faster (a decision, not a fallback).
         memo: call shape -> the dispatcher's choices for it (see ``_choose``).
         structure: the last structure check, ``(fingerprint, reason)`` (``_structure_reason``).
+        all_stock: call shape -> ``(guard generation, [(counter, reason)])`` for shapes whose
+            pieces all run stock (``_stock_fast``).
     """
 
     backend: str
@@ -105,6 +107,7 @@ class BricksState:
     tuned: Counter = field(default_factory=Counter)
     memo: dict = field(default_factory=dict, repr=False)
     structure: tuple | None = field(default=None, repr=False)
+    all_stock: dict = field(default_factory=dict, repr=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,10 +220,15 @@ def _first_reason(*reasons):
     return None
 
 
-def _is_q8_cache(cache) -> bool:
-    from mlx_bricks.cache import Q8KVCache  # late: mlx_bricks.cache imports the ops
+_Q8KVCache: list = []  # mlx_bricks.cache.Q8KVCache, imported late (that module imports the ops)
 
-    return type(cache) is Q8KVCache
+
+def _is_q8_cache(cache) -> bool:
+    if not _Q8KVCache:
+        from mlx_bricks.cache import Q8KVCache
+
+        _Q8KVCache.append(Q8KVCache)
+    return type(cache) is _Q8KVCache[0]
 
 
 def _call_reason(x, mask, cache, args, kwargs) -> str | None:
@@ -376,12 +384,33 @@ def _count_stock(state: BricksState, name: str, choice) -> None:
     counter[f"{name}: {choice.reason}"] += 1
 
 
-def _all_stock(state: BricksState, choices: dict) -> bool:
-    """True (and every piece counted) when no piece runs a brick."""
+def _all_stock(state: BricksState, choices: dict, shape_key=None) -> bool:
+    """True (and every piece counted) when no piece runs a brick; remembered for
+    ``_stock_fast`` under ``shape_key``."""
     if any(c.brick for c in choices.values()):
         return False
-    for name, c in choices.items():
-        _count_stock(state, name, c)
+    counts = [(state.tuned if c.tuned else state.stock, f"{name}: {c.reason}")
+              for name, c in choices.items()]
+    for counter, reason in counts:
+        counter[reason] += 1
+    if shape_key is not None:
+        if len(state.all_stock) >= _MEMO_SIZE:
+            state.all_stock.clear()
+        state.all_stock[shape_key] = (state.dispatch.generation, counts)
+    return True
+
+
+def _stock_fast(state: BricksState, shape_key) -> bool:
+    """True (and counted as before) when every piece of this call shape ran stock last time:
+    the module's own code then runs without the structure check or the dispatcher, whose
+    Python cost (tens of microseconds per layer) would otherwise make an all-stock model
+    measurably slower than stock at short prompts. The stock path is right for any structure;
+    a guard change (new generation) or re-patching forgets it."""
+    hit = state.all_stock.get(shape_key)
+    if hit is None or hit[0] != state.dispatch.generation:
+        return False
+    for counter, reason in hit[1]:
+        counter[reason] += 1
     return True
 
 
@@ -456,16 +485,20 @@ class BricksAttention:
 
     def __call__(self, x, mask=None, cache=None, *args, **kwargs):
         state = self._bricks_state
-        reason = _call_reason(x, mask, cache, args, kwargs) or _structure_reason(
-            self, state, x.dtype)
+        reason = _call_reason(x, mask, cache, args, kwargs)
+        if reason is None:
+            offset = cache.offset if cache is not None else 0
+            q8 = cache is not None and _is_q8_cache(cache)  # attention: Q8_0 readers, untuned
+            shape_key = (x.shape, x.dtype, offset, mask, q8)
+            if _stock_fast(state, shape_key):
+                return super().__call__(x, mask, cache)
+            reason = _structure_reason(self, state, x.dtype)
         if reason is not None:
             state.stock[reason] += 1
             return super().__call__(x, mask, cache, *args, **kwargs)
         lay = state.layout
         B, L, _ = x.shape
         qp, kp, vp, op = (self[n] for n in lay.attention_linears)
-        offset = cache.offset if cache is not None else 0
-        q8 = cache is not None and _is_q8_cache(cache)  # attention: the Q8_0 readers, untuned
 
         def pieces():
             o = Act((B, L, self.n_heads * state.head_dim), x.dtype)
@@ -476,8 +509,8 @@ class BricksAttention:
                         self, state, B, L, offset, x.dtype, mask))}),
                     "o_proj": ("linear", _linear_args(op, o))}
 
-        choices = _choose(state, (x.shape, x.dtype, offset, mask, q8), pieces)
-        if _all_stock(state, choices):
+        choices = _choose(state, shape_key, pieces)
+        if _all_stock(state, choices, shape_key):
             return super().__call__(x, mask, cache)
 
         def proj(name, layer, n):
@@ -513,6 +546,8 @@ class BricksMLP:
             reason = DECODE
         elif x.dtype not in FLOAT_DTYPES:
             reason = f"input dtype {dtype_name(x.dtype)} is not float16/bfloat16/float32"
+        elif _stock_fast(state, (x.shape, x.dtype)):
+            return super().__call__(x)
         else:
             reason = _structure_reason(self, state, x.dtype)
         if reason is not None:
@@ -520,7 +555,7 @@ class BricksMLP:
             return super().__call__(x, *args, **kwargs)
         choices = _choose(state, (x.shape, x.dtype),
                           lambda: {"mlp": ("swiglu_mlp", _mlp_args(self, state.layout, x))})
-        if _all_stock(state, choices):
+        if _all_stock(state, choices, (x.shape, x.dtype)):
             return super().__call__(x)
         return _piece(state, "mlp", choices["mlp"], "swiglu_mlp",
                       lambda: _mlp_args(self, state.layout, x),
@@ -555,14 +590,18 @@ class BricksBlock:
     def __call__(self, x, mask=None, cache=None, *args, **kwargs):
         state = self._bricks_state
         lay = state.layout
-        reason = _call_reason(x, mask, cache, args, kwargs) or _structure_reason(
-            self, state, x.dtype)
+        reason = _call_reason(x, mask, cache, args, kwargs)
+        if reason is None:
+            offset = cache.offset if cache is not None else 0
+            q8 = cache is not None and _is_q8_cache(cache)  # attention: Q8_0 readers, untuned
+            shape_key = (x.shape, x.dtype, offset, mask, q8)
+            if _stock_fast(state, shape_key):
+                return super().__call__(x, mask, cache)
+            reason = _structure_reason(self, state, x.dtype)
         if reason is not None:
             state.stock[reason] += 1
             return super().__call__(x, mask, cache, *args, **kwargs)
 
-        offset = cache.offset if cache is not None else 0
-        q8 = cache is not None and _is_q8_cache(cache)  # attention: the Q8_0 readers, untuned
         B, L, D = x.shape
         attn, mlp = self[lay.attention], self[lay.mlp]
         qp, kp, vp, op = (attn[n] for n in lay.attention_linears)
@@ -583,8 +622,8 @@ class BricksBlock:
                     "o_proj": ("linear", _linear_args(op, o, residual=x)),
                     "mlp": ("swiglu_mlp", _mlp_args(mlp, lay, h, h))}
 
-        choices = _choose(state, (x.shape, x.dtype, offset, mask, q8), pieces)
-        if _all_stock(state, choices):
+        choices = _choose(state, shape_key, pieces)
+        if _all_stock(state, choices, shape_key):
             return super().__call__(x, mask, cache)
 
         def stock_qkv():
