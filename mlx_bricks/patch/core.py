@@ -235,9 +235,11 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
     attention, the out-projection, the MLP), each running its brick or mlx-lm's own stock code
     as the dispatcher decides (``tune``); decode (L == 1) and the cases the bricks do not cover
     (array masks, caches other than ``KVCache``, non-affine quantized or LoRA/DoRA linears,
-    unknown call signatures, sliding-window layers) run the stock code, with the reason in the report. A
-    brick that fails to build, or whose first output disagrees with stock, is disabled for the
-    process and its pieces run stock (the report says which and why).
+    unknown call signatures, sliding-window layers) run the stock code, with the reason in the
+    report. MLX affine ``nn.QuantizedLinear`` projections feed the quantized bricks (docs/
+    patch.md, "Quantized models"). A brick that fails to build, or whose first output
+    disagrees with stock, is disabled for the process and its pieces run stock (the report
+    says which and why).
 
     On a machine without a kernel backend (auto selection gave ``reference``, which is the same
     math as stock), no module is patched: each is reported ``stock`` with that reason. Naming a
