@@ -17,12 +17,13 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx_lm.generate import generate_step, generation_stream
 
 from mlx_bricks.bench.shard import run_rank
 from mlx_bricks.patch import patch_model
-from mlx_bricks.tune.check import EPS, dtype_close, to_f64
+from mlx_bricks.tune.check import EPS, CloseResult, dtype_close, to_f64
 from tests.models import build_model, clone, tokens
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
@@ -35,6 +36,8 @@ CASES = (
      "bfloat16"),
     ("qwen3-block", "qwen3", {}, True, "float32"),
     ("qwen3-unfused", "qwen3", {}, False, "float32"),
+    # nn.quantize (4-bit, group 32) then shard: the quantized tensor-parallel linears
+    ("llama-q4-block", "llama", {"quantize": 4}, True, "float32"),
 )
 PROMPT = 33
 N_GREEDY = 8
@@ -73,11 +76,17 @@ def _tie(full, dt, prompt: list[int], stock: list[int], patched: list[int]) -> d
 
 def run_case(group, name, arch, overrides, fuse_block, dtype) -> dict:
     dt = DTYPES[dtype]
+    overrides = dict(overrides)
+    bits = overrides.pop("quantize", None)
     model = build_model(arch, dt, **overrides)
-    full = clone(model, dt)  # the unsharded model (same values), for the tie check
     toks = tokens(PROMPT)
-    with mx.stream(mx.cpu):
-        ref = _run(clone(model, mx.float64), toks)
+    if bits is None:
+        full = clone(model, dt)  # the unsharded model (same values), for the tie check
+        with mx.stream(mx.cpu):
+            ref = _run(clone(model, mx.float64), toks)
+    else:  # quantized: no float64 twin; patched is compared with stock on the same weights
+        nn.quantize(model, group_size=32, bits=bits)  # 32: the local K of down is 160
+        full = ref = None
     shapes = {"q_proj_full": list(model.layers[0].self_attn.q_proj.weight.shape),
               "gate_proj_full": list(model.layers[0].mlp.gate_proj.weight.shape),
               "o_proj_full": list(model.layers[0].self_attn.o_proj.weight.shape)}
@@ -93,7 +102,12 @@ def run_case(group, name, arch, overrides, fuse_block, dtype) -> dict:
     report = patch_model(model, backend="reference", fuse_block=fuse_block)
     patched = _run(model, toks)
     patched_tokens = _greedy(model, toks[0])
-    close = dtype_close(patched, ref, stock, dtype=dt)
+    if ref is None:  # the reference backend computes the quantized products as stock does
+        err = float(mx.abs(patched - stock).max())
+        close = CloseResult(ok=err <= 1e-4 * max(1.0, float(mx.abs(stock).max())), error=err,
+                            budget=1e-4 * max(1.0, float(mx.abs(stock).max())), naive_error=0.0)
+    else:
+        close = dtype_close(patched, ref, stock, dtype=dt)
     modules = [{"layer": m.layer, "module": m.module, "status": m.status,
                 "bricks": list(m.bricks), "calls": dict(m.calls), "reason": m.reason,
                 "stock_calls": dict(m.state.stock) if m.state is not None else {}}
@@ -110,7 +124,8 @@ def run_case(group, name, arch, overrides, fuse_block, dtype) -> dict:
         "patched_sha": hashlib.sha256(np.array(patched.astype(mx.float32)).tobytes())
         .hexdigest(),
         "stock_tokens": stock_tokens, "patched_tokens": patched_tokens,
-        "tie": _tie(full, dt, toks[0].tolist(), stock_tokens, patched_tokens),
+        "tie": (_tie(full, dt, toks[0].tolist(), stock_tokens, patched_tokens)
+                if full is not None else {"first_diff": None, "tie": False}),
         "modules": modules, "keys": keys,
     }
 

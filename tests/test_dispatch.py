@@ -65,7 +65,8 @@ def slow_variants(monkeypatch, names=("slow",)):
     for k in KINDS.values():
         vs = [Variant(n, run=lambda a, k=k: _maximum([k.stock(a) for _ in range(4)]))
               for n in names]
-        monkeypatch.setattr(k, "variants", lambda backend, dtype=None, vs=vs: list(vs))
+        monkeypatch.setattr(k, "variants",
+                            lambda backend, dtype=None, args=None, vs=vs: list(vs))
 
 
 def count_tune_calls(monkeypatch) -> list:
@@ -167,7 +168,8 @@ def test_cached_decisions_mix_brick_and_stock_pieces(tuned_reference, monkeypatc
     (measured slower) run mlx-lm's own code."""
     slow_variants(monkeypatch)
     monkeypatch.setattr(KINDS["linear"], "variants",
-                        lambda backend, dtype=None: [Variant("64x64", {"tile": "64x64"})])
+                        lambda backend, dtype=None, args=None: [
+                            Variant("64x64", {"tile": "64x64"})])
     model = build_model("llama", mx.float32, num_hidden_layers=2)
     attn = model.layers[0].self_attn
     o_args = {"x": Act((1, 20, attn.n_heads * 64), mx.float32), "weight": attn.o_proj.weight,
@@ -206,13 +208,15 @@ def test_a_kind_without_variants_on_the_backend_runs_stock(tuned_reference, monk
     """A brick without a kernel on the backend (a CUDA twin not written yet) is not measured:
     its pieces run stock, counted as a fallback with the reason."""
     slow_variants(monkeypatch)
-    monkeypatch.setattr(KINDS["swiglu_mlp"], "variants", lambda backend, dtype=None: [])
+    monkeypatch.setattr(KINDS["swiglu_mlp"], "variants",
+                        lambda backend, dtype=None, args=None: [])
     tuned = count_tune_calls(monkeypatch)
     model = build_model("llama", mx.float32, num_hidden_layers=1)
     report = patch_model(model, backend="reference")
     run(model, tokens(9))
     assert len(tuned) == 3
-    assert report.runtime_fallbacks() == {"mlp: no reference kernel for swiglu_mlp (float32)": 1}
+    assert report.runtime_fallbacks() == {
+        "mlp: no reference kernel for swiglu_mlp (float32, w=float)": 1}
 
 
 def test_fixed_mlp_variant_is_the_only_candidate(tuned_reference, monkeypatch):

@@ -81,7 +81,9 @@ def test_ranks_agree_after_the_reductions(two_ranks):
 def test_sharded_modules_run_the_bricks(two_ranks):
     for rank, c in _cases(two_ranks):
         s = c["shapes"]
-        assert s["classes"] == ["AllToShardedLinear", "ShardedToAllLinear"], c["name"]
+        prefix = "Quantized" if "-q4" in c["name"] else ""
+        assert s["classes"] == [f"{prefix}AllToShardedLinear", f"{prefix}ShardedToAllLinear"], \
+            c["name"]
         for m in c["modules"]:
             what = f"rank {rank['rank']} {c['name']} layer {m['layer']} {m['module']}"
             assert m["status"] == "patched", f"{what}: {m['reason']}"
@@ -96,6 +98,9 @@ def test_tuner_keys_use_the_per_rank_shapes(two_ranks):
     q/gate rows, half the o/down columns), not the unsharded ones."""
     for rank, c in _cases(two_ranks):
         s = c["shapes"]
+        if "-q4" in c["name"]:  # packed weights: the shapes below are the float ones'
+            assert all(k.endswith("w=q4g32") for k in c["keys"] if "attention[" not in k)
+            continue
         n_q, hidden = s["q_proj_full"]
         inter = s["gate_proj_full"][0]
         assert s["q_proj"] == [n_q // RANKS, hidden] and s["gate_proj"] == [inter // RANKS, hidden]
@@ -156,19 +161,24 @@ def test_singleton_group_sharded_model_on_msl(fuse_block):
         assert m.status == "patched" and all(m.calls.get(b, 0) > 0 for b in m.bricks), m
 
 
-def test_quantized_sharded_linears_stay_stock_with_the_reason():
-    model = build_model("llama", mx.float32)
+@pytest.mark.parametrize("fuse_block", (True, False))
+def test_quantized_sharded_linears_run_the_quantized_bricks(fuse_block):
+    """``nn.quantize`` then ``shard()``: the quantized tensor-parallel linears feed the bricks
+    as ``QuantizedWeight`` (reference backend: the same products as stock)."""
+    model = build_model("llama", mx.float32, attention_bias=True, mlp_bias=True)
     nn.quantize(model, group_size=64, bits=4)
     model.shard(mx.distributed.init())
     attn = model.layers[0].self_attn
     assert type(attn.q_proj).__name__ == "QuantizedAllToShardedLinear"
-    report = patch_model(model, backend="reference")
-    reasons = {m.reason for m in report.modules if m.status == "fallback"}
-    assert any("QuantizedAllToShardedLinear" in r and "tensor-parallel" in r for r in reasons), \
-        reasons
-    assert report.n_patched == 0
-    toks = tokens(5)
-    assert model(toks).shape == (1, 5, model.args.vocab_size)
+    assert type(attn.o_proj).__name__ == "QuantizedShardedToAllLinear"
+    toks = tokens(9)
+    stock = model(toks)
+    report = patch_model(model, backend="reference", fuse_block=fuse_block)
+    patched = model(toks)
+    assert mx.abs(patched - stock).max().item() <= 1e-4 * max(1.0, mx.abs(stock).max().item())
+    assert report.n_fallback == 0 and report.n_patched > 0
+    assert all(sum(m.calls.values()) > 0 for m in report.modules)
+    assert report.stock_calls() == {}
 
 
 def test_sharding_other_than_mlx_lms_is_left_stock():

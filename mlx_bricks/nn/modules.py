@@ -39,7 +39,6 @@ from mlx_bricks.nn.sharding import (
     QUANTIZED_SHARDED,
     is_float_sharded,
     is_row_sharded,
-    quantized_sharded_reason,
     reduce_partial,
     role_reason,
 )
@@ -55,7 +54,8 @@ class BlockLayout:
     """Where an mlx-lm pre-norm decoder block keeps its parts (attribute names).
 
     The block computes ``h = x + attn(input_norm(x)); out = h + mlp(post_attention_norm(h))``;
-    the attention projects with q/k/v/o ``nn.Linear`` layers (biases optional), optionally
+    the attention projects with q/k/v/o ``nn.Linear`` or ``nn.QuantizedLinear`` (MLX affine)
+    layers (biases optional), optionally
     applies per-head RMSNorms (``qk_norm``, qwen3) before RoPE, and the MLP is
     ``down(act(gate(x)) * up(x))`` with ``act`` the layout's ``activation``.
 
@@ -152,29 +152,93 @@ class BricksState:
 # Structure checks (shared by patch time and call time)
 # ---------------------------------------------------------------------------------------------
 
+def quantized_reason(name: str, module) -> str | None:
+    """Why the bricks cannot read the ``nn.QuantizedLinear`` ``module`` (None if they can).
+
+    The bricks read MLX's affine format (``mlx_bricks.ops.quant``): bits 2, 3, 4, 5, 6, 8 and
+    group_size 32, 64, 128. The other modes (``mxfp4``, ``nvfp4``, ``mxfp8``: shared exponents,
+    no biases) keep the stock path.
+    """
+    from mlx_bricks.ops.quant import MODE, QuantizedWeight
+
+    mode = getattr(module, "mode", MODE)
+    cls = "nn.QuantizedLinear" if type(module) is nn.QuantizedLinear else type(module).__name__
+    what = f"{name} is {cls} ({format_name(module)})"
+    if mode != MODE:
+        return (f"{what}: the bricks read MLX affine weights only (mxfp4 / nvfp4 / mxfp8 keep "
+                "the stock path)")
+    try:
+        QuantizedWeight.from_module(module).check(name)
+    except (TypeError, ValueError) as e:
+        return f"{what}: {e}"
+    return None
+
+
 def linear_reason(name: str, module, dtype=None) -> str | None:
-    """Why ``module`` cannot feed a brick (None if it is a plain ``nn.Linear`` of ``dtype``, or
-    MLX's float tensor-parallel ``AllToShardedLinear`` / ``ShardedToAllLinear``: the bricks run
-    on the local shard, see ``mlx_bricks.nn.sharding``)."""
-    if type(module) is nn.Linear or is_float_sharded(module):
-        if dtype is not None:
-            for what in ("weight", "bias"):
-                if what in module and module[what].dtype != dtype:
-                    return (f"{name}.{what} is {dtype_name(module[what].dtype)} but the input is "
-                            f"{dtype_name(dtype)}")
-        return None
-    if module is None:
+    """Why ``module`` cannot feed a brick (None if it can).
+
+    It can when it is a plain ``nn.Linear``, or an ``nn.QuantizedLinear`` in MLX's affine
+    format (:func:`quantized_reason`), whose arrays have the input's ``dtype`` (when given):
+    the bricks compute in one dtype, so a quantized weight's ``scales`` and ``biases`` (the
+    dtype its tiles are dequantized to) and a layer's ``bias`` must be the activations' dtype
+    (``ops.quant.check_weight``). MLX's tensor-parallel linears (``AllToShardedLinear``,
+    ``ShardedToAllLinear`` and their quantized variants) count as their unsharded kinds: the
+    bricks run on the local shard (``mlx_bricks.nn.sharding``). LoRA/DoRA adapters
+    (``mlx_lm.tuner``), also over quantized layers, and every other layer type keep the stock
+    path.
+    """
+    if type(module) is nn.QuantizedLinear or type(module) in QUANTIZED_SHARDED:
+        r = quantized_reason(name, module)
+        if r is not None:
+            return r
+        arrays = ("scales", "biases", "bias")
+    elif type(module) is nn.Linear or is_float_sharded(module):
+        arrays = ("weight", "bias")
+    elif module is None:
         return f"{name} is missing"
-    cls = type(module).__name__
-    if isinstance(module, nn.QuantizedLinear):
-        return (f"{name} is nn.QuantizedLinear ({module.bits}-bit, group {module.group_size}): "
-                "no brick reads quantized weights yet")
-    sharded = quantized_sharded_reason(name, module)
-    if sharded is not None:
-        return sharded
-    if type(module).__module__.startswith("mlx_lm.tuner"):
-        return f"{name} is {cls} (LoRA/DoRA adapter): the bricks do not apply adapters"
-    return f"{name} is {cls}, not nn.Linear"
+    elif type(module).__module__.startswith("mlx_lm.tuner"):
+        inner = getattr(module, "linear", None)
+        over = (f" over nn.QuantizedLinear ({format_name(inner)})"
+                if isinstance(inner, nn.QuantizedLinear) else "")
+        return (f"{name} is {type(module).__name__}{over} (LoRA/DoRA adapter): the bricks do not "
+                "apply adapters")
+    else:
+        return f"{name} is {type(module).__name__}, not nn.Linear or nn.QuantizedLinear"
+    if dtype is not None:
+        for what in arrays:
+            if what in module and module[what].dtype != dtype:
+                return (f"{name}.{what} is {dtype_name(module[what].dtype)} but the input is "
+                        f"{dtype_name(dtype)}")
+    return None
+
+
+def format_name(linear) -> str:
+    """A linear layer's weight format in words: ``"q4 gs64"`` for an MLX affine
+    ``nn.QuantizedLinear`` (``"mxfp4 gs32"`` for another mode), the dtype name
+    (``"float16"``) for an ``nn.Linear``, the class name for anything else."""
+    if isinstance(linear, nn.QuantizedLinear) or type(linear) in QUANTIZED_SHARDED:
+        mode = getattr(linear, "mode", "affine")
+        head = f"q{linear.bits}" if mode == "affine" else mode
+        return f"{head} gs{linear.group_size}"
+    if isinstance(linear, nn.Linear) or is_float_sharded(linear):
+        return dtype_name(linear.weight.dtype)
+    return "missing" if linear is None else type(linear).__name__
+
+
+def weight_formats(module, role: str, layout: "BlockLayout") -> dict[str, str]:
+    """``{projection name: format_name(...)}`` of the linear layers a module of ``role``
+    (``"block"``, ``"self_attn"``, ``"mlp"``) feeds its bricks from, attention ones first."""
+    def child(parent, n):  # nn.Module is a dict of its children
+        return parent.get(n) if isinstance(parent, dict) else None
+
+    out = {}
+    if role in ("block", "self_attn"):
+        attn = child(module, layout.attention) if role == "block" else module
+        out.update({n: format_name(child(attn, n)) for n in layout.attention_linears})
+    if role in ("block", "mlp"):
+        mlp = child(module, layout.mlp) if role == "block" else module
+        out.update({n: format_name(child(mlp, n)) for n in layout.mlp_linears})
+    return out
 
 
 #: mlx-lm's gemma RMSNorm classes: ``mx.fast.rms_norm(x, 1 + weight, eps)`` (the checkpoint
@@ -345,16 +409,18 @@ def _block_reason(block, layout: BlockLayout, dtype) -> str | None:
 _STRUCTURE_CHECKS = {"block": _block_reason, "self_attn": _attention_reason,
                      "mlp": _mlp_reason}
 def _fingerprint(module, names, out: list) -> None:
-    """Append the identity of each child ``names`` of ``module`` and of its weight array to
-    ``out`` (plain dict lookups: ``nn.Module`` is a dict of its children and arrays). A layer
-    swapped (LoRA, ``nn.quantize``) or its weight replaced (``set_dtype``, ``load_weights``)
-    changes it."""
+    """Append the identity of each child ``names`` of ``module`` and of its weight array (and
+    scales: ``set_dtype`` casts a quantized layer's scales but not its packed uint32 weight)
+    to ``out`` (plain dict lookups: ``nn.Module`` is a dict of its children and arrays). A
+    layer swapped (LoRA, ``nn.quantize``) or its arrays replaced (``set_dtype``,
+    ``load_weights``) changes it."""
     get = module.get
     for n in names:
         child = get(n)
         out.append(id(child))
         if child is not None:
             out.append(id(child.get("weight")))
+            out.append(id(child.get("scales")))
 
 
 def _structure_reason(module, state: "BricksState", dtype) -> str | None:
@@ -726,8 +792,10 @@ class BricksBlock:
     piece is mlx-lm's: ``input_layernorm`` then ``q_proj``/``k_proj``/``v_proj``; mlx-lm's
     ``scaled_dot_product_attention``; ``x + o_proj(o)``; ``h + mlp(post_attention_layernorm(h))``.
     When every piece is stock the block's own ``__call__`` runs. Decode, array masks, caches
-    other than ``KVCache`` and modules that are not plain ``nn.Linear``/``nn.RMSNorm`` run the
-    block's own ``__call__`` (counted with the reason).
+    other than ``KVCache`` and modules that are not plain ``nn.Linear`` / affine
+    ``nn.QuantizedLinear`` / ``nn.RMSNorm`` run the block's own ``__call__`` (counted with the
+    reason). A quantized projection reaches its brick as a ``QuantizedWeight`` (packed weight,
+    scales, biases, group_size, bits); q, k and v may each have their own format.
     Source: ``TransformerBlock``/``Attention``/``MLP`` of mlx-lm 0.32's ``models/llama.py``,
     ``qwen2.py``, ``qwen3.py``; the same math with the pieces fused into the bricks.
     """

@@ -17,8 +17,8 @@ attention module's ``n_heads`` / ``n_kv_heads`` by the group size. Their forward
   it in every rank's epilogue would add it ``size`` times).
 
 The quantized variants (``QuantizedAllToShardedLinear``, ``QuantizedShardedToAllLinear``) have
-the same structure around ``mx.quantized_matmul``; they stay stock while the patch routes no
-quantized weights (:func:`quantized_sharded_reason`).
+the same structure around ``mx.quantized_matmul``; the bricks take their local shard as a
+``QuantizedWeight``, as for ``nn.QuantizedLinear`` (same format rules).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from mlx.nn.layers.distributed import (
 COLUMN_SHARDED = (AllToShardedLinear, QuantizedAllToShardedLinear)
 #: Row-sharded layers (input columns split; the partial products are all-summed).
 ROW_SHARDED = (ShardedToAllLinear, QuantizedShardedToAllLinear)
-#: The float sharded layers the bricks run (the quantized ones stay stock for now).
+#: The float sharded layers (the quantized ones are read like ``nn.QuantizedLinear``).
 FLOAT_SHARDED = (AllToShardedLinear, ShardedToAllLinear)
 QUANTIZED_SHARDED = (QuantizedAllToShardedLinear, QuantizedShardedToAllLinear)
 
@@ -48,14 +48,6 @@ def is_row_sharded(module) -> bool:
     """True for a ``ShardedToAllLinear`` or ``QuantizedShardedToAllLinear`` (exact type): its
     local product is a partial sum that the layer all-sums before adding its bias."""
     return type(module) in ROW_SHARDED
-
-
-def quantized_sharded_reason(name: str, module) -> str | None:
-    """Why a quantized tensor-parallel linear stays stock (None for any other module)."""
-    if type(module) not in QUANTIZED_SHARDED:
-        return None
-    return (f"{name} is {type(module).__name__} ({module.bits}-bit, group {module.group_size}, "
-            "tensor-parallel): no brick reads quantized weights yet")
 
 
 def role_reason(names_in: tuple[str, ...], names_out: tuple[str, ...], module) -> str | None:

@@ -36,6 +36,7 @@ from mlx_bricks.patch.report import (
     STOCK,
     ModuleReport,
     PatchReport,
+    record_weight_formats,
 )
 from mlx_bricks.patch.table import lookup, supported_model_types
 
@@ -239,10 +240,12 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
     same arrays under the same names. Prefill (L > 1) is split into pieces (RMSNorm + QKV,
     attention, the out-projection, the MLP), each running its brick or mlx-lm's own stock code
     as the dispatcher decides (``tune``); decode (L == 1) and the cases the bricks do not cover
-    (array masks, caches other than ``KVCache``, quantized or LoRA/DoRA linears, unknown call
-    signatures, sliding-window layers) run the stock code, with the reason in the report. A
-    brick that fails to build, or whose first output disagrees with stock, is disabled for the
-    process and its pieces run stock (the report says which and why).
+    (array masks, caches other than ``KVCache``, non-affine quantized or LoRA/DoRA linears,
+    unknown call signatures, sliding-window layers) run the stock code, with the reason in the
+    report. MLX affine ``nn.QuantizedLinear`` projections feed the quantized bricks (docs/
+    patch.md, "Quantized models"). A brick that fails to build, or whose first output
+    disagrees with stock, is disabled for the process and its pieces run stock (the report
+    says which and why).
 
     On a machine without a kernel backend (auto selection gave ``reference``, which is the same
     math as stock), no module is patched: each is reported ``stock`` with that reason. Naming a
@@ -332,6 +335,7 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
         report.n_layers = len(layers)
         for i, layer in enumerate(layers):
             _patch_layer(report, i, layer, layout, opts, choice.name, dispatch)
+        record_weight_formats(report, layers, layout)
     if kv_cache == "q8_0" and layout is not None:
         _route_q8_0_cache(model, report, choice.name)
     object.__setattr__(model, "_bricks_report", report)

@@ -110,16 +110,25 @@ class Dispatch:
             self._cache = DecisionCache()
         return self._cache
 
-    def _rule(self, k, dtype) -> Variant | None:
-        kwargs = {"variant": self.mlp_variant} if k.name == "swiglu_mlp" else {}
+    def _mlp_variant(self, args) -> str:
+        """The SwiGLU variant the rules run for these weights: ``mlp_variant``, except
+        ``split`` when gate and up differ in format (the fused kernel stages both with one
+        loader; ``ops.mlp.same_format``)."""
+        from mlx_bricks.ops.mlp import same_format
+
+        return self.mlp_variant if same_format(args["w_gate"], args["w_up"]) else "split"
+
+    def _rule(self, k, dtype, args) -> Variant | None:
+        kwargs = {"variant": self._mlp_variant(args)} if k.name == "swiglu_mlp" else {}
         if self.backend == "reference":
             return Variant("reference", kwargs)  # the ops' MLX implementations
-        if not k.variant_names(self.backend, dtype):
+        # The op's listing for these weights' formats (a CUDA tile may not take a width).
+        if not k.variant_names_for(self.backend, dtype, args):
             return None
         return Variant(kwargs.get("variant", "rule"), kwargs)
 
-    def _candidates(self, k, dtype) -> list[Variant]:
-        cands = k.variants(self.backend, dtype)
+    def _candidates(self, k, dtype, args) -> list[Variant]:
+        cands = k.variants(self.backend, dtype, args)
         if k.name == "swiglu_mlp" and self.mlp_variant_fixed:
             cands = [v for v in cands if v.name == self.mlp_variant]
         return cands
@@ -132,7 +141,7 @@ class Dispatch:
         d = self.decisions.get(full)
         if d is not None:
             return d
-        cands = self._candidates(k, k.dtype(args))
+        cands = self._candidates(k, k.dtype(args), args)
         if self.mode == "auto":
             data = self.cache.get(full)
             if data is not None:
@@ -156,12 +165,14 @@ class Dispatch:
         key, dtype = k.key(args), k.dtype(args)
         # Q8_0 K/V is a requested change of the values: no stock op computes it.
         if not self.tuning or (k.name == "attention" and args.get("kv_quant")):
-            v = self._rule(k, dtype)
+            v = self._rule(k, dtype, args)
             if v is None:
-                return Choice(None, f"no {self.backend} kernel for {k.name} ({key.dtype})", key)
+                return Choice(None, f"no {self.backend} kernel for {k.name} ({key.dtype}, "
+                              f"w={key.weights})", key)
             reason = "rule"
-        elif not self._candidates(k, dtype):
-            return Choice(None, f"no {self.backend} kernel for {k.name} ({key.dtype})", key)
+        elif not self._candidates(k, dtype, args):
+            return Choice(None, f"no {self.backend} kernel for {k.name} ({key.dtype}, "
+                          f"w={key.weights})", key)
         else:
             d = self.decision(k, args)
             if not d.brick:

@@ -5,7 +5,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from mlx_bricks.backends import BackendChoice
-from mlx_bricks.nn.modules import DECODE, BricksState
+from mlx_bricks.nn.modules import DECODE, BricksState, weight_formats
 
 PATCHED, FALLBACK, DISABLED, STOCK = "patched", "fallback", "disabled", "stock"
 
@@ -26,6 +26,9 @@ class ModuleReport:
         backend: backend name of the bricks (empty unless patched).
         reason: why the module is not patched (empty when patched).
         rope: how RoPE is applied (attention and block entries).
+        weights: projection name -> weight format of the linear layers the module's bricks
+            read (``"q4 gs64"`` for an MLX affine ``nn.QuantizedLinear``, ``"float16"`` for an
+            ``nn.Linear``; ``modules.format_name``); empty for a model-level entry.
         state: the module's live :class:`BricksState` (None unless patched).
     """
 
@@ -37,7 +40,13 @@ class ModuleReport:
     backend: str = ""
     reason: str = ""
     rope: str = ""
+    weights: dict = field(default_factory=dict)
     state: BricksState | None = field(default=None, repr=False)
+
+    @property
+    def weight_summary(self) -> str:
+        """The weight formats in a few words (:func:`summarize_formats`)."""
+        return summarize_formats(self.weights)
 
     @property
     def calls(self) -> dict[str, int]:
@@ -59,9 +68,41 @@ class ModuleReport:
         return {
             "layer": self.layer, "module": self.module, "status": self.status,
             "bricks": list(self.bricks), "variant": self.variant, "backend": self.backend,
-            "reason": self.reason, "rope": self.rope, "calls": self.calls,
+            "reason": self.reason, "rope": self.rope, "weights": self.weight_summary,
+            "weight_formats": dict(self.weights), "calls": self.calls,
             "stock_calls": self.stock_calls, "tuned_stock_calls": self.tuned_stock_calls,
         }
+
+
+def summarize_formats(formats: dict) -> str:
+    """``{projection: format}`` in a few words: the format when all share it (``"q4 gs64"``),
+    else the most common one followed by the others with their projections
+    (``"q3 gs64 (v_proj, down_proj: q6 gs64)"``); ``""`` for none."""
+    if not formats:
+        return ""
+    counts = Counter(formats.values())
+    main = max(counts, key=lambda f: (counts[f], -list(formats.values()).index(f)))
+    others = {}
+    for name, f in formats.items():
+        if f != main:
+            others.setdefault(f, []).append(name)
+    if not others:
+        return main
+    rest = "; ".join(f"{', '.join(names)}: {f}" for f, names in others.items())
+    return f"{main} ({rest})"
+
+
+def record_weight_formats(report: "PatchReport", layers, layout) -> None:
+    """Fill ``weights`` of every layer entry of ``report`` from the model's ``layers`` (the
+    modules as they are at patch time)."""
+    for m in report.modules:
+        if m.layer is None or m.module not in ("block", "self_attn", "mlp"):
+            continue
+        layer = layers[m.layer]
+        module = {"block": layer, "self_attn": getattr(layer, layout.attention, None),
+                  "mlp": getattr(layer, layout.mlp, None)}[m.module]
+        if module is not None:
+            m.weights = weight_formats(module, m.module, layout)
 
 
 @dataclass(eq=False)
@@ -193,17 +234,17 @@ class PatchReport:
         tuning = self.tuning()
         if self.dispatch is not None:
             lines.append(f"tuning: {tuning['why']}")
-        rows = [("layer", "module", "status", "backend", "variant", "bricks: prefill calls",
-                 "stock-path calls")]
+        rows = [("layer", "module", "status", "backend", "variant", "weights",
+                 "bricks: prefill calls", "stock-path calls")]
         for m in self.modules:
             layer = "-" if m.layer is None else str(m.layer)
             if m.status == PATCHED:
                 calls = m.calls
                 bricks = " ".join(f"{b}:{calls.get(b, 0)}" for b in m.bricks)
                 stock = sum(m.stock_calls.values()) + sum(m.tuned_stock_calls.values())
-                row = (m.backend, m.variant, bricks, str(stock))
+                row = (m.backend, m.variant, m.weight_summary or "-", bricks, str(stock))
             else:
-                row = ("-", "-", "-", "-")
+                row = ("-", "-", m.weight_summary or "-", "-", "-")
             rows.append((layer, m.module, m.status, *row))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for r in rows:

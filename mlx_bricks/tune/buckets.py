@@ -50,3 +50,12 @@ def weight_format(weight) -> str:
     if bits is None:
         return "float"
     return f"q{bits}g{weight.group_size}"
+
+
+def weights_format(*weights) -> str:
+    """The weight format of an op that takes several weights (q/k/v, gate/up/down): their
+    common :func:`weight_format`, or each one's joined by ``/`` in argument order when they
+    differ (``"q3g64/q3g64/q6g64"``: a mixed recipe's v_proj), so ops whose weights differ in
+    any one format get their own decisions."""
+    formats = [weight_format(w) for w in weights]
+    return formats[0] if len(set(formats)) == 1 else "/".join(formats)

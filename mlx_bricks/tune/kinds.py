@@ -30,7 +30,12 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_bricks.ops._checks import dtype_name
-from mlx_bricks.tune.buckets import attention_bucket, m_bucket, weight_format
+from mlx_bricks.tune.buckets import (
+    attention_bucket,
+    m_bucket,
+    weight_format,
+    weights_format,
+)
 from mlx_bricks.tune.check import CloseResult, dtype_close, worst
 
 #: Output rows (the last ones) the numeric check compares: the reference is computed for these
@@ -59,7 +64,9 @@ class Key:
         params: the op's fixed shape parameters, e.g. ``"N=4096,K=4096,bias=0,res=1"``.
         bucket: the varying sizes' bucket (``buckets.m_bucket`` / ``attention_bucket``).
         dtype: activation dtype name (``float16``, ...).
-        weights: weight format (``float`` or ``q<bits>g<group_size>``; ``-`` for attention).
+        weights: weight format (``float`` or ``q<bits>g<group_size>``; for several weights one
+            format, or each one's joined by ``/`` when they differ (``buckets.weights_format``);
+            ``-`` for attention).
     """
 
     kind: str
@@ -291,7 +298,7 @@ class SwigluMLP(OpKind):
             flags["act"] = args["activation"]
         params = _flags(**flags)
         return Key(self.name, params, m_bucket(math.prod(x.shape[:-1])), dtype_name(x.dtype),
-                   weight_format(wg))
+                   weights_format(wg, args["w_up"], args["w_down"]))
 
     def brick(self, args, backend, **kwargs):
         from mlx_bricks.ops.mlp import swiglu_mlp
@@ -319,6 +326,16 @@ class SwigluMLP(OpKind):
         from mlx_bricks.ops.mlp import variant_names
 
         return variant_names(backend, dtype)
+
+    def variant_names_for(self, backend, dtype, args):
+        """Without ``fused`` when gate and up differ in format: the fused kernel stages both
+        with one loader (``ops.mlp.same_format``)."""
+        from mlx_bricks.ops.mlp import same_format
+
+        names = self.variant_names(backend, dtype)
+        if same_format(args["w_gate"], args["w_up"]):
+            return names
+        return tuple(n for n in names if n != "fused")
 
     def variant_kwargs(self, name):
         return {"variant": name}
@@ -363,7 +380,7 @@ class RmsNormQKV(OpKind):
         params = _flags(K=K, heads=f"{args['n_heads']}/{args['n_kv_heads']}x{args['head_dim']}",
                         bias=args.get("bq") is not None)
         return Key(self.name, params, m_bucket(B * L), dtype_name(x.dtype),
-                   weight_format(args["wq"]))
+                   weights_format(args["wq"], args["wk"], args["wv"]))
 
     def brick(self, args, backend, **kwargs):
         from mlx_bricks.ops.norm_qkv import rms_norm_qkv
