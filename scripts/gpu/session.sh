@@ -3,7 +3,7 @@
 # Usage (on the GPU machine, after MLX is installed in /tmp/site; ../shared/docs/device.md):
 #   bash scripts/gpu/session.sh STEP [STEP ...]
 # Steps: gemm-tests gemm-bench gemm-depth kernels attn-tests attn-check decode-tests decode-check
-#        e2e e2e-quant kv-tests all-tests
+#        e2e e2e-quant kv-tests attn-x (stops at the first failure) all-tests
 #        shard (needs kind nvidia-h200-x2: 2 NCCL ranks, one GPU each; NVLink multicast off)
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -26,6 +26,8 @@ for s in "$@"; do
             tests/test_norm_qkv.py tests/test_quantized.py tests/test_quantized_bricks.py ;;
         gemm-bench) step gemm-bench 200 python3 scripts/gpu/gemm_cuda_check.py --out "$OUT/gemm.json" ;;
         attn-tests) step attn-tests 240 $PYT -n 8 -k cuda tests/test_attention.py ;;
+        attn-x) step attn-x 130 python3 -m pytest -q -p no:cacheprovider -rfE -x -n 8 -k cuda \
+            tests/test_attention.py ;;
         attn-check) step attn-check 280 python3 scripts/gpu/attention_cuda_check.py --out "$OUT/attn.json" ;;
         decode-tests) step decode-tests 150 $PYT -n 8 -k cuda tests/test_decode_attention.py tests/test_cache.py ;;
         decode-check) step decode-check 200 python3 scripts/gpu/decode_cuda_check.py --out "$OUT/decode.json" ;;
