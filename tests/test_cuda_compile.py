@@ -180,3 +180,21 @@ def test_float32_has_no_cuda_twin():
 def test_a_compile_error_is_reported_with_the_log():
     with pytest.raises(cudacheck.CompileError, match="nvcc failed"):
         cudacheck.compile_source("__global__ void k() { this is not cuda; }")
+
+
+#: Compiler builtins nvcc accepts but NVRTC (what ``mx.fast.cuda_kernel`` compiles with) does not
+#: define. ``mlx_bricks.cudacheck`` compiles with nvcc, so it cannot catch them: an H200 run on
+#: 2026-12-01 failed with 'identifier "__builtin_memcpy" is undefined' in a twin that had passed
+#: every nvcc check here.
+NVRTC_MISSING = ("__builtin_memcpy", "__builtin_memset", "__builtin_memmove")
+
+
+def test_cuda_sources_avoid_builtins_nvrtc_lacks():
+    from importlib import resources
+
+    bad = []
+    for f in resources.files("mlx_bricks.cuda_src").iterdir():
+        if f.name.endswith((".cu", ".cuh")):
+            text = f.read_text()
+            bad += [f"{f.name}: {b}" for b in NVRTC_MISSING if b in text]
+    assert not bad, f"NVRTC does not define these (use a union, memcpy-free loads): {bad}"
