@@ -678,6 +678,33 @@ def _attend(attn, state: BricksState, choice, args, q, k, v, mask, cache, window
 # The mixins
 # ---------------------------------------------------------------------------------------------
 
+def _admit(module, state: BricksState, attn, x, mask, cache, args, kwargs):
+    """The call checks shared by the attention and block mixins (``attn``: the attention
+    module, ``module`` itself for the attention mixin).
+
+    Returns ``(stock, window, shape_key, q8)``: ``stock`` True when the call runs the module's
+    own code, either counted with its reason here or through the all-stock fast path
+    (:func:`_stock_fast`); otherwise the layer's sliding window, the call-shape key of the
+    dispatcher's memos and whether the cache is a ``Q8KVCache`` (whose attention is the Q8_0
+    readers, untuned).
+    """
+    window, reason = layer_window(attn, state.layout)
+    reason = reason or _call_reason(x, mask, cache, args, kwargs, window,
+                                    state.layout.causal_array)
+    shape_key = q8 = None
+    if reason is None:
+        offset = cache.offset if cache is not None else 0
+        q8 = cache is not None and _is_q8_cache(cache)
+        shape_key = (x.shape, x.dtype, offset, _mask_key(mask, cache, x.shape[1]), q8)
+        if _stock_fast(state, shape_key):
+            return True, window, shape_key, q8
+        reason = _structure_reason(module, state, x.dtype)
+    if reason is not None:
+        state.stock[reason] += 1
+        return True, window, shape_key, q8
+    return False, window, shape_key, q8
+
+
 class BricksAttention:
     """Attention with prefill on the GEMM and attention bricks (mixin over mlx-lm's Attention).
 
@@ -693,17 +720,8 @@ class BricksAttention:
     def __call__(self, x, mask=None, cache=None, *args, **kwargs):
         state = self._bricks_state
         lay = state.layout
-        window, reason = layer_window(self, lay)
-        reason = reason or _call_reason(x, mask, cache, args, kwargs, window, lay.causal_array)
-        if reason is None:
-            offset = cache.offset if cache is not None else 0
-            q8 = cache is not None and _is_q8_cache(cache)  # attention: Q8_0 readers, untuned
-            shape_key = (x.shape, x.dtype, offset, _mask_key(mask, cache, x.shape[1]), q8)
-            if _stock_fast(state, shape_key):
-                return super().__call__(x, mask, cache)
-            reason = _structure_reason(self, state, x.dtype)
-        if reason is not None:
-            state.stock[reason] += 1
+        stock, window, shape_key, q8 = _admit(self, state, self, x, mask, cache, args, kwargs)
+        if stock:
             return super().__call__(x, mask, cache, *args, **kwargs)
         B, L, _ = x.shape
         qp, kp, vp, op = (self[n] for n in lay.attention_linears)
@@ -804,17 +822,8 @@ class BricksBlock:
         state = self._bricks_state
         lay = state.layout
         attn = self[lay.attention]
-        window, reason = layer_window(attn, lay)
-        reason = reason or _call_reason(x, mask, cache, args, kwargs, window, lay.causal_array)
-        if reason is None:
-            offset = cache.offset if cache is not None else 0
-            q8 = cache is not None and _is_q8_cache(cache)  # attention: Q8_0 readers, untuned
-            shape_key = (x.shape, x.dtype, offset, _mask_key(mask, cache, x.shape[1]), q8)
-            if _stock_fast(state, shape_key):
-                return super().__call__(x, mask, cache)
-            reason = _structure_reason(self, state, x.dtype)
-        if reason is not None:
-            state.stock[reason] += 1
+        stock, window, shape_key, q8 = _admit(self, state, attn, x, mask, cache, args, kwargs)
+        if stock:
             return super().__call__(x, mask, cache, *args, **kwargs)
 
         B, L, D = x.shape
