@@ -332,7 +332,9 @@ def make_prompt_cache(model, kv: str = "q8_0", *, max_kv_size: int | None = None
     *provided* the model's attention reads Q8_0 (patched with ``kv_cache="q8_0"``).
     """
     if backend is None:  # a model patched with kv_cache="q8_0" gives its backend
-        backend = getattr(model, "__dict__", {}).get("_bricks_kv_backend")
+        report = getattr(model, "__dict__", {}).get("_bricks_report")
+        if report is not None and report.options.get("kv_cache") == "q8_0":
+            backend = report.backend.name
     return [p.cache for p in plan_prompt_cache(model, kv, max_kv_size=max_kv_size,
                                                backend=backend)]
 

@@ -349,7 +349,6 @@ def _route_q8_0_cache(model, report: PatchReport, backend: str) -> None:
 
     kv.register_with_mlx_lm()  # so mlx-lm's load_prompt_cache can rebuild Q8KVCache
     object.__setattr__(model, "_bricks_kv_undo", kv.route_attention(model))
-    object.__setattr__(model, "_bricks_kv_backend", backend)
     report.kv_caches = [(p.layer, p.kind, p.reason)
                         for p in kv.plan_prompt_cache(model, "q8_0", backend=backend)]
 
@@ -367,7 +366,6 @@ def unpatch_model(model) -> int:
     restored = sum(detach(m) for m in model.modules())
     model.__dict__.pop("_bricks_report", None)
     undo = model.__dict__.pop("_bricks_kv_undo", None)
-    model.__dict__.pop("_bricks_kv_backend", None)
     if undo is not None:
         undo()
     return restored
