@@ -583,9 +583,14 @@ def _choose(state: BricksState, shape_key: tuple, pieces) -> dict:
     return choices
 
 
+def _stock_count(state: BricksState, name: str, choice) -> tuple:
+    """``(counter, reason)`` a stock run of piece ``name`` is counted under."""
+    return (state.tuned if choice.tuned else state.stock), f"{name}: {choice.reason}"
+
+
 def _count_stock(state: BricksState, name: str, choice) -> None:
-    counter = state.tuned if choice.tuned else state.stock
-    counter[f"{name}: {choice.reason}"] += 1
+    counter, reason = _stock_count(state, name, choice)
+    counter[reason] += 1
 
 
 def _all_stock(state: BricksState, choices: dict, shape_key=None) -> bool:
@@ -593,8 +598,7 @@ def _all_stock(state: BricksState, choices: dict, shape_key=None) -> bool:
     ``_stock_fast`` under ``shape_key``."""
     if any(c.brick for c in choices.values()):
         return False
-    counts = [(state.tuned if c.tuned else state.stock, f"{name}: {c.reason}")
-              for name, c in choices.items()]
+    counts = [_stock_count(state, name, c) for name, c in choices.items()]
     for counter, reason in counts:
         counter[reason] += 1
     if shape_key is not None:
