@@ -191,9 +191,11 @@ class CompiledKernel:
 def _precompiled_shim(clang: str, version: str, flags: list[str]) -> list[str]:
     """``["-include-pch", path]`` for a precompiled metal_shim.h built with ``flags`` (saves
     about a third of each kernel's compile time), or [] if clang cannot build one."""
-    # A PCH records the absolute path of metal_shim.h: two checkouts sharing one cache must
-    # not share a PCH, or the TU's own #include of the shim is a second, redefining copy.
-    key = _digest(_shim_text(), str(SHIM_DIR), version, " ".join(flags), "pch")
+    # A PCH records the absolute path and the mtime of each header it read: two checkouts
+    # sharing one cache must not share a PCH (the TU's own #include of the shim would be a
+    # second, redefining copy), and a fresh clone's new mtimes make clang refuse the old one.
+    mtimes = [str((SHIM_DIR / n).stat().st_mtime_ns) for n in ("metal_shim.h", "emu_abi.h")]
+    key = _digest(_shim_text(), str(SHIM_DIR), *mtimes, version, " ".join(flags), "pch")
     if key in _pch_failed:
         return []
     pch = cache_dir() / f"shim_{key}.pch"
@@ -211,6 +213,7 @@ def _precompiled_shim(clang: str, version: str, flags: list[str]) -> list[str]:
 
 
 _pch_failed: set[str] = set()
+_STALE_PCH = "has been modified since the precompiled header"
 _loaded: dict[str, CompiledKernel] = {}
 # (MLX's kernel text, flags) -> kernel: repeated launches skip the rewriting and hashing
 _by_source: dict[tuple[str, int, tuple[str, ...]], CompiledKernel] = {}
@@ -385,11 +388,16 @@ def compile_kernel(gen: Generated, check_address_spaces: bool = True) -> Compile
             text = tu.text
             cmd = [clang, *flags, *LINK_FLAGS, *pch, *DIAG_FLAGS, "-I", str(SHIM_DIR),
                    "run.cpp", "-o", "k.so"]
-            for _ in range(_MAX_COPY_ROUNDS):
+            for _ in range(_MAX_COPY_ROUNDS + 1):  # + 1: a stale-PCH retry
                 (tmp / "run.cpp").write_text(text)
                 r = _run(cmd, cwd=tmp)
                 if r.returncode == 0:
                     break
+                if pch and _STALE_PCH in r.stderr:
+                    # a header touched after the key was taken: build this one without the PCH
+                    cmd = [c for c in cmd if c not in pch]
+                    pch = []
+                    continue
                 patches = _copy_patches(r.stderr)
                 patched = _apply_copy_patches(text, patches) if patches else None
                 if patched is None or patched == text:
