@@ -3,6 +3,7 @@
 # Usage (on the GPU machine, after MLX is installed in /tmp/site; ../shared/docs/device.md):
 #   bash scripts/gpu/session.sh STEP [STEP ...]
 # Steps: gemm-tests gemm-bench gemm-depth kernels attn-tests attn-check decode-tests decode-check
+#        decode-quick (covering cases + 4 timings: a lease of about a minute)
 #        e2e e2e-quant kv-tests attn-x (stops at the first failure) all-tests
 #        shard (needs kind nvidia-h200-x2: 2 NCCL ranks, one GPU each; NVLink multicast off)
 set -uo pipefail
@@ -30,6 +31,8 @@ for s in "$@"; do
             tests/test_attention.py ;;
         attn-check) step attn-check 280 python3 scripts/gpu/attention_cuda_check.py --out "$OUT/attn.json" ;;
         decode-tests) step decode-tests 150 $PYT -n 8 -k cuda tests/test_decode_attention.py tests/test_cache.py ;;
+        decode-quick) step decode-quick 90 python3 scripts/gpu/decode_cuda_check.py --quick \
+            --skip model --out "$OUT/decode_quick.json" ;;
         decode-check) step decode-check 200 python3 scripts/gpu/decode_cuda_check.py --out "$OUT/decode.json" ;;
         gemm-depth) step gemm-depth 150 python3 scripts/gpu/gemm_cuda_check.py --out "$OUT/gemm_depth.json" \
             --tiles wg128x256d,wg128x256d5,wg128x128d --only linear_q4,linear_bf16 ;;
