@@ -228,7 +228,17 @@ def _bits(weight) -> int | None:
     return getattr(weight, "bits", None)
 
 
-class Linear(OpKind):
+class _TokenRows(OpKind):
+    """An op whose rows are the tokens of ``x`` (all leading axes flattened): the GEMM kinds."""
+
+    def n_rows(self, args):
+        return math.prod(args["x"].shape[:-1])
+
+    def tail(self, out, rows):
+        return out.reshape(-1, out.shape[-1])[-rows:]
+
+
+class Linear(_TokenRows):
     """``y = x @ W.T (+ bias) (+ residual)``; args ``x, weight, bias, residual``."""
 
     name = "linear"
@@ -264,12 +274,6 @@ class Linear(OpKind):
     def variant_kwargs(self, name):
         return {"tile": name}
 
-    def n_rows(self, args):
-        return math.prod(args["x"].shape[:-1])
-
-    def tail(self, out, rows):
-        return out.reshape(-1, out.shape[-1])[-rows:]
-
     def reference_tail(self, args, rows):
         x, w, b, res = args["x"], args["weight"], args.get("bias"), args.get("residual")
         with _high_precision(x.dtype) as hp:
@@ -281,7 +285,7 @@ class Linear(OpKind):
         return y
 
 
-class SwigluMLP(OpKind):
+class SwigluMLP(_TokenRows):
     """``down(act(gate(x)) * up(x)) (+ residual)``; args ``x, w_gate, w_up, w_down, b_gate,
     b_up, b_down, residual`` and optionally ``activation`` (``"silu"`` when absent, or
     ``"gelu_tanh"``: gemma's ``nn.gelu_approx``)."""
@@ -339,12 +343,6 @@ class SwigluMLP(OpKind):
 
     def variant_kwargs(self, name):
         return {"variant": name}
-
-    def n_rows(self, args):
-        return math.prod(args["x"].shape[:-1])
-
-    def tail(self, out, rows):
-        return out.reshape(-1, out.shape[-1])[-rows:]
 
     def reference_tail(self, args, rows):
         x, res = args["x"], args.get("residual")
