@@ -1,5 +1,6 @@
 """Shared plumbing of the command-line tools (``mlx_bricks.generate``, ``python -m
-mlx_bricks.patch``): one-line errors with exit status 2, clean Ctrl-C, and model resolution.
+mlx_bricks.patch``, ``python -m mlx_bricks.tune``): one-line errors with exit status 2, clean
+Ctrl-C, and model resolution and loading.
 
 Conventions (docs/cli.md):
     exit 0 success, 1 the check failed (patch CLI), 2 bad input, 130 interrupted (Ctrl-C).
@@ -241,3 +242,24 @@ def resolve_model(
         check_model_type(config, path)
     check_weights(path)
     return path
+
+
+def load_patchable(arg: str | None, backend: str | None, load: Callable[[Path], object]):
+    """What the tools that patch a local model do first: check ``backend`` (an unknown or
+    unavailable one fails before any loading), resolve ``arg`` as MODEL_DIR
+    (:func:`resolve_model`, patchable, no Hub ids), then ``load(path)``.
+
+    Returns:
+        ``(path, load(path))``.
+
+    Raises:
+        CliError: every failure of the three steps, as one line.
+    """
+    from mlx_bricks.backends import active_backend
+
+    active_backend(backend)
+    path = resolve_model(arg, what="MODEL_DIR", allow_hub=False, need_patchable=True)
+    try:
+        return path, load(path)
+    except (OSError, ValueError) as e:
+        raise CliError(f"cannot load {str(path)!r}: {one_line(e)}") from None

@@ -572,3 +572,16 @@ def test_gguf_model_is_converted_once_into_the_cache(tmp_path, monkeypatch):
     with pytest.raises(_cli.CliError, match="cannot convert '.*tiny.gguf': tiny.gguf: "
                                             "unsupported architecture 'mamba'"):
         _cli.convert_gguf_cached(gguf)
+
+
+def test_load_patchable_reports_a_failing_load_as_one_line(default_model_dir):
+    from mlx_bricks import _cli
+
+    def broken(path):
+        raise ValueError("Missing 3 parameters:\nmodel.layers.0.mlp.gate_proj.weight, ...")
+
+    with pytest.raises(_cli.CliError, match=r"^cannot load '.*': Missing 3 parameters") as e:
+        _cli.load_patchable(str(default_model_dir), "reference", broken)
+    assert "\n" not in str(e.value)
+    path, loaded = _cli.load_patchable(str(default_model_dir), "reference", lambda p: p.name)
+    assert path == Path(default_model_dir) and loaded == Path(default_model_dir).name

@@ -243,21 +243,13 @@ def run(args: argparse.Namespace) -> int:
     """Load, measure stock, patch, measure patched, print; returns the exit status."""
     if not args.prompt.strip():
         raise _cli.CliError("--prompt is empty")
-    from mlx_bricks.backends import active_backend
-
-    active_backend(args.backend)  # an unknown or unavailable backend fails before loading
-    model_dir = _cli.resolve_model(args.model_dir, what="MODEL_DIR", allow_hub=False,
-                                   need_patchable=True)
-
     import mlx.core as mx
     from mlx_lm import load
 
     from mlx_bricks.patch import patch_model
 
-    try:
-        model, tokenizer = load(str(model_dir))
-    except (OSError, ValueError) as e:
-        raise _cli.CliError(f"cannot load {str(model_dir)!r}: {_cli.one_line(e)}") from None
+    model_dir, (model, tokenizer) = _cli.load_patchable(args.model_dir, args.backend,
+                                                        lambda p: load(str(p)))
     prompt = mx.array(encode_prompt(tokenizer, args.prompt, not args.ignore_chat_template))
     opts = {"max_tokens": args.max_tokens, "step": args.prefill_step_size}
 

@@ -82,13 +82,6 @@ def _show(cache) -> dict:
 
 
 def _tune(args) -> dict:
-    from mlx_bricks.backends import active_backend
-
-    active_backend(args.backend)  # an unknown or unavailable backend fails before loading
-    model_dir = _cli.resolve_model(args.model_dir, what="MODEL_DIR", allow_hub=False,
-                                   need_patchable=True)
-    from pathlib import Path
-
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model
@@ -96,10 +89,8 @@ def _tune(args) -> dict:
     from mlx_bricks.patch import patch_model
     from mlx_bricks.tune.cache import default_path
 
-    try:
-        model, config = load_model(Path(model_dir))  # no tokenizer needed: tokens are random
-    except (OSError, ValueError) as e:
-        raise _cli.CliError(f"cannot load {str(model_dir)!r}: {_cli.one_line(e)}") from None
+    # no tokenizer needed: the tokens are random
+    model_dir, (model, config) = _cli.load_patchable(args.model_dir, args.backend, load_model)
     report = patch_model(model, backend=args.backend, tune="force" if args.force else "auto")
     result = {"cache": str(default_path()), "model": str(model_dir),
               "backend": report.backend.name, "m": list(args.m)}
