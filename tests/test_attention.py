@@ -333,6 +333,56 @@ def test_reference_softcap_follows_mlx_lm_gemma2():
     assert mx.array_equal(got, want)
 
 
+@pytest.mark.parametrize("Lq, Lk, mask, window, cap, q8", [
+    (100, 100, None, None, None, False),
+    (100, 100, "causal", None, None, False),
+    (100, 137, "causal", None, None, True),   # chunked prefill: bottom-right alignment
+    (100, 137, "causal", 9, None, False),     # the window's first keys sliced away per block
+    (100, 100, "causal", 40, 30.0, True),
+    (70, 150, None, None, 5.0, False),
+])
+def test_reference_in_query_blocks_matches_float64(monkeypatch, Lq, Lk, mask, window, cap, q8):
+    # Blocks of 16 rows (the floor): 7 blocks, the last one short; keys sliced per block.
+    import mlx_bricks.ops.attention as attn
+
+    q, k, v = make_qkv(1, Lq, Lk, 4, 2, 64, BF16, seed=Lq + Lk)
+    kw = dict(scale=0.125, mask=mask, window=window, softcap=cap, kv_quant="q8_0" if q8 else None)
+    whole = flash_attention_reference(q, k, v, **kw)
+    monkeypatch.setattr(attn, "REFERENCE_SCORE_BLOCK_BYTES", 1)
+    got = flash_attention_reference(q, k, v, **kw)
+    kd, vd = (q8_round_trip(k), q8_round_trip(v)) if q8 else (k, v)
+    causal = mask == "causal"
+    ref = attention64(q, kd, vd, 0.125, causal, window, cap)
+    assert_dtype_close(got, ref, naive_attention(q, kd, vd, 0.125, causal, window, cap),
+                       dtype=BF16)
+    # the same values as one block, up to the order of float32 sums
+    np.testing.assert_allclose(to_f64(got), to_f64(whole), rtol=0, atol=2 * EPS[BF16])
+
+
+def test_reference_peak_memory_is_a_few_blocks_of_scores():
+    # 8 heads x 1024 x 1024 float32 scores = 32 MiB in one piece (under the default budget the
+    # call is whole); with a 2 MiB budget, 64-row blocks of which a few are alive at once
+    # (measured: 12 MiB on MLX 0.32.4 CPU, against 37 MiB whole).
+    import mlx_bricks.ops.attention as attn
+
+    q, k, v = make_qkv(1, 1024, 1024, 8, 8, 64, F32, seed=1)
+    mx.eval(q, k, v)
+    peaks = {}
+    for budget in (64 << 20, 2 << 20):
+        old, attn.REFERENCE_SCORE_BLOCK_BYTES = attn.REFERENCE_SCORE_BLOCK_BYTES, budget
+        try:
+            mx.synchronize()
+            mx.reset_peak_memory()
+            base = mx.get_active_memory()
+            mx.eval(flash_attention_reference(q, k, v, scale=0.125, mask="causal"))
+            peaks[budget] = mx.get_peak_memory() - base
+        finally:
+            attn.REFERENCE_SCORE_BLOCK_BYTES = old
+    scores = 8 * 1024 * 1024 * 4
+    assert peaks[64 << 20] >= scores, peaks  # whole: the score matrix is there
+    assert peaks[2 << 20] < scores / 2, peaks
+
+
 # ---------------------------------------------------------------------------------------------
 # edge cases
 

@@ -154,6 +154,14 @@ def causal_window_mask(Lq: int, Lk: int, window: int) -> mx.array:
     return (keys <= pos) & (keys > pos - window)
 
 
+#: Bytes of float32 scores above which :func:`flash_attention_reference` attends in blocks of
+#: query rows where the scores are materialised (the CPU's unfused attention, the soft-capped
+#: path): that matrix is an unfused attention's peak memory, e.g. 604 MB for a 2,048-token chunk
+#: over 8,192 keys with 9 heads, against 6.7 MB of Q8_0 cache (docs/kv_cache.md). A few blocks
+#: are alive at once on MLX's CPU stream, hence a small budget.
+REFERENCE_SCORE_BLOCK_BYTES = 16 << 20
+
+
 def flash_attention_reference(q, k, v, *, scale, mask=None, window=None, softcap=None,
                               kv_quant=None):
     """Reference of :func:`flash_attention` in MLX ops.
@@ -165,10 +173,36 @@ def flash_attention_reference(q, k, v, *, scale, mask=None, window=None, softcap
     ``softmax(precise=True) @ v`` (GQA by broadcasting, no copies of k/v). With
     ``kv_quant="q8_0"`` the K/V go through Q8_0 first (quantized and dequantized to q's dtype,
     or dequantized if given as ``(qs, d)``), exactly the values the kernel attends over.
-    Arguments as :func:`flash_attention` (not checked here).
+
+    Where the score matrix is materialised (on the CPU, or with ``softcap``) and would exceed
+    :data:`REFERENCE_SCORE_BLOCK_BYTES`, the query rows go in blocks, each over only the keys
+    its mask lets it see (rows are independent; bottom-right alignment is kept by slicing), so
+    the peak is one block's scores. Arguments as :func:`flash_attention` (not checked here).
     """
     if kv_quant == "q8_0":
         k, v = _kv_dequantized(k, v, q.dtype)
+    B, Hq, Lq, _ = q.shape
+    Lk = k.shape[2]
+    rows = max(16, REFERENCE_SCORE_BLOCK_BYTES // (4 * B * Hq * max(Lk, 1)))
+    materialised = softcap is not None or mx.default_device() == mx.cpu
+    if not materialised or Lq <= rows or Lk < Lq:
+        return _reference_attention(q, k, v, scale, mask, window, softcap)
+    causal = mask == "causal"
+    blocks = []
+    for lo in range(0, Lq, rows):
+        hi = min(lo + rows, Lq)
+        # keys the rows lo .. hi-1 (positions Lk - Lq + row) can see
+        k_end = Lk - Lq + hi if causal else Lk
+        k_start = max(0, Lk - Lq + lo - window + 1) if causal and window is not None else 0
+        qb = q[:, :, lo:hi]
+        if blocks:  # one block's scores at a time: the next starts once this one is done
+            qb = mx.depends(qb, blocks[-1])
+        blocks.append(_reference_attention(qb, k[:, :, k_start:k_end], v[:, :, k_start:k_end],
+                                           scale, mask, window, softcap))
+    return mx.concatenate(blocks, axis=2)
+
+
+def _reference_attention(q, k, v, scale, mask, window, softcap):
     Lq, Lk = q.shape[2], k.shape[2]
     if window is not None and mask == "causal":
         mask = causal_window_mask(Lq, Lk, window)

@@ -3,8 +3,8 @@
 A context manager over :func:`mlx_bricks.cache.route_attention`: inside the block the model's
 stock attention sends layers whose cache is a ``Q8KVCache`` to
 :func:`mlx_bricks.cache.q8_0_cache_attention` (on each cache's ``backend``), every other call
-to mlx-lm's own function. A measurement and test driver while the patch is not wired to the
-cache; the patch (``kv_cache="q8_0"``) takes the same route for as long as the model is patched.
+to mlx-lm's own function. A measurement and test driver for a model left otherwise stock; the
+patch (``kv_cache="q8_0"``) takes the same route for as long as the model is patched.
 """
 from __future__ import annotations
 

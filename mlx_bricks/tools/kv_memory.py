@@ -3,6 +3,7 @@
 
     python -m mlx_bricks.tools.kv_memory [--model DIR] [--tokens 16384] [--chunk 2048]
                                          [--layers N] [--backend reference] [--out FILE]
+                                         [--kinds fp16 affine8 q8_0]
 
 Each cache runs in its own process (a clean allocator): the model is loaded, ``--tokens``
 random token ids are prefilled in chunks of ``--chunk`` as mlx-lm's ``generate_step`` does
@@ -10,9 +11,10 @@ random token ids are prefilled in chunks of ``--chunk`` as mlx-lm's ``generate_s
 logits evaluated), and it reports ``mx.get_peak_memory()`` over the prefill, the memory held
 before it (weights), the cache's bytes as its arrays say (``nbytes``, allocated capacity) and
 the bytes per token and layer. ``--layers N`` keeps the first N decoder layers (a cheaper run
-with the same per-layer shapes, for CPUs too slow for the whole model). Q8_0 layers attend
-through :mod:`mlx_bricks.tools.kv_driver` (the patch is not wired to the cache yet); the other
-two caches take mlx-lm's stock attention.
+with the same per-layer shapes, for CPUs too slow for the whole model); ``--kinds`` picks the
+caches (affine8 takes over 30 minutes at 8k tokens on a 2-core CPU). Q8_0 layers attend
+through :mod:`mlx_bricks.tools.kv_driver` (the same route as ``patch_model(kv_cache="q8_0")``,
+without patching the rest of the model); the other two caches take mlx-lm's stock attention.
 """
 from __future__ import annotations
 
@@ -92,15 +94,23 @@ def measure_one(kind: str, model_dir: str, n_tokens: int, chunk: int, backend,
 
 
 def measure(model_dir: str | None = None, n_tokens: int = 16384, chunk: int = 2048,
-            backend: str | None = "reference", n_layers: int | None = None) -> dict:
-    """Run :func:`measure_one` for every cache kind, each in a fresh process."""
+            backend: str | None = "reference", n_layers: int | None = None,
+            kinds: tuple[str, ...] = KINDS) -> dict:
+    """Run :func:`measure_one` for each of ``kinds`` (fp16 among them: the ratios' base), each
+    in a fresh process.
+
+    Raises:
+        ValueError: ``kinds`` lacks fp16 or names an unknown kind.
+    """
+    if "fp16" not in kinds or set(kinds) - set(KINDS):
+        raise ValueError(f"kinds must include 'fp16' and be among {KINDS}, got {kinds}")
     import mlx_bricks
     from mlx_bricks.tools.kv_accuracy import _versions
 
     versions = _versions()  # before the runs: the commit that runs
     model_dir = str(model_dir or mlx_bricks.default_model())
     runs = []
-    for kind in KINDS:
+    for kind in kinds:
         cmd = [sys.executable, "-m", "mlx_bricks.tools.kv_memory", "--one", kind,
                "--model", model_dir, "--tokens", str(n_tokens), "--chunk", str(chunk),
                "--backend", str(backend)]
@@ -131,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep only the first N decoder layers (default: all)")
     p.add_argument("--backend", default="reference",
                    help="bricks backend of the Q8_0 attention (default reference)")
+    p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
+                   help="caches to measure (default: all three; fp16 is required)")
     p.add_argument("--one", choices=KINDS, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="write the JSON here too")
     return p
@@ -143,8 +155,10 @@ def main(argv=None) -> int:
         print(json.dumps(measure_one(args.one, args.model, args.tokens, args.chunk, backend,
                                      args.layers)))
         return 0
-    text = json.dumps(measure(args.model, args.tokens, args.chunk, backend, args.layers),
-                      indent=2)
+    if "fp16" not in args.kinds:
+        build_parser().error("--kinds must include fp16 (the base of the ratios)")
+    text = json.dumps(measure(args.model, args.tokens, args.chunk, backend, args.layers,
+                              tuple(args.kinds)), indent=2)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
