@@ -189,8 +189,12 @@ def check_case(backend, case):
         assert kernels.LAUNCH_COUNTS[("flash_attention", backend)] == before + 1
     kd, vd = (q8_round_trip(k), q8_round_trip(v)) if q8 else (k, v)
     ref = attention64(q, kd, vd, scale, causal, window, cap)
+    # The reference backend is MLX's own SDPA: on the CPU at float32 and head_dim 192/512 it is
+    # up to 3.3x as far from float64 as the explicit ops (B1-Lq129-Lk300-h8x1-D512), so the rule
+    # that a kernel must meet (2x) would test MLX there, not the masks and GQA it is checked for.
     assert_dtype_close(out, ref, naive_attention(q, kd, vd, scale, causal, window, cap),
-                       dtype=dtype, what=case_id(case))
+                       dtype=dtype, what=case_id(case),
+                       factor=4.0 if backend == "reference" else 2.0)
     if q8:
         # Stated bound of Q8_0 against full precision: the exact-arithmetic bound of q8_bound
         # plus the kernel's own dtype budget.
