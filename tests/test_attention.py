@@ -337,6 +337,15 @@ def test_reference_softcap_follows_mlx_lm_gemma2():
     assert mx.array_equal(got, want)
 
 
+@pytest.fixture
+def on_cpu():
+    """The CPU as the default device (where the reference attends in blocks), restored after."""
+    old = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(old)
+
+
 @pytest.mark.parametrize("Lq, Lk, mask, window, cap, q8", [
     (100, 100, None, None, None, False),
     (100, 100, "causal", None, None, False),
@@ -345,7 +354,8 @@ def test_reference_softcap_follows_mlx_lm_gemma2():
     (100, 100, "causal", 40, 30.0, True),
     (70, 150, None, None, 5.0, False),
 ])
-def test_reference_in_query_blocks_matches_float64(monkeypatch, Lq, Lk, mask, window, cap, q8):
+def test_reference_in_query_blocks_matches_float64(on_cpu, monkeypatch, Lq, Lk, mask, window,
+                                                   cap, q8):
     # Blocks of 16 rows (the floor): 7 blocks, the last one short; keys sliced per block.
     import mlx_bricks.ops.attention as attn
 
@@ -363,7 +373,15 @@ def test_reference_in_query_blocks_matches_float64(monkeypatch, Lq, Lk, mask, wi
     np.testing.assert_allclose(to_f64(got), to_f64(whole), rtol=0, atol=2 * EPS[BF16])
 
 
-def test_reference_peak_memory_is_a_few_blocks_of_scores():
+def test_reference_blocks_keep_empty_batches_empty(on_cpu, monkeypatch):
+    import mlx_bricks.ops.attention as attn
+
+    monkeypatch.setattr(attn, "REFERENCE_SCORE_BLOCK_BYTES", 1)
+    q, k = mx.zeros((0, 4, 40, 64)), mx.zeros((0, 2, 40, 64))
+    assert flash_attention_reference(q, k, k, scale=0.1, mask="causal").shape == (0, 4, 40, 64)
+
+
+def test_reference_peak_memory_is_a_few_blocks_of_scores(on_cpu):
     # 8 heads x 1024 x 1024 float32 scores = 32 MiB in one piece (under the default budget the
     # call is whole); with a 2 MiB budget, 64-row blocks of which a few are alive at once
     # (measured: 12 MiB on MLX 0.32.4 CPU, against 37 MiB whole).

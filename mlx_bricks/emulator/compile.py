@@ -388,7 +388,7 @@ def compile_kernel(gen: Generated, check_address_spaces: bool = True) -> Compile
             text = tu.text
             cmd = [clang, *flags, *LINK_FLAGS, *pch, *DIAG_FLAGS, "-I", str(SHIM_DIR),
                    "run.cpp", "-o", "k.so"]
-            for _ in range(_MAX_COPY_ROUNDS + 1):  # + 1: a stale-PCH retry
+            for _ in range(_MAX_COPY_ROUNDS + bool(pch)):  # + 1: a stale-PCH retry
                 (tmp / "run.cpp").write_text(text)
                 r = _run(cmd, cwd=tmp)
                 if r.returncode == 0:

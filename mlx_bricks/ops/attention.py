@@ -155,8 +155,7 @@ def causal_window_mask(Lq: int, Lk: int, window: int) -> mx.array:
 
 
 #: Bytes of float32 scores above which :func:`flash_attention_reference` attends in blocks of
-#: query rows where the scores are materialised (the CPU's unfused attention, the soft-capped
-#: path): that matrix is an unfused attention's peak memory, e.g. 604 MB for a 2,048-token chunk
+#: query rows on the CPU (where MLX's attention is unfused): that matrix is an unfused attention's peak memory, e.g. 604 MB for a 2,048-token chunk
 #: over 8,192 keys with 9 heads, against 6.7 MB of Q8_0 cache (docs/kv_cache.md). A few blocks
 #: are alive at once on MLX's CPU stream, hence a small budget.
 REFERENCE_SCORE_BLOCK_BYTES = 16 << 20
@@ -174,18 +173,22 @@ def flash_attention_reference(q, k, v, *, scale, mask=None, window=None, softcap
     ``kv_quant="q8_0"`` the K/V go through Q8_0 first (quantized and dequantized to q's dtype,
     or dequantized if given as ``(qs, d)``), exactly the values the kernel attends over.
 
-    Where the score matrix is materialised (on the CPU, or with ``softcap``) and would exceed
-    :data:`REFERENCE_SCORE_BLOCK_BYTES`, the query rows go in blocks, each over only the keys
+    On the CPU, where the score matrix is materialised, when it would exceed
+    :data:`REFERENCE_SCORE_BLOCK_BYTES` the query rows go in blocks, each over only the keys
     its mask lets it see (rows are independent; bottom-right alignment is kept by slicing), so
-    the peak is one block's scores. Arguments as :func:`flash_attention` (not checked here).
+    the peak is a few blocks' scores, not the whole matrix. Arguments as :func:`flash_attention` (not checked here).
     """
     if kv_quant == "q8_0":
         k, v = _kv_dequantized(k, v, q.dtype)
     B, Hq, Lq, _ = q.shape
     Lk = k.shape[2]
-    rows = max(16, REFERENCE_SCORE_BLOCK_BYTES // (4 * B * Hq * max(Lk, 1)))
-    materialised = softcap is not None or mx.default_device() == mx.cpu
-    if not materialised or Lq <= rows or Lk < Lq:
+    # Only on the CPU, where MLX's attention always materialises the scores and the blocks were
+    # measured (docs/kv_cache.md); a GPU's unfused cases (some head_dims and dtypes) would gain
+    # memory too, at a launch cost per block not yet measured there.
+    if mx.default_device() != mx.cpu or B * Hq * Lq * Lk == 0 or Lk < Lq:
+        return _reference_attention(q, k, v, scale, mask, window, softcap)
+    rows = max(16, REFERENCE_SCORE_BLOCK_BYTES // (4 * B * Hq * Lk))
+    if Lq <= rows:
         return _reference_attention(q, k, v, scale, mask, window, softcap)
     causal = mask == "causal"
     blocks = []
