@@ -97,37 +97,54 @@ def _silu64(g):
     return np.where(g >= 0, g / (1.0 + e), g * e / (1.0 + e))
 
 
-def _act64(d, bias):
+def _gelu_tanh64(g):
+    """float64 GELU, tanh approximation (``mlx.nn.gelu_approx``'s formula)."""
+    return 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g ** 3)))
+
+
+# gate activations by the ops' ``activation`` name: float64 numpy, and the same-dtype MLX one
+_ACT64 = {"silu": _silu64, "gelu_tanh": _gelu_tanh64}
+_ACT_NAIVE = {"silu": nn.silu, "gelu_tanh": nn.gelu_approx}
+
+
+def _act64(d, bias, activation="silu"):
     g, u = d["g64"], d["u64"]
     if bias:
         g, u = g + to_f64(d["bg"]), u + to_f64(d["bu"])
-    return _silu64(g) * u
+    return _ACT64[activation](g) * u
 
 
-def _act_naive(d, bias):
-    """The same-dtype MLX computation (as mlx-lm's MLP does it): matmuls, silu, multiply."""
+def _act_naive(d, bias, activation="silu"):
+    """The same-dtype MLX computation (as mlx-lm's MLP does it): matmuls, activation, multiply."""
     g, u = d["xg"], d["xu"]
     if bias:
         g, u = g + d["bg"], u + d["bu"]
-    return nn.silu(g) * u
+    return _ACT_NAIVE[activation](g) * u
 
 
-def _run_case(backend, variant, M, K, N, dtype, bias, residual):
+def _run_case(backend, variant, M, K, N, dtype, bias, residual, activation=None):
+    """One sweep case against float64; ``activation`` None calls the ops without it (SiLU,
+    their default), a name passes it explicitly."""
     d = _data(M, K, N, dtype)
     dt = DTYPES[dtype]
     kw = dict(b_gate=d["bg"], b_up=d["bu"]) if bias else {}
-    what = f"{backend} {variant} M={M} K={K} N_mlp={N} {dtype} bias={bias} residual={residual}"
+    if activation is not None:
+        kw["activation"] = activation
+    act = activation or "silu"
+    what = (f"{backend} {variant} {act} M={M} K={K} N_mlp={N} {dtype} bias={bias} "
+            f"residual={residual}")
     if not residual:
         out = swiglu(d["x"], d["wg"], d["wu"], variant=variant, backend=backend, **kw)
         assert out.dtype == dt and tuple(out.shape) == (M, N), what
-        assert_dtype_close(out, _act64(d, bias), _act_naive(d, bias), dtype=dt, what=what)
+        assert_dtype_close(out, _act64(d, bias, act), _act_naive(d, bias, act), dtype=dt,
+                           what=what)
         return
     b_down = d["bd"] if bias else None
     out = swiglu_mlp(d["x"], d["wg"], d["wu"], d["wd"], d["r"], b_down=b_down, variant=variant,
                      backend=backend, **kw)
     assert out.dtype == dt and tuple(out.shape) == (M, K), what
-    ref64 = _act64(d, bias) @ to_f64(d["wd"]).T + to_f64(d["r"])
-    naive = _act_naive(d, bias) @ d["wd"].T + d["r"]
+    ref64 = _act64(d, bias, act) @ to_f64(d["wd"]).T + to_f64(d["r"])
+    naive = _act_naive(d, bias, act) @ d["wd"].T + d["r"]
     if bias:
         ref64, naive = ref64 + to_f64(d["bd"]), naive + d["bd"]
     assert_dtype_close(out, ref64, naive, dtype=dt, what=what)

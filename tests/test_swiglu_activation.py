@@ -11,7 +11,6 @@ raises, so a passing emulator test is also a clean fault report.
 from __future__ import annotations
 
 import itertools
-import math
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,12 +21,20 @@ from mlx_bricks import kernels
 from mlx_bricks.ops.mlp import ACTIVATIONS, VARIANTS, swiglu, swiglu_mlp
 from mlx_bricks.ops.swiglu_variants import activation_code
 from tests.support import require_backend, sampled
-from tests.test_swiglu import DTYPES, _data, _large_gate_operands, _randn, _silu64
+from tests.test_swiglu import (
+    _ACT64,
+    DTYPES,
+    SWEEP_K,
+    SWEEP_M,
+    SWEEP_N,
+    _data,
+    _gelu_tanh64,
+    _large_gate_operands,
+    _randn,
+    _run_case,
+)
 from tests.tolerance import assert_dtype_close, to_f64
 
-SWEEP_M = (1, 7, 100, 257)
-SWEEP_K = (64, 576, 1000)
-SWEEP_N = (72, 1536, 1000)
 SAMPLE_ONE_IN = 32
 # The sample draws from the cases of at most this many multiply-adds (M * K * N_mlp): the
 # large ones cost the emulator tens of seconds each and run with `-m slow`.
@@ -47,44 +54,6 @@ EMULATOR_COVER = {
         (257, 64, 1000, "float16", False, False),
     },
 }
-
-
-def _gelu_tanh64(g):
-    """float64 GELU, tanh approximation (``mlx.nn.gelu_approx``'s formula)."""
-    return 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g ** 3)))
-
-
-_ACT64 = {"silu": _silu64, "gelu_tanh": _gelu_tanh64}
-_ACT_NAIVE = {"silu": nn.silu, "gelu_tanh": nn.gelu_approx}
-
-
-def _run_case(backend, variant, activation, M, K, N, dtype, bias, residual):
-    d = _data(M, K, N, dtype)
-    dt = DTYPES[dtype]
-    kw = dict(b_gate=d["bg"], b_up=d["bu"]) if bias else {}
-    g64, u64, g, u = d["g64"], d["u64"], d["xg"], d["xu"]
-    if bias:
-        g64, u64 = g64 + to_f64(d["bg"]), u64 + to_f64(d["bu"])
-        g, u = g + d["bg"], u + d["bu"]
-    act64 = _ACT64[activation](g64) * u64
-    naive = _ACT_NAIVE[activation](g) * u
-    what = (f"{backend} {variant} {activation} M={M} K={K} N_mlp={N} {dtype} bias={bias} "
-            f"residual={residual}")
-    if not residual:
-        out = swiglu(d["x"], d["wg"], d["wu"], activation=activation, variant=variant,
-                     backend=backend, **kw)
-        assert out.dtype == dt and tuple(out.shape) == (M, N), what
-        assert_dtype_close(out, act64, naive, dtype=dt, what=what)
-        return
-    b_down = d["bd"] if bias else None
-    out = swiglu_mlp(d["x"], d["wg"], d["wu"], d["wd"], d["r"], b_down=b_down,
-                     activation=activation, variant=variant, backend=backend, **kw)
-    assert out.dtype == dt and tuple(out.shape) == (M, K), what
-    ref64 = act64 @ to_f64(d["wd"]).T + to_f64(d["r"])
-    naive = naive @ d["wd"].T + d["r"]
-    if bias:
-        ref64, naive = ref64 + to_f64(d["bd"]), naive + d["bd"]
-    assert_dtype_close(out, ref64, naive, dtype=dt, what=what)
 
 
 def _sweep_params():
@@ -107,7 +76,7 @@ def _sweep_params():
 @pytest.mark.parametrize("backend,variant,M,K,N,dtype,bias,residual", list(_sweep_params()))
 def test_gelu_tanh_sweep(backend, variant, M, K, N, dtype, bias, residual):
     require_backend(backend)
-    _run_case(backend, variant, "gelu_tanh", M, K, N, dtype, bias, residual)
+    _run_case(backend, variant, M, K, N, dtype, bias, residual, activation="gelu_tanh")
 
 
 def test_emulator_cover_is_covering():
@@ -125,7 +94,7 @@ def test_explicit_silu_is_the_default(kernel_backend, variant):
     explicit = swiglu(d["x"], d["wg"], d["wu"], activation="silu", variant=variant,
                       backend=kernel_backend)
     assert mx.array_equal(default, explicit).item()
-    _run_case(kernel_backend, variant, "silu", 7, 64, 72, "float16", True, False)
+    _run_case(kernel_backend, variant, 7, 64, 72, "float16", True, False, activation="silu")
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
