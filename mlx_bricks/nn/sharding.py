@@ -57,18 +57,15 @@ def role_reason(names_in: tuple[str, ...], names_out: tuple[str, ...], module) -
     projections (``names_out``: o, down) plain or row-sharded, as mlx-lm's ``shard()`` makes
     them. Another arrangement is not mlx-lm's layout: the bricks leave it to stock.
     """
-    for n in names_in:
-        layer = module.get(n) if hasattr(module, "get") else None
-        if type(layer) in ROW_SHARDED:
-            return (f"{n} is {type(layer).__name__} (row-sharded): an input projection must be "
-                    "nn.Linear or column-sharded (AllToShardedLinear), as mlx-lm's shard() "
-                    "makes it")
-    for n in names_out:
-        layer = module.get(n) if hasattr(module, "get") else None
-        if type(layer) in COLUMN_SHARDED:
-            return (f"{n} is {type(layer).__name__} (column-sharded): an output projection "
-                    "must be nn.Linear or row-sharded (ShardedToAllLinear), as mlx-lm's "
-                    "shard() makes it")
+    roles = ((names_in, ROW_SHARDED, "row", "an input", "column", "AllToShardedLinear"),
+             (names_out, COLUMN_SHARDED, "column", "an output", "row", "ShardedToAllLinear"))
+    for names, wrong, got, role, want, want_class in roles:
+        for n in names:
+            layer = module.get(n) if hasattr(module, "get") else None
+            if type(layer) in wrong:
+                return (f"{n} is {type(layer).__name__} ({got}-sharded): {role} projection "
+                        f"must be nn.Linear or {want}-sharded ({want_class}), as mlx-lm's "
+                        "shard() makes it")
     return None
 
 
