@@ -59,6 +59,14 @@ LLAMA_8B_4LAYER = LlamaShape(hidden=4096, intermediate=14336, layers=4, heads=32
 _MODELS: dict = {}
 
 
+def mx_dtype(name: str):
+    """The ``mx.Dtype`` of a bench dtype name: ``"bf16"``, ``"fp16"`` or ``"fp32"`` (KeyError
+    for another)."""
+    import mlx.core as mx
+
+    return {"bf16": mx.bfloat16, "fp16": mx.float16, "fp32": mx.float32}[name]
+
+
 def _models(shape: LlamaShape, dtype: str, fmt=None):
     """(stock, patched-to-be) instances of one random model on shared parameter arrays; one
     shape, dtype and format is kept at a time (an 8B-shaped 4-layer model is about 2 GB)."""
@@ -72,7 +80,7 @@ def _models(shape: LlamaShape, dtype: str, fmt=None):
         mx.random.seed(0)
         models = [Model(shape.model_args()) for _ in range(2)]
         stock, patched = models
-        stock.set_dtype({"bf16": mx.bfloat16, "fp16": mx.float16}[dtype])
+        stock.set_dtype(mx_dtype(dtype))
         if fmt is not None:
             for m in models:
                 nn.quantize(m, group_size=fmt[1], bits=fmt[0],

@@ -18,19 +18,13 @@ from __future__ import annotations
 import os
 import time
 
-from mlx_bricks.bench.e2e import LLAMA_8B_4LAYER, LlamaShape
+from mlx_bricks.bench.e2e import LLAMA_8B_4LAYER, LlamaShape, mx_dtype
 
 #: A tiny shape for the CPU run of the same code (ring backend, reference bricks).
 TINY = LlamaShape(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, head_dim=64,
                   vocab=512)
 SHAPES = {"llama8b_4layer": LLAMA_8B_4LAYER, "tiny": TINY}
 DTYPES = ("bf16", "fp16", "fp32")
-
-
-def _mx_dtype(name: str):
-    import mlx.core as mx
-
-    return {"bf16": mx.bfloat16, "fp16": mx.float16, "fp32": mx.float32}[name]
 
 
 def build_sharded(shape: LlamaShape, dtype: str, group, *, seed: int = 0):
@@ -43,7 +37,7 @@ def build_sharded(shape: LlamaShape, dtype: str, group, *, seed: int = 0):
 
     mx.random.seed(seed)
     stock = Model(shape.model_args())
-    stock.set_dtype(_mx_dtype(dtype))
+    stock.set_dtype(mx_dtype(dtype))
     stock.shard(group)
     mx.eval(stock.parameters())
 
@@ -117,7 +111,7 @@ def run_rank(*, shape_name: str = "llama8b_4layer", dtype: str = "bf16", M: int 
     mx.eval(naive)
     ref_logits = forward(ref, last_only=False)
     mx.eval(ref_logits)
-    close = dtype_close(got, ref_logits, naive, dtype=_mx_dtype(dtype))
+    close = dtype_close(got, ref_logits, naive, dtype=mx_dtype(dtype))
     diff = mx.abs(got.astype(mx.float32) - naive.astype(mx.float32))
     greedy_p = int(mx.argmax(got[0, -1]).item())
     greedy_s = int(mx.argmax(naive[0, -1]).item())
@@ -128,7 +122,7 @@ def run_rank(*, shape_name: str = "llama8b_4layer", dtype: str = "bf16", M: int 
     last_ref = ref_logits[0, -1].astype(mx.float32)
     margin = abs(last_ref[greedy_s].item() - last_ref[greedy_p].item())
     tie_budget = (2 * mx.abs(naive[0, -1].astype(mx.float32) - last_ref).max().item()
-                  + 4 * EPS[_mx_dtype(dtype)] * max(1.0, mx.abs(last_ref).max().item()))
+                  + 4 * EPS[mx_dtype(dtype)] * max(1.0, mx.abs(last_ref).max().item()))
     greedy_ok = greedy_p == greedy_s or margin <= tie_budget
     del got, naive, ref_logits, ref
 
