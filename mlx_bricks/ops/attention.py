@@ -155,9 +155,10 @@ def causal_window_mask(Lq: int, Lk: int, window: int) -> mx.array:
 
 
 #: Bytes of float32 scores above which :func:`flash_attention_reference` attends in blocks of
-#: query rows on the CPU (where MLX's attention is unfused): that matrix is an unfused attention's peak memory, e.g. 604 MB for a 2,048-token chunk
-#: over 8,192 keys with 9 heads, against 6.7 MB of Q8_0 cache (docs/kv_cache.md). A few blocks
-#: are alive at once on MLX's CPU stream, hence a small budget.
+#: query rows on the CPU (where MLX's attention is unfused): that matrix is an unfused
+#: attention's peak memory, e.g. 604 MB for a 2,048-token chunk over 8,192 keys with 9 heads,
+#: against 6.7 MB of Q8_0 cache (docs/kv_cache.md). A few blocks are alive at once on MLX's
+#: CPU stream, hence a small budget.
 REFERENCE_SCORE_BLOCK_BYTES = 16 << 20
 
 
@@ -176,7 +177,8 @@ def flash_attention_reference(q, k, v, *, scale, mask=None, window=None, softcap
     On the CPU, where the score matrix is materialised, when it would exceed
     :data:`REFERENCE_SCORE_BLOCK_BYTES` the query rows go in blocks, each over only the keys
     its mask lets it see (rows are independent; bottom-right alignment is kept by slicing), so
-    the peak is a few blocks' scores, not the whole matrix. Arguments as :func:`flash_attention` (not checked here).
+    the peak is a few blocks' scores, not the whole matrix. Arguments as
+    :func:`flash_attention` (not checked here).
     """
     if kv_quant == "q8_0":
         k, v = _kv_dequantized(k, v, q.dtype)
@@ -198,7 +200,7 @@ def flash_attention_reference(q, k, v, *, scale, mask=None, window=None, softcap
         k_end = Lk - Lq + hi if causal else Lk
         k_start = max(0, Lk - Lq + lo - window + 1) if causal and window is not None else 0
         qb = q[:, :, lo:hi]
-        if blocks:  # one block's scores at a time: the next starts once this one is done
+        if blocks:  # a block starts once the one before is done: none runs ahead
             qb = mx.depends(qb, blocks[-1])
         blocks.append(_reference_attention(qb, k[:, :, k_start:k_end], v[:, :, k_start:k_end],
                                            scale, mask, window, softcap))
