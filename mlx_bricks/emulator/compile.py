@@ -148,6 +148,13 @@ def _shim_text() -> str:
     )
 
 
+@lru_cache(maxsize=1)
+def _driver_text() -> str:
+    """This file: its link and diagnostic flags and the struct-copy patches shape each kernel's
+    object, so a cached one built by another version of it is not reused."""
+    return Path(__file__).read_text()
+
+
 _lock = threading.Lock()
 _runtime_lib = None
 
@@ -374,7 +381,7 @@ def compile_kernel(gen: Generated, check_address_spaces: bool = True) -> Compile
     runtime_library()
     clang, version = find_clang()
     tu = cpp_translation_unit(gen)
-    key = _digest(tu.text, _shim_text(), version, " ".join(flags))
+    key = _digest(tu.text, _shim_text(), version, " ".join(flags), _driver_text())
     if key in _loaded:
         _by_source[(gen.source, len(gen.header), tuple(flags))] = _loaded[key]
         return _loaded[key]

@@ -68,3 +68,16 @@ def test_stale_pch_handed_to_a_compile_is_dropped(fresh_shim, monkeypatch):
     os.utime(fresh_shim / "metal_shim.h", ns=(st.st_atime_ns, st.st_mtime_ns + 10**10))
     monkeypatch.setattr(emc, "_precompiled_shim", lambda *a: ["-include-pch", str(old)])
     assert _run(_kernel("pch_stale", 5)).tolist() == [0, 5, 10, 15]
+
+
+def test_a_changed_compiler_driver_does_not_reuse_kernel_objects(fresh_shim, monkeypatch):
+    # The copy patches and link flags live in compile.py: an object built by another version of
+    # it must not be served from the cache.
+    cache = fresh_shim.parent / "home" / "emulator"
+    _run(_kernel("driver_v1", 2))
+    before = set(cache.glob("k_*.so"))
+    monkeypatch.setattr(emc, "_driver_text", lambda: "another compile.py")
+    monkeypatch.setattr(emc, "_loaded", {})
+    monkeypatch.setattr(emc, "_by_source", {})
+    assert _run(_kernel("driver_v1", 2)).tolist() == [0, 2, 4, 6]
+    assert len(set(cache.glob("k_*.so")) - before) == 1
