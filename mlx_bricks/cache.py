@@ -38,8 +38,8 @@ from mlx_lm.models import cache as _mlx_cache
 
 from mlx_bricks import kernels
 from mlx_bricks.backends import resolve_backend
-from mlx_bricks.ops._checks import check_array, check_float_dtype
-from mlx_bricks.ops.q8_0 import QK8_0, dequantize_q8_0, quantize_q8_0
+from mlx_bricks.checks import check_array, check_float_dtype
+from mlx_bricks.bricks.q8_0.op import QK8_0, dequantize_q8_0, quantize_q8_0
 
 KV_KINDS = ("q8_0", "fp16")
 
@@ -362,8 +362,8 @@ def q8_0_cache_attention(queries, keys, values, *, scale, mask=None, backend=Non
     Returns (B, Hq, L, D) of the queries' dtype.
     """
     from mlx_bricks import ops
-    from mlx_bricks.ops import attention as prefill
-    from mlx_bricks.ops.decode import DECODE_MAX_LQ
+    from mlx_bricks.bricks.attention import msl as prefill
+    from mlx_bricks.bricks.decode.op import DECODE_MAX_LQ
 
     L, D = queries.shape[2], queries.shape[3]
     if not isinstance(mask, mx.array):

@@ -28,8 +28,8 @@ import importlib
 import sys
 
 from mlx_bricks import _cli
-from mlx_bricks.ops.swiglu_variants import VARIANT_ENV_VAR as SWIGLU_VARIANT_ENV
-from mlx_bricks.ops.swiglu_variants import VARIANTS as SWIGLU_VARIANTS
+from mlx_bricks.bricks.swiglu.variants import VARIANT_ENV_VAR as SWIGLU_VARIANT_ENV
+from mlx_bricks.bricks.swiglu.variants import VARIANTS as SWIGLU_VARIANTS
 
 PROG = "mlx_bricks.generate"
 #: ``--bricks-kv``: mlx-lm's KV cache, or the Q8_0 cache (``patch_model(kv_cache=...)``).

@@ -7,7 +7,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from mlx_bricks.ops.quant import QuantizedWeight
+from mlx_bricks.formats.affine import QuantizedWeight
 from tests.tolerance import to_f64
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}

@@ -28,6 +28,5 @@ def tile_for(backend: str, tile):
     their own cases (test_gemm.test_cuda_tiles)."""
     if backend != "cuda" or tile is None:
         return tile
-    from mlx_bricks.ops import gemm_cuda
-
+    from mlx_bricks.bricks.gemm import cuda as gemm_cuda
     return tile if tile in gemm_cuda.TILES else None

@@ -22,9 +22,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlx_bricks.ops.attention  # noqa: F401  (registers the kernel)
+import mlx_bricks.bricks.attention.msl  # noqa: F401  (registers the kernel)
 from mlx_bricks import cudacheck, kernels
-from mlx_bricks.ops.attention_cuda import (
+from mlx_bricks.bricks.attention.cuda import (
     CUDA_HEAD_DIMS,
     HOPPER_SMEM_LIMIT,
     CudaTile,

@@ -23,7 +23,7 @@ from mlx_bricks.cache import (
     register_with_mlx_lm,
     route_attention,
 )
-from mlx_bricks.ops.q8_0 import dequantize_q8_0_reference, quantize_q8_0_reference
+from mlx_bricks.bricks.q8_0.op import dequantize_q8_0_reference, quantize_q8_0_reference
 from mlx_bricks.tools.kv_driver import q8_0_attention
 
 F16, F32 = mx.float16, mx.float32

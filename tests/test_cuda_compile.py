@@ -1,6 +1,6 @@
 """The CUDA twins compile, as MLX would build them, and stay in registers (no GPU needed).
 
-Each case drives an op's CUDA path (``mlx_bricks.ops.gemm_cuda``) with launches recorded instead
+Each case drives an op's CUDA path (``mlx_bricks.bricks.gemm.cuda``) with launches recorded instead
 of run (``cudacheck.recorded_launches``), then compiles every recorded launch's generated source
 with nvcc for sm_90a (H100/H200, what MLX targets there) and sm_80 (A100): a template argument
 the body does not know, a type error or a register array in local memory fails here, before any
@@ -13,11 +13,11 @@ import mlx.core as mx
 import pytest
 
 from mlx_bricks import cudacheck
-import mlx_bricks.ops.gemm  # noqa: F401  (the ops register the kernel specs)
-import mlx_bricks.ops.mlp  # noqa: F401
-import mlx_bricks.ops.norm_qkv  # noqa: F401
-from mlx_bricks.ops import gemm_cuda
-from mlx_bricks.ops.quant import QuantizedWeight
+import mlx_bricks.bricks.gemm.msl  # noqa: F401  (the ops register the kernel specs)
+import mlx_bricks.bricks.swiglu.msl  # noqa: F401
+import mlx_bricks.bricks.norm_qkv.msl  # noqa: F401
+from mlx_bricks.bricks.gemm import cuda as gemm_cuda
+from mlx_bricks.formats.affine import QuantizedWeight
 
 pytestmark = pytest.mark.skipif(cudacheck.find_nvcc() is None, reason="nvcc not found")
 

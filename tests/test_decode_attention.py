@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from mlx_bricks import cudacheck, kernels
-from mlx_bricks.ops.decode import (
+from mlx_bricks.bricks.decode.op import (
     DECODE_NSG,
     SUPPORTED_HEAD_DIMS,
     _threadgroup_bytes,
@@ -23,7 +23,7 @@ from mlx_bricks.ops.decode import (
     plan_splits,
     rows_per_threadgroup,
 )
-from mlx_bricks.ops.q8_0 import quantize_q8_0_reference
+from mlx_bricks.bricks.q8_0.op import quantize_q8_0_reference
 from tests.support import sampled
 from tests.tolerance import EPS, assert_dtype_close, to_f64
 
@@ -353,7 +353,7 @@ def test_argument_errors():
 # CUDA twins: the launches the op makes compile as MLX builds them, for sm_90a and sm_80, with
 # no local memory (the pattern of tests/test_cuda_compile.py; correctness runs on the GPU).
 
-import mlx_bricks.ops.decode as decode_module  # noqa: E402
+import mlx_bricks.bricks.decode.op as decode_module  # noqa: E402
 
 
 def _compile_launches(arch, dtype, q8, D, Lq, heads, Lk):

@@ -1,4 +1,4 @@
-"""The patch consults the tuner (``mlx_bricks.patch.dispatch``): per-piece brick or stock,
+"""The patch consults the tuner (``mlx_bricks.runtime.dispatch``): per-piece brick or stock,
 cached and forced decisions, ``tune="off"``, honest CPU behaviour, and the build and first-call
 guard with injected faults (an invalid kernel source, a kernel returning wrong values).
 
@@ -16,12 +16,12 @@ from mlx_lm.models import llama
 
 from mlx_bricks import kernels, ops
 from mlx_bricks.backends import backend_status
-from mlx_bricks.patch import dispatch as dispatch_mod
+from mlx_bricks.runtime import dispatch as dispatch_mod
 from mlx_bricks.patch import patch_model
-from mlx_bricks.patch.dispatch import NO_KERNEL_BACKEND
+from mlx_bricks.runtime.dispatch import NO_KERNEL_BACKEND
 from mlx_bricks.tune.cache import DecisionCache
-from mlx_bricks.tune.guard import GUARD
-from mlx_bricks.tune.kinds import KINDS, Act, Variant
+from mlx_bricks.runtime.guard import GUARD
+from mlx_bricks.runtime.kind import KINDS, Act, Variant
 from mlx_bricks.tune.tuner import Decision
 from tests.models import build_model, clone, tokens
 from tests.support import require_backend

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from mlx_bricks import kernels
-from mlx_bricks.ops import gemm
-from mlx_bricks.ops.gemm import linear, plan_gemm, select_tile
+from mlx_bricks.bricks.gemm import msl as gemm
+from mlx_bricks.bricks.gemm.msl import linear, plan_gemm, select_tile
 from tests.support import require_backend, sampled, tile_for
 from tests.tolerance import assert_dtype_close, to_f64
 
@@ -147,8 +147,7 @@ def test_cuda_tiles(tile, M, N, K, dtype):
     """Every CUDA tile (mma.sync and, on sm_90, wgmma) on ragged M, N, K (full, partial and
     scalar-loaded K stages)."""
     require_backend("cuda")
-    from mlx_bricks.ops import gemm_cuda
-
+    from mlx_bricks.bricks.gemm import cuda as gemm_cuda
     if tile not in gemm_cuda.tile_names():
         pytest.skip(f"tile {tile} does not run on this GPU")
     x, w, b, r = _operands(M, N, K, DTYPES[dtype], True, True, seed=M + 3 * N + K)

@@ -90,14 +90,14 @@ def test_installed_wheel_loads_sources_via_resources(installed, tmp_path):
     assert json.loads(run_installed(code, installed, tmp_path)) == METAL_SOURCES
 
 
-# In the installed copy: register every brick (ops modules register at import), then dump what
+# In the installed copy: register every brick (brick modules register at import), then dump what
 # the registry would give metal_kernel for each kernel, and every source file it can read.
 _DUMP_REGISTRY = """
 import importlib, json, pkgutil, sys
-import mlx_bricks.ops
+import mlx_bricks.bricks
 from mlx_bricks import kernels
-for m in pkgutil.iter_modules(mlx_bricks.ops.__path__):
-    importlib.import_module("mlx_bricks.ops." + m.name)
+for m in pkgutil.walk_packages(mlx_bricks.bricks.__path__, "mlx_bricks.bricks."):
+    importlib.import_module(m.name)
 print(json.dumps({
     "kernels": {n: list(kernels.kernel_source(n)) for n in kernels.registered()},
     "files": {f: kernels.read_source(f) for f in json.loads(sys.argv[2])},

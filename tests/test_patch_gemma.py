@@ -121,8 +121,7 @@ def test_gemma2(backend, dtype):
 
 def test_gemma2_soft_cap_reaches_the_brick(monkeypatch):
     """The attention brick gets the module's soft-cap (without it the logits move by O(1))."""
-    from mlx_bricks.ops import attention
-
+    from mlx_bricks.bricks.attention import msl as attention
     seen = []
     real = attention.flash_attention
 

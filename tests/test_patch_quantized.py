@@ -36,11 +36,11 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_bricks import kernels
-from mlx_bricks.ops.quant import QuantizedWeight
+from mlx_bricks.formats.affine import QuantizedWeight
 from mlx_bricks.patch import patch_model, unpatch_model
 from mlx_bricks.patch.core import stock_path
-from mlx_bricks.tune.guard import GUARD
-from mlx_bricks.tune.kinds import KINDS, OpKind
+from mlx_bricks.runtime.guard import GUARD
+from mlx_bricks.runtime.kind import KINDS, OpKind
 from tests.models import build_model, tokens
 from tests.quant_support import dequant64
 from tests.support import require_backend
@@ -346,7 +346,7 @@ def test_scales_of_another_dtype_than_the_activations_run_stock():
 def test_decision_keys_carry_every_weight_format():
     from mlx_bricks.nn.modules import _linear_args, _mlp_args, _weight
     from mlx_bricks.patch.table import lookup
-    from mlx_bricks.tune.kinds import Act
+    from mlx_bricks.runtime.kind import Act
 
     model = quantized_model("llama", mx.float16, "per_projection")
     layer, layout = model.layers[0], lookup("llama")[1]
@@ -372,7 +372,7 @@ def test_4bit_and_8bit_projections_get_their_own_decisions(tmp_path, monkeypatch
     4-bit and 8-bit takes one decision per piece and format: the same shapes in another
     format are measured, not reused."""
     from tests.test_dispatch import count_tune_calls, slow_variants
-    import mlx_bricks.patch.dispatch as dispatch_mod
+    import mlx_bricks.runtime.dispatch as dispatch_mod
 
     monkeypatch.setenv("MLX_BRICKS_HOME", str(tmp_path / "home"))  # own decision cache
     monkeypatch.setattr(dispatch_mod, "TUNED_BACKENDS", ("metal", "cuda", "reference"))

@@ -6,7 +6,7 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 
 from mlx_bricks import kernels
-from mlx_bricks.ops.q8_0 import (
+from mlx_bricks.bricks.q8_0.op import (
     dequantize_q8_0,
     dequantize_q8_0_reference,
     quantize_q8_0,

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from mlx_bricks import kernels
-from mlx_bricks.ops import gemm
-from mlx_bricks.ops.gemm import linear
-from mlx_bricks.ops.quant import QuantizedWeight, as_weight, unsupported_reason
+from mlx_bricks.bricks.gemm import msl as gemm
+from mlx_bricks.bricks.gemm.msl import linear
+from mlx_bricks.formats.affine import QuantizedWeight, as_weight, unsupported_reason
 from tests.quant_support import DTYPES, dequant, dequant64, quantized, randn, unpack64, product
 from tests.conftest import KERNEL_BACKENDS
 from tests.support import require_backend, sampled, tile_for

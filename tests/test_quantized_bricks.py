@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from mlx_bricks import kernels
-from mlx_bricks.ops.mlp import swiglu, swiglu_mlp
-from mlx_bricks.ops.norm_qkv import rms_norm_qkv
-from mlx_bricks.ops.quant import QuantizedWeight
+from mlx_bricks.bricks.swiglu.msl import swiglu, swiglu_mlp
+from mlx_bricks.bricks.norm_qkv.msl import rms_norm_qkv
+from mlx_bricks.formats.affine import QuantizedWeight
 from tests.quant_support import DTYPES, dequant64, product, randn, weight
 from tests.conftest import KERNEL_BACKENDS
 from tests.support import require_backend, sampled, tile_for

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from mlx_bricks import kernels
-from mlx_bricks.ops.mlp import (
+from mlx_bricks.bricks.swiglu.msl import (
     FUSED_TILES,
     VARIANT_ENV_VAR,
     VARIANTS,
@@ -34,7 +34,7 @@ from mlx_bricks.ops.mlp import (
 from tests.support import require_backend, sampled
 from tests.tolerance import assert_dtype_close, to_f64
 
-swiglu_ops = importlib.import_module("mlx_bricks.ops.mlp")
+swiglu_ops = importlib.import_module("mlx_bricks.bricks.swiglu.msl")
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 SWEEP_M = (1, 7, 100, 257)
@@ -392,7 +392,7 @@ def test_fused_threadgroup_memory_within_limit(dtype, tile):
 
 
 def test_fused_threadgroup_memory_limit_is_enforced(monkeypatch):
-    monkeypatch.setattr(importlib.import_module("mlx_bricks.ops.gemm"),
+    monkeypatch.setattr(importlib.import_module("mlx_bricks.bricks.gemm.msl"),
                         "THREADGROUP_MEMORY_LIMIT", 16 * 1024)
     with pytest.raises(RuntimeError, match="threadgroup memory"):
         plan_fused(64, 64, 64, mx.float16, tile="64x64")

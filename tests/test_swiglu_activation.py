@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from mlx_bricks import kernels
-from mlx_bricks.ops.mlp import ACTIVATIONS, VARIANTS, swiglu, swiglu_mlp
-from mlx_bricks.ops.swiglu_variants import activation_code
+from mlx_bricks.bricks.swiglu.msl import ACTIVATIONS, VARIANTS, swiglu, swiglu_mlp
+from mlx_bricks.bricks.swiglu.variants import activation_code
 from tests.support import require_backend, sampled
 from tests.test_swiglu import (
     _ACT64,
@@ -149,7 +149,7 @@ def test_activation_is_a_template_parameter(msl_backend, monkeypatch):
         seen.append((name, dict(kw["template"]).get("ACT")))
         return real(name, backend, **kw)
 
-    monkeypatch.setattr("mlx_bricks.ops.mlp.launch", spy)
+    monkeypatch.setattr("mlx_bricks.bricks.swiglu.msl.launch", spy)
     d = _data(7, 64, 72, "float16")
     for activation in ACTIVATIONS:
         for variant in VARIANTS:
@@ -177,7 +177,7 @@ def test_activation_errors(backend):
 def test_tuner_key_stock_and_reference_follow_the_activation():
     """The tuner keys GELU-tanh MLPs apart (SiLU keys unchanged), and its stock side and
     high-precision reference compute the activation asked for (float64 numpy here)."""
-    from mlx_bricks.tune.kinds import kind
+    from mlx_bricks.runtime.kind import kind
 
     k = kind("swiglu_mlp")
     d = _data(7, 64, 72, "float32")

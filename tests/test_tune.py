@@ -22,14 +22,17 @@ from mlx_lm.models import llama
 
 from mlx_bricks import kernels
 from mlx_bricks.backends import BackendError
-from mlx_bricks.ops import attention, gemm, mlp, norm_qkv
-from mlx_bricks.ops.quant import QuantizedWeight
+from mlx_bricks.bricks.attention import msl as attention
+from mlx_bricks.bricks.norm_qkv import msl as norm_qkv
+from mlx_bricks.bricks.swiglu import msl as mlp
+from mlx_bricks.bricks.gemm import msl as gemm
+from mlx_bricks.formats.affine import QuantizedWeight
 from mlx_bricks.tune import __main__ as tune_cli
 from mlx_bricks.tune.buckets import attention_bucket, m_bucket, weight_format
 from mlx_bricks.tune.cache import FORMAT, Context, DecisionCache
 from mlx_bricks.tune.check import dtype_close
-from mlx_bricks.tune.guard import Guard
-from mlx_bricks.tune.kinds import KINDS, Act, Variant
+from mlx_bricks.runtime.guard import Guard
+from mlx_bricks.runtime.kind import KINDS, Act, Variant
 from mlx_bricks.tune.timing import time_interleaved
 from mlx_bricks.tune.tuner import MIN_SPEEDUP, STOCK, Decision, tune_op
 from tests.models import model_args
@@ -101,8 +104,7 @@ def test_variant_listing_functions():
             f("tpu")
     # cuda: the twins' own tiles (those this GPU can run; no GPU here: no wgmma tile), none for
     # float32 (no twin) nor for a brick without a twin
-    from mlx_bricks.ops import gemm_cuda
-
+    from mlx_bricks.bricks.gemm import cuda as gemm_cuda
     assert set(gemm.tile_names("cuda", mx.bfloat16)) <= set(gemm_cuda.TILES)
     assert gemm.tile_names("cuda", mx.float32) == ()
     assert norm_qkv.tile_names("cuda", mx.float16) == gemm.tile_names("cuda", mx.float16)
@@ -356,8 +358,8 @@ _WRITER = textwrap.dedent("""
     import sys
     import mlx.core as mx
     from mlx_bricks.tune.cache import Context, DecisionCache
-    from mlx_bricks.tune.guard import Guard
-    from mlx_bricks.tune.kinds import KINDS, Act, Variant
+    from mlx_bricks.runtime.guard import Guard
+    from mlx_bricks.runtime.kind import KINDS, Act, Variant
     from mlx_bricks.tune.tuner import tune_op
 
     who, n = sys.argv[1], int(sys.argv[2])

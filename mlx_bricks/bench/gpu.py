@@ -75,7 +75,7 @@ def _weight(N, K, fmt, dtype, seed):
     """(weight for the brick, stock callable factory) for a float or affine weight."""
     import mlx.core as mx
 
-    from mlx_bricks.ops.quant import QuantizedWeight
+    from mlx_bricks.formats.affine import QuantizedWeight
 
     w = _randn((N, K), dtype, seed, K ** -0.5)
     if fmt is None:

@@ -9,7 +9,7 @@ so binding a method on the instance would not take effect.
 
 Prefill (L > 1) is split into pieces (the unified block: RMSNorm + QKV, attention, the
 out-projection with the residual, the SwiGLU MLP with the residual). For each piece the model's
-dispatcher (``state.dispatch``, ``mlx_bricks.patch.dispatch``) chooses a brick variant
+dispatcher (``state.dispatch``, ``mlx_bricks.runtime.dispatch``) chooses a brick variant
 (``mlx_bricks.ops``) or the stock path, which is mlx-lm's own computation: the module's own
 submodules (``input_layernorm``, ``q_proj``, ``mlp``...) and mlx-lm's attention function, not the
 ops' ``*_reference`` functions. When every piece goes stock the module's original ``__call__``
@@ -42,8 +42,8 @@ from mlx_bricks.nn.sharding import (
     reduce_partial,
     role_reason,
 )
-from mlx_bricks.ops._checks import FLOAT_DTYPES, dtype_name
-from mlx_bricks.tune.kinds import Act
+from mlx_bricks.checks import FLOAT_DTYPES, dtype_name
+from mlx_bricks.runtime.kind import Act
 
 # Stock-call reason for single-token steps: decode is stock by design, not a fallback.
 DECODE = "decode (L == 1): stock path by design"
@@ -119,7 +119,7 @@ class BricksState:
         head_dim: attention head size (0 for an MLP).
         kv_quant: None or ``"q8_0"`` (K/V of the attention brick).
         mlp_variant: SwiGLU brick variant (None = the brick's own rule).
-        dispatch: the model's dispatcher (``mlx_bricks.patch.dispatch.Dispatch``): chooses
+        dispatch: the model's dispatcher (``mlx_bricks.runtime.dispatch.Dispatch``): chooses
             brick or stock per piece and runs bricks through the first-call guard.
         calls: brick op name -> number of calls (prefill through the bricks).
         stock: reason -> number of calls that took the stock path because the bricks do not
@@ -155,11 +155,11 @@ class BricksState:
 def quantized_reason(name: str, module) -> str | None:
     """Why the bricks cannot read the ``nn.QuantizedLinear`` ``module`` (None if they can).
 
-    The bricks read MLX's affine format (``mlx_bricks.ops.quant``): bits 2, 3, 4, 5, 6, 8 and
+    The bricks read MLX's affine format (``mlx_bricks.formats.affine``): bits 2, 3, 4, 5, 6, 8 and
     group_size 32, 64, 128. The other modes (``mxfp4``, ``nvfp4``, ``mxfp8``: shared exponents,
     no biases) keep the stock path.
     """
-    from mlx_bricks.ops.quant import MODE, QuantizedWeight
+    from mlx_bricks.formats.affine import MODE, QuantizedWeight
 
     mode = getattr(module, "mode", MODE)
     cls = "nn.QuantizedLinear" if type(module) is nn.QuantizedLinear else type(module).__name__
@@ -464,7 +464,7 @@ def _weight(linear):
     ``nn.QuantizedLinear`` or a quantized tensor-parallel linear (the tuner keys and times it
     by its format; the stock path calls the layer itself)."""
     if isinstance(linear, nn.QuantizedLinear) or type(linear) in QUANTIZED_SHARDED:
-        from mlx_bricks.ops.quant import QuantizedWeight
+        from mlx_bricks.formats.affine import QuantizedWeight
 
         return QuantizedWeight.from_module(linear)
     return linear.weight
@@ -667,7 +667,7 @@ def _attend(attn, state: BricksState, choice, args, q, k, v, mask, cache, window
         if state.kv_quant is not None or state.layout.softcap is not None:
             # the requested Q8_0 K/V, or a soft-cap mlx-lm's attention function does not
             # apply: the brick's MLX-ops reference
-            from mlx_bricks.ops.attention import flash_attention_reference
+            from mlx_bricks.bricks.attention.msl import flash_attention_reference
 
             return flash_attention_reference(q, k, v, scale=attn.scale, kv_quant=state.kv_quant,
                                              **_masking(attn, state.layout, mask, window))

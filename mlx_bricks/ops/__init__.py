@@ -1,30 +1,32 @@
 """Public functional API of the bricks: ``mx.array`` in, ``mx.array`` out.
 
 Each op validates its arguments, resolves the backend (``mlx_bricks.backends``) and runs either
-the MSL brick (``metal``/``emulator``) or its reference in MLX ops (``reference``). Every op has
-a ``*_reference`` beside it. Names are resolved lazily so ``import mlx_bricks.ops`` stays cheap.
+its brick's kernel (``metal``/``emulator``/``cuda``) or its reference in MLX ops
+(``reference``). Every op has a ``*_reference`` beside it. The ops live in their brick's
+package (``mlx_bricks.bricks.<brick>``); this front resolves the names lazily, so
+``import mlx_bricks.ops`` stays cheap.
 """
 from __future__ import annotations
 
 from mlx_bricks._lazy import lazy_exports
 
 _LAZY = {
-    "linear": ".gemm",
-    "linear_reference": ".gemm",
-    "swiglu": ".mlp",
-    "swiglu_reference": ".mlp",
-    "swiglu_mlp": ".mlp",
-    "swiglu_mlp_reference": ".mlp",
-    "flash_attention": ".attention",
-    "flash_attention_reference": ".attention",
-    "decode_attention": ".decode",
-    "decode_attention_reference": ".decode",
-    "quantize_q8_0": ".q8_0",
-    "quantize_q8_0_reference": ".q8_0",
-    "dequantize_q8_0": ".q8_0",
-    "dequantize_q8_0_reference": ".q8_0",
-    "rms_norm_qkv": ".norm_qkv",
-    "rms_norm_qkv_reference": ".norm_qkv",
+    "linear": "mlx_bricks.bricks.gemm.msl",
+    "linear_reference": "mlx_bricks.bricks.gemm.msl",
+    "swiglu": "mlx_bricks.bricks.swiglu.msl",
+    "swiglu_reference": "mlx_bricks.bricks.swiglu.msl",
+    "swiglu_mlp": "mlx_bricks.bricks.swiglu.msl",
+    "swiglu_mlp_reference": "mlx_bricks.bricks.swiglu.msl",
+    "flash_attention": "mlx_bricks.bricks.attention.msl",
+    "flash_attention_reference": "mlx_bricks.bricks.attention.msl",
+    "decode_attention": "mlx_bricks.bricks.decode.op",
+    "decode_attention_reference": "mlx_bricks.bricks.decode.op",
+    "quantize_q8_0": "mlx_bricks.bricks.q8_0.op",
+    "quantize_q8_0_reference": "mlx_bricks.bricks.q8_0.op",
+    "dequantize_q8_0": "mlx_bricks.bricks.q8_0.op",
+    "dequantize_q8_0_reference": "mlx_bricks.bricks.q8_0.op",
+    "rms_norm_qkv": "mlx_bricks.bricks.norm_qkv.msl",
+    "rms_norm_qkv_reference": "mlx_bricks.bricks.norm_qkv.msl",
 }
 
 __all__ = sorted(_LAZY)

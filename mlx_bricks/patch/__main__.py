@@ -32,8 +32,8 @@ import sys
 import time
 
 from mlx_bricks import _cli
-from mlx_bricks.ops.swiglu_variants import VARIANT_ENV_VAR as SWIGLU_VARIANT_ENV
-from mlx_bricks.ops.swiglu_variants import VARIANTS as SWIGLU_VARIANTS
+from mlx_bricks.bricks.swiglu.variants import VARIANT_ENV_VAR as SWIGLU_VARIANT_ENV
+from mlx_bricks.bricks.swiglu.variants import VARIANTS as SWIGLU_VARIANTS
 
 PROG = "python -m mlx_bricks.patch"
 DEFAULT_PROMPT = (

@@ -13,9 +13,9 @@ import os
 import mlx.nn as nn
 
 from mlx_bricks.backends import active_backend
-from mlx_bricks.ops.attention import SUPPORTED_HEAD_DIMS
-from mlx_bricks.ops.swiglu_variants import VARIANT_ENV_VAR, resolve_variant
-from mlx_bricks.ops.q8_0 import QK8_0
+from mlx_bricks.bricks.attention.msl import SUPPORTED_HEAD_DIMS
+from mlx_bricks.bricks.swiglu.variants import VARIANT_ENV_VAR, resolve_variant
+from mlx_bricks.bricks.q8_0.op import QK8_0
 from mlx_bricks.nn.modules import (
     BricksAttention,
     BricksBlock,
@@ -28,7 +28,7 @@ from mlx_bricks.nn.modules import (
     rms_norm_reason,
     sharding_reason,
 )
-from mlx_bricks.patch.dispatch import NO_KERNEL_BACKEND, TUNE_MODES, Dispatch
+from mlx_bricks.runtime.dispatch import NO_KERNEL_BACKEND, TUNE_MODES, Dispatch
 from mlx_bricks.patch.report import (
     DISABLED,
     FALLBACK,

@@ -116,7 +116,7 @@ class PatchReport:
         options: the ``patch_model`` keyword arguments.
         n_layers: decoder layers found.
         modules: one :class:`ModuleReport` per (layer, module), in layer order.
-        dispatch: the model's ``mlx_bricks.patch.dispatch.Dispatch`` (tuning decisions, the
+        dispatch: the model's ``mlx_bricks.runtime.dispatch.Dispatch`` (tuning decisions, the
             guard's reasons), or None when nothing was patched on purpose (no kernel backend).
         kv_caches: with ``kv_cache="q8_0"``, one ``(layer, cache kind, reason)`` per layer:
             what ``mlx_bricks.make_prompt_cache(model)`` builds (empty for ``"fp16"``).

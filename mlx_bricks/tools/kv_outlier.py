@@ -34,7 +34,7 @@ def _q8_round_trip(x):
     import mlx.core as mx
     import numpy as np
 
-    from mlx_bricks.ops.q8_0 import quantize_q8_0_reference
+    from mlx_bricks.bricks.q8_0.op import quantize_q8_0_reference
 
     qs, d = quantize_q8_0_reference(mx.array(x.astype(np.float32)))
     qs = np.array(qs).astype(np.float64)

@@ -6,7 +6,7 @@ backend (the ops' listing functions) is timed against the stock MLX / mlx-lm com
 same process (``timing``), checked against a high-precision reference with the dtype-scaled rule
 (``check``; a failing variant never wins), and the winner is recorded with its measured ratio
 (``tuner.Decision``) in a JSON cache keyed by device, MLX and mlx-bricks versions and kernel
-source hash (``cache``). The patch consults it in one place (``mlx_bricks.patch.dispatch``);
+source hash (``cache``). The patch consults it in one place (``mlx_bricks.runtime.dispatch``);
 the build and first-call guard (``guard``) disables a variant that fails to build or disagrees
 with stock. ``python -m mlx_bricks.tune`` tunes a model ahead of time, shows or clears the cache.
 See docs/tuning.md.
@@ -18,8 +18,6 @@ from mlx_bricks._lazy import lazy_exports
 _LAZY = {
     "Decision": ".tuner",
     "DecisionCache": ".cache",
-    "GUARD": ".guard",
-    "KINDS": ".kinds",
     "MIN_SPEEDUP": ".tuner",
     "STOCK": ".tuner",
     "current_context": ".cache",

@@ -59,19 +59,29 @@ def default_path() -> Path:
     return cache_dir() / "tune" / FILE_NAME
 
 
+#: Packages whose modules decide what runs (tile rules, launch geometry, kernel inputs and
+#: template parameters): hashed beside the kernel sources.
+HASHED_PACKAGES = ("mlx_bricks.bricks", "mlx_bricks.formats")
+
+
 @lru_cache(maxsize=None)
 def kernel_source_hash() -> str:
     """12 hex digits of SHA-256 over every registered kernel's source as given to MLX
-    (``mlx_bricks.kernels.kernel_source``, MSL and each CUDA twin) and over the op modules
-    (``mlx_bricks/ops/*.py``: tile rules and launch geometry). Any edit changes it, so a
-    decision measured on other kernels is never used."""
-    import mlx_bricks.ops as ops_pkg
+    (``mlx_bricks.kernels.kernel_source``, MSL and each CUDA twin) and over the modules of
+    :data:`HASHED_PACKAGES` (the bricks' tile rules and launch geometry, the weight formats'
+    kernel inputs). Any edit changes it, so a decision measured on other kernels is never used.
+    The packages are imported by name here (importing them registers every kernel), so this
+    module does not depend on them."""
     from mlx_bricks import kernels
 
     h = hashlib.sha256()
-    for mod in sorted(m.name for m in pkgutil.iter_modules(ops_pkg.__path__)):
-        importlib.import_module(f"mlx_bricks.ops.{mod}")  # registers its kernels
-        h.update(importlib.resources.files(ops_pkg).joinpath(f"{mod}.py").read_bytes())
+    for package in HASHED_PACKAGES:
+        pkg = importlib.import_module(package)
+        for info in sorted(pkgutil.walk_packages(pkg.__path__, package + "."),
+                           key=lambda i: i.name):
+            mod = importlib.import_module(info.name)  # registers its kernels
+            if mod.__file__:
+                h.update(info.name.encode() + b"\0" + Path(mod.__file__).read_bytes())
     for name in kernels.registered():
         for backend in ("metal", "cuda"):
             if kernels.has_kernel(name, backend):

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from mlx_bricks.tune.guard import GUARD, GUARD_ERRORS, Guard, guard_scope, one_line
-from mlx_bricks.tune.kinds import OpKind, Variant
+from mlx_bricks.runtime.guard import GUARD, GUARD_ERRORS, Guard, guard_scope, one_line
+from mlx_bricks.runtime.kind import OpKind, Variant
 from mlx_bricks.tune.timing import time_interleaved
 
 #: The winner's name when no brick variant beats stock.
@@ -124,7 +124,7 @@ def tune_op(kind: OpKind, args: dict, backend: str, *, variants: list[Variant] |
     """Time every variant of ``kind`` against stock for the shapes of ``args``.
 
     Args:
-        kind: the op kind (``mlx_bricks.tune.kinds.KINDS``).
+        kind: the op kind (``mlx_bricks.runtime.kind.KINDS``).
         args: the op's arguments; activations may be real arrays or ``Act`` placeholders (only
             their shapes and dtypes are used: the tuner times synthetic values), weights are
             used as they are.

@@ -42,14 +42,14 @@ sys.path.insert(0, str(ROOT))
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mlx_bricks.ops import attention as _attention  # noqa: E402,F401  (registers the kernel)
-from mlx_bricks.ops.attention_cuda import (  # noqa: E402
+from mlx_bricks.bricks.attention import msl as _attention  # noqa: E402,F401  (registers the kernel)
+from mlx_bricks.bricks.attention.cuda import (  # noqa: E402
     CUDA_HEAD_DIMS,
     launch_attention_cuda,
     pick_tile,
     variants,
 )
-from mlx_bricks.ops.q8_0 import dequantize_q8_0_reference, quantize_q8_0_reference  # noqa: E402
+from mlx_bricks.bricks.q8_0.op import dequantize_q8_0_reference, quantize_q8_0_reference  # noqa: E402
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23}

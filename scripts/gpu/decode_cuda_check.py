@@ -98,8 +98,8 @@ def check_case(case) -> dict:
     import mlx.core as mx
     import numpy as np
 
-    from mlx_bricks.ops.decode import decode_attention
-    from mlx_bricks.ops.q8_0 import quantize_q8_0_reference
+    from mlx_bricks.bricks.decode.op import decode_attention
+    from mlx_bricks.bricks.q8_0.op import quantize_q8_0_reference
     from tests.tolerance import assert_dtype_close
 
     B, Lq, Lk, (Hq, Hkv), D, dtype, q8, splits, causal = case
@@ -200,8 +200,8 @@ def time_op(fn, n=50, repeats=7) -> float:
 def time_decode(Lk, Hq=32, Hkv=8, D=128, Lq=1, dtype=None, splits=None, stock=True) -> dict:
     import mlx.core as mx
 
-    from mlx_bricks.ops.decode import decode_attention
-    from mlx_bricks.ops.q8_0 import quantize_q8_0_reference
+    from mlx_bricks.bricks.decode.op import decode_attention
+    from mlx_bricks.bricks.q8_0.op import quantize_q8_0_reference
 
     dtype = dtype or mx.float16
     key = mx.random.key(Lk + Hq)

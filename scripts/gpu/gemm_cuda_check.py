@@ -25,8 +25,7 @@ def main() -> int:
     import mlx.core as mx
 
     from mlx_bricks.bench import gpu
-    from mlx_bricks.ops import gemm_cuda
-
+    from mlx_bricks.bricks.gemm import cuda as gemm_cuda
     tiles = tuple(t for t in args.tiles.split(",") if t in gemm_cuda.TILES)
     cases = [*gpu.linear_cases("cuda", tiles=tiles),
              *gpu.swiglu_cases("cuda"), *gpu.rms_norm_qkv_cases("cuda")]

@@ -18,20 +18,15 @@ import mlx.core as mx
 
 from mlx_bricks import kernels
 from mlx_bricks.backends import kernel_backend
-from mlx_bricks.ops._checks import check_array, check_float_dtype, dtype_name
-from mlx_bricks.ops._variants import kernel_variants
-from mlx_bricks.ops.q8_0 import (
-    QK8_0,
-    dequantize_q8_0_reference,
-    quantize_q8_0,
-    quantize_q8_0_reference,
-)
+from mlx_bricks.checks import check_array, check_float_dtype
+from mlx_bricks.runtime.variants import kernel_variants
+from mlx_bricks.bricks.q8_0.op import quantize_q8_0
+from mlx_bricks.formats.q8_0 import QK8_0, check_kv, check_kv_quant, kv_dense
 
 #: Head dims the brick supports (all tested); others raise ValueError.
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 192, 256, 512)
 #: Threadgroup memory limit of Apple GPUs, bytes (``ATTN_TG_LIMIT`` in ``attention.h``).
 THREADGROUP_MEMORY_LIMIT = 32768
-KV_QUANTS = (None, "q8_0")
 #: Largest head_dim slice one SIMD-group keeps in registers (Q and O: 2 x slice / 4 floats a lane).
 MAX_HEAD_DIM_PER_SIMDGROUP = 128
 
@@ -136,15 +131,6 @@ def attention_tile_config(head_dim: int, dtype) -> AttentionTiles:
     return AttentionTiles(8 * wq, bk, wq, wd, shared, size)
 
 
-def _kv_dequantized(k, v, dtype):
-    """(k, v) as the kernel sees them with kv_quant="q8_0": the Q8_0 round trip of full-precision
-    arrays, or the dequantized (qs, d) tuples, in ``dtype`` (MLX ops)."""
-    def one(x):
-        qs_d = x if isinstance(x, tuple) else quantize_q8_0_reference(x)
-        return dequantize_q8_0_reference(*qs_d, dtype)
-    return one(k), one(v)
-
-
 def causal_window_mask(Lq: int, Lk: int, window: int) -> mx.array:
     """Boolean (Lq, Lk) mask of a bottom-right aligned causal sliding window: query i (at
     position ``p = Lk - Lq + i``) sees key j iff ``p - window < j <= p``, i.e. ``window`` keys
@@ -181,7 +167,7 @@ def flash_attention_reference(q, k, v, *, scale, mask=None, window=None, softcap
     :func:`flash_attention` (not checked here).
     """
     if kv_quant == "q8_0":
-        k, v = _kv_dequantized(k, v, q.dtype)
+        k, v = kv_dense(k, q.dtype), kv_dense(v, q.dtype)
     B, Hq, Lq, _ = q.shape
     Lk = k.shape[2]
     # Only on the CPU, where MLX's attention always materialises the scores and the blocks were
@@ -226,30 +212,6 @@ def _reference_attention(q, k, v, scale, mask, window, softcap):
     return (p @ mx.expand_dims(v, 2)).reshape(B, Hq, Lq, D)
 
 
-def _check_kv_array(name, x, q, quantized):
-    if quantized and isinstance(x, tuple):
-        if len(x) != 2:
-            raise TypeError(f"{name} as a Q8_0 tuple must be (qs, d), got {len(x)} items")
-        qs, d = x
-        check_array(f"{name}[0] (qs)", qs, ndim=4)
-        check_array(f"{name}[1] (d)", d, ndim=4)
-        if qs.dtype != mx.int8:
-            raise TypeError(f"{name}[0] (qs) must be int8, got {dtype_name(qs.dtype)}")
-        if d.dtype != mx.float16:
-            raise TypeError(f"{name}[1] (d) must be float16, got {dtype_name(d.dtype)}")
-        want = (*qs.shape[:-1], qs.shape[-1] // QK8_0)
-        if tuple(d.shape) != want:
-            raise ValueError(f"{name}[1] (d) must have shape {want}, got {tuple(d.shape)}")
-        return tuple(qs.shape)
-    check_array(name, x, ndim=4)
-    if x.dtype != q.dtype:
-        raise TypeError(
-            f"{name} has dtype {dtype_name(x.dtype)} but q has {dtype_name(q.dtype)}; "
-            "mixed dtypes are not supported"
-        )
-    return tuple(x.shape)
-
-
 def _check_real(name, value, what):
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be {what}, got {type(value).__name__}")
@@ -283,13 +245,9 @@ def _check_masking(mask, window, softcap):
 def _check_attention(q, k, v, scale, mask, window, softcap, kv_quant):
     check_array("q", q, ndim=4)
     check_float_dtype("q", q)
-    if kv_quant not in KV_QUANTS:
-        raise ValueError(f"kv_quant must be None or 'q8_0', got {kv_quant!r}")
-    quantized = kv_quant == "q8_0"
-    if not quantized and (isinstance(k, tuple) or isinstance(v, tuple)):
-        raise TypeError("k and v may be (qs, d) tuples only with kv_quant='q8_0'")
-    ks = _check_kv_array("k", k, q, quantized)
-    vs = _check_kv_array("v", v, q, quantized)
+    quantized = check_kv_quant(kv_quant)
+    ks = check_kv("k", k, q, quantized)
+    vs = check_kv("v", v, q, quantized)
     _check_real("scale", scale, "a Python float")
     _check_masking(mask, window, softcap)
     B, Hq, Lq, D = q.shape
@@ -418,7 +376,7 @@ def flash_attention(q, k, v, *, scale, mask=None, window=None, softcap=None, kv_
         k, k_scale = k if isinstance(k, tuple) else quantize_q8_0(k, backend=qb)
         v, v_scale = v if isinstance(v, tuple) else quantize_q8_0(v, backend=qb)
     if name == "cuda":
-        from mlx_bricks.ops.attention_cuda import launch_attention_cuda
+        from mlx_bricks.bricks.attention.cuda import launch_attention_cuda
 
         return launch_attention_cuda(q, k, v, k_scale, v_scale, scale=scale,
                                      causal=mask == "causal", window=window, softcap=softcap)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlx_bricks.ops._checks import FLOAT_DTYPES, check_array, dtype_name
+from mlx_bricks.checks import FLOAT_DTYPES, check_array, dtype_name
 
 #: Affine widths the bricks read.
 BITS = (2, 3, 4, 5, 6, 8)
@@ -190,7 +190,7 @@ def check_weight(name: str, weight, x: mx.array, K: int | None, rows: str = "N")
         ValueError: a shape that is not ``(rows, K)``, or a quantized weight MLX's affine format
             does not describe.
     """
-    from mlx_bricks.ops._checks import check_linear_weight, check_same_dtype
+    from mlx_bricks.checks import check_linear_weight, check_same_dtype
 
     weight = as_weight(weight, name, K, rows)
     if is_quantized(weight):

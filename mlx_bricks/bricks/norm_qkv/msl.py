@@ -17,10 +17,11 @@ import mlx.core as mx
 
 from mlx_bricks.backends import resolve_backend
 from mlx_bricks.kernels import KernelSpec, launch, register
-from mlx_bricks.ops import gemm, gemm_cuda
-from mlx_bricks.ops._checks import check_array, check_float_dtype, check_k, check_same_dtype
-from mlx_bricks.ops._variants import kernel_variants
-from mlx_bricks.ops.quant import check_weight, matmul_t
+from mlx_bricks.bricks.gemm import msl as gemm
+from mlx_bricks.bricks.gemm import cuda as gemm_cuda
+from mlx_bricks.checks import check_array, check_float_dtype, check_k, check_same_dtype
+from mlx_bricks.runtime.variants import kernel_variants
+from mlx_bricks.formats.affine import check_weight, matmul_t
 
 register(KernelSpec(
     name="rms_norm_inv",
@@ -128,13 +129,13 @@ def _check_rms_norm_qkv(x, norm_weight, eps, wq, wk, wv, bq, bk, bv, n_heads, n_
 def plan_rms_norm_qkv(M, n_heads, n_kv_heads, head_dim, K, dtype, *, tile=None,
                       group_sizes=()):
     """Tile plan of the fused kernel: the GEMM plan of (M, n_heads * head_dim, K) (tile rule of
-    :func:`mlx_bricks.ops.gemm.select_tile` on the q projection), with the grid and the M/N
+    :func:`mlx_bricks.bricks.gemm.msl.select_tile` on the q projection), with the grid and the M/N
     alignment of the three projections. Threadgroup memory is the GEMM's (the inverse RMS is
     read from device memory, computed once per row by ``rms_norm_inv``).
 
     Args:
         group_sizes: the affine group sizes of the quantized weights among wq, wk, wv (BK
-            must divide each; see :func:`mlx_bricks.ops.gemm.plan_gemm`).
+            must divide each; see :func:`mlx_bricks.bricks.gemm.msl.plan_gemm`).
 
     Returns:
         (plan, grid, align_mn, threadgroup_bytes).
@@ -192,8 +193,8 @@ def rms_norm_qkv(x, norm_weight, eps, wq, wk, wv, bq=None, bk=None, bv=None, *, 
         bq, bk, bv: optional biases of shapes (n_heads * head_dim,), (n_kv_heads * head_dim,)
             twice (qwen2); all three or none.
         n_heads, n_kv_heads, head_dim: positive ints (GQA: n_kv_heads may differ from n_heads).
-        tile: ``None`` (rule of :func:`mlx_bricks.ops.gemm.select_tile`) or a key of
-            ``mlx_bricks.ops.gemm.TILES`` (``"64x64"``, ``"32x32"``, ``"64x64_sb"``,
+        tile: ``None`` (rule of :func:`mlx_bricks.bricks.gemm.msl.select_tile`) or a key of
+            ``mlx_bricks.bricks.gemm.msl.TILES`` (``"64x64"``, ``"32x32"``, ``"64x64_sb"``,
             ``"32x32_sb"``).
         backend: ``None`` (auto), ``"metal"``, ``"emulator"``, ``"reference"``.
 

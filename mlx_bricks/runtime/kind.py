@@ -29,7 +29,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_bricks.ops._checks import dtype_name
+from mlx_bricks.checks import dtype_name
 from mlx_bricks.tune.buckets import (
     attention_bucket,
     m_bucket,
@@ -253,7 +253,7 @@ class Linear(_TokenRows):
                    weight_format(w))
 
     def brick(self, args, backend, **kwargs):
-        from mlx_bricks.ops.gemm import linear
+        from mlx_bricks.bricks.gemm.msl import linear
 
         return linear(args["x"], args["weight"], args.get("bias"), args.get("residual"),
                       backend=backend, **kwargs)
@@ -264,7 +264,7 @@ class Linear(_TokenRows):
         return y if res is None else res + y  # the block's "h = x + r"
 
     def variant_names(self, backend, dtype=None, bits=None):
-        from mlx_bricks.ops.gemm import tile_names
+        from mlx_bricks.bricks.gemm.msl import tile_names
 
         return tile_names(backend, dtype, bits)
 
@@ -305,7 +305,7 @@ class SwigluMLP(_TokenRows):
                    weights_format(wg, args["w_up"], args["w_down"]))
 
     def brick(self, args, backend, **kwargs):
-        from mlx_bricks.ops.mlp import swiglu_mlp
+        from mlx_bricks.bricks.swiglu.msl import swiglu_mlp
 
         return swiglu_mlp(args["x"], args["w_gate"], args["w_up"], args["w_down"],
                           args.get("residual"), b_gate=args.get("b_gate"),
@@ -327,14 +327,14 @@ class SwigluMLP(_TokenRows):
         return y if res is None else res + y
 
     def variant_names(self, backend, dtype=None):
-        from mlx_bricks.ops.mlp import variant_names
+        from mlx_bricks.bricks.swiglu.msl import variant_names
 
         return variant_names(backend, dtype)
 
     def variant_names_for(self, backend, dtype, args):
         """Without ``fused`` when gate and up differ in format: the fused kernel stages both
         with one loader (``ops.mlp.same_format``)."""
-        from mlx_bricks.ops.mlp import same_format
+        from mlx_bricks.bricks.swiglu.msl import same_format
 
         names = self.variant_names(backend, dtype)
         if same_format(args["w_gate"], args["w_up"]):
@@ -381,7 +381,7 @@ class RmsNormQKV(OpKind):
                    weights_format(args["wq"], args["wk"], args["wv"]))
 
     def brick(self, args, backend, **kwargs):
-        from mlx_bricks.ops.norm_qkv import rms_norm_qkv
+        from mlx_bricks.bricks.norm_qkv.msl import rms_norm_qkv
 
         a = args
         return rms_norm_qkv(a["x"], a["norm_weight"], a["eps"], a["wq"], a["wk"], a["wv"],
@@ -402,7 +402,7 @@ class RmsNormQKV(OpKind):
                 proj(args["wv"], args.get("bv"), args["n_kv_heads"]))
 
     def variant_names(self, backend, dtype=None, bits=None):
-        from mlx_bricks.ops.norm_qkv import tile_names
+        from mlx_bricks.bricks.norm_qkv.msl import tile_names
 
         return tile_names(backend, dtype, bits)
 
@@ -463,7 +463,7 @@ class Attention(OpKind):
         return {o: args.get(o) for o in self._OPTIONS}
 
     def brick(self, args, backend, **kwargs):
-        from mlx_bricks.ops.attention import flash_attention
+        from mlx_bricks.bricks.attention.msl import flash_attention
 
         return flash_attention(args["q"], args["k"], args["v"], scale=args["scale"],
                                mask=args.get("mask"), kv_quant=args.get("kv_quant"),
@@ -472,7 +472,7 @@ class Attention(OpKind):
     def stock(self, args):
         if args.get("kv_quant") is not None or any(self._options(args).values()):
             # Q8_0 K/V, a window or a soft-cap: no stock fast op; the brick's MLX-ops reference.
-            from mlx_bricks.ops.attention import flash_attention_reference
+            from mlx_bricks.bricks.attention.msl import flash_attention_reference
 
             return flash_attention_reference(args["q"], args["k"], args["v"],
                                              scale=args["scale"], mask=args.get("mask"),
@@ -482,7 +482,7 @@ class Attention(OpKind):
                                                     scale=args["scale"], mask=args.get("mask"))
 
     def variant_names(self, backend, dtype=None):
-        from mlx_bricks.ops.attention import variant_names
+        from mlx_bricks.bricks.attention.msl import variant_names
 
         return variant_names(backend, dtype)
 
@@ -498,7 +498,7 @@ class Attention(OpKind):
     def reference_tail(self, args, rows):
         q, k, v = args["q"], args["k"], args["v"]
         if args.get("kv_quant") == "q8_0":
-            from mlx_bricks.ops.q8_0 import dequantize_q8_0_reference, quantize_q8_0_reference
+            from mlx_bricks.bricks.q8_0.op import dequantize_q8_0_reference, quantize_q8_0_reference
 
             # The values the brick attends over: Q8_0 round trip in q's dtype.
             k, v = (dequantize_q8_0_reference(*quantize_q8_0_reference(a), q.dtype)

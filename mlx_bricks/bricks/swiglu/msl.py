@@ -30,11 +30,11 @@ import mlx.core as mx
 
 from mlx_bricks.backends import resolve_backend
 from mlx_bricks.kernels import KernelSpec, launch, register
-from mlx_bricks.ops import gemm_cuda
-from mlx_bricks.ops.gemm_cuda import cuda_or
-from mlx_bricks.ops._checks import check_array, check_float_dtype, check_k, check_same_dtype
-from mlx_bricks.ops._variants import kernel_variants
-from mlx_bricks.ops.gemm import (
+from mlx_bricks.bricks.gemm import cuda as gemm_cuda
+from mlx_bricks.bricks.gemm.cuda import cuda_or
+from mlx_bricks.checks import check_array, check_float_dtype, check_k, check_same_dtype
+from mlx_bricks.runtime.variants import kernel_variants
+from mlx_bricks.bricks.gemm.msl import (
     MIN_THREADGROUPS_64,
     TILES as GEMM_TILES,
     GemmPlan,
@@ -45,8 +45,8 @@ from mlx_bricks.ops.gemm import (
     weight_inputs,
     with_single_buffer,
 )
-from mlx_bricks.ops.quant import check_weight, is_quantized
-from mlx_bricks.ops.swiglu_variants import (  # noqa: F401  (re-exported)
+from mlx_bricks.formats.affine import check_weight, is_quantized
+from mlx_bricks.bricks.swiglu.variants import (  # noqa: F401  (re-exported)
     ACTIVATIONS,
     DEFAULT_VARIANT,
     VARIANT_ENV_VAR,
@@ -119,7 +119,7 @@ def tile_names(backend: str, variant: str, dtype=None) -> tuple[str, ...]:
         ValueError: an unknown ``variant``.
         mlx_bricks.backends.BackendError: ``backend`` is not one of ``BACKENDS``.
     """
-    from mlx_bricks.ops.gemm import gemm_cuda_tiles
+    from mlx_bricks.bricks.gemm.msl import gemm_cuda_tiles
 
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}, "
@@ -190,7 +190,7 @@ _ACTIVATION_REFERENCES = {"silu": silu_reference, "gelu_tanh": gelu_tanh_referen
 def swiglu_reference(x, w_gate, w_up, b_gate=None, b_up=None, activation="silu"):
     """Reference of :func:`swiglu` in MLX ops:
     ``act(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)`` (``mx.quantized_matmul`` for a
-    quantized weight, through :func:`~mlx_bricks.ops.gemm.linear_reference`).
+    quantized weight, through :func:`~mlx_bricks.bricks.gemm.msl.linear_reference`).
 
     Raises:
         TypeError, ValueError: an unknown ``activation`` (see :data:`ACTIVATIONS`).
@@ -344,7 +344,7 @@ def swiglu(x, w_gate, w_up, *, b_gate=None, b_up=None, activation="silu", varian
             strides: views are not copied.
         w_gate, w_up: the (N_mlp, K) weights (nn.Linear layout): ``mx.array`` of x's dtype,
             or MLX affine-quantized (``QuantizedWeight`` or ``nn.QuantizedLinear``, scales of
-            x's dtype; see :func:`~mlx_bricks.ops.gemm.linear`). ``fused`` needs both in one
+            x's dtype; see :func:`~mlx_bricks.bricks.gemm.msl.linear`). ``fused`` needs both in one
             format (both float, or the same bits and group_size).
         b_gate, b_up: optional (N_mlp,) biases, x's dtype (``mlp_bias`` models).
         activation: the gate's activation, ``"silu"`` (default) or ``"gelu_tanh"``
@@ -353,7 +353,7 @@ def swiglu(x, w_gate, w_up, *, b_gate=None, b_up=None, activation="silu", varian
             ``split`` when w_gate and w_up differ in format; the rule is in docs/bricks.md),
             ``"fused"`` or ``"split"``.
         tile: ``None`` (the variant's tile rule) or, for ``fused``, a key of
-            :data:`FUSED_TILES`; for ``split``, a GEMM tile (``mlx_bricks.ops.gemm.TILES``).
+            :data:`FUSED_TILES`; for ``split``, a GEMM tile (``mlx_bricks.bricks.gemm.msl.TILES``).
         backend: ``None`` (auto), ``"metal"``, ``"emulator"``, ``"reference"``
             (see ``mlx_bricks.backends``); ``variant`` and ``tile`` do not apply to
             ``reference`` (``mx.quantized_matmul`` for quantized weights).
@@ -396,7 +396,7 @@ def swiglu_mlp(x, w_gate, w_up, w_down, residual=None, *, b_gate=None, b_up=None
     ``down(gelu_approx(gate(x)) * up(x))`` with ``activation="gelu_tanh"``).
 
     ``act`` by :func:`swiglu`, then ``act @ w_down.T + b_down + residual`` by the GEMM brick's
-    :func:`~mlx_bricks.ops.gemm.linear` (bias and residual added in its epilogue). Same
+    :func:`~mlx_bricks.bricks.gemm.msl.linear` (bias and residual added in its epilogue). Same
     computation as ``mlx_lm.models.llama.MLP`` (plus the residual add of the block), or with
     ``activation="gelu_tanh"`` as ``mlx_lm.models.gemma3_text.MLP``.
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlx_bricks.backends import BackendChoice
-from mlx_bricks.tune.guard import GUARD, guard_scope
-from mlx_bricks.tune.kinds import Key, Variant, kind
+from mlx_bricks.runtime.guard import GUARD, guard_scope
+from mlx_bricks.runtime.kind import Key, Variant, kind
 from mlx_bricks.tune.tuner import Decision, tune_op
 
 #: Backends where tuning applies (the kernel backends a user runs).
@@ -43,7 +43,7 @@ class Choice:
         variant: the brick variant, or None for the stock path.
         reason: why stock (``"tuned: stock faster (x0.93)"``, ``"disabled: ..."``), or how the
             brick was chosen (``"tuned: 64x64 faster (x1.10)"``, ``"rule"``).
-        key: the decision key (``mlx_bricks.tune.kinds.Key``).
+        key: the decision key (``mlx_bricks.runtime.kind.Key``).
         tuned: stock because tuning measured it faster (not a fallback).
     """
 
@@ -114,7 +114,7 @@ class Dispatch:
         """The SwiGLU variant the rules run for these weights: ``mlp_variant``, except
         ``split`` when gate and up differ in format (the fused kernel stages both with one
         loader; ``ops.mlp.same_format``)."""
-        from mlx_bricks.ops.mlp import same_format
+        from mlx_bricks.bricks.swiglu.msl import same_format
 
         return self.mlp_variant if same_format(args["w_gate"], args["w_up"]) else "split"
 

@@ -1,4 +1,4 @@
-"""Q8_0 quantization of K/V (ggml's ``block_q8_0``: 32 int8 values and one float16 scale).
+"""The Q8_0 format of K/V (ggml's ``block_q8_0``: 32 int8 values and one float16 scale).
 
 ggml packs each block as ``{half d; int8_t qs[32]}`` (34 bytes per 32 values). Here the two
 fields are separate arrays, ``qs`` int8 ``(..., D)`` and ``d`` float16 ``(..., D // 32)``, so a
@@ -11,34 +11,20 @@ Q8_0 KV cache can be sliced like any other; values and arithmetic are ggml's
   ``d == 0``): nearest integer, exact halves away from zero, so ``+-amax -> +-127``, never -128
   (where ggml's float -> int8 cast is undefined, here NaN gives 0 and +-inf gives +-127);
 * dequantized value ``q * d`` in float32.
+
+This module is the format's definition (the reference arithmetic in MLX ops, the checks of a
+``(qs, d)`` pair); the kernels that quantize and dequantize are the ``q8_0`` brick
+(``mlx_bricks.bricks.q8_0``), and the attention bricks read the blocks directly.
 """
 from __future__ import annotations
 
 import mlx.core as mx
 
-from mlx_bricks import kernels
-from mlx_bricks.backends import resolve_backend
-from mlx_bricks.ops._checks import check_array, check_float_dtype, dtype_name
+from mlx_bricks.checks import check_array, check_float_dtype, dtype_name
 
 QK8_0 = 32
-_THREADS = 256  # threads per threadgroup of the Q8_0 kernels (a multiple of 32)
-
-kernels.register(kernels.KernelSpec(
-    name="q8_0_quantize",
-    body="q8_0_quantize.metal",
-    input_names=("x",),
-    output_names=("qs", "d"),
-    headers=("q8_0.h",),
-    ensure_row_contiguous=False,
-))
-kernels.register(kernels.KernelSpec(
-    name="q8_0_dequantize",
-    body="q8_0_dequantize.metal",
-    input_names=("qs", "d"),
-    output_names=("out",),
-    headers=("q8_0.h",),
-    ensure_row_contiguous=False,
-))
+#: The ``kv_quant`` values of the attention bricks: full precision, or Q8_0 K/V.
+KV_QUANTS = (None, "q8_0")
 
 
 def _round_half_away(v):
@@ -55,7 +41,7 @@ def _round_half_away(v):
 
 def quantize_q8_0_reference(x):
     """Reference of :func:`quantize_q8_0` in MLX ops (ggml ``quantize_row_q8_0_ref``)."""
-    _check_quantize(x)
+    check_quantize(x)
     *lead, D = x.shape
     blocks = x.astype(mx.float32).reshape(*lead, D // QK8_0, QK8_0)
     # NaN counts as 0 in amax, as in the kernel (so one NaN does not wipe its block).
@@ -70,13 +56,13 @@ def quantize_q8_0_reference(x):
 
 def dequantize_q8_0_reference(qs, d, dtype=mx.float16):
     """Reference of :func:`dequantize_q8_0`: ``qs * d`` per block of 32, in float32, then cast."""
-    _check_dequantize(qs, d, dtype)
+    check_dequantize(qs, d, dtype)
     *lead, D = qs.shape
     blocks = qs.astype(mx.float32).reshape(*lead, D // QK8_0, QK8_0)
     return (blocks * d.astype(mx.float32)[..., None]).reshape(*lead, D).astype(dtype)
 
 
-def _check_quantize(x) -> None:
+def check_quantize(x) -> None:
     check_array("x", x, min_ndim=1)
     check_float_dtype("x", x)
     D = x.shape[-1]
@@ -87,7 +73,7 @@ def _check_quantize(x) -> None:
         )
 
 
-def _check_dequantize(qs, d, dtype) -> None:
+def check_dequantize(qs, d, dtype) -> None:
     check_array("qs", qs, min_ndim=1)
     check_array("d", d, min_ndim=1)
     if qs.dtype != mx.int8:
@@ -109,76 +95,55 @@ def _check_dequantize(qs, d, dtype) -> None:
         raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
 
 
-def quantize_q8_0(x, *, backend=None):
-    """Quantize ``x`` to Q8_0 blocks of 32 along the last axis.
-
-    Args:
-        x: (..., D) float16, bfloat16 or float32, ``D % 32 == 0``; any strides (views are read
-            in place, not copied).
-        backend: ``None`` (auto), ``"metal"``, ``"emulator"`` or ``"reference"``.
-
-    Returns:
-        ``(qs, d)``: qs int8 (..., D) and d float16 (..., D // 32), both row-contiguous, with
-        ggml's semantics (module docstring): ``d = amax / 127``, ``q = roundf(x * (1 / d))`` in
-        [-127, 127]; an all-zero block gives ``d = 0`` and zeros.
+def check_kv_quant(kv_quant) -> bool:
+    """True for ``kv_quant="q8_0"``, False for None.
 
     Raises:
-        TypeError: x is not an mx.array of a float dtype.
-        ValueError: x is 0-d or its last dimension is not a positive multiple of 32, or a bad
-            backend.
-
-    Kernel: ``metal_src/q8_0_quantize.metal``, one thread per value, one SIMD-group per block
-    (amax is a ``simd_max``).
+        ValueError: anything else.
     """
-    _check_quantize(x)
-    name = resolve_backend(backend)
-    if name == "reference":
-        return quantize_q8_0_reference(x)
-    n = x.size
-    if n == 0:
-        return quantize_q8_0_reference(x)
-    qs, d = kernels.launch(
-        "q8_0_quantize", name,
-        inputs=[x],
-        grid=(n, 1, 1),
-        threadgroup=(min(_THREADS, n), 1, 1),
-        output_shapes=[tuple(x.shape), (*x.shape[:-1], x.shape[-1] // QK8_0)],
-        output_dtypes=[mx.int8, mx.float16],
-    )
-    return qs, d
+    if kv_quant not in KV_QUANTS:
+        raise ValueError(f"kv_quant must be None or 'q8_0', got {kv_quant!r}")
+    return kv_quant == "q8_0"
 
 
-def dequantize_q8_0(qs, d, *, dtype=mx.float16, backend=None):
-    """Dequantize Q8_0 blocks: ``qs * d`` per block of 32, computed in float32, cast to ``dtype``.
-
-    Args:
-        qs: int8 (..., D), ``D % 32 == 0``; any strides.
-        d: float16 (..., D // 32) scales; any strides.
-        dtype: output dtype, float16 (default), bfloat16 or float32.
-        backend: ``None`` (auto), ``"metal"``, ``"emulator"`` or ``"reference"``.
-
-    Returns:
-        (..., D) array of ``dtype``, row-contiguous.
+def check_kv(name: str, x, q, quantized: bool) -> tuple:
+    """Shape ``(B, Hkv, Lk, D)`` of an attention op's ``k`` or ``v`` argument: an array of q's
+    dtype, or (with ``quantized``) a Q8_0 pair ``(qs, d)``, qs int8 (B, Hkv, Lk, D) and d
+    float16 (B, Hkv, Lk, D // 32), as :func:`quantize_q8_0_reference` and a Q8_0 KV cache
+    give them.
 
     Raises:
-        TypeError: non-arrays, qs not int8, d not float16, or an unsupported ``dtype``.
-        ValueError: D not a positive multiple of 32, d's shape not (..., D // 32), or a bad
-            backend.
+        TypeError: not an array / pair, a pair without ``quantized``, wrong dtypes, a pair of
+            another length.
+        ValueError: wrong ranks, or d's shape not (..., D // 32).
     """
-    _check_dequantize(qs, d, dtype)
-    name = resolve_backend(backend)
-    if name == "reference":
-        return dequantize_q8_0_reference(qs, d, dtype)
-    n = qs.size
-    if n == 0:
-        return dequantize_q8_0_reference(qs, d, dtype)
-    (out,) = kernels.launch(
-        "q8_0_dequantize", name,
-        inputs=[qs, d],
-        grid=(n, 1, 1),
-        threadgroup=(min(_THREADS, n), 1, 1),
-        output_shapes=[tuple(qs.shape)],
-        output_dtypes=[dtype],
-        template=[("T", dtype)],
-    )
-    return out
+    if isinstance(x, tuple):
+        if not quantized:
+            raise TypeError(f"{name} may be a (qs, d) tuple only with kv_quant='q8_0'")
+        if len(x) != 2:
+            raise TypeError(f"{name} as a Q8_0 tuple must be (qs, d), got {len(x)} items")
+        qs, d = x
+        check_array(f"{name}[0] (qs)", qs, ndim=4)
+        check_array(f"{name}[1] (d)", d, ndim=4)
+        if qs.dtype != mx.int8:
+            raise TypeError(f"{name}[0] (qs) must be int8, got {dtype_name(qs.dtype)}")
+        if d.dtype != mx.float16:
+            raise TypeError(f"{name}[1] (d) must be float16, got {dtype_name(d.dtype)}")
+        want = (*qs.shape[:-1], qs.shape[-1] // QK8_0)
+        if tuple(d.shape) != want:
+            raise ValueError(f"{name}[1] (d) must have shape {want}, got {tuple(d.shape)}")
+        return tuple(qs.shape)
+    check_array(name, x, ndim=4)
+    if x.dtype != q.dtype:
+        raise TypeError(
+            f"{name} has dtype {dtype_name(x.dtype)} but q has {dtype_name(q.dtype)}; "
+            "mixed dtypes are not supported"
+        )
+    return tuple(x.shape)
+
+
+def kv_dense(x, dtype):
+    """The values an attention brick attends over for ``kv_quant="q8_0"``: a ``(qs, d)`` pair
+    dequantized, or a full-precision array's Q8_0 round trip, in ``dtype`` (MLX ops)."""
+    qs_d = x if isinstance(x, tuple) else quantize_q8_0_reference(x)
+    return dequantize_q8_0_reference(*qs_d, dtype)

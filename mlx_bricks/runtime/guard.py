@@ -15,7 +15,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from mlx_bricks.tune.kinds import Key, OpKind, Variant
+from mlx_bricks.runtime.kind import Key, OpKind, Variant
 
 #: What a kernel that cannot be built or launched raises: MLX's compile and launch errors
 #: (``RuntimeError``; the emulator's faults derive from it), argument errors of the op

@@ -26,8 +26,9 @@ import mlx.core as mx
 from mlx_bricks import kernels
 from mlx_bricks.backends import kernel_backend
 from mlx_bricks.kernels import launch
-from mlx_bricks.ops._checks import check_array, check_float_dtype, dtype_name
-from mlx_bricks.ops.q8_0 import QK8_0, dequantize_q8_0_reference, quantize_q8_0
+from mlx_bricks.checks import check_array, check_float_dtype
+from mlx_bricks.bricks.q8_0.op import quantize_q8_0
+from mlx_bricks.formats.q8_0 import QK8_0, check_kv, check_kv_quant, kv_dense
 
 #: Head dims the brick supports (all tested); others raise ValueError.
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 192, 256, 512)
@@ -44,7 +45,6 @@ MAX_ROWS = 16
 #: Threadgroups the automatic split count aims for (a few per core: 132 SMs on an H200, up to
 #: 40 GPU cores on an M4 Max), so that long contexts fill the GPU.
 TARGET_THREADGROUPS = 512
-KV_QUANTS = (None, "q8_0")
 
 kernels.register(kernels.KernelSpec(
     name="decode_attention",
@@ -110,53 +110,20 @@ def _threadgroup_bytes(head_dim: int, rt: int) -> int:
     return 4 * (rt * head_dim + DECODE_NSG * rt * (32 + head_dim + 2))
 
 
-def _kv_dequantized(x, dtype):
-    qs_d = x if isinstance(x, tuple) else quantize_q8_0(x, backend="reference")
-    return dequantize_q8_0_reference(*qs_d, dtype)
-
-
 def decode_attention_reference(q, k, v, *, scale, mask=None, kv_quant=None):
     """Reference of :func:`decode_attention` in MLX ops: ``mx.fast.scaled_dot_product_attention``
     over the K/V the kernel attends (with ``kv_quant="q8_0"``: dequantized to q's dtype)."""
     if kv_quant == "q8_0":
-        k, v = _kv_dequantized(k, q.dtype), _kv_dequantized(v, q.dtype)
+        k, v = kv_dense(k, q.dtype), kv_dense(v, q.dtype)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-
-
-def _kv_shape(name, x, q, quantized):
-    if quantized and isinstance(x, tuple):
-        if len(x) != 2:
-            raise TypeError(f"{name} as a Q8_0 tuple must be (qs, d), got {len(x)} items")
-        qs, d = x
-        check_array(f"{name}[0] (qs)", qs, ndim=4)
-        check_array(f"{name}[1] (d)", d, ndim=4)
-        if qs.dtype != mx.int8:
-            raise TypeError(f"{name}[0] (qs) must be int8, got {dtype_name(qs.dtype)}")
-        if d.dtype != mx.float16:
-            raise TypeError(f"{name}[1] (d) must be float16, got {dtype_name(d.dtype)}")
-        want = (*qs.shape[:-1], qs.shape[-1] // QK8_0)
-        if tuple(d.shape) != want:
-            raise ValueError(f"{name}[1] (d) must have shape {want}, got {tuple(d.shape)}")
-        return tuple(qs.shape)
-    if isinstance(x, tuple):
-        raise TypeError(f"{name} may be a (qs, d) tuple only with kv_quant='q8_0'")
-    check_array(name, x, ndim=4)
-    if x.dtype != q.dtype:
-        raise TypeError(
-            f"{name} has dtype {dtype_name(x.dtype)} but q has {dtype_name(q.dtype)}; "
-            "mixed dtypes are not supported"
-        )
-    return tuple(x.shape)
 
 
 def _check(q, k, v, scale, mask, kv_quant, splits):
     check_array("q", q, ndim=4)
     check_float_dtype("q", q)
-    if kv_quant not in KV_QUANTS:
-        raise ValueError(f"kv_quant must be None or 'q8_0', got {kv_quant!r}")
-    quantized = kv_quant == "q8_0"
-    ks = _kv_shape("k", k, q, quantized)
-    vs = _kv_shape("v", v, q, quantized)
+    quantized = check_kv_quant(kv_quant)
+    ks = check_kv("k", k, q, quantized)
+    vs = check_kv("v", v, q, quantized)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
     if isinstance(mask, mx.array):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlx_bricks.kernels import launch
-from mlx_bricks.ops.quant import QuantizedWeight
+from mlx_bricks.formats.affine import QuantizedWeight
 
 #: K per pipeline stage (gemm.cuh GEMM_BK).
 BK = 64
@@ -247,7 +247,7 @@ def _gemm(x2, triple, bits, gs, bias, residual, t: CudaTile, swiglu_up: bool = F
 
 def linear(x, weight, bias=None, residual=None, *, tile=None):
     """The GEMM twin: ``x @ weight.T (+ bias) (+ residual)``, weight float or
-    :class:`~mlx_bricks.ops.quant.QuantizedWeight`. Arguments already validated by
+    :class:`~mlx_bricks.formats.affine.QuantizedWeight`. Arguments already validated by
     ``ops.linear``; M = prod(x.shape[:-1]) >= 1, N >= 1.
 
     Raises:

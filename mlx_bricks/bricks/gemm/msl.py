@@ -4,7 +4,7 @@ The kernel (``metal_src/gemm.metal`` on the shared pipeline in ``metal_src/gemm.
 BM x BN output tile per threadgroup of 4 simdgroups with 8x8 ``simdgroup_matrix<float>``
 accumulators, loading K in steps of BK through two ping-pong threadgroup buffers (or one: the
 ``*_sb`` tiles). The weight is a float array or an MLX affine-quantized
-:class:`~mlx_bricks.ops.quant.QuantizedWeight`, dequantized tile by tile into threadgroup memory
+:class:`~mlx_bricks.formats.affine.QuantizedWeight`, dequantized tile by tile into threadgroup memory
 by the pipeline's affine loader. The tiling, the tile rule and the threadgroup memory of each
 variant are in ``docs/bricks.md``.
 """
@@ -17,11 +17,11 @@ import mlx.core as mx
 
 from mlx_bricks.backends import resolve_backend
 from mlx_bricks.kernels import KernelSpec, launch, register
-from mlx_bricks.ops import gemm_cuda
-from mlx_bricks.ops.gemm_cuda import cuda_or
-from mlx_bricks.ops._checks import check_array, check_float_dtype, check_k, check_same_dtype
-from mlx_bricks.ops.quant import check_weight, is_quantized, quantized_linear_reference
-from mlx_bricks.ops._variants import kernel_variants
+from mlx_bricks.bricks.gemm import cuda as gemm_cuda
+from mlx_bricks.bricks.gemm.cuda import cuda_or
+from mlx_bricks.checks import check_array, check_float_dtype, check_k, check_same_dtype
+from mlx_bricks.formats.affine import check_weight, is_quantized, quantized_linear_reference
+from mlx_bricks.runtime.variants import kernel_variants
 
 register(KernelSpec(
     name="gemm",
@@ -262,7 +262,7 @@ def linear(x, weight, bias=None, residual=None, *, tile=None, backend=None):
             (M = 0 or N = 0 give an empty result without a launch). Read through its strides:
             views (slices, transposes, broadcasts) are not copied.
         weight: the (N, K) weight as ``nn.Linear`` stores it, either an ``mx.array`` of x's
-            dtype, or MLX affine-quantized: a :class:`~mlx_bricks.ops.quant.QuantizedWeight`
+            dtype, or MLX affine-quantized: a :class:`~mlx_bricks.formats.affine.QuantizedWeight`
             ``(w, scales, biases, group_size, bits)`` (``w`` uint32 (N, K * bits / 32),
             ``scales``/``biases`` (N, K / group_size) of x's dtype; bits 2, 3, 4, 5, 6, 8,
             group_size 32, 64, 128) or an ``nn.QuantizedLinear`` (its weight is taken, not its

@@ -7,7 +7,7 @@ K/V tiles of ``BK`` keys stream through shared memory by ``cp.async``, the softm
 online in float32 registers. :func:`smem_bytes` mirrors the kernel's shared-memory layout
 (``Config`` in attention.cuh; the kernel traps if launched with less).
 
-This module has no argument checks: ``mlx_bricks.ops.attention.flash_attention`` validates and
+This module has no argument checks: ``mlx_bricks.bricks.attention.msl.flash_attention`` validates and
 dispatches here for the ``cuda`` backend.
 """
 from __future__ import annotations
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlx_bricks import kernels
-from mlx_bricks.ops import gemm_cuda
-from mlx_bricks.ops._checks import dtype_name
-from mlx_bricks.ops.gemm_cuda import max_shared_memory
+from mlx_bricks.bricks.gemm import cuda as gemm_cuda
+from mlx_bricks.checks import dtype_name
+from mlx_bricks.bricks.gemm.cuda import max_shared_memory
 
 #: Head dims the CUDA twin supports.
 CUDA_HEAD_DIMS = (64, 80, 96, 128, 192, 256, 512)

@@ -1,0 +1,1 @@
+"""The norm_qkv brick."""

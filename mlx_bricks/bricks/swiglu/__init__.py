@@ -1,0 +1,1 @@
+"""The swiglu brick."""
