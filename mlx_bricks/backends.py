@@ -185,22 +185,29 @@ def resolve_backend(backend: str | None = None) -> str:
     return active_backend(backend).name
 
 
-def kernel_backend(kernel: str, backend: str | None = None) -> str:
-    """The backend an op built on ``kernel`` runs on: :func:`resolve_backend`, except that an
-    automatic (or ``MLX_BRICKS_BACKEND``) choice of ``cuda`` for a brick without a CUDA twin
-    runs ``reference`` (the same math as stock) instead.
+def op_backend(kernel: str, backend: str | None = None, *,
+               cuda_unsupported: str | None = None) -> str:
+    """The backend an op built on brick kernel ``kernel`` runs on, resolved once per call:
+    :func:`active_backend`, except that an automatic (or ``MLX_BRICKS_BACKEND``) choice of
+    ``cuda`` runs ``reference`` (the same math as stock) where the brick has no CUDA twin, or
+    where ``cuda_unsupported`` says why this call has none (e.g. float32 activations on the
+    GEMM twins' tensor cores).
 
     Raises:
         BackendError: see :func:`active_backend`.
-        NotImplementedError: ``backend="cuda"`` given explicitly for a brick without a twin.
+        NotImplementedError: ``backend="cuda"`` given explicitly where there is no twin (the
+            message says "has no CUDA twin").
     """
     from mlx_bricks.kernels import has_kernel
 
     choice = active_backend(backend)
-    if choice.name == "cuda" and not has_kernel(kernel, "cuda"):
-        if choice.source == "argument":
-            raise NotImplementedError(
-                f"the {kernel!r} brick has no CUDA twin yet; use backend='reference'")
-        return "reference"
-    return choice.name
-
+    if choice.name != "cuda":
+        return choice.name
+    reason = cuda_unsupported
+    if not has_kernel(kernel, "cuda"):
+        reason = f"the {kernel!r} brick has no CUDA twin yet; use backend='reference'"
+    if reason is None:
+        return "cuda"
+    if choice.source == "argument":
+        raise NotImplementedError(reason)
+    return "reference"

@@ -12,16 +12,18 @@ import numpy as np
 import pytest
 
 from mlx_bricks import kernels
+from mlx_bricks.bricks.attention.op import (
+    causal_window_mask,
+    flash_attention,
+    flash_attention_reference,
+)
 from mlx_bricks.bricks.attention.msl import (
     MAX_HEAD_DIM_PER_SIMDGROUP,
     SUPPORTED_HEAD_DIMS,
     THREADGROUP_MEMORY_LIMIT,
-    _launch_attention,
+    launch_attention as _launch_attention,
     attention_threadgroup_bytes,
     attention_tile_config,
-    causal_window_mask,
-    flash_attention,
-    flash_attention_reference,
 )
 from mlx_bricks.bricks.q8_0.op import dequantize_q8_0_reference, quantize_q8_0, quantize_q8_0_reference
 from tests.support import sampled
@@ -357,7 +359,7 @@ def on_cpu():
 def test_reference_in_query_blocks_matches_float64(on_cpu, monkeypatch, Lq, Lk, mask, window,
                                                    cap, q8):
     # Blocks of 16 rows (the floor): 7 blocks, the last one short; keys sliced per block.
-    import mlx_bricks.bricks.attention.msl as attn
+    import mlx_bricks.bricks.attention.op as attn
 
     q, k, v = make_qkv(1, Lq, Lk, 4, 2, 64, BF16, seed=Lq + Lk)
     kw = dict(scale=0.125, mask=mask, window=window, softcap=cap, kv_quant="q8_0" if q8 else None)
@@ -374,7 +376,7 @@ def test_reference_in_query_blocks_matches_float64(on_cpu, monkeypatch, Lq, Lk, 
 
 
 def test_reference_blocks_keep_empty_batches_empty(on_cpu, monkeypatch):
-    import mlx_bricks.bricks.attention.msl as attn
+    import mlx_bricks.bricks.attention.op as attn
 
     monkeypatch.setattr(attn, "REFERENCE_SCORE_BLOCK_BYTES", 1)
     q, k = mx.zeros((0, 4, 40, 64)), mx.zeros((0, 2, 40, 64))
@@ -385,7 +387,7 @@ def test_reference_peak_memory_is_a_few_blocks_of_scores(on_cpu):
     # 8 heads x 1024 x 1024 float32 scores = 32 MiB in one piece (under the default budget the
     # call is whole); with a 2 MiB budget, 64-row blocks of which a few are alive at once
     # (measured: 12 MiB on MLX 0.32.4 CPU, against 37 MiB whole).
-    import mlx_bricks.bricks.attention.msl as attn
+    import mlx_bricks.bricks.attention.op as attn
 
     q, k, v = make_qkv(1, 1024, 1024, 8, 8, 64, F32, seed=1)
     mx.eval(q, k, v)

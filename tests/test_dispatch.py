@@ -21,11 +21,13 @@ from mlx_bricks.patch import patch_model
 from mlx_bricks.runtime.dispatch import NO_KERNEL_BACKEND
 from mlx_bricks.tune.cache import DecisionCache
 from mlx_bricks.runtime.guard import GUARD
-from mlx_bricks.runtime.kind import KINDS, Act, Variant
+from mlx_bricks.runtime.kind import Act, Variant, kinds
 from mlx_bricks.tune.tuner import Decision
 from tests.models import build_model, clone, tokens
 from tests.support import require_backend
 from tests.tolerance import assert_dtype_close
+
+KINDS = kinds()
 
 PIECES = ("qkv", "attention", "o_proj", "mlp")
 
@@ -63,10 +65,10 @@ def _maximum(outs):
 def slow_variants(monkeypatch, names=("slow",)):
     """Every kind offers variants that compute stock four times (really slower, same values)."""
     for k in KINDS.values():
-        vs = [Variant(n, run=lambda a, k=k: _maximum([k.stock(a) for _ in range(4)]))
+        vs = [Variant(n, fn=lambda a, backend=None, k=k: _maximum([k.stock(a) for _ in range(4)]))
               for n in names]
         monkeypatch.setattr(k, "variants",
-                            lambda backend, dtype=None, args=None, vs=vs: list(vs))
+                            lambda backend, dtype=None, args=None, names=None, vs=vs: list(vs))
 
 
 def count_tune_calls(monkeypatch) -> list:
@@ -168,7 +170,7 @@ def test_cached_decisions_mix_brick_and_stock_pieces(tuned_reference, monkeypatc
     (measured slower) run mlx-lm's own code."""
     slow_variants(monkeypatch)
     monkeypatch.setattr(KINDS["linear"], "variants",
-                        lambda backend, dtype=None, args=None: [
+                        lambda backend, dtype=None, args=None, names=None: [
                             Variant("64x64", {"tile": "64x64"})])
     model = build_model("llama", mx.float32, num_hidden_layers=2)
     attn = model.layers[0].self_attn
@@ -209,7 +211,7 @@ def test_a_kind_without_variants_on_the_backend_runs_stock(tuned_reference, monk
     its pieces run stock, counted as a fallback with the reason."""
     slow_variants(monkeypatch)
     monkeypatch.setattr(KINDS["swiglu_mlp"], "variants",
-                        lambda backend, dtype=None, args=None: [])
+                        lambda backend, dtype=None, args=None, names=None: [])
     tuned = count_tune_calls(monkeypatch)
     model = build_model("llama", mx.float32, num_hidden_layers=1)
     report = patch_model(model, backend="reference")

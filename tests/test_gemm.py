@@ -18,7 +18,8 @@ import pytest
 
 from mlx_bricks import kernels
 from mlx_bricks.bricks.gemm import msl as gemm
-from mlx_bricks.bricks.gemm.msl import linear, plan_gemm, select_tile
+from mlx_bricks.bricks.gemm.msl import plan_gemm, select_tile
+from mlx_bricks.bricks.gemm.op import linear
 from tests.support import require_backend, sampled, tile_for
 from tests.tolerance import assert_dtype_close, to_f64
 

@@ -9,8 +9,9 @@ from mlx_bricks.kernels import KernelSpec
 
 
 def test_every_registered_spec_has_its_sources():
-    import mlx_bricks.bricks.attention.msl, mlx_bricks.bricks.gemm.msl, mlx_bricks.bricks.norm_qkv.msl  # noqa: F401
-    import mlx_bricks.bricks.q8_0.op, mlx_bricks.bricks.swiglu.msl  # noqa: F401
+    import mlx_bricks.bricks.attention.msl, mlx_bricks.bricks.gemm.msl  # noqa: F401
+    import mlx_bricks.bricks.norm_qkv.msl, mlx_bricks.bricks.q8_0.op  # noqa: F401
+    import mlx_bricks.bricks.swiglu.msl  # noqa: F401
 
     for name in kernels.registered():
         if kernels.has_kernel(name, "metal"):

@@ -13,7 +13,7 @@ from mlx_lm.models import base, llama
 
 import mlx_bricks
 from mlx_bricks.cache import Q8KVCache
-from mlx_bricks.nn.modules import DECODE
+from mlx_bricks.nn import DECODE
 from mlx_bricks.patch import patch_model, unpatch_model
 from tests.test_cache import TF32_REL, RoundTripKVCache, tiny_llama
 

@@ -15,7 +15,8 @@ import pytest
 from mlx_bricks import kernels
 from mlx_bricks.bricks.norm_qkv import msl as norm_qkv
 from mlx_bricks.bricks.gemm import msl as gemm
-from mlx_bricks.bricks.norm_qkv.msl import plan_rms_norm_qkv, rms_norm_qkv
+from mlx_bricks.bricks.norm_qkv.msl import plan_rms_norm_qkv
+from mlx_bricks.bricks.norm_qkv.op import rms_norm_qkv
 from tests.support import require_backend, tile_for
 from tests.tolerance import assert_dtype_close, to_f64
 

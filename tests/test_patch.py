@@ -27,7 +27,7 @@ from mlx_lm.models.cache import (
 
 from mlx_bricks import kernels
 from mlx_bricks.backends import BackendError
-from mlx_bricks.nn import DECODE, BricksAttention, BricksBlock, BricksMLP
+from mlx_bricks.nn import DECODE, BricksAttention, BricksBlock, BricksPiece
 from mlx_bricks.patch import PatchReport, patch_model, unpatch_model
 from tests.support import require_backend
 from tests.models import build_model, clone, tokens
@@ -261,7 +261,7 @@ def test_mistral_alias_and_unfused_modules(fuse_block):
         for layer in model.layers:
             assert not isinstance(layer, BricksBlock)
             assert isinstance(layer.self_attn, BricksAttention)
-            assert isinstance(layer.mlp, BricksMLP)
+            assert isinstance(layer.mlp, BricksPiece)
     assert_bricks_used(report)
 
 
@@ -398,7 +398,7 @@ def test_unpatch_restores_stock(dtype):
     for layer in model.layers:
         assert type(layer) is qwen3.TransformerBlock
         assert type(layer.self_attn) is qwen3.Attention and type(layer.mlp) is qwen3.MLP
-        assert not any(isinstance(m, (BricksAttention, BricksMLP, BricksBlock))
+        assert not any(isinstance(m, (BricksAttention, BricksPiece, BricksBlock))
                        for m in layer.modules())
         assert "_bricks_state" not in layer.__dict__
     assert mx.array_equal(run(model, toks), stock)

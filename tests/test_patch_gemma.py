@@ -16,7 +16,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from mlx_bricks import kernels
-from mlx_bricks.nn import BricksAttention, BricksMLP
+from mlx_bricks.nn import BricksAttention, BricksPiece
 from mlx_bricks.patch import patch_model, unpatch_model
 from tests.models import build_model, clone, tokens
 from tests.support import require_backend
@@ -121,15 +121,15 @@ def test_gemma2(backend, dtype):
 
 def test_gemma2_soft_cap_reaches_the_brick(monkeypatch):
     """The attention brick gets the module's soft-cap (without it the logits move by O(1))."""
-    from mlx_bricks.bricks.attention import msl as attention
+    from mlx_bricks.bricks.attention import kind as attention
     seen = []
-    real = attention.flash_attention
+    real = attention.run_flash_attention
 
     def spy(*a, **kw):
         seen.append(kw.get("softcap"))
         return real(*a, **kw)
 
-    monkeypatch.setattr(attention, "flash_attention", spy)
+    monkeypatch.setattr(attention, "run_flash_attention", spy)
     model = build_model("gemma2", mx.float32)
     patch_model(model, backend="reference")
     run(model, tokens(12))
@@ -162,7 +162,7 @@ def test_gemma3_wrapper_alias():
     assert report.architecture == "gemma3_text" and report.model_type == "gemma3"
     layers = model.language_model.model.layers
     assert isinstance(layers[0].self_attn, BricksAttention)
-    assert isinstance(layers[1].mlp, BricksMLP)
+    assert isinstance(layers[1].mlp, BricksPiece)
     assert_dtype_close(run(model, toks), run64(_clone_wrapper64(model), toks), stock,
                        dtype=mx.float32, what="gemma3 wrapper")
     _check_report(report)

@@ -40,12 +40,14 @@ from mlx_bricks.formats.affine import QuantizedWeight
 from mlx_bricks.patch import patch_model, unpatch_model
 from mlx_bricks.patch.core import stock_path
 from mlx_bricks.runtime.guard import GUARD
-from mlx_bricks.runtime.kind import KINDS, OpKind
+from mlx_bricks.runtime.kind import OpKind, kinds
 from tests.models import build_model, tokens
 from tests.quant_support import dequant64
 from tests.support import require_backend
 from tests.test_patch import greedy, run, run64, run_chunks
 from tests.tolerance import EPS, assert_dtype_close, to_f64
+
+KINDS = kinds()
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -344,7 +346,9 @@ def test_scales_of_another_dtype_than_the_activations_run_stock():
 # ---------------------------------------------------------------------------------------------
 
 def test_decision_keys_carry_every_weight_format():
-    from mlx_bricks.nn.modules import _linear_args, _mlp_args, _weight
+    from mlx_bricks.bricks.gemm.piece import linear_args
+    from mlx_bricks.bricks.swiglu.piece import mlp_args
+    from mlx_bricks.formats.layers import weight_of
     from mlx_bricks.patch.table import lookup
     from mlx_bricks.runtime.kind import Act
 
@@ -352,18 +356,18 @@ def test_decision_keys_carry_every_weight_format():
     layer, layout = model.layers[0], lookup("llama")[1]
     attn, x = layer.self_attn, Act((1, 40, 128), mx.float16)
     qkv = {"x": x, "norm_weight": layer.input_layernorm.weight, "eps": 1e-5,
-           "wq": _weight(attn.q_proj), "wk": _weight(attn.k_proj), "wv": _weight(attn.v_proj),
+           "wq": weight_of(attn.q_proj), "wk": weight_of(attn.k_proj), "wv": weight_of(attn.v_proj),
            "n_heads": 4, "n_kv_heads": 2, "head_dim": 64}
-    mlp = _mlp_args(layer.mlp, layout, x)
+    mlp = mlp_args(layer.mlp, layout, x)
     assert KINDS["rms_norm_qkv"].key(qkv).weights == "q4g64/q2g32/q8g32"
     assert KINDS["swiglu_mlp"].key(mlp).weights == "q6g64/q4g64/q3g32"
-    assert KINDS["linear"].key(_linear_args(attn.o_proj, x)).weights == "q5g64"
+    assert KINDS["linear"].key(linear_args(attn.o_proj, x)).weights == "q5g64"
     # one format for all: its plain name (float keys stay as they were)
     assert KINDS["rms_norm_qkv"].key(dict(qkv, wk=qkv["wq"], wv=qkv["wq"])).weights == "q4g64"
     # gate and up in different formats: the fused variant is no candidate
-    assert KINDS["swiglu_mlp"].variant_names_for("emulator", mx.float16, mlp) == ("split",)
+    assert KINDS["swiglu_mlp"].listing("emulator", mx.float16, mlp) == ("split",)
     same = dict(mlp, w_up=mlp["w_gate"])
-    assert KINDS["swiglu_mlp"].variant_names_for("emulator", mx.float16, same) == (
+    assert KINDS["swiglu_mlp"].listing("emulator", mx.float16, same) == (
         "fused", "split")
 
 

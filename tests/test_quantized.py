@@ -21,7 +21,7 @@ import pytest
 
 from mlx_bricks import kernels
 from mlx_bricks.bricks.gemm import msl as gemm
-from mlx_bricks.bricks.gemm.msl import linear
+from mlx_bricks.bricks.gemm.op import linear
 from mlx_bricks.formats.affine import QuantizedWeight, as_weight, unsupported_reason
 from tests.quant_support import DTYPES, dequant, dequant64, quantized, randn, unpack64, product
 from tests.conftest import KERNEL_BACKENDS

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from mlx_bricks import kernels
-from mlx_bricks.bricks.swiglu.msl import swiglu, swiglu_mlp
-from mlx_bricks.bricks.norm_qkv.msl import rms_norm_qkv
+from mlx_bricks.bricks.norm_qkv.op import rms_norm_qkv
+from mlx_bricks.bricks.swiglu.op import swiglu, swiglu_mlp
 from mlx_bricks.formats.affine import QuantizedWeight
 from tests.quant_support import DTYPES, dequant64, product, randn, weight
 from tests.conftest import KERNEL_BACKENDS

@@ -21,20 +21,13 @@ import numpy as np
 import pytest
 
 from mlx_bricks import kernels
-from mlx_bricks.bricks.swiglu.msl import (
-    FUSED_TILES,
-    VARIANT_ENV_VAR,
-    VARIANTS,
-    plan_fused,
-    resolve_variant,
-    select_fused_tile,
-    swiglu,
-    swiglu_mlp,
-)
+from mlx_bricks.bricks.swiglu.msl import FUSED_TILES, plan_fused, select_fused_tile
+from mlx_bricks.bricks.swiglu.op import swiglu, swiglu_mlp
+from mlx_bricks.bricks.swiglu.variants import VARIANT_ENV_VAR, VARIANTS, resolve_variant
 from tests.support import require_backend, sampled
 from tests.tolerance import assert_dtype_close, to_f64
 
-swiglu_ops = importlib.import_module("mlx_bricks.bricks.swiglu.msl")
+swiglu_ops = importlib.import_module("mlx_bricks.bricks.swiglu.variants")
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 SWEEP_M = (1, 7, 100, 257)

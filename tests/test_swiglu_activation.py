@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from mlx_bricks import kernels
-from mlx_bricks.bricks.swiglu.msl import ACTIVATIONS, VARIANTS, swiglu, swiglu_mlp
+from mlx_bricks.bricks.swiglu.op import ACTIVATIONS, VARIANTS, swiglu, swiglu_mlp
 from mlx_bricks.bricks.swiglu.variants import activation_code
 from tests.support import require_backend, sampled
 from tests.test_swiglu import (

@@ -22,20 +22,25 @@ from mlx_lm.models import llama
 
 from mlx_bricks import kernels
 from mlx_bricks.backends import BackendError
-from mlx_bricks.bricks.attention import msl as attention
-from mlx_bricks.bricks.norm_qkv import msl as norm_qkv
-from mlx_bricks.bricks.swiglu import msl as mlp
-from mlx_bricks.bricks.gemm import msl as gemm
+from mlx_bricks.bricks.attention import op as attention
+from mlx_bricks.bricks.gemm import msl as gemm_msl
+from mlx_bricks.bricks.gemm import op as gemm
+from mlx_bricks.bricks.norm_qkv import op as norm_qkv
+from mlx_bricks.bricks.swiglu import msl as mlp_msl
+from mlx_bricks.bricks.swiglu import op as mlp
 from mlx_bricks.formats.affine import QuantizedWeight
 from mlx_bricks.tune import __main__ as tune_cli
-from mlx_bricks.tune.buckets import attention_bucket, m_bucket, weight_format
+from mlx_bricks.formats import format_of
+from mlx_bricks.tune.buckets import attention_bucket, m_bucket
 from mlx_bricks.tune.cache import FORMAT, Context, DecisionCache
 from mlx_bricks.tune.check import dtype_close
 from mlx_bricks.runtime.guard import Guard
-from mlx_bricks.runtime.kind import KINDS, Act, Variant
+from mlx_bricks.runtime.kind import Act, Variant, kinds
 from mlx_bricks.tune.timing import time_interleaved
 from mlx_bricks.tune.tuner import MIN_SPEEDUP, STOCK, Decision, tune_op
 from tests.models import model_args
+
+KINDS = kinds()
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,8 +73,8 @@ def test_buckets():
         with pytest.raises(ValueError, match="M must be a positive int"):
             m_bucket(bad)
     w = mx.random.normal((64, 128))
-    assert weight_format(w) == "float"
-    assert weight_format(QuantizedWeight(*mx.quantize(w, group_size=64, bits=4), 64, 4)) == \
+    assert format_of(w).key == "float"
+    assert format_of(QuantizedWeight(*mx.quantize(w, group_size=64, bits=4), 64, 4)).key == \
         "q4g64"
 
 
@@ -92,11 +97,11 @@ def test_dtype_close_rule():
 
 def test_variant_listing_functions():
     for b in ("metal", "emulator"):
-        assert gemm.tile_names(b) == tuple(gemm.TILES)
-        assert norm_qkv.tile_names(b) == tuple(gemm.TILES)
+        assert gemm.tile_names(b) == tuple(gemm_msl.TILES)
+        assert norm_qkv.tile_names(b) == tuple(gemm_msl.TILES)
         assert mlp.variant_names(b) == ("fused", "split")
-        assert mlp.tile_names(b, "fused") == tuple(mlp.FUSED_TILES)
-        assert mlp.tile_names(b, "split") == tuple(gemm.TILES)
+        assert mlp.tile_names(b, "fused") == tuple(mlp_msl.FUSED_TILES)
+        assert mlp.tile_names(b, "split") == tuple(gemm_msl.TILES)
         assert attention.variant_names(b) == ("default",)
     for f in (gemm.tile_names, norm_qkv.tile_names, mlp.variant_names, attention.variant_names):
         assert f("reference") == () and f("reference", mx.float16) == ()
@@ -209,7 +214,7 @@ def _linear_problem():
     return {"x": Act((1, 128, 512), mx.float32), "weight": w, "bias": None, "residual": None}
 
 
-def _slow(args):
+def _slow(args, backend=None):
     """Stock four times (all four evaluated: the maximum of equal values is the value)."""
     s = [KINDS["linear"].stock(args) for _ in range(4)]
     return mx.maximum(mx.maximum(s[0], s[1]), mx.maximum(s[2], s[3]))
@@ -220,12 +225,12 @@ def _memo(args, factor=1.0):
     beforehand (scaled by ``factor`` to make it wrong)."""
     out = KINDS["linear"].stock(KINDS["linear"].synthetic(args)) * factor
     mx.eval(out)
-    return lambda _: out
+    return lambda *_: out
 
 
 def test_tuner_picks_stock_when_the_brick_is_slower():
     args = _linear_problem()
-    d = tune_op(KINDS["linear"], args, "reference", variants=[Variant("slow", run=_slow)],
+    d = tune_op(KINDS["linear"], args, "reference", variants=[Variant("slow", fn=_slow)],
                 guard=Guard())
     assert d.winner == STOCK and not d.brick
     assert d.ratio < 1 / 1.5  # four times the work
@@ -237,8 +242,8 @@ def test_tuner_picks_stock_when_the_brick_is_slower():
 def test_tuner_picks_the_brick_when_it_is_faster():
     args = _linear_problem()
     d = tune_op(KINDS["linear"], args, "reference",
-                variants=[Variant("slow", run=_slow), Variant("fast", {"tile": "64x64"},
-                                                              run=_memo(args))], guard=Guard())
+                variants=[Variant("slow", fn=_slow), Variant("fast", {"tile": "64x64"},
+                                                              fn=_memo(args))], guard=Guard())
     assert d.winner == "fast" and d.brick and d.kwargs == {"tile": "64x64"}
     assert d.ratio >= MIN_SPEEDUP
     assert d.reason.startswith("tuned: fast faster (x")
@@ -249,12 +254,12 @@ def test_tuner_never_picks_a_variant_that_fails_the_check():
     args = _linear_problem()
     guard = Guard()
 
-    def broken(_):
+    def broken(*_):
         raise RuntimeError("[metal_kernel] Unable to build metal library from source")
 
     d = tune_op(KINDS["linear"], args, "reference", guard=guard,
-                variants=[Variant("wrong", run=_memo(args, 1.01)), Variant("broken", run=broken),
-                          Variant("slow", run=_slow)])
+                variants=[Variant("wrong", fn=_memo(args, 1.01)), Variant("broken", fn=broken),
+                          Variant("slow", fn=_slow)])
     assert d.winner == STOCK  # "wrong" would be far faster; only "slow" passed
     assert not d.variants["wrong"]["ok"] and "numeric check failed" in d.variants["wrong"]["error"]
     assert d.variants["wrong"]["s"] is None
@@ -264,7 +269,7 @@ def test_tuner_never_picks_a_variant_that_fails_the_check():
                                    ("reference", "linear", "broken", scope)}
     # all failing: stock, and the reason says why
     d = tune_op(KINDS["linear"], args, "reference", guard=guard,
-                variants=[Variant("wrong", run=_memo(args, 1.01))])
+                variants=[Variant("wrong", fn=_memo(args, 1.01))])
     assert d.winner == STOCK and d.ratio is None
     assert d.reason == "tuned: no brick variant passed the numeric check"
 
@@ -273,7 +278,7 @@ def test_tuner_with_no_variant_and_decision_round_trip():
     args = _linear_problem()
     d = tune_op(KINDS["linear"], args, "cuda", variants=[])
     assert d.winner == STOCK and d.reason == "tuned: no brick variant on cuda"
-    d = tune_op(KINDS["linear"], args, "reference", variants=[Variant("slow", run=_slow)],
+    d = tune_op(KINDS["linear"], args, "reference", variants=[Variant("slow", fn=_slow)],
                 guard=Guard(), repeats=2)
     back = Decision.from_dict(d.key, json.loads(json.dumps(d.to_dict())))
     assert (back.winner, back.ratio, back.variants, back.source) == (
@@ -359,15 +364,16 @@ _WRITER = textwrap.dedent("""
     import mlx.core as mx
     from mlx_bricks.tune.cache import Context, DecisionCache
     from mlx_bricks.runtime.guard import Guard
-    from mlx_bricks.runtime.kind import KINDS, Act, Variant
+    from mlx_bricks.runtime.kind import Act, Variant, kinds
     from mlx_bricks.tune.tuner import tune_op
 
+    KINDS = kinds()
     who, n = sys.argv[1], int(sys.argv[2])
     cache = DecisionCache(sys.argv[3], Context("Test GPU", "arch", "0.32.4", "0.1.0", "k"))
     w = mx.random.normal((64, 64))
     args = {"x": Act((1, 16 if who == "a" else 200, 64), mx.float32), "weight": w}
     d = tune_op(KINDS["linear"], args, "reference", guard=Guard(), repeats=1,
-                variants=[Variant("same", run=lambda a: KINDS["linear"].stock(a))])
+                variants=[Variant("same", fn=lambda a, backend=None: KINDS["linear"].stock(a))])
     cache.put({d.key: d.to_dict()})
     for i in range(n):
         cache.put({f"reference|{who}{i}": {"winner": "stock", "ratio": None}})

@@ -139,3 +139,6 @@ def widest_bits(*weights) -> int | None:
 def dense(weight):
     """The float value of ``weight`` (:meth:`Format.dense`)."""
     return format_of(weight).dense(weight)
+
+
+from mlx_bricks.formats.affine import as_weight, check_weight, unsupported_reason  # noqa: E402,F401

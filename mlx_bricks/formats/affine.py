@@ -137,21 +137,6 @@ class QuantizedWeight:
                                  f"(N, K // group_size), got {got}")
 
 
-def is_quantized(weight) -> bool:
-    """True for a :class:`QuantizedWeight`."""
-    return isinstance(weight, QuantizedWeight)
-
-
-def weight_dtype(weight):
-    """The float dtype a weight computes in: the array's dtype, or the scales' dtype."""
-    return weight.dtype
-
-
-def weight_shape(weight) -> tuple[int, int]:
-    """``(N, K)`` of a float or quantized weight."""
-    return tuple(weight.shape)
-
-
 def as_weight(value, name: str = "weight", K: int | None = None, rows: str = "N"):
     """``value`` as the bricks take a weight: an ``mx.array``, a :class:`QuantizedWeight`, or an
     ``nn.QuantizedLinear`` (converted with :meth:`QuantizedWeight.from_module`). A quantized
@@ -193,7 +178,7 @@ def check_weight(name: str, weight, x: mx.array, K: int | None, rows: str = "N")
     from mlx_bricks.checks import check_linear_weight, check_same_dtype
 
     weight = as_weight(weight, name, K, rows)
-    if is_quantized(weight):
+    if isinstance(weight, QuantizedWeight):
         if weight.dtype != x.dtype:
             raise TypeError(
                 f"{name}.scales has dtype {dtype_name(weight.dtype)} but x has "
@@ -221,23 +206,3 @@ def unsupported_reason(value, dtype=None) -> str | None:
         return (f"weight dtype {dtype_name(weight.dtype)} differs from the activations' "
                 f"{dtype_name(dtype)}")
     return None
-
-
-def matmul_t(x, weight):
-    """``x @ weight.T`` in MLX ops for a float or quantized weight (``mx.quantized_matmul``, what
-    ``nn.QuantizedLinear`` computes): the references' product."""
-    if is_quantized(weight):
-        return mx.quantized_matmul(x, weight.w, weight.scales, weight.biases, transpose=True,
-                                   group_size=weight.group_size, bits=weight.bits)
-    return x @ weight.T
-
-
-def quantized_linear_reference(x, weight: QuantizedWeight, bias=None, residual=None):
-    """``x @ dequantize(weight).T (+ bias) (+ residual)`` as stock MLX computes a quantized
-    linear layer (``mx.quantized_matmul``, what ``nn.QuantizedLinear`` calls)."""
-    y = matmul_t(x, weight)
-    if bias is not None:
-        y = y + bias
-    if residual is not None:
-        y = y + residual
-    return y

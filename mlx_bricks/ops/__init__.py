@@ -11,22 +11,22 @@ from __future__ import annotations
 from mlx_bricks._lazy import lazy_exports
 
 _LAZY = {
-    "linear": "mlx_bricks.bricks.gemm.msl",
-    "linear_reference": "mlx_bricks.bricks.gemm.msl",
-    "swiglu": "mlx_bricks.bricks.swiglu.msl",
-    "swiglu_reference": "mlx_bricks.bricks.swiglu.msl",
-    "swiglu_mlp": "mlx_bricks.bricks.swiglu.msl",
-    "swiglu_mlp_reference": "mlx_bricks.bricks.swiglu.msl",
-    "flash_attention": "mlx_bricks.bricks.attention.msl",
-    "flash_attention_reference": "mlx_bricks.bricks.attention.msl",
+    "linear": "mlx_bricks.bricks.gemm.op",
+    "linear_reference": "mlx_bricks.bricks.gemm.op",
+    "swiglu": "mlx_bricks.bricks.swiglu.op",
+    "swiglu_reference": "mlx_bricks.bricks.swiglu.op",
+    "swiglu_mlp": "mlx_bricks.bricks.swiglu.op",
+    "swiglu_mlp_reference": "mlx_bricks.bricks.swiglu.op",
+    "flash_attention": "mlx_bricks.bricks.attention.op",
+    "flash_attention_reference": "mlx_bricks.bricks.attention.op",
     "decode_attention": "mlx_bricks.bricks.decode.op",
     "decode_attention_reference": "mlx_bricks.bricks.decode.op",
     "quantize_q8_0": "mlx_bricks.bricks.q8_0.op",
     "quantize_q8_0_reference": "mlx_bricks.bricks.q8_0.op",
     "dequantize_q8_0": "mlx_bricks.bricks.q8_0.op",
     "dequantize_q8_0_reference": "mlx_bricks.bricks.q8_0.op",
-    "rms_norm_qkv": "mlx_bricks.bricks.norm_qkv.msl",
-    "rms_norm_qkv_reference": "mlx_bricks.bricks.norm_qkv.msl",
+    "rms_norm_qkv": "mlx_bricks.bricks.norm_qkv.op",
+    "rms_norm_qkv_reference": "mlx_bricks.bricks.norm_qkv.op",
 }
 
 __all__ = sorted(_LAZY)

@@ -14,20 +14,24 @@ import mlx.nn as nn
 
 from mlx_bricks.backends import active_backend
 from mlx_bricks.bricks.attention.msl import SUPPORTED_HEAD_DIMS
+from mlx_bricks.bricks.attention.piece import KIND as ATTENTION
+from mlx_bricks.bricks.gemm.piece import KIND as LINEAR
+from mlx_bricks.bricks.norm_qkv.piece import KIND as RMS_NORM_QKV
+from mlx_bricks.bricks.norm_qkv.piece import rms_norm_reason
+from mlx_bricks.bricks.swiglu.piece import MLP_PIECE
 from mlx_bricks.bricks.swiglu.variants import VARIANT_ENV_VAR, resolve_variant
-from mlx_bricks.bricks.q8_0.op import QK8_0
-from mlx_bricks.nn.modules import (
+from mlx_bricks.formats.layers import linear_reason
+from mlx_bricks.formats.q8_0 import KV_QUANTS, QK8_0
+from mlx_bricks.nn import (
     BricksAttention,
     BricksBlock,
-    BricksMLP,
+    BricksPiece,
     BricksState,
     attach,
     detach,
     is_patched,
-    linear_reason,
-    rms_norm_reason,
-    sharding_reason,
 )
+from mlx_bricks.nn.structure import attention_sharding_reason
 from mlx_bricks.runtime.dispatch import NO_KERNEL_BACKEND, TUNE_MODES, Dispatch
 from mlx_bricks.patch.report import (
     DISABLED,
@@ -40,13 +44,12 @@ from mlx_bricks.patch.report import (
 )
 from mlx_bricks.patch.table import lookup, supported_model_types
 
-KV_QUANTS = (None, "q8_0")
 #: ``patch_model(kv_cache=...)``: mlx-lm's own cache, or the Q8_0 cache (``mlx_bricks.cache``).
 KV_CACHES = ("fp16", "q8_0")
 
-_BLOCK_BRICKS = ("rms_norm_qkv", "flash_attention", "linear", "swiglu_mlp")
-_ATTN_BRICKS = ("linear", "flash_attention")
-_MLP_BRICKS = ("swiglu_mlp",)
+_BLOCK_BRICKS = (RMS_NORM_QKV.op_name, ATTENTION.op_name, LINEAR.op_name,
+                 *MLP_PIECE.bricks)
+_ATTN_BRICKS = (LINEAR.op_name, ATTENTION.op_name)
 
 
 def _model_type(model):
@@ -99,11 +102,11 @@ def _attention_structure(attn, layout, kv_quant) -> tuple[str | None, int]:
         r = linear_reason(name, getattr(attn, name, None))
         if r is not None:
             return r, 0
-    r = sharding_reason(attn, layout, "attention")  # tensor-parallel: mlx-lm's shard() layout
+    r = attention_sharding_reason(attn, layout)  # tensor-parallel: mlx-lm's shard() layout
     if r is not None:
         return r, 0
     for name in layout.qk_norm or ():
-        r = rms_norm_reason(name, getattr(attn, name, None))
+        r = rms_norm_reason(name, getattr(attn, name, None), layout)
         if r is not None:
             return r, 0
     n_heads, n_kv = getattr(attn, "n_heads", None), getattr(attn, "n_kv_heads", None)
@@ -136,11 +139,7 @@ def _mlp_structure(mlp, layout) -> str | None:
         return f"block has no {layout.mlp!r}"
     if is_patched(mlp):
         return "module is already patched"
-    for name in layout.mlp_linears:
-        r = linear_reason(name, getattr(mlp, name, None))
-        if r is not None:
-            return r
-    return sharding_reason(mlp, layout, "mlp") or _signature_reason(mlp, ())
+    return MLP_PIECE.reason(mlp, layout) or _signature_reason(mlp, ())
 
 
 def _block_structure(layer, layout) -> str | None:
@@ -153,7 +152,7 @@ def _block_structure(layer, layout) -> str | None:
     if len(set(has_bias)) > 1:
         return "q/k/v biases are not all present or all absent (rms_norm_qkv takes all or none)"
     for name in (layout.input_norm, layout.post_attention_norm):
-        r = rms_norm_reason(name, getattr(layer, name, None))
+        r = rms_norm_reason(name, getattr(layer, name, None), layout)
         if r is not None:
             return r
     return _signature_reason(layer, ("mask", "cache"))
@@ -170,9 +169,10 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
     add = report.modules.append
 
     attn_reason, head_dim = _attention_structure(attn_mod, layout, kv_quant)
-    if attn_reason is None and getattr(layer, "use_sliding", False):
-        attn_reason = ("sliding-window layer (use_sliding=True): the attention brick has no "
-                       "window mask and mlx-lm gives this layer a RotatingKVCache")
+    if attn_reason is None and layout.layer_sliding and getattr(layer, layout.layer_sliding,
+                                                                  False):
+        attn_reason = (f"sliding-window layer ({layout.layer_sliding}=True): the attention "
+                       "brick has no window mask and mlx-lm gives this layer a RotatingKVCache")
     mlp_reason = _mlp_structure(mlp_mod, layout)
     rope = describe_rope(attn_mod.rope) if attn_mod is not None and callable(
         getattr(attn_mod, "rope", None)) else ""
@@ -181,22 +181,22 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
         attn_variant = "kv_cache=q8_0"
     # the reference backend runs MLX ops: no kernel variant to report; tuning picks per bucket
     if dispatch is not None and dispatch.tuning:
-        mlp_variant = "swiglu=tuned" + (f" ({opts['mlp_variant']} only)"
-                                        if dispatch.mlp_variant_fixed else "")
+        fixed = dispatch.settings.get(MLP_PIECE.kind.name, {}).get("fixed")
+        mlp_variant = "swiglu=tuned" + (f" ({opts['mlp_variant']} only)" if fixed else "")
     elif backend == "reference":
         mlp_variant = "swiglu=reference"
     else:
         mlp_variant = f"swiglu={opts['mlp_variant']}"
 
-    def patch(module, mixin, role, bricks, variant, rope=""):
+    def patch(module, mixin, role, bricks, variant, rope="", piece=None):
         if dispatch is None:
             add(ModuleReport(i, role, STOCK, reason=NO_KERNEL_BACKEND, rope=rope))
             return
         st = BricksState(backend=backend, layer=i, role=role, layout=layout,
-                         head_dim=head_dim, kv_quant=kv_quant,
-                         mlp_variant=opts["mlp_variant"], dispatch=dispatch)
+                         head_dim=head_dim, kv_quant=kv_quant, piece=piece,
+                         dispatch=dispatch)
         attach(module, mixin, st)
-        if opts["kv_cache"] == "q8_0" and "flash_attention" in bricks:
+        if opts["kv_cache"] == "q8_0" and ATTENTION.op_name in bricks:
             bricks = (*bricks, "q8_0_cache_attention")
         add(ModuleReport(i, role, PATCHED, bricks, variant, backend, rope=rope, state=st))
 
@@ -220,7 +220,8 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
     elif mlp_reason is not None:
         add(ModuleReport(i, "mlp", FALLBACK, reason=mlp_reason))
     else:
-        patch(mlp_mod, BricksMLP, "mlp", _MLP_BRICKS, mlp_variant)
+        patch(mlp_mod, BricksPiece, MLP_PIECE.role, MLP_PIECE.bricks, mlp_variant,
+              piece=MLP_PIECE)
 
 
 def _check_flag(name, value):
@@ -236,7 +237,7 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
 
     Each supported decoder layer gets, on that instance only (other models are untouched):
     ``BricksBlock`` when ``fuse_block`` (and ``attention`` and ``mlp``) and the block is a
-    standard pre-norm block, else ``BricksAttention`` and/or ``BricksMLP``. Parameters stay the
+    standard pre-norm block, else ``BricksAttention`` and/or ``BricksPiece`` (the MLP). Parameters stay the
     same arrays under the same names. Prefill (L > 1) is split into pieces (RMSNorm + QKV,
     attention, the out-projection, the MLP), each running its brick or mlx-lm's own stock code
     as the dispatcher decides (``tune``); decode (L == 1) and the cases the bricks do not cover
@@ -318,8 +319,8 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
     if choice.name == "reference" and choice.source == "auto":
         dispatch = None  # honest CPU: reference would run the same math as stock, slower
     else:
-        dispatch = Dispatch(choice, tune, mlp_variant=mlp_variant, mlp_variant_fixed=fixed,
-                            progress=progress)
+        dispatch = Dispatch(choice, tune, progress=progress, settings={
+            MLP_PIECE.kind.name: {"variant": mlp_variant, "fixed": fixed}})
     report = PatchReport(model_type=model_type, architecture=arch, backend=choice,
                          options=opts, dispatch=dispatch)
     layers = getattr(model, "layers", None)

@@ -5,7 +5,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from mlx_bricks.backends import BackendChoice
-from mlx_bricks.nn.modules import DECODE, BricksState, weight_formats
+from mlx_bricks.bricks.swiglu.piece import MLP_PIECE
+from mlx_bricks.nn.calls import DECODE
+from mlx_bricks.nn.runner import BricksState
+from mlx_bricks.nn.structure import weight_formats
 
 PATCHED, FALLBACK, DISABLED, STOCK = "patched", "fallback", "disabled", "stock"
 
@@ -28,7 +31,7 @@ class ModuleReport:
         rope: how RoPE is applied (attention and block entries).
         weights: projection name -> weight format of the linear layers the module's bricks
             read (``"q4 gs64"`` for an MLX affine ``nn.QuantizedLinear``, ``"float16"`` for an
-            ``nn.Linear``; ``modules.format_name``); empty for a model-level entry.
+            ``nn.Linear``; ``formats.layers.format_name``); empty for a model-level entry.
         state: the module's live :class:`BricksState` (None unless patched).
     """
 
@@ -102,7 +105,8 @@ def record_weight_formats(report: "PatchReport", layers, layout) -> None:
         module = {"block": layer, "self_attn": getattr(layer, layout.attention, None),
                   "mlp": getattr(layer, layout.mlp, None)}[m.module]
         if module is not None:
-            m.weights = weight_formats(module, m.module, layout)
+            piece = MLP_PIECE if m.module == MLP_PIECE.role else None
+            m.weights = weight_formats(module, m.module, layout, piece)
 
 
 @dataclass(eq=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
-from mlx_bricks.nn.modules import BlockLayout
+from mlx_bricks.nn.layout import BlockLayout
 
 # gemma's blocks wrap each sublayer in two norms (input / post-attention, pre- / post-
 # feedforward; gemma3 also clips the fp16 residual): not the unified pre-norm block.
@@ -18,7 +18,8 @@ _SANDWICH = ("the block normalises each sublayer's output too (post_attention_la
              "MLP are patched one by one")
 
 ARCHITECTURES: dict[str, BlockLayout] = {
-    "llama": BlockLayout(source="mlx_lm/models/llama.py"),
+    # llama: layers with use_sliding (layer_types "sliding_attention") get a RotatingKVCache.
+    "llama": BlockLayout(source="mlx_lm/models/llama.py", layer_sliding="use_sliding"),
     "qwen2": BlockLayout(source="mlx_lm/models/qwen2.py"),
     # qwen3: per-head RMSNorm of q and k (over head_dim) before RoPE.
     "qwen3": BlockLayout(source="mlx_lm/models/qwen3.py", qk_norm=("q_norm", "k_norm")),
@@ -27,13 +28,15 @@ ARCHITECTURES: dict[str, BlockLayout] = {
     # RotatingKVCache of sliding_window) between global ones; embedding scaling stays in the
     # model's own code (outside the layers).
     "gemma3_text": BlockLayout(source="mlx_lm/models/gemma3_text.py",
-                               qk_norm=("q_norm", "k_norm"), activation="gelu_tanh",
+                               qk_norm=("q_norm", "k_norm"), offset_norm=True,
+                               activation="gelu_tanh",
                                sliding="is_sliding", window_arg="sliding_window",
                                unfused=_SANDWICH),
     # gemma2: 1 + w RMSNorms, GELU-tanh MLP, attention logit soft-capping
     # (attn_logit_softcapping), the causal mask passed as an array (return_array=True). mlx-lm's
     # gemma2 has no sliding-window layers (every layer attends globally), so neither do we.
-    "gemma2": BlockLayout(source="mlx_lm/models/gemma2.py", activation="gelu_tanh",
+    "gemma2": BlockLayout(source="mlx_lm/models/gemma2.py", offset_norm=True,
+                          activation="gelu_tanh",
                           softcap="attn_logit_softcapping", causal_array=True,
                           unfused=_SANDWICH),
 }

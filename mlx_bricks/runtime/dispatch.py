@@ -21,8 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlx_bricks.backends import BackendChoice
-from mlx_bricks.runtime.guard import GUARD, guard_scope
-from mlx_bricks.runtime.kind import Key, Variant, kind
+from mlx_bricks.runtime.guard import GUARD
+from mlx_bricks.runtime.kind import Key, Variant
+from mlx_bricks.runtime.kind import kind as kind_of
 from mlx_bricks.tune.tuner import Decision, tune_op
 
 #: Backends where tuning applies (the kernel backends a user runs).
@@ -63,14 +64,14 @@ class Dispatch:
     Args:
         backend: the resolved backend of the patch.
         tune: ``"auto"``, ``"off"`` or ``"force"``.
-        mlp_variant: the SwiGLU variant the rules run (``fused`` / ``split``).
-        mlp_variant_fixed: the caller asked for ``mlp_variant`` (argument or environment):
-            tuning then only weighs that variant against stock.
+        settings: per op kind name, the patch's settings for that kind (e.g. the SwiGLU
+            variant asked for); the kind interprets them (``OpKind.rule_kwargs``,
+            ``restrict``, ``settings_suffix``), the dispatch only hands them over.
         progress: show the tuner's progress bar (None: when stderr is a terminal).
     """
 
-    def __init__(self, backend: BackendChoice, tune: str, *, mlp_variant: str,
-                 mlp_variant_fixed: bool = False, progress: bool | None = None):
+    def __init__(self, backend: BackendChoice, tune: str, *, settings: dict | None = None,
+                 progress: bool | None = None):
         if tune not in TUNE_MODES:
             raise ValueError(f"tune must be one of {', '.join(map(repr, TUNE_MODES))}, "
                              f"got {tune!r}")
@@ -78,8 +79,7 @@ class Dispatch:
         self.mode = tune
         self.tuning = tune != "off" and backend.name in TUNED_BACKENDS
         self.guarded = backend.name in GUARDED_BACKENDS
-        self.mlp_variant = mlp_variant
-        self.mlp_variant_fixed = mlp_variant_fixed
+        self.settings = dict(settings or {})
         self.progress = progress
         #: ``"<backend>|<key>" -> Decision`` taken for this model (cached or measured).
         self.decisions: dict[str, Decision] = {}
@@ -110,38 +110,34 @@ class Dispatch:
             self._cache = DecisionCache()
         return self._cache
 
-    def _mlp_variant(self, args) -> str:
-        """The SwiGLU variant the rules run for these weights: ``mlp_variant``, except
-        ``split`` when gate and up differ in format (the fused kernel stages both with one
-        loader; ``ops.mlp.same_format``)."""
-        from mlx_bricks.bricks.swiglu.msl import same_format
+    def _settings(self, k) -> dict:
+        return self.settings.get(k.name, {})
 
-        return self.mlp_variant if same_format(args["w_gate"], args["w_up"]) else "split"
+    def _candidates(self, k, names: tuple[str, ...], args) -> list[Variant]:
+        """The kind's candidates for the kernel variants ``names`` of its listing (and its
+        composites), as the patch's settings allow."""
+        return k.restrict(k.variants(self.backend, args=args, names=names), self._settings(k))
 
-    def _rule(self, k, dtype, args) -> Variant | None:
-        kwargs = {"variant": self._mlp_variant(args)} if k.name == "swiglu_mlp" else {}
+    def _rule(self, k, names: tuple[str, ...], args) -> Variant | None:
+        """The untuned choice: the brick by its own rules (``reference``: its MLX ops), or None
+        where the brick has no kernel for these arguments on this backend (``names``: its
+        listing)."""
+        kwargs = k.rule_kwargs(args, self._settings(k))
         if self.backend == "reference":
-            return Variant("reference", kwargs)  # the ops' MLX implementations
-        # The op's listing for these weights' formats (a CUDA tile may not take a width).
-        if not k.variant_names_for(self.backend, dtype, args):
+            return k.variant("reference", kwargs)
+        if not names:
             return None
-        return Variant(kwargs.get("variant", "rule"), kwargs)
+        return k.variant(kwargs.get("variant", "rule"), kwargs)
 
-    def _candidates(self, k, dtype, args) -> list[Variant]:
-        cands = k.variants(self.backend, dtype, args)
-        if k.name == "swiglu_mlp" and self.mlp_variant_fixed:
-            cands = [v for v in cands if v.name == self.mlp_variant]
-        return cands
-
-    def decision(self, k, args) -> Decision:
-        """The tuning decision for ``args`` of op kind ``k`` (memory, cache, or measured)."""
-        full = f"{self.backend}|{k.key(args)}"
-        if k.name == "swiglu_mlp" and self.mlp_variant_fixed:
-            full += f"|only={self.mlp_variant}"
+    def decision(self, k, args, cands: list[Variant] | None = None) -> Decision:
+        """The tuning decision for ``args`` of op kind ``k`` (memory, cache, or measured);
+        ``cands``: its candidates if the caller has them already."""
+        full = f"{self.backend}|{k.key(args)}{k.settings_suffix(self._settings(k))}"
         d = self.decisions.get(full)
         if d is not None:
             return d
-        cands = self._candidates(k, k.dtype(args), args)
+        if cands is None:
+            cands = self._candidates(k, k.listing(self.backend, k.dtype(args), args), args)
         if self.mode == "auto":
             data = self.cache.get(full)
             if data is not None:
@@ -150,41 +146,46 @@ class Dispatch:
                 except ValueError:
                     d = None
                 if d is not None and d.brick and d.winner not in {v.name for v in cands}:
-                    d = None  # the op no longer offers the winner: measure again
+                    d = None  # the brick no longer offers the winner: measure again
         if d is None:
-            d = tune_op(k, args, self.backend, variants=cands, progress=self.progress)
+            d = tune_op(k, args, self.backend, variants=cands, guard=GUARD,
+                        progress=self.progress)
             if d.stock_s is not None or d.variants:
                 self.cache.put({full: d.to_dict()})
         self.decisions[full] = d
         return d
 
-    def choose(self, kind_name: str, args: dict) -> Choice:
-        """What the piece with op kind ``kind_name`` and arguments ``args`` runs (activations
-        may be ``Act`` placeholders). May measure (tuning, first call of a key)."""
-        k = kind(kind_name)
+    def choose(self, kind, args: dict) -> Choice:
+        """What one piece runs for one call: ``kind`` is the piece's op kind (an ``OpKind``, or
+        a registered kind name), ``args`` its arguments (activations may be ``Act``
+        placeholders). May measure (tuning, first call of a key). The kind's candidates are
+        computed once here and serve the rule, the decision and the winner's variant."""
+        k = kind_of(kind) if isinstance(kind, str) else kind
         key, dtype = k.key(args), k.dtype(args)
-        # Q8_0 K/V is a requested change of the values: no stock op computes it.
-        if not self.tuning or (k.name == "attention" and args.get("kv_quant")):
-            v = self._rule(k, dtype, args)
+        names = k.listing(self.backend, dtype, args)
+        cands = self._candidates(k, names, args)
+        if not self.tuning or k.untuned_reason(args) is not None:
+            v = self._rule(k, names, args)
             if v is None:
                 return Choice(None, f"no {self.backend} kernel for {k.name} ({key.dtype}, "
                               f"w={key.weights})", key)
             reason = "rule"
-        elif not self._candidates(k, dtype, args):
+        elif not cands:
             return Choice(None, f"no {self.backend} kernel for {k.name} ({key.dtype}, "
                           f"w={key.weights})", key)
         else:
-            d = self.decision(k, args)
+            d = self.decision(k, args, cands)
             if not d.brick:
                 return Choice(None, d.reason, key, tuned=d.ratio is not None)
-            v, reason = Variant(d.winner, d.kwargs), d.reason
+            v = next(c for c in cands if c.name == d.winner)
+            reason = d.reason
         if self.guarded:
-            why = GUARD.disabled_reason(self.backend, k.name, v.name, guard_scope(key))
+            why = GUARD.disabled_reason(self.backend, k.name, v.name, key.scope)
             if why is not None:
                 return Choice(None, f"disabled: {why}", key)
         return Choice(v, reason, key)
 
-    def run(self, choice: Choice, kind_name: str, args: dict, stock):
+    def run(self, choice: Choice, kind, args: dict, stock):
         """Run the brick of ``choice`` on ``args`` (real arrays) through the guard.
 
         Args:
@@ -194,7 +195,7 @@ class Dispatch:
         Returns:
             ``(output, None)``, or ``(stock output, "disabled: <reason>")``.
         """
-        k = kind(kind_name)
+        k = kind_of(kind) if isinstance(kind, str) else kind
         if not self.guarded:
             return k.run(choice.variant, args, self.backend), None
         out, reason = GUARD.run(k, choice.variant, args, self.backend, choice.key, stock)

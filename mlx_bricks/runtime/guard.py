@@ -16,28 +16,10 @@ from typing import Callable
 import mlx.core as mx
 
 from mlx_bricks.runtime.kind import Key, OpKind, Variant
+from mlx_bricks.tune.check import KERNEL_ERRORS, one_line
 
-#: What a kernel that cannot be built or launched raises: MLX's compile and launch errors
-#: (``RuntimeError``; the emulator's faults derive from it), argument errors of the op
-#: (``ValueError``), and a brick without a twin on this backend (``NotImplementedError``).
-GUARD_ERRORS = (RuntimeError, ValueError, NotImplementedError)
-
-
-def guard_scope(key: Key) -> str:
-    """What a disabled variant is disabled for besides backend, kind and name: everything in
-    the decision key but the shape bucket, i.e. the op's fixed shape parameters (head_dim, N,
-    K...), the dtype and the weight format. A kernel is built per template instantiation: a
-    float16 build error, a tile too large for 8-bit weights or a head_dim a twin lacks says
-    nothing about the other instantiations."""
-    return f"{key.kind}[{key.params}] {key.dtype} w={key.weights}"
-
-
-def one_line(e: BaseException) -> str:
-    """An exception as one line (its first 300 characters), with its type."""
-    text = " ".join(str(e).split())
-    if len(text) > 300:
-        text = text[:297] + "..."
-    return f"{type(e).__name__}: {text}"
+#: The errors the guard catches (``tune.check.KERNEL_ERRORS``).
+GUARD_ERRORS = KERNEL_ERRORS
 
 
 class Guard:
@@ -45,7 +27,7 @@ class Guard:
 
     Attributes:
         disabled: ``(backend, kind, variant, scope) -> reason`` of every disabled variant
-            (scope: :func:`guard_scope`).
+            (scope: ``Key.scope``).
         passed: ``(backend, kind, variant, key)`` whose first call was checked.
         generation: changes whenever ``disabled`` does.
     """
@@ -93,7 +75,7 @@ class Guard:
             ``(output, None)`` when the brick ran, ``(stock output, reason)`` when it is, or
             just became, disabled.
         """
-        scope = guard_scope(key)
+        scope = key.scope
         reason = self.disabled_reason(backend, kind.name, variant.name, scope)
         if reason is not None:
             return stock(), reason

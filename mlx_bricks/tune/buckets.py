@@ -2,7 +2,8 @@
 
 A decision is keyed by op kind, the op's fixed shape parameters (N and K of a linear layer, the
 head layout of attention), a bucket of the sizes that vary with the prompt (M = batch x tokens of
-a prefill chunk; the q and kv lengths of attention), the dtype and the weight format. The edges
+a prefill chunk; the q and kv lengths of attention), the dtype and the weight format
+(``mlx_bricks.formats.formats_key``). The edges
 follow how GEMM and attention kernels change regime: below 32 rows a 64-row tile is mostly
 padding, up to about 512 rows there are too few tiles to fill a GPU, past 2048 every tile
 variant is compute-bound.
@@ -41,21 +42,3 @@ def attention_bucket(q_len: int, kv_len: int) -> str:
         ValueError: a length that is not a positive int.
     """
     return f"{_bucket(q_len, M_EDGES, 'q')},{_bucket(kv_len, KV_EDGES, 'kv')}"
-
-
-def weight_format(weight) -> str:
-    """``"float"`` for an ``mx.array`` weight, ``"q<bits>g<group_size>"`` (e.g. ``"q4g64"``)
-    for a quantized one (anything with ``bits`` and ``group_size``: ``QuantizedWeight``)."""
-    bits = getattr(weight, "bits", None)
-    if bits is None:
-        return "float"
-    return f"q{bits}g{weight.group_size}"
-
-
-def weights_format(*weights) -> str:
-    """The weight format of an op that takes several weights (q/k/v, gate/up/down): their
-    common :func:`weight_format`, or each one's joined by ``/`` in argument order when they
-    differ (``"q3g64/q3g64/q6g64"``: a mixed recipe's v_proj), so ops whose weights differ in
-    any one format get their own decisions."""
-    formats = [weight_format(w) for w in weights]
-    return formats[0] if len(set(formats)) == 1 else "/".join(formats)

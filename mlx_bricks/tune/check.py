@@ -94,3 +94,18 @@ def worst(results: list[CloseResult]) -> CloseResult:
     if failing:
         return failing[0]
     return max(results, key=lambda r: r.error / r.budget if r.budget else float("inf"))
+
+
+#: What a kernel that cannot be built or launched raises: MLX's compile and launch errors
+#: (``RuntimeError``; the emulator's faults derive from it), argument errors of the op
+#: (``ValueError``), and a brick without a twin on this backend (``NotImplementedError``). The
+#: tuner and the first-call guard (``runtime.guard``) catch these, and nothing broader.
+KERNEL_ERRORS = (RuntimeError, ValueError, NotImplementedError)
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line (its first 300 characters), with its type."""
+    text = " ".join(str(e).split())
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return f"{type(e).__name__}: {text}"

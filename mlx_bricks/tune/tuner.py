@@ -10,14 +10,12 @@ median), and picks the winner: the fastest variant when it beats stock by at lea
 """
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from mlx_bricks.runtime.guard import GUARD, GUARD_ERRORS, Guard, guard_scope, one_line
-from mlx_bricks.runtime.kind import OpKind, Variant
+from mlx_bricks.tune.check import KERNEL_ERRORS, one_line
 from mlx_bricks.tune.timing import time_interleaved
 
 #: The winner's name when no brick variant beats stock.
@@ -103,13 +101,6 @@ class Decision:
             raise ValueError(f"not a tuning decision: {e}") from None
 
 
-def _measured_shapes(kind: OpKind, args: dict) -> dict:
-    if kind.name == "attention":
-        return {"q_len": args["q"].shape[2], "kv_len": args["k"].shape[2],
-                "batch": args["q"].shape[0], "heads": args["q"].shape[1]}
-    return {"M": math.prod(args["x"].shape[:-1])}
-
-
 def _progress_bar(total: int, desc: str, progress: bool | None):
     from tqdm import tqdm
 
@@ -118,59 +109,62 @@ def _progress_bar(total: int, desc: str, progress: bool | None):
                 unit="step")
 
 
-def tune_op(kind: OpKind, args: dict, backend: str, *, variants: list[Variant] | None = None,
-            repeats: int = REPEATS, seed: int = 0, guard: Guard = GUARD,
+def tune_op(kind, args: dict, backend: str, *, variants: list | None = None,
+            repeats: int = REPEATS, seed: int = 0, guard=None,
             progress: bool | None = None) -> Decision:
     """Time every variant of ``kind`` against stock for the shapes of ``args``.
 
     Args:
-        kind: the op kind (``mlx_bricks.runtime.kind.KINDS``).
+        kind: the op kind (a ``mlx_bricks.runtime.kind.OpKind``).
         args: the op's arguments; activations may be real arrays or ``Act`` placeholders (only
             their shapes and dtypes are used: the tuner times synthetic values), weights are
             used as they are.
         backend: the backend the variants run on.
-        variants: the candidates (default: ``kind.variants(backend, dtype)``, the op's
-            listing).
+        variants: the candidates (``runtime.kind.Variant``; default:
+            ``kind.variants(backend, dtype, args)``: the brick's listing and composites).
         repeats: timed rounds per candidate.
         seed: seed of the synthetic activations.
-        guard: where build and numeric failures are recorded (disabled for the process).
+        guard: where build and numeric failures are recorded, disabling the variant for the
+            process (a ``runtime.guard.Guard``; the dispatch passes the process's), or None
+            (recorded in the decision only).
         progress: show a tqdm bar on stderr (None: when stderr is a terminal).
 
     Returns:
         The :class:`Decision` (``source="measured"``).
     """
     k = kind.key(args)
-    key, scope = f"{backend}|{k}", guard_scope(k)
+    key, scope = f"{backend}|{k}", k.scope
     candidates = (kind.variants(backend, kind.dtype(args), args) if variants is None
                   else list(variants))
-    measured = _measured_shapes(kind, args)
+    measured = kind.measured(args)
     if not candidates:
         return Decision(key, STOCK, measured=measured, note=f"no brick variant on {backend}")
     synth = kind.synthetic(args, seed)
     mx.eval([synth[n] for n in kind.activations if synth.get(n) is not None])
     results: dict[str, dict] = {}
-    passing: dict[str, Variant] = {}
+    passing: dict = {}
     bar = _progress_bar(len(candidates) + 1, f"mlx-bricks tune {kind.key(args)}", progress)
     try:
         naive = kind.stock(synth)
         mx.eval(naive)
         for v in candidates:
             bar.set_postfix_str(f"check {v.name}")
-            reason = guard.disabled_reason(backend, kind.name, v.name, scope)
+            reason = (None if guard is None
+                      else guard.disabled_reason(backend, kind.name, v.name, scope))
             if reason is None:
                 try:
                     out = kind.run(v, synth, backend)
                     mx.eval(out)
-                except GUARD_ERRORS as e:
+                except KERNEL_ERRORS as e:
                     reason = f"{kind.name} variant {v.name} on {backend} failed to build or " \
                              f"run: {one_line(e)}"
-                    guard.disable(backend, kind.name, v.name, scope, reason)
                 else:
                     check = kind.check(out, naive, synth)
                     if not check.ok:
                         reason = f"{kind.name} variant {v.name} on {backend}: numeric check " \
                                  f"failed ({check})"
-                        guard.disable(backend, kind.name, v.name, scope, reason)
+                if reason is not None and guard is not None:
+                    guard.disable(backend, kind.name, v.name, scope, reason)
             results[v.name] = {"s": None, "ok": reason is None, "error": reason, "calls": 0}
             if reason is None:
                 passing[v.name] = v

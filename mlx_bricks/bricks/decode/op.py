@@ -24,7 +24,7 @@ import numbers
 import mlx.core as mx
 
 from mlx_bricks import kernels
-from mlx_bricks.backends import kernel_backend
+from mlx_bricks.backends import op_backend
 from mlx_bricks.kernels import launch
 from mlx_bricks.checks import check_array, check_float_dtype
 from mlx_bricks.bricks.q8_0.op import quantize_q8_0
@@ -234,7 +234,7 @@ def decode_attention(q, k, v, *, scale, mask=None, kv_quant=None, splits=None, b
         NotImplementedError: never for this brick (it has a CUDA twin).
     """
     _check(q, k, v, scale, mask, kv_quant, splits)
-    name = kernel_backend("decode_attention", backend)
+    name = op_backend("decode_attention", backend)
     scale = float(scale)
     if name == "reference":
         return decode_attention_reference(q, k, v, scale=scale, mask=mask, kv_quant=kv_quant)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlx_bricks.kernels import launch
-from mlx_bricks.formats.affine import QuantizedWeight
+from mlx_bricks.formats import format_of
 
 #: K per pipeline stage (gemm.cuh GEMM_BK).
 BK = 64
@@ -126,23 +126,13 @@ def check_dtype(dtype) -> None:
         raise NotImplementedError(reason)
 
 
-def cuda_or(backend: str | None, dtype) -> str:
-    """The backend an op with a CUDA twin runs on (:func:`mlx_bricks.backends.resolve_backend`),
-    except that an automatic choice of ``cuda`` for a dtype without a twin (float32) runs
-    ``reference``: the same math as stock.
-
-    Raises:
-        mlx_bricks.backends.BackendError: see ``active_backend``.
-        NotImplementedError: ``backend="cuda"`` given explicitly with float32 activations.
-    """
-    from mlx_bricks.backends import active_backend
-
-    choice = active_backend(backend)
-    if choice.name == "cuda" and unsupported_reason(dtype) is not None:
-        if choice.source == "argument":
-            check_dtype(dtype)
-        return "reference"
-    return choice.name
+def dtype_tile_names(tiles: dict, dtype, weight_operands: int = 1,
+                     bits: int | None = None) -> tuple[str, ...]:
+    """The tiles of ``tiles`` this GPU runs for activations of ``dtype`` (None: any supported
+    dtype) and weights of ``bits`` (None: float): none for a dtype without a twin."""
+    if dtype is not None and unsupported_reason(dtype) is not None:
+        return ()
+    return tile_names(tiles, weight_operands=weight_operands, bits=bits)
 
 
 def select_tile(M: int, N: int, tiles: dict = TILES, weight_operands: int = 1,
@@ -204,16 +194,7 @@ def weight_triple(weight, dtype, name: str = "weight"):
     Raises:
         TypeError: a float weight or affine scales of another dtype than the activations.
     """
-    if isinstance(weight, QuantizedWeight):
-        if weight.scales.dtype != dtype:
-            raise TypeError(f"{name}.scales is {weight.scales.dtype} but x is {dtype}; the "
-                            "CUDA twins take scales and biases of the activation dtype")
-        arrays = tuple(mx.contiguous(a) for a in (weight.w, weight.scales, weight.biases))
-        return arrays, weight.bits, weight.group_size
-    if weight.dtype != dtype:
-        raise TypeError(f"{name} is {weight.dtype} but x is {dtype}")
-    w = mx.contiguous(weight)
-    return (w, w, w), 0, 32
+    return format_of(weight).cuda_inputs(weight, dtype, name)
 
 
 def _smem(tile: CudaTile, bits_list, weight_operands: int = 1) -> int:

@@ -1,4 +1,5 @@
-"""Bricks 1 and 2: tiled GEMM for nn.Linear layout, ``y = x @ weight.T (+ bias) (+ residual)``.
+"""The GEMM brick's MSL kernel (bricks 1 and 2: the tiled GEMM and its ingestion pipeline) for
+nn.Linear layout, ``y = x @ weight.T (+ bias) (+ residual)``: spec, tiles, plan and launch.
 
 The kernel (``metal_src/gemm.metal`` on the shared pipeline in ``metal_src/gemm.h``) computes one
 BM x BN output tile per threadgroup of 4 simdgroups with 8x8 ``simdgroup_matrix<float>``
@@ -15,13 +16,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlx_bricks.backends import resolve_backend
+from mlx_bricks.formats import format_of
 from mlx_bricks.kernels import KernelSpec, launch, register
-from mlx_bricks.bricks.gemm import cuda as gemm_cuda
-from mlx_bricks.bricks.gemm.cuda import cuda_or
-from mlx_bricks.checks import check_array, check_float_dtype, check_k, check_same_dtype
-from mlx_bricks.formats.affine import check_weight, is_quantized, quantized_linear_reference
-from mlx_bricks.runtime.variants import kernel_variants
 
 register(KernelSpec(
     name="gemm",
@@ -115,29 +111,6 @@ class GemmPlan:
                 ("ALIGN_MN", self.align_mn), ("STAGES", t.stages), *flags.items()]
 
 
-def tile_names(backend: str, dtype=None, bits: int | None = None) -> tuple[str, ...]:
-    """The names :func:`linear` accepts as ``tile=`` on ``backend`` for activations of
-    ``dtype`` (None: any) and weights of ``bits`` (None: float): the variants the tuner
-    (``mlx_bricks.tune``) times against stock. MSL backends: :data:`TILES`; ``cuda``: the
-    twin's tiles this GPU can run for that format (``gemm_cuda.tile_names``), none for a dtype
-    without a twin (float32); ``reference``: none (it runs MLX ops).
-
-    Raises:
-        mlx_bricks.backends.BackendError: ``backend`` is not one of ``BACKENDS``.
-    """
-    return kernel_variants(backend, "gemm", tuple(TILES),
-                           cuda_names=lambda: gemm_cuda_tiles(gemm_cuda.TILES, dtype, bits=bits))
-
-
-def gemm_cuda_tiles(tiles: dict, dtype, weight_operands: int = 1,
-                    bits: int | None = None) -> tuple[str, ...]:
-    """The CUDA tiles of ``tiles`` this GPU runs for ``dtype`` (None: any supported dtype) and
-    weights of ``bits`` (None: float)."""
-    if dtype is not None and gemm_cuda.unsupported_reason(dtype) is not None:
-        return ()
-    return gemm_cuda.tile_names(tiles, weight_operands=weight_operands, bits=bits)
-
-
 def select_tile(M: int, N: int) -> str:
     """The tile rule: ``"64x64"`` when M > 32, N > 32 and the 64x64 grid has at least
     ``MIN_THREADGROUPS_64`` threadgroups; ``"32x32"`` otherwise (a 64-wide tile would be mostly
@@ -212,125 +185,14 @@ def plan_gemm(M: int, N: int, K: int, dtype, *, tile: str | None = None,
     )
 
 
-def linear_reference(x, weight, bias=None, residual=None):
-    """Reference of :func:`linear` in MLX ops (what the ``reference`` backend runs): ``x @
-    weight.T``, or ``mx.quantized_matmul`` for a ``QuantizedWeight`` (what
-    ``nn.QuantizedLinear`` runs), then ``+ bias + residual``."""
-    if is_quantized(weight):
-        return quantized_linear_reference(x, weight, bias, residual)
-    y = x @ weight.T
-    if bias is not None:
-        y = y + bias
-    if residual is not None:
-        y = y + residual
-    return y
-
-
-def _check_linear(x, weight, bias, residual):
-    """Validate the arguments; returns the weight as the kernels take it (``as_weight``)."""
-    check_array("x", x, min_ndim=1)
-    check_float_dtype("x", x)
-    K = check_k(x)
-    weight = check_weight("weight", weight, x, K)
-    check_same_dtype("x", x, bias=bias, residual=residual)
-    N = weight.shape[0]
-    if bias is not None:
-        check_array("bias", bias)
-        if tuple(bias.shape) != (N,):
-            raise ValueError(f"bias must have shape ({N},), got {tuple(bias.shape)}")
-    if residual is not None:
-        check_array("residual", residual)
-        out_shape = (*x.shape[:-1], N)
-        if tuple(residual.shape) != out_shape:
-            raise ValueError(
-                f"residual must have the output shape {out_shape}, got {tuple(residual.shape)}"
-            )
-    return weight
-
-
-def linear(x, weight, bias=None, residual=None, *, tile=None, backend=None):
-    """``y = x @ weight.T (+ bias) (+ residual)`` on the GEMM brick.
-
-    Algorithm: tiled GEMM on 8x8 ``simdgroup_matrix`` fragments with float accumulators, 128-bit
-    global loads into ping-pong threadgroup buffers, bias and residual added in the epilogue
-    (the structure of MLX's steel GEMM; see ``docs/bricks.md``). A quantized weight is
-    dequantized once per staged tile into threadgroup memory (as MLX's ``qmm`` does), so the
-    MMA and the epilogue are the float GEMM's.
-
-    Args:
-        x: (..., K) float16, bfloat16 or float32, K >= 1; M is the product of the leading dims
-            (M = 0 or N = 0 give an empty result without a launch). Read through its strides:
-            views (slices, transposes, broadcasts) are not copied.
-        weight: the (N, K) weight as ``nn.Linear`` stores it, either an ``mx.array`` of x's
-            dtype, or MLX affine-quantized: a :class:`~mlx_bricks.formats.affine.QuantizedWeight`
-            ``(w, scales, biases, group_size, bits)`` (``w`` uint32 (N, K * bits / 32),
-            ``scales``/``biases`` (N, K / group_size) of x's dtype; bits 2, 3, 4, 5, 6, 8,
-            group_size 32, 64, 128) or an ``nn.QuantizedLinear`` (its weight is taken, not its
-            bias).
-        bias: optional (N,), x's dtype.
-        residual: optional (..., N) (the output shape), x's dtype; added in the epilogue.
-        tile: ``None`` (the rule of :func:`select_tile`) or a key of :data:`TILES`
-            (``"64x64"``, ``"32x32"``, and their single-buffered ``"64x64_sb"``, ``"32x32_sb"``).
-        backend: ``None`` (auto), ``"metal"``, ``"emulator"``, ``"reference"``
-            (see ``mlx_bricks.backends``); ``reference`` runs :func:`linear_reference`
-            (``mx.quantized_matmul`` for a quantized weight).
-
-    Returns:
-        (..., N) array of x's dtype; products summed in float32, bias and residual added in
-        float32, one rounding to the output dtype. A quantized weight's values are
-        ``T(scale * q + bias)`` (one rounding to x's dtype) before the products.
-
-    Copies: weight (or the quantized triple), bias and residual are copied only when they are
-    not row-contiguous (``mx.contiguous``); nn.Linear weights never are.
-
-    Raises:
-        TypeError: non-array arguments, non-float dtypes, mixed dtypes (a quantized weight's
-            scales must have x's dtype), or a weight that is neither an array nor quantized.
-        ValueError: shapes that do not match, a quantized weight MLX's affine format does not
-            describe (mode, bits, group_size, packed width vs K, scales/biases shapes), an
-            unknown ``tile``, or a bad backend.
-        NotImplementedError: backend ``cuda`` (no CUDA twin yet).
-    """
-    weight = _check_linear(x, weight, bias, residual)
-    name = cuda_or(backend, x.dtype)
-    if name != "cuda" and tile is not None and tile not in TILES:
-        raise ValueError(f"tile must be None or one of {sorted(TILES)}, got {tile!r}")
-    if name == "reference":
-        return linear_reference(x, weight, bias, residual)
-    N, K = weight.shape
-    out_shape = (*x.shape[:-1], N)
-    M = math.prod(x.shape[:-1])
-    if M == 0 or N == 0:
-        return mx.zeros(out_shape, dtype=x.dtype)
-    if name == "cuda":
-        return gemm_cuda.linear(x, weight, bias, residual, tile=tile)
-    plan = plan_gemm(M, N, K, x.dtype, tile=tile, group_size=_group_size(weight))
-    return launch_gemm(x, weight, bias, residual, plan, name)
-
-
-def _group_size(weight) -> int | None:
-    return weight.group_size if is_quantized(weight) else None
-
-
-def weight_inputs(weight) -> tuple[list, dict]:
-    """The kernel inputs ``[weight, scales, biases]`` and template flags ``BITS``,
-    ``GROUP_SIZE`` of a float or quantized weight, made row-contiguous (a float weight also
-    stands in for the absent scales and biases, which the kernel then never reads)."""
-    if is_quantized(weight):
-        arrays = [mx.contiguous(a) for a in (weight.w, weight.scales, weight.biases)]
-        return arrays, {"BITS": weight.bits, "GROUP_SIZE": weight.group_size}
-    w = mx.contiguous(weight)
-    return [w, w, w], {"BITS": 0, "GROUP_SIZE": 0}
-
-
 def launch_gemm(x, weight, bias, residual, plan: GemmPlan, backend: str):
-    """Launch the GEMM kernel with an explicit ``plan`` (what :func:`linear` does after its
-    checks; benchmarks use it to try other pitches). Arguments as in :func:`linear`, already
+    """Launch the GEMM kernel with an explicit ``plan`` (what ``op.linear`` does after its
+    checks; benchmarks use it to try other pitches). Arguments as in ``op.linear``, already
     validated (``weight`` an ``mx.array`` or a ``QuantizedWeight``); ``backend`` is
     ``"metal"`` or ``"emulator"``; M = prod(x.shape[:-1]) >= 1."""
     N = weight.shape[0]
     M = math.prod(x.shape[:-1])
-    w_inputs, w_flags = weight_inputs(weight)
+    w_inputs, w_flags = format_of(weight).msl_inputs(weight)
     # Absent bias/residual: the kernel is compiled without them; the second weight input
     # (scales, or the float weight itself: x's dtype either way) stands in.
     placeholder = w_inputs[1]

@@ -1,0 +1,116 @@
+"""The attention brick's tuner kind: ``softmax(mask(softcap(q k^T * scale))) v`` with GQA against
+``mx.fast.scaled_dot_product_attention`` (what mlx-lm's ``scaled_dot_product_attention`` runs
+for a ``KVCache``). Arguments as ``ops.flash_attention`` takes them: ``q, k, v, scale, mask,
+kv_quant`` and optionally ``window``, ``softcap`` (mask None or ``"causal"``, bottom-right
+aligned; window None or a sliding-window length; softcap None or > 0; kv_quant None or
+``"q8_0"``)."""
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from mlx_bricks.bricks.attention.op import (
+    DEFAULT_VARIANT,
+    flash_attention_reference,
+    run_flash_attention,
+    variant_names,
+)
+from mlx_bricks.checks import dtype_name
+from mlx_bricks.formats.q8_0 import kv_dense
+from mlx_bricks.runtime.kind import Key, OpKind, flags, high_precision, register_kind
+from mlx_bricks.tune.buckets import attention_bucket
+
+#: Options that change the values and have no stock fast path (their stock is the brick's
+#: MLX-ops reference, what mlx-lm's gemma-style attention computes).
+_OPTIONS = ("window", "softcap")
+
+
+class Attention(OpKind):
+    """The attention kind (module docstring)."""
+
+    name = "attention"
+    op_name = "flash_attention"
+    activations = ("q", "k", "v")
+
+    def key(self, args):
+        q, k = args["q"], args["k"]
+        _, Hq, Lq, D = q.shape
+        Hkv, Lk = k.shape[1], k.shape[2]
+        values = dict(head_dim=D, gqa=Hq // Hkv, kv_quant=args.get("kv_quant") or "none",
+                      mask=args.get("mask") or "none")
+        values.update({o: args[o] for o in _OPTIONS if args.get(o) is not None})
+        return Key(self.name, flags(**values), attention_bucket(Lq, Lk), dtype_name(q.dtype),
+                   "-")
+
+    @staticmethod
+    def _options(args) -> dict:
+        return {o: args.get(o) for o in _OPTIONS}
+
+    def brick(self, args, backend, **kwargs):
+        return run_flash_attention(args["q"], args["k"], args["v"], scale=args["scale"],
+                                   mask=args.get("mask"), kv_quant=args.get("kv_quant"),
+                                   backend=backend, **self._options(args), **kwargs)
+
+    def stock(self, args):
+        if args.get("kv_quant") is not None or any(self._options(args).values()):
+            # Q8_0 K/V, a window or a soft-cap: no stock fast op; the brick's MLX-ops reference.
+            return flash_attention_reference(args["q"], args["k"], args["v"],
+                                             scale=args["scale"], mask=args.get("mask"),
+                                             kv_quant=args.get("kv_quant"),
+                                             **self._options(args))
+        return mx.fast.scaled_dot_product_attention(args["q"], args["k"], args["v"],
+                                                    scale=args["scale"], mask=args.get("mask"))
+
+    def listing(self, backend, dtype, args):
+        return variant_names(backend, dtype)
+
+    def variant_kwargs(self, name):
+        if name != DEFAULT_VARIANT:
+            raise ValueError(f"unknown attention variant {name!r}")
+        return {}  # one kernel so far, selected by no argument
+
+    def untuned_reason(self, args):
+        if args.get("kv_quant"):
+            return "Q8_0 K/V is a requested change of the values: no stock op computes it"
+        return None
+
+    def n_rows(self, args):
+        return args["q"].shape[2]
+
+    def measured(self, args):
+        return {"q_len": args["q"].shape[2], "kv_len": args["k"].shape[2],
+                "batch": args["q"].shape[0], "heads": args["q"].shape[1]}
+
+    def tail(self, out, rows):
+        return out[:, :, -rows:, :]
+
+    def reference_tail(self, args, rows):
+        q, k, v = args["q"], args["k"], args["v"]
+        if args.get("kv_quant") == "q8_0":
+            # The values the brick attends over: Q8_0 round trip in q's dtype.
+            k, v = kv_dense(k, q.dtype), kv_dense(v, q.dtype)
+        Hq, Hkv, Lk = q.shape[1], k.shape[1], k.shape[2]
+        with high_precision(q.dtype) as hp:
+            qt = q[:, :, -rows:, :].astype(hp)
+            kh = mx.repeat(k.astype(hp), Hq // Hkv, axis=1)
+            vh = mx.repeat(v.astype(hp), Hq // Hkv, axis=1)
+            s = (qt @ kh.transpose(0, 1, 3, 2)) * args["scale"]
+            if args.get("softcap") is not None:
+                s = mx.tanh(s / args["softcap"]) * args["softcap"]
+            if args.get("mask") == "causal":
+                # bottom-right aligned: query row r sits at position p = Lk - rows + r and sees
+                # keys j <= p (and j > p - window with a sliding window)
+                pos = (Lk - rows + mx.arange(rows))[:, None]
+                j = mx.arange(Lk)[None, :]
+                visible = j <= pos
+                if args.get("window") is not None:
+                    visible = visible & (j > pos - args["window"])
+                s = mx.where(visible, s, mx.array(-math.inf, hp))
+            s = s - mx.max(s, axis=-1, keepdims=True)
+            p = mx.exp(s)
+            out = (p / mx.sum(p, axis=-1, keepdims=True)) @ vh
+        return out
+
+
+ATTENTION = register_kind(Attention())

@@ -1,0 +1,47 @@
+"""The GEMM brick's pieces in a patched mlx-lm module: a linear layer's arguments for the
+``linear`` kind, its stock path, and the finish of a row-sharded output projection.
+
+A piece is what a patched module hands the dispatch for one part of its prefill: the op kind,
+the arguments (built from the module's own layers), and the stock computation (the layer
+itself). Tensor-parallel layers (``formats.layers``): for a row-sharded o/down the piece
+computes the local partial product (no bias, no residual), then :func:`finish` applies the
+layer's ``all_sum``, its bias and the residual once.
+"""
+from __future__ import annotations
+
+from mlx_bricks.bricks.gemm.kind import LINEAR
+from mlx_bricks.formats.layers import (
+    bias_of,
+    is_row_sharded,
+    partial_product,
+    reduce_partial,
+    weight_of,
+)
+
+#: The op kind of a linear piece.
+KIND = LINEAR
+
+
+def linear_args(linear, x, residual=None) -> dict:
+    """The ``linear`` piece's arguments. For a row-sharded layer the brick computes the local
+    partial product only: bias and residual come after the ``all_sum`` (:func:`finish`)."""
+    if is_row_sharded(linear):
+        return {"x": x, "weight": weight_of(linear), "bias": None, "residual": None}
+    return {"x": x, "weight": weight_of(linear), "bias": bias_of(linear), "residual": residual}
+
+
+def out_stock(linear, x, residual=None):
+    """The stock path of an output-projection piece: mlx-lm's ``residual + linear(x)``; for a
+    row-sharded layer the piece's value is the local partial product (:func:`finish` reduces
+    it)."""
+    if is_row_sharded(linear):
+        return partial_product(linear, x)
+    y = linear(x)
+    return y if residual is None else residual + y
+
+
+def finish(linear, y, residual=None):
+    """The output of an output projection (o, down) from its piece's output ``y``: for a
+    row-sharded layer ``y`` is this rank's partial product, reduced as the stock layer does
+    (``all_sum``, bias, then the residual once); otherwise ``y`` is already complete."""
+    return reduce_partial(linear, y, residual) if is_row_sharded(linear) else y

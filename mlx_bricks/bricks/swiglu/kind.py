@@ -1,0 +1,112 @@
+"""The SwiGLU brick's tuner kind: the whole MLP ``down(act(gate(x)) * up(x)) (+ residual)``
+against mlx-lm's ``MLP`` (``down(swiglu(gate(x), up(x)))``, gemma's ``gelu_approx(gate) * up``).
+Arguments: ``x, w_gate, w_up, w_down, b_gate, b_up, b_down, residual`` and optionally
+``activation`` (``"silu"`` when absent, or ``"gelu_tanh"``).
+
+Settings (``patch_model(mlp_variant=...)``): ``{"variant": "fused" | "split", "fixed": bool}``:
+the variant the untuned rules run, and whether the caller asked for it (tuning then weighs only
+that variant against stock).
+"""
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_bricks.bricks.swiglu.op import run_swiglu_mlp, variant_for, variant_names
+from mlx_bricks.checks import dtype_name
+from mlx_bricks.formats import dense, format_of, formats_key, same_format
+from mlx_bricks.runtime.kind import Key, TokenRowsKind, flags, high_precision, register_kind
+from mlx_bricks.tune.buckets import m_bucket
+
+
+class SwigluMLP(TokenRowsKind):
+    """The SwiGLU MLP kind (module docstring)."""
+
+    name = "swiglu_mlp"
+    op_name = name
+    activations = ("x", "residual")
+
+    def key(self, args):
+        x, wg = args["x"], args["w_gate"]
+        N, K = wg.shape
+        values = dict(K=K, N=N, bias=args.get("b_gate") is not None,
+                      res=args.get("residual") is not None)
+        if args.get("activation", "silu") != "silu":  # SiLU keys stay as they were
+            values["act"] = args["activation"]
+        return Key(self.name, flags(**values), m_bucket(math.prod(x.shape[:-1])),
+                   dtype_name(x.dtype), formats_key(wg, args["w_up"], args["w_down"]))
+
+    def brick(self, args, backend, **kwargs):
+        if "variant" not in kwargs:  # the brick's own rule, as ops.swiglu_mlp(variant=None)
+            kwargs["variant"] = variant_for(None, args["w_gate"], args["w_up"])
+        return run_swiglu_mlp(args["x"], args["w_gate"], args["w_up"], args["w_down"],
+                              args.get("residual"), args.get("b_gate"), args.get("b_up"),
+                              args.get("b_down"), activation=args.get("activation", "silu"),
+                              backend=backend, **kwargs)
+
+    def stock(self, args):
+        from mlx_lm.models.activations import swiglu
+
+        x = args["x"]
+
+        def lin(a, w, b):
+            return format_of(w).linear(a, w, b)
+
+        gate = lin(x, args["w_gate"], args.get("b_gate"))
+        up = lin(x, args["w_up"], args.get("b_up"))
+        if args.get("activation", "silu") == "gelu_tanh":
+            act = nn.gelu_approx(gate) * up  # mlx_lm.models.gemma3_text.MLP
+        else:
+            act = swiglu(gate, up)
+        y = lin(act, args["w_down"], args.get("b_down"))
+        res = args.get("residual")
+        return y if res is None else res + y
+
+    def listing(self, backend, dtype, args):
+        """The variants, without ``fused`` when gate and up differ in format: the fused kernel
+        stages both with one loader."""
+        names = variant_names(backend, dtype)
+        if args is None or same_format(args["w_gate"], args["w_up"]):
+            return names
+        return tuple(n for n in names if n != "fused")
+
+    def variant_kwargs(self, name):
+        return {"variant": name}
+
+    def rule_kwargs(self, args, settings):
+        """The patch's variant, except ``split`` when gate and up differ in format."""
+        variant = settings.get("variant", "fused")
+        return {"variant": variant if same_format(args["w_gate"], args["w_up"]) else "split"}
+
+    def restrict(self, variants, settings):
+        if settings.get("fixed"):
+            return [v for v in variants if v.name == settings.get("variant")]
+        return variants
+
+    def settings_suffix(self, settings):
+        return f"|only={settings['variant']}" if settings.get("fixed") else ""
+
+    def reference_tail(self, args, rows):
+        x, res = args["x"], args.get("residual")
+        with high_precision(x.dtype) as hp:
+            x2 = x.reshape(-1, x.shape[-1])[-rows:].astype(hp)
+
+            def lin(a, w, b):
+                y = a @ dense(w).astype(hp).T
+                return y if b is None else y + b.astype(hp)
+
+            g = lin(x2, args["w_gate"], args.get("b_gate"))
+            u = lin(x2, args["w_up"], args.get("b_up"))
+            if args.get("activation", "silu") == "gelu_tanh":
+                a = 0.5 * g * (1 + mx.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3)))
+            else:
+                a = g * mx.sigmoid(g)
+            y = lin(a * u, args["w_down"], args.get("b_down"))
+            if res is not None:
+                y = y + res.reshape(-1, res.shape[-1])[-rows:].astype(hp)
+        return y
+
+
+SWIGLU_MLP = register_kind(SwigluMLP())

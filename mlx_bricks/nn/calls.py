@@ -1,0 +1,106 @@
+"""Per-call checks of the patched attention and block modules: whether this call (its input,
+mask, cache, extra arguments) is one the bricks compute, and the call-shape key their choices
+are remembered under. The structure of the module is checked apart (``nn.structure``)."""
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from mlx_bricks.bricks.attention.piece import kv_length
+from mlx_bricks.checks import FLOAT_DTYPES, dtype_name
+
+#: Stock-call reason for single-token steps: decode is stock by design, not a fallback.
+DECODE = "decode (L == 1): stock path by design"
+
+_Q8KVCache: list = []  # mlx_bricks.cache.Q8KVCache, imported late (that module imports the ops)
+
+
+def is_q8_cache(cache) -> bool:
+    """True for a ``mlx_bricks.cache.Q8KVCache`` (exact type)."""
+    if not _Q8KVCache:
+        from mlx_bricks.cache import Q8KVCache
+
+        _Q8KVCache.append(Q8KVCache)
+    return type(cache) is _Q8KVCache[0]
+
+
+def layer_window(attn, layout) -> tuple[int | None, str | None]:
+    """``(window, reason)`` of an attention module: ``(None, None)`` on a global layer,
+    ``(layout.sliding_window, None)`` on a sliding-window layer (``layout.sliding`` set on the
+    module), ``(None, reason)`` when the window length is unknown."""
+    if layout.sliding is None or not getattr(attn, layout.sliding, False):
+        return None, None
+    if layout.sliding_window is None:
+        return None, (f"sliding-window layer ({layout.sliding}=True): the model's args have no "
+                      f"{layout.window_arg or 'window length'}")
+    return layout.sliding_window, None
+
+
+def _array_mask_reason(mask, cache, L: int, window) -> str | None:
+    """On a sliding-window layer (``window`` set) or a model that passes its causal mask as an
+    array (``BlockLayout.causal_array``): None when the brick's causal mask (with ``window``,
+    bottom-right aligned over the keys the cache returns) computes what mlx-lm's mask does.
+
+    mlx-lm (``base.create_attention_mask``, ``RotatingKVCache.make_mask``) gives a sliding layer
+    ``"causal"`` while the window cannot exclude a key, else the 2-D boolean
+    ``create_causal_mask(L, offset, window_size)`` of shape (L, keys); ``return_array=True``
+    gives the same without a window. Batch padding masks are 4-D and fall back. A
+    ``RotatingKVCache`` (sliding layers only) returns its keys in temporal order when
+    ``keep == 0`` (``_update_concat``), which the bottom-right alignment needs."""
+    caches = (KVCache, RotatingKVCache) if window is not None else (KVCache,)
+    if cache is not None and type(cache) not in caches:
+        names = " or ".join(c.__name__ for c in caches)
+        return f"cache is {type(cache).__name__}, not {names}"
+    if type(cache) is RotatingKVCache and cache.keep:
+        return f"RotatingKVCache keeps {cache.keep} leading tokens: keys are not contiguous"
+    if isinstance(mask, str) and mask == "causal":
+        return None
+    if (isinstance(mask, mx.array) and mask.dtype == mx.bool_
+            and tuple(mask.shape) == (L, kv_length(cache, L))):
+        return None
+    what = f"an array {tuple(mask.shape)}" if isinstance(mask, mx.array) else repr(mask)
+    kind = "sliding-window" if window is not None else "causal"
+    return f"mask is {what}: not mlx-lm's (L, keys) {kind} mask"
+
+
+def mask_key(mask, cache, L: int):
+    """The mask as a call-shape key: an accepted array mask by its key count."""
+    return ("array", kv_length(cache, L)) if isinstance(mask, mx.array) else mask
+
+
+def call_reason(x, mask, cache, args, kwargs, window=None, causal_array=False) -> str | None:
+    """Per-call conditions shared by attention and block (cheap checks first); ``window``:
+    the layer's sliding window (:func:`layer_window`), ``causal_array``: the layout's (both
+    accept mlx-lm's array masks, :func:`_array_mask_reason`)."""
+    if args or kwargs:
+        extra = [f"{len(args)} extra positional"] if args else []
+        extra += sorted(kwargs)
+        return f"extra call arguments ({', '.join(extra)}): passed to the stock path"
+    if not isinstance(x, mx.array) or x.ndim != 3:
+        return "input is not a (B, L, D) array"
+    if x.shape[1] == 1:
+        return DECODE
+    if x.dtype not in FLOAT_DTYPES:
+        return f"input dtype {dtype_name(x.dtype)} is not float16/bfloat16/float32"
+    if window is not None or causal_array:
+        return _array_mask_reason(mask, cache, x.shape[1], window)
+    if mask is not None and not (isinstance(mask, str) and mask == "causal"):
+        what = "an array" if isinstance(mask, mx.array) else repr(mask)
+        return f"mask is {what} (sliding window or padding): the attention brick takes causal only"
+    if cache is not None and type(cache) is not KVCache and not is_q8_cache(cache):
+        return f"cache is {type(cache).__name__}, not KVCache or Q8KVCache"
+    return None
+
+
+def piece_call_reason(x, args, kwargs) -> str | None:
+    """Per-call conditions of a single-piece module (an MLP): ``(..., L, D)`` float input,
+    L > 1 (decode stays stock), no extra call arguments."""
+    if args or kwargs:
+        return f"extra call arguments ({len(args)} positional, {sorted(kwargs)}): stock"
+    if not isinstance(x, mx.array) or x.ndim < 2:
+        return "input is not a (..., L, D) array"
+    if x.shape[-2] == 1:
+        return DECODE
+    if x.dtype not in FLOAT_DTYPES:
+        return f"input dtype {dtype_name(x.dtype)} is not float16/bfloat16/float32"
+    return None

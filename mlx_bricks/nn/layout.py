@@ -1,0 +1,79 @@
+"""``BlockLayout``: where an mlx-lm decoder block keeps its parts, and the architecture facts the
+patched modules need (one entry per architecture in ``mlx_bricks.patch.table``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where an mlx-lm pre-norm decoder block keeps its parts (attribute names), and the facts
+    of its architecture.
+
+    The block computes ``h = x + attn(input_norm(x)); out = h + mlp(post_attention_norm(h))``;
+    the attention projects with q/k/v/o ``nn.Linear`` or ``nn.QuantizedLinear`` (MLX affine)
+    layers (biases optional), optionally applies per-head RMSNorms (``qk_norm``, qwen3) before
+    RoPE, and the MLP is ``down(act(gate(x)) * up(x))`` with ``act`` the layout's
+    ``activation``.
+
+    Architecture facts:
+        source: the mlx-lm model file (``mlx_lm/models/llama.py``); its module is where an
+            ``offset_norm`` architecture defines its ``RMSNorm`` class.
+        offset_norm: the model's RMSNorms compute ``mx.fast.rms_norm(x, 1 + weight, eps)``
+            (gemma: the checkpoint stores ``w - 1``) with the model file's own ``RMSNorm``
+            class; False: ``nn.RMSNorm``.
+        layer_sliding: attribute of a decoder layer that is True on a sliding-window layer the
+            patch leaves stock (llama's ``use_sliding``: its layers get a ``RotatingKVCache``);
+            None: no such layers.
+        activation: the MLP's gate activation, ``"silu"`` or ``"gelu_tanh"`` (gemma's
+            ``nn.gelu_approx``; ``bricks.swiglu.variants.ACTIVATIONS``).
+        sliding: attribute of the attention module that is True on sliding-window layers the
+            attention brick runs with a window (gemma3: ``is_sliding``); None: none.
+        window_arg: field of the model's args that holds the window length
+            (``sliding_window``); :func:`mlx_bricks.patch.table.lookup` copies its value into
+            ``sliding_window`` for one model.
+        sliding_window: the window length (keys each query sees, itself included), or None
+            while unknown (sliding layers then run stock, with the reason).
+        unfused: why the unified block (``BricksBlock``) does not apply to this architecture
+            (None: it does); attention and MLP are then patched one by one.
+        softcap: attribute of the attention module that holds the logit soft-cap
+            (gemma2: ``attn_logit_softcapping``, ``cap * tanh(s / cap)``); None: no soft-cap.
+        causal_array: the model passes its causal mask as mlx-lm's boolean
+            ``create_causal_mask`` array (gemma2: ``return_array=True``), taken as causal.
+    """
+
+    source: str
+    attention: str = "self_attn"
+    mlp: str = "mlp"
+    input_norm: str = "input_layernorm"
+    post_attention_norm: str = "post_attention_layernorm"
+    q_proj: str = "q_proj"
+    k_proj: str = "k_proj"
+    v_proj: str = "v_proj"
+    o_proj: str = "o_proj"
+    gate_proj: str = "gate_proj"
+    up_proj: str = "up_proj"
+    down_proj: str = "down_proj"
+    qk_norm: tuple[str, str] | None = None
+    offset_norm: bool = False
+    layer_sliding: str | None = None
+    activation: str = "silu"
+    sliding: str | None = None
+    window_arg: str | None = None
+    sliding_window: int | None = None
+    unfused: str | None = None
+    softcap: str | None = None
+    causal_array: bool = False
+
+    @property
+    def attention_linears(self) -> tuple[str, str, str, str]:
+        return (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
+
+    @property
+    def mlp_linears(self) -> tuple[str, str, str]:
+        return (self.gate_proj, self.up_proj, self.down_proj)
+
+    @property
+    def module(self) -> str:
+        """The model file's module name (``mlx_lm.models.llama``)."""
+        return self.source.removesuffix(".py").replace("/", ".")
