@@ -21,7 +21,8 @@ from mlx_bricks.patch import patch_model
 from mlx_bricks.runtime.dispatch import NO_KERNEL_BACKEND
 from mlx_bricks.tune.cache import DecisionCache
 from mlx_bricks.runtime.guard import GUARD
-from mlx_bricks.runtime.kind import Act, Variant, kinds
+from mlx_bricks.bricks import kinds
+from mlx_bricks.runtime.kind import Act, Variant
 from mlx_bricks.tune.tuner import Decision
 from tests.models import build_model, clone, tokens
 from tests.support import require_backend

@@ -40,7 +40,8 @@ from mlx_bricks.formats.affine import QuantizedWeight
 from mlx_bricks.patch import patch_model, unpatch_model
 from mlx_bricks.patch.core import stock_path
 from mlx_bricks.runtime.guard import GUARD
-from mlx_bricks.runtime.kind import OpKind, kinds
+from mlx_bricks.bricks import kinds
+from mlx_bricks.runtime.kind import OpKind
 from tests.models import build_model, tokens
 from tests.quant_support import dequant64
 from tests.support import require_backend

@@ -177,9 +177,8 @@ def test_activation_errors(backend):
 def test_tuner_key_stock_and_reference_follow_the_activation():
     """The tuner keys GELU-tanh MLPs apart (SiLU keys unchanged), and its stock side and
     high-precision reference compute the activation asked for (float64 numpy here)."""
-    from mlx_bricks.runtime.kind import kind
+    from mlx_bricks.bricks.swiglu.kind import SWIGLU_MLP as k
 
-    k = kind("swiglu_mlp")
     d = _data(7, 64, 72, "float32")
     args = dict(x=d["x"], w_gate=d["wg"], w_up=d["wu"], w_down=d["wd"], residual=d["r"])
     silu = str(k.key(args))

@@ -35,7 +35,8 @@ from mlx_bricks.tune.buckets import attention_bucket, m_bucket
 from mlx_bricks.tune.cache import FORMAT, Context, DecisionCache
 from mlx_bricks.tune.check import dtype_close
 from mlx_bricks.runtime.guard import Guard
-from mlx_bricks.runtime.kind import Act, Variant, kinds
+from mlx_bricks.bricks import kinds
+from mlx_bricks.runtime.kind import Act, Variant
 from mlx_bricks.tune.timing import time_interleaved
 from mlx_bricks.tune.tuner import MIN_SPEEDUP, STOCK, Decision, tune_op
 from tests.models import model_args
@@ -364,7 +365,8 @@ _WRITER = textwrap.dedent("""
     import mlx.core as mx
     from mlx_bricks.tune.cache import Context, DecisionCache
     from mlx_bricks.runtime.guard import Guard
-    from mlx_bricks.runtime.kind import Act, Variant, kinds
+    from mlx_bricks.bricks import kinds
+from mlx_bricks.runtime.kind import Act, Variant
     from mlx_bricks.tune.tuner import tune_op
 
     KINDS = kinds()

@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
-import importlib.util
 import math
-import pkgutil
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -292,8 +289,8 @@ class TokenRowsKind(OpKind):
         return {"M": self.n_rows(args)}
 
 
-#: The registered op kinds by name (filled as the bricks' ``kind`` modules are imported; use
-#: :func:`kinds` to have every brick's registered).
+#: The registered op kinds by name (filled as the bricks' ``kind`` modules are imported;
+#: ``mlx_bricks.bricks.kinds()`` imports them all).
 KINDS: dict[str, OpKind] = {}
 
 
@@ -313,32 +310,14 @@ def register_kind(kind: OpKind) -> OpKind:
     return kind
 
 
-def _import_bricks() -> None:
-    """Import every brick package's ``kind`` module (they register their kinds). By name, so
-    this module does not depend on the bricks (they depend on it)."""
-    pkg = importlib.import_module("mlx_bricks.bricks")
-    for info in pkgutil.iter_modules(pkg.__path__):
-        if info.ispkg:
-            name = f"mlx_bricks.bricks.{info.name}.kind"
-            if importlib.util.find_spec(name) is not None:
-                importlib.import_module(name)
-
-
-def kinds() -> dict[str, OpKind]:
-    """Every brick's op kind, by name."""
-    _import_bricks()
-    return KINDS
-
-
 def kind(name: str) -> OpKind:
     """The op kind called ``name``.
 
     Raises:
         ValueError: unknown name (the message lists the known ones).
     """
-    known = KINDS if name in KINDS else kinds()
     try:
-        return known[name]
+        return KINDS[name]
     except KeyError:
-        raise ValueError(f"unknown op kind {name!r}; expected one of: {', '.join(known)}") \
-            from None
+        raise ValueError(f"unknown op kind {name!r}; registered: {', '.join(KINDS) or 'none'} "
+                         "(mlx_bricks.bricks.kinds() registers every brick's)") from None
