@@ -366,7 +366,7 @@ _WRITER = textwrap.dedent("""
     from mlx_bricks.tune.cache import Context, DecisionCache
     from mlx_bricks.runtime.guard import Guard
     from mlx_bricks.bricks import kinds
-from mlx_bricks.runtime.kind import Act, Variant
+    from mlx_bricks.runtime.kind import Act, Variant
     from mlx_bricks.tune.tuner import tune_op
 
     KINDS = kinds()
