@@ -40,8 +40,7 @@ from mlx_bricks import kernels
 from mlx_bricks.backends import resolve_backend
 from mlx_bricks.ops._checks import check_array, check_float_dtype
 from mlx_bricks.ops.q8_0 import QK8_0, dequantize_q8_0, quantize_q8_0
-
-KV_KINDS = ("q8_0", "fp16")
+from mlx_bricks.options import KV_CACHES
 
 
 def _brick_backend(kernel: str, backend: str | None) -> str:
@@ -295,8 +294,8 @@ def plan_prompt_cache(model, kv: str = "q8_0", *, max_kv_size: int | None = None
     Raises:
         ValueError: ``kv`` is not ``"q8_0"`` or ``"fp16"``.
     """
-    if kv not in KV_KINDS:
-        raise ValueError(f"kv must be one of {', '.join(KV_KINDS)}, got {kv!r}")
+    if kv not in KV_CACHES:
+        raise ValueError(f"kv must be one of {', '.join(KV_CACHES)}, got {kv!r}")
     stock = _mlx_cache.make_prompt_cache(model, max_kv_size=max_kv_size)
     plan = []
     for i, c in enumerate(stock):

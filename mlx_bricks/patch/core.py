@@ -13,6 +13,7 @@ import os
 import mlx.nn as nn
 
 from mlx_bricks.backends import active_backend
+from mlx_bricks.options import KV_CACHES
 from mlx_bricks.ops.attention import SUPPORTED_HEAD_DIMS
 from mlx_bricks.ops.swiglu_variants import VARIANT_ENV_VAR, resolve_variant
 from mlx_bricks.ops.q8_0 import QK8_0
@@ -41,8 +42,6 @@ from mlx_bricks.patch.report import (
 from mlx_bricks.patch.table import lookup, supported_model_types
 
 KV_QUANTS = (None, "q8_0")
-#: ``patch_model(kv_cache=...)``: mlx-lm's own cache, or the Q8_0 cache (``mlx_bricks.cache``).
-KV_CACHES = ("fp16", "q8_0")
 
 _BLOCK_BRICKS = ("rms_norm_qkv", "flash_attention", "linear", "swiglu_mlp")
 _ATTN_BRICKS = ("linear", "flash_attention")
