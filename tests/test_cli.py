@@ -1,5 +1,6 @@
-"""The CLIs as users meet them: ``mlx_lm.generate --use-bricks`` (through the installed import
-hook), ``mlx_bricks.generate`` and ``python -m mlx_bricks.patch``.
+"""The CLIs as users meet them: ``mlx_lm.generate`` / ``server`` / ``chat`` / ``benchmark
+--use-bricks`` (through the installed import hook), ``mlx_bricks.generate`` and ``python -m
+mlx_bricks.patch``. The server's requests: tests/test_server.py.
 
 The subprocess tests run an installed wheel, not the source tree: a session fixture builds the
 wheel from a copy of the sources and installs it into a throwaway venv whose ``.pth`` file puts
@@ -27,7 +28,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mlx_bricks import _hook
+from mlx_bricks import options
+from mlx_bricks.entry import hook as _hook
 
 ROOT = Path(__file__).resolve().parents[1]
 PARENT_BIN = Path(sysconfig.get_path("scripts"))
@@ -98,14 +100,14 @@ def default_model_dir() -> Path:
         pytest.skip(str(e))
 
 
-def _mlx_lm_generate(installed) -> list:
-    """mlx-lm's console script, run by the venv's interpreter (so its site-packages and .pth
-    files apply); argv[0] stays the script, as when a user types ``mlx_lm.generate``."""
-    script = PARENT_BIN / "mlx_lm.generate"
+def _mlx_lm(installed, command: str = "generate") -> list:
+    """mlx-lm's console script ``mlx_lm.COMMAND``, run by the venv's interpreter (so its
+    site-packages and .pth files apply); argv[0] stays the script, as when a user types it."""
+    script = PARENT_BIN / f"mlx_lm.{command}"
     if not script.exists():
-        found = shutil.which("mlx_lm.generate")
+        found = shutil.which(f"mlx_lm.{command}")
         if found is None:
-            pytest.skip("mlx-lm's mlx_lm.generate script is not installed")
+            pytest.skip(f"mlx-lm's mlx_lm.{command} script is not installed")
         script = Path(found)
     return [installed.python, script]
 
@@ -156,7 +158,7 @@ def test_hook_imports_nothing_unless_asked(installed):
     assert not any(m.split(".")[0] in ("mlx", "mlx_bricks", "mlx_lm", "numpy")
                    for m in plain_mods)
     # --use-bricks on another program loads the hook module (to look at argv) and nothing heavy.
-    assert "mlx_bricks._hook" in flagged_mods
+    assert "mlx_bricks.entry.hook" in flagged_mods
     assert not any(m.split(".")[0] in ("mlx", "mlx_lm", "numpy") for m in flagged_mods)
 
 
@@ -188,8 +190,19 @@ def test_interpreter_start_with_the_hook_is_within_noise(installed):
 
 
 def test_every_entry_point_parses_the_bricks_flags(installed):
-    py, gen = installed.python, _mlx_lm_generate(installed)
+    """Every form of every command of the hook table lists the flags; without --use-bricks
+    the hook leaves the program alone."""
+    py, gen = installed.python, _mlx_lm(installed)
     results = _parallel(installed.run, {
+        "mlx_lm.server --use-bricks": [*_mlx_lm(installed, "server"), "--use-bricks", "--help"],
+        "python -m mlx_lm server --use-bricks": [py, "-m", "mlx_lm", "server", "--use-bricks",
+                                                 "--help"],
+        "python -m mlx_lm.server --use-bricks": [py, "-m", "mlx_lm.server", "--use-bricks",
+                                                 "--help"],
+        "mlx_lm.chat --use-bricks": [*_mlx_lm(installed, "chat"), "--use-bricks", "--help"],
+        "python -m mlx_lm benchmark --use-bricks": [py, "-m", "mlx_lm", "benchmark",
+                                                    "--use-bricks", "--help"],
+        "mlx_lm.server (no flag)": [*_mlx_lm(installed, "server"), "--help"],
         "mlx_lm.generate --use-bricks": [*gen, "--use-bricks", "--help"],
         "python -m mlx_lm generate --use-bricks": [py, "-m", "mlx_lm", "generate",
                                                    "--use-bricks", "--help"],
@@ -201,10 +214,16 @@ def test_every_entry_point_parses_the_bricks_flags(installed):
     })
     for name, r in results.items():
         assert r.returncode == 0, (name, r.stderr)
-        assert "--max-tokens" in r.stdout, name  # mlx-lm's flags
+        assert "--prefill-step-size" in r.stdout, name  # mlx-lm's flags
         has_bricks = ("--bricks-backend" in r.stdout and "--bricks-kv {fp16,q8_0}" in r.stdout
-                      and "--bricks-tune {auto,off,force}" in r.stdout)
-        assert has_bricks == (name != "mlx_lm.generate (no flag)"), name
+                      and "--bricks-tune {auto,off,force}" in r.stdout
+                      and "--bricks-mlp-variant {auto,fused,split}" in r.stdout
+                      and "--bricks-report" in r.stdout)
+        assert has_bricks == ("(no flag)" not in name), name
+        if has_bricks:  # the program name is the command's, in every form
+            command = re.search(r"generate|server|chat|benchmark", name).group(0)
+            prog = "mlx_bricks.generate" if "mlx_bricks" in name else f"mlx_lm.{command}"
+            assert r.stdout.startswith(f"usage: {prog} "), (name, r.stdout[:80])
 
 
 @pytest.mark.slow
@@ -251,7 +270,7 @@ def _verbose_line(stderr: str):
 def test_generate_use_bricks_gives_the_stock_text(installed, default_model_dir):
     from mlx_bricks.backends import active_backend
 
-    gen = _mlx_lm_generate(installed)
+    gen = _mlx_lm(installed)
     results = _parallel(installed.run, {
         "stock": [*gen, "--model", default_model_dir, "--prompt", PROMPT, "--max-tokens", "16"],
         # no --model: the embedded default model
@@ -390,7 +409,7 @@ def test_bad_input_is_one_line_and_exit_2(installed, default_model_dir):
     d = _bad_model_dirs(installed.base / "bad")
     supported = "supported: " + ", ".join(sorted(supported_model_types()))
     patch = [installed.python, "-m", "mlx_bricks.patch"]
-    gen = [*_mlx_lm_generate(installed), "--use-bricks"]
+    gen = [*_mlx_lm(installed), "--use-bricks"]
     cases = {
         # name: (argv, expected fragment of the one line). More messages of the model checks:
         # test_resolve_model_rejects (in-process, cheaper than a subprocess each).
@@ -442,20 +461,66 @@ def test_bad_input_is_one_line_and_exit_2(installed, default_model_dir):
 
 
 @pytest.mark.parametrize("argv, orig_argv, expected", [
-    (["/venv/bin/mlx_lm.generate", "--use-bricks"], [], True),
-    (["C:\\venv\\Scripts\\mlx_lm.generate.exe", "--use-bricks"], [], True),
-    (["/venv/bin/mlx_lm.server", "--use-bricks"], [], False),
-    (["-c", "--use-bricks"], ["py", "-c", "pass", "--use-bricks"], False),
-    (["-m", "generate"], ["py", "-m", "mlx_lm", "generate", "--use-bricks"], True),
-    (["-m", "--use-bricks"], ["py", "-m", "mlx_lm.generate", "--use-bricks"], True),
-    (["-m", "--use-bricks"], ["py", "-X", "importtime", "-B", "-m", "mlx_lm.generate"], True),
-    (["-m", "--use-bricks"], ["py", "-Ximporttime", "-Bmmlx_lm.generate"], True),
-    (["-m", "server"], ["py", "-m", "mlx_lm", "server", "--use-bricks"], False),
-    (["-m", "--use-bricks"], ["py", "-m", "mlx_lm"], False),
-    (["script.py", "--use-bricks"], ["py", "script.py", "--use-bricks"], False),
+    (["/venv/bin/mlx_lm.generate", "--use-bricks"], [], "generate"),
+    (["C:\\venv\\Scripts\\mlx_lm.generate.exe", "--use-bricks"], [], "generate"),
+    (["/venv/bin/mlx_lm.server", "--use-bricks"], [], "server"),
+    (["/venv/bin/mlx_lm.chat", "--use-bricks"], [], "chat"),
+    (["/venv/bin/mlx_lm.benchmark-script.py", "--use-bricks"], [], "benchmark"),
+    (["/venv/bin/mlx_lm.convert", "--use-bricks"], [], None),
+    (["-c", "--use-bricks"], ["py", "-c", "pass", "--use-bricks"], None),
+    (["-m", "generate"], ["py", "-m", "mlx_lm", "generate", "--use-bricks"], "generate"),
+    (["-m", "--use-bricks"], ["py", "-m", "mlx_lm.generate", "--use-bricks"], "generate"),
+    (["-m", "--use-bricks"], ["py", "-X", "importtime", "-B", "-m", "mlx_lm.generate"],
+     "generate"),
+    (["-m", "--use-bricks"], ["py", "-Ximporttime", "-Bmmlx_lm.generate"], "generate"),
+    (["-m", "server"], ["py", "-m", "mlx_lm", "server", "--use-bricks"], "server"),
+    (["-m", "--use-bricks"], ["py", "-m", "mlx_lm.server", "--use-bricks"], "server"),
+    (["-m", "chat"], ["py", "-m", "mlx_lm", "chat", "--use-bricks"], "chat"),
+    (["-m", "benchmark"], ["py", "-m", "mlx_lm", "benchmark", "--use-bricks"], "benchmark"),
+    (["-m", "lora"], ["py", "-m", "mlx_lm", "lora", "--use-bricks"], None),
+    (["-m", "--use-bricks"], ["py", "-m", "mlx_lm"], None),
+    (["script.py", "--use-bricks"], ["py", "script.py", "--use-bricks"], None),
 ])
-def test_is_generate_command(argv, orig_argv, expected):
-    assert _hook.is_generate_command(argv, orig_argv) is expected
+def test_target_command(argv, orig_argv, expected):
+    command = _hook.target_command(argv, orig_argv)
+    assert (command.name if command is not None else None) == expected
+
+
+def test_one_vocabulary_for_the_flags():
+    """patch_model's own tuples are the CLIs' choices; the old spelling none still parses."""
+    from mlx_bricks.patch import core, dispatch
+    from mlx_bricks.patch.__main__ import setup_arg_parser as patch_parser
+
+    assert core.KV_CACHES is options.KV_CACHES and dispatch.TUNE_MODES is options.TUNE_MODES
+    assert core.TUNE_MODES is options.TUNE_MODES
+    parser = patch_parser()
+    assert parser.parse_args(["--kv", "none"]).kv == "fp16"  # the patch CLI's old default
+    assert parser.parse_args(["--kv", "q8_0"]).kv == "q8_0"
+    assert parser.parse_args(["--bricks-tune", "off", "--bricks-backend", "reference"]).tune \
+        == "off"
+    actions = {a.dest: a for a in parser._actions}
+    assert tuple(actions["kv"].choices) == options.KV_CACHES
+    assert tuple(actions["tune"].choices) == options.TUNE_MODES
+
+
+def test_entry_imports_one_way_and_no_mlx_for_help():
+    """The hook imports no session (it reaches it only when the target module loads); the
+    flags, the session module and the patch/tune CLIs' parsers import no MLX."""
+    code = (
+        "import sys\n"
+        "import mlx_bricks.entry.hook\n"
+        "assert 'mlx_bricks.entry.session' not in sys.modules, 'hook imported the session'\n"
+        "from mlx_bricks.entry import session, flags, resolve\n"
+        "from mlx_bricks.patch.__main__ import setup_arg_parser as p\n"
+        "from mlx_bricks.tune.__main__ import setup_arg_parser as t\n"
+        "p(); t()\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'numpy'))\n"
+        "print(heavy)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", r.stdout
 
 
 def test_setup_py_writes_the_hook_line():
@@ -497,7 +562,8 @@ def test_compare_and_verdict_figures():
 
 
 def test_resolve_model_rejects(tmp_path):
-    from mlx_bricks._cli import CliError, resolve_model
+    from mlx_bricks._cli import CliError
+    from mlx_bricks.entry.resolve import resolve_model
     from mlx_bricks.patch import supported_model_types
 
     d = _bad_model_dirs(tmp_path)
@@ -531,7 +597,8 @@ def test_resolve_model_rejects(tmp_path):
 
 
 def test_resolve_model_passes_hub_repo_ids_through_only_when_allowed(tmp_path):
-    from mlx_bricks._cli import CliError, resolve_model
+    from mlx_bricks._cli import CliError
+    from mlx_bricks.entry.resolve import resolve_model
 
     repo = "mlx-community/SmolLM2-135M-Instruct"  # not a local path here
     assert resolve_model(repo, what="--model", allow_hub=True, need_patchable=True) == repo
@@ -544,6 +611,7 @@ def test_resolve_model_passes_hub_repo_ids_through_only_when_allowed(tmp_path):
 def test_gguf_model_is_converted_once_into_the_cache(tmp_path, monkeypatch):
     import mlx_bricks.gguf
     from mlx_bricks import _cli
+    from mlx_bricks.entry import resolve
 
     monkeypatch.setenv("MLX_BRICKS_HOME", str(tmp_path / "home"))
     gguf = tmp_path / "tiny.gguf"
@@ -557,11 +625,11 @@ def test_gguf_model_is_converted_once_into_the_cache(tmp_path, monkeypatch):
         return Path(out_dir)
 
     monkeypatch.setattr(mlx_bricks.gguf, "convert_gguf", fake_convert)
-    first = _cli.convert_gguf_cached(gguf)
+    first = resolve.convert_gguf_cached(gguf)
     assert first.parent == tmp_path / "home" / "gguf" and first.name.startswith("tiny-")
-    assert _cli.convert_gguf_cached(gguf) == first and len(calls) == 1  # reused
+    assert resolve.convert_gguf_cached(gguf) == first and len(calls) == 1  # reused
     gguf.write_bytes(b"GGUF placeholder, edited")  # another size: converted again
-    second = _cli.convert_gguf_cached(gguf)
+    second = resolve.convert_gguf_cached(gguf)
     assert second != first and len(calls) == 2
 
     def failing_convert(path, out_dir, **options):
@@ -571,17 +639,18 @@ def test_gguf_model_is_converted_once_into_the_cache(tmp_path, monkeypatch):
     gguf.write_bytes(b"GGUF placeholder, edited again")
     with pytest.raises(_cli.CliError, match="cannot convert '.*tiny.gguf': tiny.gguf: "
                                             "unsupported architecture 'mamba'"):
-        _cli.convert_gguf_cached(gguf)
+        resolve.convert_gguf_cached(gguf)
 
 
 def test_load_patchable_reports_a_failing_load_as_one_line(default_model_dir):
     from mlx_bricks import _cli
+    from mlx_bricks.entry import resolve
 
     def broken(path):
         raise ValueError("Missing 3 parameters:\nmodel.layers.0.mlp.gate_proj.weight, ...")
 
     with pytest.raises(_cli.CliError, match=r"^cannot load '.*': Missing 3 parameters") as e:
-        _cli.load_patchable(str(default_model_dir), "reference", broken)
+        resolve.load_patchable(str(default_model_dir), "reference", broken)
     assert "\n" not in str(e.value)
-    path, loaded = _cli.load_patchable(str(default_model_dir), "reference", lambda p: p.name)
+    path, loaded = resolve.load_patchable(str(default_model_dir), "reference", lambda p: p.name)
     assert path == Path(default_model_dir) and loaded == Path(default_model_dir).name
