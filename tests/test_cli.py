@@ -305,6 +305,36 @@ def test_generate_use_bricks_gives_the_stock_text(installed, default_model_dir):
     assert re.search(r"^Prompt: \d+ tokens, [\d.]+ tokens-per-sec$", bricks.stdout, re.M)
 
 
+def test_chat_and_benchmark_with_the_bricks(installed, default_model_dir):
+    """``mlx_lm.chat --use-bricks`` (default model, questions on stdin) prints what stock chat
+    prints; ``mlx_lm.benchmark --use-bricks`` prints stock's table for the patched model."""
+    chat, bench = _mlx_lm(installed, "chat"), _mlx_lm(installed, "benchmark")
+    questions = f"{PROMPT}\nq\n"
+    results = _parallel(lambda argv: installed.run(argv, input=questions), {
+        "stock chat": [*chat, "--model", default_model_dir, "--max-tokens", "8"],
+        "bricks chat": [*chat, "--use-bricks", "--bricks-backend", "reference", "--max-tokens",
+                        "8"],
+        "bricks benchmark": [*bench, "--use-bricks", "--bricks-backend", "reference", "-p", "16",
+                             "-g", "4", "-n", "1"],
+    })
+    for name, r in results.items():
+        assert r.returncode == 0, (name, r.stderr)
+    stock, bricks = results["stock chat"], results["bricks chat"]
+    # the same screen, up to the speed figures (``prompt 1.6 tok/s``)
+    def screen(out):
+        return re.sub(r"[\d.]+ tok/s", "N tok/s", out)
+
+    assert "Paris" in stock.stdout and screen(bricks.stdout) == screen(stock.stdout)
+    assert _verbose_line(bricks.stderr)[:3] == ("reference", 30, 0)
+    b = results["bricks benchmark"]
+    assert _verbose_line(b.stderr)[:3] == ("reference", 30, 0)
+    assert "Timing with prompt_tokens=16, generation_tokens=4, batch_size=1." in b.stdout
+    assert re.search(r"^Trial 1: +prompt_tps=[\d.]+, generation_tps=[\d.]+, "
+                     r"peak_memory=[\d.]+, total_time=[\d.]+$", b.stdout, re.M), b.stdout
+    assert re.search(r"^Averages: prompt_tps=[\d.]+, generation_tps=[\d.]+", b.stdout, re.M)
+    assert "[mlx-bricks]" not in b.stdout  # stdout is stock's
+
+
 def test_patch_cli_json_passes_on_the_default_model(installed, default_model_dir):
     from mlx_bricks.backends import active_backend
 
@@ -410,6 +440,7 @@ def test_bad_input_is_one_line_and_exit_2(installed, default_model_dir):
     supported = "supported: " + ", ".join(sorted(supported_model_types()))
     patch = [installed.python, "-m", "mlx_bricks.patch"]
     gen = [*_mlx_lm(installed), "--use-bricks"]
+    server = [*_mlx_lm(installed, "server"), "--use-bricks"]
     cases = {
         # name: (argv, expected fragment of the one line). More messages of the model checks:
         # test_resolve_model_rejects (in-process, cheaper than a subprocess each).
@@ -439,7 +470,17 @@ def test_bad_input_is_one_line_and_exit_2(installed, default_model_dir):
             [*gen, "--bricks-mlp-variant", "fast"],
             "argument --bricks-mlp-variant: invalid choice: 'fast'"),
         "patch: bad --mlp-variant": ([*patch, "--mlp-variant", "fast"],
-                                     "argument --mlp-variant: invalid choice: 'fast'"),
+                                     "argument --mlp-variant/--bricks-mlp-variant: invalid "
+                                     "choice: 'fast'"),
+        "server: missing --model": ([*server, "--model", d["missing"]],
+                                    f"--model '{d['missing']}' does not exist"),
+        "server: --kv-bits with --bricks-kv q8_0": (
+            [*server, "--bricks-kv", "q8_0", "--kv-bits", "8"],
+            "--kv-bits and --bricks-kv q8_0 exclude each other"),
+        "benchmark: unsupported model_type": ([*_mlx_lm(installed, "benchmark"), "--use-bricks",
+                                               "--model", d["gemma"]],
+                                              f"model_type 'gemma' of '{d['gemma']}' is not "
+                                              "supported"),
     }
     if not backend_status("metal")[0]:
         cases["patch: unavailable backend"] = ([*patch, "--backend", "metal"],
@@ -451,7 +492,8 @@ def test_bad_input_is_one_line_and_exit_2(installed, default_model_dir):
         lines = r.stderr.splitlines()
         assert len(lines) == 1, (name, r.stderr)
         assert lines[0].split(": error: ")[0] in ("python -m mlx_bricks.patch",
-                                                 "mlx_lm.generate"), (name, lines[0])
+                                                 "mlx_lm.generate", "mlx_lm.server",
+                                                 "mlx_lm.benchmark"), (name, lines[0])
         assert expected in lines[0], (name, lines[0])
         assert r.stdout == "", (name, r.stdout)
 

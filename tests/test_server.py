@@ -280,3 +280,20 @@ def test_kernel_fault_in_a_request_falls_back_to_stock(tmp_path, tiny_model_dir)
     final = log[log.index("final patch report of"):]
     assert re.search(r"linear variant \S+ on emulator failed to build or run", final), final
     assert "swiglu_mlp" in final
+
+
+def test_stopping_leaves_nothing_and_the_report_names_the_batch_fallback(servers):
+    """Last test of the module (the servers stop here): each patched server exits on SIGINT,
+    leaves no process and no listening port behind, and its final report (``--bricks-report``)
+    counts the padded-batch calls that ran stock, with the reason."""
+    for name in ("bricks", "q8"):
+        s = servers[name]
+        code, alive = s.stop()
+        assert alive == [] and code is not None, (name, code, alive)
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", s.port), timeout=2).close()
+        log = s.log()
+        assert "final patch report of" in log, (name, log[-2000:])
+        final = log[log.rindex("final patch report of"):]
+        assert "mask is an array (sliding window or padding): the attention brick takes " \
+               "causal only" in final, (name, final[-2000:])
