@@ -3,8 +3,9 @@
 ``default_model()`` returns an mlx-lm model directory, converting the package's
 ``SmolLM2-135M-Instruct.Q4_1.gguf`` on first use (about 10 s) into the cache:
 ``$MLX_BRICKS_HOME/models/SmolLM2-135M-Instruct-<variant>`` (the home directory,
-``mlx_bricks.home``: ``MLX_BRICKS_HOME`` defaults to ``~/.cache/mlx_bricks``). Concurrent first uses, from threads or processes, convert once: a file
-lock serialises them and the converter renames a finished temporary directory into place.
+``mlx_bricks.home``: ``MLX_BRICKS_HOME`` defaults to ``~/.cache/mlx_bricks``). Concurrent first
+uses, from threads or processes, convert once: a file lock serialises them and the converter
+renames a finished temporary directory into place.
 
     from mlx_lm import load
     from mlx_bricks.models import default_model

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -47,6 +48,7 @@ def main(argv=None) -> int:
                           logs / "patched.log"),
     }
     loads = {name: Load() for name in servers}
+    loadavg = [os.getloadavg()[0]]
     try:
         start_all(servers)
         for name, s in servers.items():  # warm-up: first calls, the loaded model in place
@@ -61,6 +63,7 @@ def main(argv=None) -> int:
                 total.latencies += got.latencies
     finally:
         stopped = {name: s.stop() for name, s in servers.items()}
+        loadavg.append(os.getloadavg()[0])
     sides = {}
     for name, load in loads.items():
         sides[name] = {"sent": load.sent, "answered": load.answered, "failed": len(load.failed),
@@ -70,7 +73,11 @@ def main(argv=None) -> int:
     result = {
         "what": "mlx_lm.server latency, patched vs stock, alternating load phases",
         "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.system()} {platform.machine()}, {platform.python_version()}",
+        "machine": f"{platform.system()} {platform.machine()}, {platform.python_version()}, "
+                   f"{os.cpu_count()} CPUs",
+        # 1-minute load average at the start and the end: a shared machine's load moves the
+        # latencies of both sides far more than the patch does
+        "loadavg_1min_start_end": loadavg,
         "backend": args.backend, "model": str(model), "clients": args.clients,
         "seconds_per_phase": args.seconds, "rounds": args.rounds, "max_tokens": args.max_tokens,
         **sides,

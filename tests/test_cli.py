@@ -696,3 +696,38 @@ def test_load_patchable_reports_a_failing_load_as_one_line(default_model_dir):
     assert "\n" not in str(e.value)
     path, loaded = resolve.load_patchable(str(default_model_dir), "reference", lambda p: p.name)
     assert path == Path(default_model_dir) and loaded == Path(default_model_dir).name
+
+
+def test_session_patches_main_models_not_the_draft_and_gives_them_their_cache(default_model_dir):
+    """A load with keyword arguments (a main model) is patched, a load with the path alone
+    (mlx-lm's --draft-model load) is not; make_prompt_cache gives the Q8_0 cache to the model
+    patched with it and mlx-lm's own to the other."""
+    import argparse
+
+    from mlx_lm.models import cache as mlx_cache
+
+    from mlx_bricks._cli import CliError
+    from mlx_bricks.entry.session import Session, _BricksPromptCache, _PatchingLoad
+    from mlx_bricks.patch import patch_report
+    from tests.models import build_model
+
+    session = Session("server")
+    session.args = argparse.Namespace(use_bricks=True, bricks_kv="q8_0", bricks_backend="reference",
+                                      bricks_mlp_variant="auto", bricks_tune="auto")
+    seen = []
+
+    def fake_load(path, *args, **kwargs):  # what mlx-lm's load returns, for a tiny model
+        seen.append(path)
+        return build_model("llama", num_hidden_layers=1), None
+
+    load = _PatchingLoad(session, fake_load)
+    main, _ = load(str(default_model_dir), tokenizer_config={})  # checked like --model
+    draft, _ = load("draft-model")
+    assert seen == [str(default_model_dir), "draft-model"]
+    assert patch_report(main).options["kv_cache"] == "q8_0" and patch_report(draft) is None
+    assert [path for path, _ in session.loaded] == [str(default_model_dir)]
+    make = _BricksPromptCache(mlx_cache.make_prompt_cache)
+    assert type(make(main)[0]).__name__ == "Q8KVCache"
+    assert type(make(draft)[0]) is mlx_cache.KVCache
+    with pytest.raises(CliError, match="does not exist"):  # a request's unknown model
+        load("/no/such/model", tokenizer_config={})
