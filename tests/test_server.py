@@ -255,9 +255,9 @@ def test_load_slow(tmp_path, default_model_dir):
 
 
 def test_kernel_fault_in_a_request_falls_back_to_stock(tmp_path, tiny_model_dir):
-    """A kernel that fails to build (gemm.metal broken, MSL emulator): the guard disables it
-    for the process at the first request, which completes on stock; so does the next; the
-    final report (``--bricks-report``, logged at shutdown) names the disabled kernel."""
+    """A kernel that fails to build (gemm.metal broken, MSL emulator): the guard disables the
+    pieces that use it for the process at the first request, which completes on stock; so does
+    the next; the final report (``--bricks-report``, logged at shutdown) lists them."""
     _require_hook()
     from tests.support import require_backend
 
@@ -278,8 +278,12 @@ def test_kernel_fault_in_a_request_falls_back_to_stock(tmp_path, tiny_model_dir)
     assert alive == [], alive
     assert "final patch report of" in log, log[-3000:]
     final = log[log.index("final patch report of"):]
-    assert re.search(r"linear variant \S+ on emulator failed to build or run", final), final
-    assert "swiglu_mlp" in final
+    disabled = final[final.index("disabled for this process (pieces run stock):"):]
+    # gemm.metal is the out-projection's kernel and the SwiGLU's down projection's
+    assert re.search(r"^ +linear variant \S+ on emulator failed to build or run", disabled,
+                     re.M), disabled
+    assert re.search(r"^ +swiglu_mlp variant \S+ on emulator failed to build or run", disabled,
+                     re.M), disabled
 
 
 def test_stopping_leaves_nothing_and_the_report_names_the_batch_fallback(servers):
