@@ -4,20 +4,21 @@
 and a wheel alike (the wheel gets real copies).
 
 It also puts ``mlx_bricks_hook.pth`` at the root of the wheel (regular and editable), so
-``site`` finds it in site-packages: that one line is the ``mlx_lm.generate --use-bricks`` hook
-(see ``mlx_bricks/_hook.py``). It is in the wheel's RECORD, so uninstalling removes it.
+``site`` finds it in site-packages: that one line is the hook of ``mlx_lm.generate``,
+``mlx_lm.server``, ``mlx_lm.chat`` and ``mlx_lm.benchmark --use-bricks`` (see
+``mlx_bricks/entry/hook.py``). It is in the wheel's RECORD, so uninstalling removes it.
 """
 import os
 
 from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
-# Same text as mlx_bricks._hook.PTH_LINE (tests/test_cli.py checks the installed file); setup.py
-# does not import the package it is building.
+# Same text as mlx_bricks.entry.hook.PTH_LINE (tests/test_cli.py checks the installed file);
+# setup.py does not import the package it is building.
 PTH_NAME = "mlx_bricks_hook.pth"
 PTH_LINE = (
     "import sys; '--use-bricks' in getattr(sys, 'argv', ()) "
-    "and __import__('mlx_bricks._hook')._hook.install()\n"
+    "and __import__('mlx_bricks.entry.hook').entry.hook.install()\n"
 )
 
 

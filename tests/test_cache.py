@@ -390,3 +390,157 @@ def test_default_model_answers_the_same_on_the_q8_0_cache():
         undo()
     assert type(cache[0]) is Q8KVCache and cache[0].offset > 10
     assert q8 == stock and "Paris" in q8
+
+
+# ---------------------------------------------------------------------------------------------
+# batching: BatchQ8KVCache against mlx-lm's own BatchKVCache
+
+
+def _twins(L, seed, trim=0, H=2, D=64):
+    """A Q8KVCache holding random K/V of L positions and a KVCache holding their Q8_0 round
+    trip (float32), both trimmed by ``trim``: the same cache contents in the two formats."""
+    q8, fp = Q8KVCache(backend="reference"), mlx_cache.KVCache()
+    if L:
+        k, v = kv(L, seed, H=H, D=D, dtype=F32)
+        q8.update_and_fetch(k, v)
+        fp.update_and_fetch(_round_trip(k), _round_trip(v))
+    q8.trim(trim)
+    fp.trim(trim)
+    return q8, fp
+
+
+def _round_trip(x):
+    return dequantize_q8_0_reference(*quantize_q8_0_reference(x), dtype=F32)
+
+
+def _append(q8, fp, L, seed, B):
+    k, v = kv(L, seed, B=B, dtype=F32)
+    q8.update_and_fetch(k, v)
+    fp.update_and_fetch(_round_trip(k), _round_trip(v))
+
+
+def assert_same_batch(q8, fp):
+    """The Q8_0 batch holds what mlx-lm's BatchKVCache holds: K/V (dequantized, bit for bit),
+    offsets, padding, write index and the masks it gives attention."""
+    assert type(q8).__name__ == "BatchQ8KVCache" and type(fp) is mlx_cache.BatchKVCache
+    assert q8._idx == fp._idx and q8.size() == fp.size()
+    assert q8.offset.tolist() == fp.offset.tolist()
+    assert q8.left_padding.tolist() == fp.left_padding.tolist()
+    if fp.keys is None:
+        assert q8.keys is None
+        return
+    for (qs, d), x in zip(q8.keys_and_values(), fp.keys_and_values()):
+        assert np.array_equal(np.array(dequantize_q8_0_reference(qs, d, dtype=F32)), np.array(x))
+    for N in (1, 4):
+        m_q8, m_fp = q8.make_mask(N), fp.make_mask(N)
+        assert m_q8.dtype == m_fp.dtype == mx.bool_ and m_q8.shape == m_fp.shape
+        assert np.array_equal(np.array(m_q8), np.array(m_fp))
+
+
+def test_batch_protocol_matches_mlx_lms_batch_kv_cache():
+    """merge (an empty and a trimmed sequence among them), a right-padded prefill chunk
+    (prepare / finalize), decode steps, filter, extend, trim and extract: step by step the
+    same state as mlx-lm's BatchKVCache fed the same values."""
+    twins = [_twins(5, 1), _twins(0, 2), _twins(20, 3, trim=3), _twins(9, 4)]
+    q8 = Q8KVCache.merge([t[0] for t in twins])
+    fp = mlx_cache.KVCache.merge([t[1] for t in twins])
+    assert_same_batch(q8, fp)
+    lengths, padding = [3, 1, 3, 2], [0, 2, 0, 1]
+    for c in (q8, fp):
+        c.prepare(lengths=lengths, right_padding=padding)
+    _append(q8, fp, 3, 10, B=4)
+    assert_same_batch(q8, fp)
+    for c in (q8, fp):
+        c.finalize()
+    assert_same_batch(q8, fp)
+    for step in range(2):
+        _append(q8, fp, 1, 20 + step, B=4)
+        assert_same_batch(q8, fp)
+    for c in (q8, fp):
+        c.filter([0, 2, 3])
+    assert_same_batch(q8, fp)
+    more = [_twins(2, 5), _twins(30, 6)]
+    for c, others in ((q8, Q8KVCache.merge([t[0] for t in more])),
+                      (fp, mlx_cache.KVCache.merge([t[1] for t in more]))):
+        c.extend(others)
+    assert_same_batch(q8, fp)
+    _append(q8, fp, 1, 30, B=5)
+    assert_same_batch(q8, fp)
+    assert q8.trim(2) == fp.trim(2) == 2
+    assert_same_batch(q8, fp)
+    assert q8.nbytes > 0 and q8.is_trimmable()
+    for i in range(5):
+        one_q8, one_fp = q8.extract(i), fp.extract(i)
+        assert type(one_q8) is Q8KVCache and one_q8.backend == "reference"
+        assert one_q8.offset == one_fp.offset
+        (kq, kd), (vq, vd) = one_q8.keys_and_values()
+        for (qs, d), x in (((kq, kd), one_fp.keys), ((vq, vd), one_fp.values)):
+            assert np.array_equal(np.array(dequantize_q8_0_reference(qs, d, dtype=F32)),
+                                  np.array(x))
+
+
+def test_batch_merge_of_empty_caches_and_errors():
+    q8 = Q8KVCache.merge([Q8KVCache(), Q8KVCache()])
+    fp = mlx_cache.KVCache.merge([mlx_cache.KVCache(), mlx_cache.KVCache()])
+    assert_same_batch(q8, fp)
+    assert q8.empty() and q8.nbytes == 0
+    _append(q8, fp, 4, 1, B=2)  # the first prefill of a new batch
+    assert_same_batch(q8, fp)
+    with pytest.raises(TypeError, match="expected Q8KVCache elements, got KVCache"):
+        Q8KVCache.merge([Q8KVCache(), mlx_cache.KVCache()])
+    with pytest.raises(ValueError, match="empty BatchQ8KVCache"):
+        q8.prepare(left_padding=[1, 0])
+    with pytest.raises(ValueError, match=r"\(B, Hkv, D\)"):
+        q8.update_and_fetch(*kv(1, 2, B=3, dtype=F32))
+
+
+def test_batch_state_round_trip():
+    q8 = Q8KVCache.merge([_twins(3, 1)[0], _twins(6, 2)[0]])
+    mx.eval(q8.state)  # what BatchGenerator evaluates after each chunk
+    copy = type(q8).from_state(q8.state)
+    assert copy._idx == q8._idx and copy.offset.tolist() == q8.offset.tolist()
+    for a, b in zip((*copy.keys, *copy.values), (*q8.keys, *q8.values)):
+        assert np.array_equal(np.array(a), np.array(b))
+
+
+def _batch_generate(model, prompts, caches, n):
+    """Greedy tokens of each prompt through mlx-lm's BatchGenerator (continuous batching, the
+    server's path), prefill batch 8."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=n, prefill_batch_size=8, completion_batch_size=8)
+    uids = gen.insert(prompts, max_tokens=[n] * len(prompts), caches=caches)
+    out = {u: [] for u in uids}
+    while any(len(t) < n for t in out.values()):
+        for r in gen.next_generated():
+            out[r.uid].append(r.token)
+    gen.close()
+    return [out[u] for u in uids]
+
+
+def _alone(model, prompt, cache, n):
+    from mlx_lm.sample_utils import greedy_sampler
+
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n,
+                                             sampler=greedy_sampler, prompt_cache=cache)]
+
+
+@pytest.mark.parametrize("kv_cache", ["fp16", "q8_0"])
+def test_batched_generation_of_a_patched_model_equals_each_prompt_alone(kv_cache):
+    """8 prompts of different lengths batched by BatchGenerator through a patched model give
+    each prompt's own greedy tokens; the padded batch runs the stock attention (the brick takes
+    no padding mask yet), and the report says so."""
+    from mlx_bricks.patch import patch_model
+    from tests.models import build_model
+
+    model = build_model("llama", F32, num_hidden_layers=2)
+    report = patch_model(model, backend="reference", kv_cache=kv_cache)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 64, size=n).tolist() for n in (3, 17, 1, 9, 30, 5, 12, 2)]
+    n = 6
+    batched = _batch_generate(model, prompts, [make_prompt_cache(model, kv_cache)
+                                               for _ in prompts], n)
+    alone = [_alone(model, p, make_prompt_cache(model, kv_cache), n) for p in prompts]
+    assert batched == alone
+    reasons = report.runtime_fallbacks()
+    assert any("mask is an array" in r for r in reasons), reasons

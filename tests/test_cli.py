@@ -1,5 +1,7 @@
-"""The CLIs as users meet them: ``mlx_lm.generate --use-bricks`` (through the installed import
-hook), ``mlx_bricks.generate`` and ``python -m mlx_bricks.patch``.
+"""The CLIs as users meet them: ``mlx_lm.generate`` / ``server`` / ``chat`` / ``benchmark
+--use-bricks`` (through the installed import hook), ``mlx_bricks.generate`` and ``python -m
+mlx_bricks.patch``. The server's requests: tests/test_server.py; the entry layer in process:
+tests/test_entry.py.
 
 The subprocess tests run an installed wheel, not the source tree: a session fixture builds the
 wheel from a copy of the sources and installs it into a throwaway venv whose ``.pth`` file puts
@@ -27,7 +29,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mlx_bricks import _hook
+from mlx_bricks.entry import hook as _hook
 
 ROOT = Path(__file__).resolve().parents[1]
 PARENT_BIN = Path(sysconfig.get_path("scripts"))
@@ -98,14 +100,14 @@ def default_model_dir() -> Path:
         pytest.skip(str(e))
 
 
-def _mlx_lm_generate(installed) -> list:
-    """mlx-lm's console script, run by the venv's interpreter (so its site-packages and .pth
-    files apply); argv[0] stays the script, as when a user types ``mlx_lm.generate``."""
-    script = PARENT_BIN / "mlx_lm.generate"
+def _mlx_lm(installed, command: str = "generate") -> list:
+    """mlx-lm's console script ``mlx_lm.COMMAND``, run by the venv's interpreter (so its
+    site-packages and .pth files apply); argv[0] stays the script, as when a user types it."""
+    script = PARENT_BIN / f"mlx_lm.{command}"
     if not script.exists():
-        found = shutil.which("mlx_lm.generate")
+        found = shutil.which(f"mlx_lm.{command}")
         if found is None:
-            pytest.skip("mlx-lm's mlx_lm.generate script is not installed")
+            pytest.skip(f"mlx-lm's mlx_lm.{command} script is not installed")
         script = Path(found)
     return [installed.python, script]
 
@@ -156,7 +158,7 @@ def test_hook_imports_nothing_unless_asked(installed):
     assert not any(m.split(".")[0] in ("mlx", "mlx_bricks", "mlx_lm", "numpy")
                    for m in plain_mods)
     # --use-bricks on another program loads the hook module (to look at argv) and nothing heavy.
-    assert "mlx_bricks._hook" in flagged_mods
+    assert "mlx_bricks.entry.hook" in flagged_mods
     assert not any(m.split(".")[0] in ("mlx", "mlx_lm", "numpy") for m in flagged_mods)
 
 
@@ -188,8 +190,19 @@ def test_interpreter_start_with_the_hook_is_within_noise(installed):
 
 
 def test_every_entry_point_parses_the_bricks_flags(installed):
-    py, gen = installed.python, _mlx_lm_generate(installed)
+    """Every form of every command of the hook table lists the flags; without --use-bricks
+    the hook leaves the program alone."""
+    py, gen = installed.python, _mlx_lm(installed)
     results = _parallel(installed.run, {
+        "mlx_lm.server --use-bricks": [*_mlx_lm(installed, "server"), "--use-bricks", "--help"],
+        "python -m mlx_lm server --use-bricks": [py, "-m", "mlx_lm", "server", "--use-bricks",
+                                                 "--help"],
+        "python -m mlx_lm.server --use-bricks": [py, "-m", "mlx_lm.server", "--use-bricks",
+                                                 "--help"],
+        "mlx_lm.chat --use-bricks": [*_mlx_lm(installed, "chat"), "--use-bricks", "--help"],
+        "python -m mlx_lm benchmark --use-bricks": [py, "-m", "mlx_lm", "benchmark",
+                                                    "--use-bricks", "--help"],
+        "mlx_lm.server (no flag)": [*_mlx_lm(installed, "server"), "--help"],
         "mlx_lm.generate --use-bricks": [*gen, "--use-bricks", "--help"],
         "python -m mlx_lm generate --use-bricks": [py, "-m", "mlx_lm", "generate",
                                                    "--use-bricks", "--help"],
@@ -201,10 +214,16 @@ def test_every_entry_point_parses_the_bricks_flags(installed):
     })
     for name, r in results.items():
         assert r.returncode == 0, (name, r.stderr)
-        assert "--max-tokens" in r.stdout, name  # mlx-lm's flags
+        assert "--prefill-step-size" in r.stdout, name  # mlx-lm's flags
         has_bricks = ("--bricks-backend" in r.stdout and "--bricks-kv {fp16,q8_0}" in r.stdout
-                      and "--bricks-tune {auto,off,force}" in r.stdout)
-        assert has_bricks == (name != "mlx_lm.generate (no flag)"), name
+                      and "--bricks-tune {auto,off,force}" in r.stdout
+                      and "--bricks-mlp-variant {auto,fused,split}" in r.stdout
+                      and "--bricks-report" in r.stdout)
+        assert has_bricks == ("(no flag)" not in name), name
+        if has_bricks:  # the program name is the command's, in every form
+            command = re.search(r"generate|server|chat|benchmark", name).group(0)
+            prog = "mlx_bricks.generate" if "mlx_bricks" in name else f"mlx_lm.{command}"
+            assert r.stdout.startswith(f"usage: {prog} "), (name, r.stdout[:80])
 
 
 @pytest.mark.slow
@@ -251,7 +270,7 @@ def _verbose_line(stderr: str):
 def test_generate_use_bricks_gives_the_stock_text(installed, default_model_dir):
     from mlx_bricks.backends import active_backend
 
-    gen = _mlx_lm_generate(installed)
+    gen = _mlx_lm(installed)
     results = _parallel(installed.run, {
         "stock": [*gen, "--model", default_model_dir, "--prompt", PROMPT, "--max-tokens", "16"],
         # no --model: the embedded default model
@@ -284,6 +303,36 @@ def test_generate_use_bricks_gives_the_stock_text(installed, default_model_dir):
         assert patched > 0 and kept == 0 and rest == "; tuning: auto"
     assert _verbose_line(named.stderr)[:3] == ("reference", 30, 0)
     assert re.search(r"^Prompt: \d+ tokens, [\d.]+ tokens-per-sec$", bricks.stdout, re.M)
+
+
+def test_chat_and_benchmark_with_the_bricks(installed, default_model_dir):
+    """``mlx_lm.chat --use-bricks`` (default model, questions on stdin) prints what stock chat
+    prints; ``mlx_lm.benchmark --use-bricks`` prints stock's table for the patched model."""
+    chat, bench = _mlx_lm(installed, "chat"), _mlx_lm(installed, "benchmark")
+    questions = f"{PROMPT}\nq\n"
+    results = _parallel(lambda argv: installed.run(argv, input=questions), {
+        "stock chat": [*chat, "--model", default_model_dir, "--max-tokens", "8"],
+        "bricks chat": [*chat, "--use-bricks", "--bricks-backend", "reference", "--max-tokens",
+                        "8"],
+        "bricks benchmark": [*bench, "--use-bricks", "--bricks-backend", "reference", "-p", "16",
+                             "-g", "4", "-n", "1"],
+    })
+    for name, r in results.items():
+        assert r.returncode == 0, (name, r.stderr)
+    stock, bricks = results["stock chat"], results["bricks chat"]
+    # the same screen, up to the speed figures (``prompt 1.6 tok/s``)
+    def screen(out):
+        return re.sub(r"[\d.]+ tok/s", "N tok/s", out)
+
+    assert "Paris" in stock.stdout and screen(bricks.stdout) == screen(stock.stdout)
+    assert _verbose_line(bricks.stderr)[:3] == ("reference", 30, 0)
+    b = results["bricks benchmark"]
+    assert _verbose_line(b.stderr)[:3] == ("reference", 30, 0)
+    assert "Timing with prompt_tokens=16, generation_tokens=4, batch_size=1." in b.stdout
+    assert re.search(r"^Trial 1: +prompt_tps=[\d.]+, generation_tps=[\d.]+, "
+                     r"peak_memory=[\d.]+, total_time=[\d.]+$", b.stdout, re.M), b.stdout
+    assert re.search(r"^Averages: prompt_tps=[\d.]+, generation_tps=[\d.]+", b.stdout, re.M)
+    assert "[mlx-bricks]" not in b.stdout  # stdout is stock's
 
 
 def test_patch_cli_json_passes_on_the_default_model(installed, default_model_dir):
@@ -390,7 +439,8 @@ def test_bad_input_is_one_line_and_exit_2(installed, default_model_dir):
     d = _bad_model_dirs(installed.base / "bad")
     supported = "supported: " + ", ".join(sorted(supported_model_types()))
     patch = [installed.python, "-m", "mlx_bricks.patch"]
-    gen = [*_mlx_lm_generate(installed), "--use-bricks"]
+    gen = [*_mlx_lm(installed), "--use-bricks"]
+    server = [*_mlx_lm(installed, "server"), "--use-bricks"]
     cases = {
         # name: (argv, expected fragment of the one line). More messages of the model checks:
         # test_resolve_model_rejects (in-process, cheaper than a subprocess each).
@@ -420,7 +470,17 @@ def test_bad_input_is_one_line_and_exit_2(installed, default_model_dir):
             [*gen, "--bricks-mlp-variant", "fast"],
             "argument --bricks-mlp-variant: invalid choice: 'fast'"),
         "patch: bad --mlp-variant": ([*patch, "--mlp-variant", "fast"],
-                                     "argument --mlp-variant: invalid choice: 'fast'"),
+                                     "argument --mlp-variant/--bricks-mlp-variant: invalid "
+                                     "choice: 'fast'"),
+        "server: missing --model": ([*server, "--model", d["missing"]],
+                                    f"--model '{d['missing']}' does not exist"),
+        "server: --kv-bits with --bricks-kv q8_0": (
+            [*server, "--bricks-kv", "q8_0", "--kv-bits", "8"],
+            "--kv-bits and --bricks-kv q8_0 exclude each other"),
+        "benchmark: unsupported model_type": ([*_mlx_lm(installed, "benchmark"), "--use-bricks",
+                                               "--model", d["gemma"]],
+                                              f"model_type 'gemma' of '{d['gemma']}' is not "
+                                              "supported"),
     }
     if not backend_status("metal")[0]:
         cases["patch: unavailable backend"] = ([*patch, "--backend", "metal"],
@@ -432,40 +492,14 @@ def test_bad_input_is_one_line_and_exit_2(installed, default_model_dir):
         lines = r.stderr.splitlines()
         assert len(lines) == 1, (name, r.stderr)
         assert lines[0].split(": error: ")[0] in ("python -m mlx_bricks.patch",
-                                                 "mlx_lm.generate"), (name, lines[0])
+                                                 "mlx_lm.generate", "mlx_lm.server",
+                                                 "mlx_lm.benchmark"), (name, lines[0])
         assert expected in lines[0], (name, lines[0])
         assert r.stdout == "", (name, r.stdout)
 
 
 # ---------------------------------------------------------------------------------------------
 # in-process units (no subprocess, no model)
-
-
-@pytest.mark.parametrize("argv, orig_argv, expected", [
-    (["/venv/bin/mlx_lm.generate", "--use-bricks"], [], True),
-    (["C:\\venv\\Scripts\\mlx_lm.generate.exe", "--use-bricks"], [], True),
-    (["/venv/bin/mlx_lm.server", "--use-bricks"], [], False),
-    (["-c", "--use-bricks"], ["py", "-c", "pass", "--use-bricks"], False),
-    (["-m", "generate"], ["py", "-m", "mlx_lm", "generate", "--use-bricks"], True),
-    (["-m", "--use-bricks"], ["py", "-m", "mlx_lm.generate", "--use-bricks"], True),
-    (["-m", "--use-bricks"], ["py", "-X", "importtime", "-B", "-m", "mlx_lm.generate"], True),
-    (["-m", "--use-bricks"], ["py", "-Ximporttime", "-Bmmlx_lm.generate"], True),
-    (["-m", "server"], ["py", "-m", "mlx_lm", "server", "--use-bricks"], False),
-    (["-m", "--use-bricks"], ["py", "-m", "mlx_lm"], False),
-    (["script.py", "--use-bricks"], ["py", "script.py", "--use-bricks"], False),
-])
-def test_is_generate_command(argv, orig_argv, expected):
-    assert _hook.is_generate_command(argv, orig_argv) is expected
-
-
-def test_setup_py_writes_the_hook_line():
-    """setup.py cannot import the package, so it keeps its own copy of the line."""
-    text = (ROOT / "setup.py").read_text()
-    start = text.index("PTH_NAME = ")
-    namespace: dict = {}
-    exec(text[start:text.index(")\n", start) + 2], namespace)  # the two constants
-    assert namespace["PTH_NAME"] == _hook.PTH_NAME
-    assert namespace["PTH_LINE"] == _hook.PTH_LINE
 
 
 def test_compare_and_verdict_figures():
@@ -494,94 +528,3 @@ def test_compare_and_verdict_figures():
     ok = dict(f, top1_agreement=1.0, greedy_match=True)
     assert verdict(ok, n_patched=3) == []
     assert verdict(ok, n_patched=0) == ["no module was patched (see the report for why)"]
-
-
-def test_resolve_model_rejects(tmp_path):
-    from mlx_bricks._cli import CliError, resolve_model
-    from mlx_bricks.patch import supported_model_types
-
-    d = _bad_model_dirs(tmp_path)
-    llama = json.dumps({"model_type": "llama"})
-    for name, config in (("bad_json", "{not json"), ("no_type", "{}"), ("no_weights", llama)):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "config.json").write_text(config)
-    (tmp_path / "notes.txt").write_text("not a model")
-    supported = ", ".join(sorted(supported_model_types()))
-    cases = {
-        d["missing"]: f"MODEL_DIR '{d['missing']}' does not exist",
-        tmp_path / "notes.txt": "is a file; expected an mlx-lm model directory or a .gguf file",
-        d["no_config"]: "has no config.json (not an mlx-lm model directory)",
-        tmp_path / "bad_json": "cannot read '",
-        tmp_path / "no_type": "config.json' has no model_type",
-        d["gemma"]: f"model_type 'gemma' of '{d['gemma']}' is not supported by mlx-bricks; "
-                    f"supported: {supported}",
-        tmp_path / "no_weights": "no model*.safetensors weights in",
-        d["bad_weights"]: "cannot read weights '",
-    }
-    for path, expected in cases.items():
-        with pytest.raises(CliError) as err:
-            resolve_model(str(path), what="MODEL_DIR", allow_hub=False, need_patchable=True)
-        assert expected in str(err.value), (path, str(err.value))
-    with pytest.raises(CliError, match="MODEL_DIR is empty"):
-        resolve_model(" ", what="MODEL_DIR", allow_hub=False, need_patchable=True)
-    # the unsupported model_type is only an error where the bricks are asked for
-    with pytest.raises(CliError, match="cannot read weights"):
-        resolve_model(str(d["bad_weights"]).replace("bad_weights", "gemma"), what="--model",
-                      allow_hub=True, need_patchable=False)
-
-
-def test_resolve_model_passes_hub_repo_ids_through_only_when_allowed(tmp_path):
-    from mlx_bricks._cli import CliError, resolve_model
-
-    repo = "mlx-community/SmolLM2-135M-Instruct"  # not a local path here
-    assert resolve_model(repo, what="--model", allow_hub=True, need_patchable=True) == repo
-    with pytest.raises(CliError, match="does not exist"):
-        resolve_model(repo, what="MODEL_DIR", allow_hub=False, need_patchable=True)
-    with pytest.raises(CliError, match="does not exist"):  # a relative path is not a repo id
-        resolve_model("./models/x", what="--model", allow_hub=True, need_patchable=True)
-
-
-def test_gguf_model_is_converted_once_into_the_cache(tmp_path, monkeypatch):
-    import mlx_bricks.gguf
-    from mlx_bricks import _cli
-
-    monkeypatch.setenv("MLX_BRICKS_HOME", str(tmp_path / "home"))
-    gguf = tmp_path / "tiny.gguf"
-    gguf.write_bytes(b"GGUF placeholder")
-    calls = []
-
-    def fake_convert(path, out_dir, **options):  # writes what convert_gguf would, minimally
-        calls.append((Path(path), Path(out_dir), options))
-        Path(out_dir).mkdir(parents=True)
-        (Path(out_dir) / "config.json").write_text(json.dumps({"model_type": "llama"}))
-        return Path(out_dir)
-
-    monkeypatch.setattr(mlx_bricks.gguf, "convert_gguf", fake_convert)
-    first = _cli.convert_gguf_cached(gguf)
-    assert first.parent == tmp_path / "home" / "gguf" and first.name.startswith("tiny-")
-    assert _cli.convert_gguf_cached(gguf) == first and len(calls) == 1  # reused
-    gguf.write_bytes(b"GGUF placeholder, edited")  # another size: converted again
-    second = _cli.convert_gguf_cached(gguf)
-    assert second != first and len(calls) == 2
-
-    def failing_convert(path, out_dir, **options):
-        raise ValueError("tiny.gguf: unsupported architecture 'mamba'")
-
-    monkeypatch.setattr(mlx_bricks.gguf, "convert_gguf", failing_convert)
-    gguf.write_bytes(b"GGUF placeholder, edited again")
-    with pytest.raises(_cli.CliError, match="cannot convert '.*tiny.gguf': tiny.gguf: "
-                                            "unsupported architecture 'mamba'"):
-        _cli.convert_gguf_cached(gguf)
-
-
-def test_load_patchable_reports_a_failing_load_as_one_line(default_model_dir):
-    from mlx_bricks import _cli
-
-    def broken(path):
-        raise ValueError("Missing 3 parameters:\nmodel.layers.0.mlp.gate_proj.weight, ...")
-
-    with pytest.raises(_cli.CliError, match=r"^cannot load '.*': Missing 3 parameters") as e:
-        _cli.load_patchable(str(default_model_dir), "reference", broken)
-    assert "\n" not in str(e.value)
-    path, loaded = _cli.load_patchable(str(default_model_dir), "reference", lambda p: p.name)
-    assert path == Path(default_model_dir) and loaded == Path(default_model_dir).name

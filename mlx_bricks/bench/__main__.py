@@ -7,12 +7,12 @@ import os
 import sys
 
 from mlx_bricks import _cli
+from mlx_bricks.entry import flags
 
 PROG = "python -m mlx_bricks.bench"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mlx_bricks.backends import BACKENDS, ENV_VAR
     from mlx_bricks.bench.core import BENCHMARKS, GROUPS
 
     parser = argparse.ArgumentParser(
@@ -26,9 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=_cli.positive_int, default=3,
                         help="timed rounds per side, alternating, after a warm-up; a round "
                         "evaluates several calls when one is short (default: 3)")
-    parser.add_argument("--backend", choices=BACKENDS, default=None,
-                        help=f"bricks backend for the run (sets ${ENV_VAR}; default: "
-                        "the variable, else auto)")
+    flags.add_backend_flag(parser, "--backend", dest="backend")
     parser.add_argument("--out", help="write the JSON here instead of standard output")
     return _cli.one_line_errors(parser)
 

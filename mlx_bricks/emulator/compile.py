@@ -39,9 +39,9 @@ class EmulatorCompileError(EmulatorFault):
 
 def cache_dir() -> Path:
     """``$MLX_BRICKS_HOME/emulator`` (default ``~/.cache/mlx_bricks/emulator``), created if absent."""
-    home = os.environ.get("MLX_BRICKS_HOME")
-    base = Path(home) if home else Path.home() / ".cache" / "mlx_bricks"
-    d = base / "emulator"
+    from mlx_bricks.home import home
+
+    d = home() / "emulator"
     d.mkdir(parents=True, exist_ok=True)
     return d
 

@@ -32,8 +32,8 @@ import sys
 import time
 
 from mlx_bricks import _cli
-from mlx_bricks.bricks.swiglu.variants import VARIANT_ENV_VAR as SWIGLU_VARIANT_ENV
-from mlx_bricks.bricks.swiglu.variants import VARIANTS as SWIGLU_VARIANTS
+from mlx_bricks.entry import flags
+from mlx_bricks.entry.resolve import load_patchable
 
 PROG = "python -m mlx_bricks.patch"
 DEFAULT_PROMPT = (
@@ -44,15 +44,10 @@ DEFAULT_PROMPT = (
 DEFAULT_MAX_TOKENS = 16
 DEFAULT_REPEATS = 3
 DEFAULT_PREFILL_STEP_SIZE = 2048
-KV_CHOICES = ("none", "q8_0")
-#: ``patch_model(tune=...)`` values (kept here so --help does not import MLX).
-TUNE_MODES = ("auto", "off", "force")
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     """Parser of ``python -m mlx_bricks.patch``; a bad flag value exits 2 with one line."""
-    from mlx_bricks.backends import BACKENDS, ENV_VAR
-
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Patch an mlx-lm model with the mlx-bricks kernels, compare it with the stock "
@@ -70,18 +65,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         help=f"greedy tokens to compare (default: {DEFAULT_MAX_TOKENS})")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object instead of the text report")
-    parser.add_argument("--backend", choices=BACKENDS, default=None,
-                        help=f"backend of the bricks (default: ${ENV_VAR}, else auto)")
-    parser.add_argument("--kv", choices=KV_CHOICES, default="none",
-                        help="K/V format of the attention brick (default: none)")
-    parser.add_argument("--mlp-variant", choices=("auto", *SWIGLU_VARIANTS), default="auto",
-                        help="SwiGLU brick variant (default: auto: "
-                        f"${SWIGLU_VARIANT_ENV}, else the brick's rule)")
-    parser.add_argument("--tune", "--bricks-tune", dest="tune", choices=TUNE_MODES,
-                        default="auto",
-                        help="tuning on a kernel backend (metal, cuda): auto (cached decisions, "
-                        "measure the missing ones), force (measure again), off (the ops' rules); "
-                        "default: auto")
+    flags.add_backend_flag(parser, "--backend", "--bricks-backend", dest="backend")
+    flags.add_kv_flag(parser, "--kv", dest="kv",
+                      help="K/V format inside the attention brick: q8_0 rounds K and V to Q8_0 "
+                      "blocks (patch_model(kv_quant='q8_0')); mlx-lm's cache is kept.")
+    flags.add_mlp_variant_flag(parser, "--mlp-variant", "--bricks-mlp-variant",
+                               dest="mlp_variant")
+    flags.add_tune_flag(parser, "--tune", "--bricks-tune", dest="tune")
     parser.add_argument("--no-attention", dest="attention", action="store_false",
                         help="leave attention stock")
     parser.add_argument("--no-mlp", dest="mlp", action="store_false", help="leave the MLP stock")
@@ -248,16 +238,16 @@ def run(args: argparse.Namespace) -> int:
 
     from mlx_bricks.patch import patch_model
 
-    model_dir, (model, tokenizer) = _cli.load_patchable(args.model_dir, args.backend,
-                                                        lambda p: load(str(p)))
+    model_dir, (model, tokenizer) = load_patchable(args.model_dir, args.backend,
+                                                   lambda p: load(str(p)))
     prompt = mx.array(encode_prompt(tokenizer, args.prompt, not args.ignore_chat_template))
     opts = {"max_tokens": args.max_tokens, "step": args.prefill_step_size}
 
     stock = measure(model, tokenizer, prompt, **opts)
     report = patch_model(model, attention=args.attention, mlp=args.mlp,
                          fuse_block=args.fuse_block,
-                         kv_quant=None if args.kv == "none" else args.kv,
-                         mlp_variant=None if args.mlp_variant == "auto" else args.mlp_variant,
+                         kv_quant=None if args.kv == "fp16" else args.kv,
+                         mlp_variant=flags.mlp_variant(args.mlp_variant),
                          backend=args.backend, tune=args.tune)
     patched = measure(model, tokenizer, prompt, **opts)
     stock["prefill_s"], patched["prefill_s"] = time_both(model, prompt, repeats=args.repeats,

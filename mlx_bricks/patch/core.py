@@ -13,6 +13,7 @@ import os
 import mlx.nn as nn
 
 from mlx_bricks.backends import active_backend
+from mlx_bricks.options import KV_CACHES
 from mlx_bricks.bricks.attention.msl import SUPPORTED_HEAD_DIMS
 from mlx_bricks.bricks.attention.piece import KIND as ATTENTION
 from mlx_bricks.bricks.gemm.piece import KIND as LINEAR
@@ -44,8 +45,6 @@ from mlx_bricks.patch.report import (
 )
 from mlx_bricks.patch.table import lookup, supported_model_types
 
-#: ``patch_model(kv_cache=...)``: mlx-lm's own cache, or the Q8_0 cache (``mlx_bricks.cache``).
-KV_CACHES = ("fp16", "q8_0")
 
 _BLOCK_BRICKS = (RMS_NORM_QKV.op_name, ATTENTION.op_name, LINEAR.op_name,
                  *MLP_PIECE.bricks)

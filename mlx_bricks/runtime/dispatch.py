@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlx_bricks.backends import BackendChoice
+from mlx_bricks.options import TUNE_MODES
 from mlx_bricks.runtime.guard import GUARD
 from mlx_bricks.runtime.kind import Key, Variant
 from mlx_bricks.runtime.kind import kind as kind_of
@@ -30,8 +31,6 @@ from mlx_bricks.tune.tuner import Decision, tune_op
 TUNED_BACKENDS = ("metal", "cuda")
 #: Backends whose bricks run kernels, so the build and first-call guard applies.
 GUARDED_BACKENDS = ("metal", "cuda", "emulator")
-#: Values of ``patch_model(tune=...)``.
-TUNE_MODES = ("auto", "off", "force")
 #: Why a model on a machine without a kernel backend stays stock.
 NO_KERNEL_BACKEND = "no kernel backend on this machine (reference is the same math as stock)"
 

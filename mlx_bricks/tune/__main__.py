@@ -16,6 +16,7 @@ import json
 import sys
 
 from mlx_bricks import _cli
+from mlx_bricks.entry import flags
 
 PROG = "python -m mlx_bricks.tune"
 #: One M per bucket of ``buckets.M_EDGES`` (the last one above 2048).
@@ -24,8 +25,6 @@ DEFAULT_M = (32, 128, 512, 2048, 4096)
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     """Parser of ``python -m mlx_bricks.tune``; a bad flag value exits 2 with one line."""
-    from mlx_bricks.backends import BACKENDS, ENV_VAR
-
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Measure, on this device, which mlx-bricks variants beat stock MLX for a "
@@ -37,8 +36,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--m", type=_cli.positive_int, nargs="+", default=list(DEFAULT_M),
                         metavar="M", help="prefill chunk sizes (tokens) to tune for "
                         f"(default: {' '.join(map(str, DEFAULT_M))}: one per M bucket)")
-    parser.add_argument("--backend", choices=BACKENDS, default=None,
-                        help=f"backend of the bricks (default: ${ENV_VAR}, else auto)")
+    flags.add_backend_flag(parser, "--backend", "--bricks-backend", dest="backend")
     parser.add_argument("--force", action="store_true",
                         help="measure again even where the cache has a decision")
     parser.add_argument("--show", action="store_true",
@@ -86,11 +84,12 @@ def _tune(args) -> dict:
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model
 
+    from mlx_bricks.entry.resolve import load_patchable
     from mlx_bricks.patch import patch_model
     from mlx_bricks.tune.cache import default_path
 
     # no tokenizer needed: the tokens are random
-    model_dir, (model, config) = _cli.load_patchable(args.model_dir, args.backend, load_model)
+    model_dir, (model, config) = load_patchable(args.model_dir, args.backend, load_model)
     report = patch_model(model, backend=args.backend, tune="force" if args.force else "auto")
     result = {"cache": str(default_path()), "model": str(model_dir),
               "backend": report.backend.name, "m": list(args.m)}

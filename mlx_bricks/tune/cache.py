@@ -53,10 +53,10 @@ def warn_once(path, problem: str) -> None:
 
 
 def default_path() -> Path:
-    """``$MLX_BRICKS_HOME/tune/decisions.json`` (see ``mlx_bricks._cli.cache_dir``)."""
-    from mlx_bricks._cli import cache_dir
+    """``$MLX_BRICKS_HOME/tune/decisions.json`` (``mlx_bricks.home``)."""
+    from mlx_bricks.home import home
 
-    return cache_dir() / "tune" / FILE_NAME
+    return home() / "tune" / FILE_NAME
 
 
 #: Packages whose modules decide what runs (tile rules, launch geometry, kernel inputs and

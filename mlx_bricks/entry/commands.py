@@ -1,0 +1,45 @@
+"""The mlx-lm commands that take ``--use-bricks``: one table, read by the import hook (which
+program is this?) and the session (what to swap in it). Standard library only: the hook reads
+it at interpreter start.
+
+Adding a command is one line here when its module follows mlx-lm's CLI shape: a module-level
+``main()``, an ``argparse.ArgumentParser`` built by it (or by ``setup_arg_parser()``), and the
+model loaded through the module's own ``load`` / ``sharded_load`` names.
+"""
+from __future__ import annotations
+
+#: Attribute of a hooked mlx-lm module that keeps its original ``main``.
+STOCK_MAIN = "_mlx_bricks_stock_main"
+
+
+class Command:
+    """One target command.
+
+    Attributes:
+        name: the subcommand of ``python -m mlx_lm NAME`` (``"server"``).
+        module: the module that runs it (``"mlx_lm.server"``), also its console script's name
+            and the program name in its help and error lines.
+        announce: where the patch summary of each loaded model goes: ``"stderr"`` (one line)
+            or ``"log"`` (``logging.info``, with the per-layer report: the server's log).
+    """
+
+    __slots__ = ("name", "module", "announce")
+
+    def __init__(self, name: str, announce: str = "stderr"):
+        self.name = name
+        self.module = f"mlx_lm.{name}"
+        self.announce = announce
+
+    def __repr__(self) -> str:
+        return f"Command({self.name!r}, announce={self.announce!r})"
+
+
+#: name -> Command, for every command the hook serves.
+COMMANDS = {c.name: c for c in (
+    Command("generate"),
+    Command("server", announce="log"),
+    Command("chat"),
+    Command("benchmark"),
+)}
+#: module name (``"mlx_lm.server"``) -> Command.
+BY_MODULE = {c.module: c for c in COMMANDS.values()}
