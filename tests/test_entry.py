@@ -207,7 +207,7 @@ def test_session_patches_main_models_not_the_draft_and_gives_them_their_cache(de
 
     from mlx_bricks._cli import CliError
     from mlx_bricks.entry.session import Session, _BricksPromptCache, _PatchingLoad
-    from mlx_bricks.patch import patch_report
+    from mlx_bricks.patch import patch_report, unpatch_model
     from tests.models import build_model
 
     session = Session("server")
@@ -221,12 +221,15 @@ def test_session_patches_main_models_not_the_draft_and_gives_them_their_cache(de
 
     load = _PatchingLoad(session, fake_load)
     main, _ = load(str(default_model_dir), tokenizer_config={})  # checked like --model
-    draft, _ = load("draft-model")
-    assert seen == [str(default_model_dir), "draft-model"]
-    assert patch_report(main).options["kv_cache"] == "q8_0" and patch_report(draft) is None
-    assert [path for path, _ in session.loaded] == [str(default_model_dir)]
-    make = _BricksPromptCache(mlx_cache.make_prompt_cache)
-    assert type(make(main)[0]).__name__ == "Q8KVCache"
-    assert type(make(draft)[0]) is mlx_cache.KVCache
-    with pytest.raises(CliError, match="does not exist"):  # a request's unknown model
-        load("/no/such/model", tokenizer_config={})
+    try:
+        draft, _ = load("draft-model")
+        assert seen == [str(default_model_dir), "draft-model"]
+        assert patch_report(main).options["kv_cache"] == "q8_0" and patch_report(draft) is None
+        assert [path for path, _ in session.loaded] == [str(default_model_dir)]
+        make = _BricksPromptCache(mlx_cache.make_prompt_cache)
+        assert type(make(main)[0]).__name__ == "Q8KVCache"
+        assert type(make(draft)[0]) is mlx_cache.KVCache
+        with pytest.raises(CliError, match="does not exist"):  # a request's unknown model
+            load("/no/such/model", tokenizer_config={})
+    finally:
+        unpatch_model(main)  # its Q8_0 route of llama's attention must not outlive the test
