@@ -1,5 +1,5 @@
 // gemm.cuh -- the CUDA twin of metal_src/gemm.h: one ingestion pipeline for every GEMM brick.
-// Needs mma.cuh before it (the registry concatenates cuda_headers in order).
+// Needs mma.cuh and dequant.cuh before it (the registry concatenates cuda_headers in order).
 //
 // C (M x N) = A (M x K) * B^T, B in the nn.Linear layout (N rows of K), FP32 accumulators on
 // mma.sync m16n8k16 tensor cores (sm_80+). A kernel body picks:
@@ -197,6 +197,10 @@ struct FloatB {
 // into one of two 16-bit operand tiles while the MMAs of the current stage run, so every packed
 // value is dequantized exactly once per block. Each thread owns 32-value segments (rows r,
 // half h): 32 values of BITS bits are exactly BITS whole words of the row's bit stream.
+// Values are T(s * q + b) rounded once (dequant.cuh: integer and paired-half tricks, one HFMA2
+// per pair); a segment is decoded one shared-memory load group (16 bytes for 4- and 8-bit) at a
+// time and each 8-value chunk is stored as soon as it is ready, so few words stay live next to
+// the accumulators.
 template <class Cfg, int BITS, int GS>
 struct AffineB {
   using T = typename Cfg::T;
@@ -206,7 +210,9 @@ struct AffineB {
   static constexpr int EXTRA_BYTES = Cfg::DQ_TILES * Cfg::B_TILE_BYTES;  // dequantized tiles
   static constexpr int SEGS = Cfg::B_ROWS * 2;                // 32-value segments per stage
   static constexpr int SEG_PER_THREAD = (SEGS + Cfg::THREADS - 1) / Cfg::THREADS;
-  static constexpr unsigned MASK = (1u << BITS) - 1u;
+  // Words per shared-memory load group and 8-value chunks decoded from one group.
+  static constexpr int GW = BITS % 4 == 0 ? 4 : BITS;
+  static constexpr int CPG = 4 * GW / BITS;
   static_assert(GS % 32 == 0, "a 32-value segment must sit in one group");
   static_assert(BITS >= 2 && BITS <= 8, "affine bits 2..8");
 
@@ -215,9 +221,10 @@ struct AffineB {
   const T* biases[Cfg::NB];
   int N, K, n0, words_per_row, groups;
   bool vec;  // 16-byte copies of the packed rows
-  // Scale and bias of each owned segment for the stage being prepared next.
-  float s_next[SEG_PER_THREAD];
-  float b_next[SEG_PER_THREAD];
+  // Scale and bias of each owned segment for the stage being prepared next, as T pairs
+  // (both halves equal); 0 for segments past K, which then dequantize to +0 without a branch.
+  uint32_t s2_next[SEG_PER_THREAD];
+  uint32_t b2_next[SEG_PER_THREAD];
 
   // w_[b]: operand b's packed uint32 (N, K * BITS / 32); s_, b_: its scales and biases.
   __device__ AffineB(const void* const (&w_)[Cfg::NB], const T* const (&s_)[Cfg::NB],
@@ -279,8 +286,8 @@ struct AffineB {
 #pragma unroll
     for (int j = 0; j < SEG_PER_THREAD; ++j) {
       const int seg = tid + j * Cfg::THREADS;
-      float s = 0.0f;
-      float bb = 0.0f;
+      uint32_t s2 = 0;
+      uint32_t b2 = 0;
       if (SEGS % Cfg::THREADS == 0 || seg < SEGS) {
         const int r = seg / 2;
         const int b = r / Cfg::BN;
@@ -288,18 +295,40 @@ struct AffineB {
         const int k = k0 + (seg % 2) * 32;
         if (k < K) {
           const long g = long(n) * groups + k / GS;
-          s = to_float(pick(scales, b)[g]);
-          bb = to_float(pick(biases, b)[g]);
+          s2 = dq::splat_bits(dq::bits16(pick(scales, b)[g]));
+          b2 = dq::splat_bits(dq::bits16(pick(biases, b)[g]));
         }
       }
-      s_next[j] = s;
-      b_next[j] = bb;
+      s2_next[j] = s2;
+      b2_next[j] = b2;
+    }
+  }
+
+  // GW packed words at src (shared memory) with the widest loads the segment's alignment allows
+  // (a segment starts at word BITS * seg: 16-byte aligned for BITS % 4 == 0, 8-byte for even
+  // BITS; conflict-free either way).
+  __device__ __forceinline__ static void load_words(const uint32_t* src, uint32_t (&words)[GW]) {
+    if constexpr (GW % 4 == 0) {
+      const uint4 q4 = *reinterpret_cast<const uint4*>(src);
+      words[0] = q4.x;
+      words[1] = q4.y;
+      words[2] = q4.z;
+      words[3] = q4.w;
+    } else if constexpr (GW % 2 == 0) {
+#pragma unroll
+      for (int i = 0; i < GW; i += 2) {
+        const uint2 q2 = *reinterpret_cast<const uint2*>(src + i);
+        words[i] = q2.x;
+        words[i + 1] = q2.y;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < GW; ++i) words[i] = src[i];
     }
   }
 
   // Dequantize the landed packed stage into the operand tile `dq` (swizzled, like FloatB's).
-  // Segments past K become zeros (A is zero there too, but the values must be finite).
-  __device__ __forceinline__ void prepare(unsigned char* packed, unsigned char* dq, int k0,
+  __device__ __forceinline__ void prepare(unsigned char* packed, unsigned char* dq_tile, int,
                                           int tid, int) {
 #pragma unroll
     for (int j = 0; j < SEG_PER_THREAD; ++j) {
@@ -308,54 +337,17 @@ struct AffineB {
         const int r = seg / 2;
         const int h = seg % 2;
         const uint32_t* src = reinterpret_cast<const uint32_t*>(packed) + r * WPR + h * BITS;
-        // Widest conflict-free shared loads the segment's alignment allows (a segment starts
-        // at word BITS * seg: 16-byte aligned for BITS % 4 == 0, 8-byte for even BITS).
-        uint32_t words[BITS];
-        if constexpr (BITS % 4 == 0) {
 #pragma unroll
-          for (int i = 0; i < BITS; i += 4) {
-            const uint4 q4 = *reinterpret_cast<const uint4*>(src + i);
-            words[i] = q4.x;
-            words[i + 1] = q4.y;
-            words[i + 2] = q4.z;
-            words[i + 3] = q4.w;
+        for (int g = 0; g < BITS / GW; ++g) {  // one load group at a time
+          uint32_t words[GW];
+          load_words(src + g * GW, words);
+#pragma unroll
+          for (int c = 0; c < CPG; ++c) {  // 8-value chunks of the group, stored at once
+            uint32_t out[4];
+            dq::chunk8<T, BITS>(words, c, s2_next[j], b2_next[j], out);
+            *reinterpret_cast<uint4*>(dq_tile + swz(r, h * 4 + g * CPG + c)) =
+                make_uint4(out[0], out[1], out[2], out[3]);
           }
-        } else if constexpr (BITS % 2 == 0) {
-#pragma unroll
-          for (int i = 0; i < BITS; i += 2) {
-            const uint2 q2 = *reinterpret_cast<const uint2*>(src + i);
-            words[i] = q2.x;
-            words[i + 1] = q2.y;
-          }
-        } else {
-#pragma unroll
-          for (int i = 0; i < BITS; ++i) words[i] = src[i];
-        }
-        const float s = s_next[j];
-        const float bias = b_next[j];
-        const bool live = k0 + h * 32 < K;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {  // four 16-byte chunks of 8 values
-          uint32_t out[4];
-#pragma unroll
-          for (int p = 0; p < 4; ++p) {
-            float v[2];
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int idx = c * 8 + p * 2 + e;  // value index in the segment, 0..31
-              const int bit = idx * BITS;
-              const int wi = bit / 32;
-              const int off = bit % 32;
-              uint32_t q = words[wi] >> off;
-              if (off + BITS > 32) q |= words[wi + 1] << (32 - off);
-              q &= MASK;
-              // Exact small integer as float: 2^23 + q, minus 2^23.
-              const float qf = __uint_as_float(0x4B000000u | q) - 8388608.0f;
-              v[e] = live ? fmaf(s, qf, bias) : 0.0f;
-            }
-            out[p] = pack2<T>(v[0], v[1]);
-          }
-          *reinterpret_cast<uint4*>(dq + swz(r, h * 4 + c)) = make_uint4(out[0], out[1], out[2], out[3]);
         }
       }
     }
