@@ -194,6 +194,102 @@ __device__ __forceinline__ void chunk4_f32(const uint32_t* w, int c, float s, fl
   }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// The dequantize brick (dequantize.cu): one thread per run of UNIT values of one row
+// ---------------------------------------------------------------------------------------------
+
+// Two T of a pair register (computed in T) stored as two O at dst (O = T: the bits as they are;
+// else each converted from T through float, rounded to nearest even: MLX's astype).
+template <typename A, typename B>
+struct Same {
+  static constexpr bool value = false;
+};
+template <typename A>
+struct Same<A, A> {
+  static constexpr bool value = true;
+};
+
+template <typename T, typename O>
+__device__ __forceinline__ void store_pairs(const uint32_t (&p)[4], O* dst) {
+  if constexpr (Same<T, O>::value) {
+    *reinterpret_cast<uint4*>(dst) = make_uint4(p[0], p[1], p[2], p[3]);
+  } else if constexpr (sizeof(O) == 4) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float2 a = unpack2<T>(p[2 * i]);
+      const float2 b = unpack2<T>(p[2 * i + 1]);
+      *reinterpret_cast<float4*>(dst + 4 * i) = make_float4(a.x, a.y, b.x, b.y);
+    }
+  } else {
+    uint32_t o[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 a = unpack2<T>(p[i]);
+      o[i] = pack2<O>(a.x, a.y);
+    }
+    *reinterpret_cast<uint4*>(dst) = make_uint4(o[0], o[1], o[2], o[3]);
+  }
+}
+
+template <typename O>
+__device__ __forceinline__ void store_floats(const float (&v)[4], O* dst) {
+  if constexpr (sizeof(O) == 4) {
+    *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
+  } else {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<O>(v[0], v[1]), pack2<O>(v[2], v[3]));
+  }
+}
+
+// Values k0 .. k0 + UNIT - 1 of one row: w the row's first word of the run, s_row / b_row the
+// row's scales and biases (T), out the output row at k0. UNIT = 128 (K % 128 == 0: BITS
+// 16-byte loads) or 32 (BITS words; 16-byte loads for 4- and 8-bit). vec16: the words may be
+// read 16 bytes at a time (the run's first word is 16-byte aligned).
+template <typename T, typename O, int BITS, int GS, bool FUSED, int UNIT>
+__device__ __forceinline__ void dequantize_run(const uint32_t* w, const T* s_row, const T* b_row,
+                                               O* out, int k0, bool vec16) {
+  constexpr int UW = UNIT * BITS / 32;  // words of the run
+  static_assert(UNIT % 32 == 0 && GS % 32 == 0, "runs are whole 32-value segments of a group");
+  uint32_t words[UW];
+  if (UW % 4 == 0 && vec16) {
+#pragma unroll
+    for (int i = 0; i < UW; i += 4) {
+      const uint4 v = *reinterpret_cast<const uint4*>(w + i);
+      words[i] = v.x;
+      words[i + 1] = v.y;
+      words[i + 2] = v.z;
+      words[i + 3] = v.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < UW; ++i) words[i] = w[i];
+  }
+#pragma unroll
+  for (int j = 0; j < UNIT / 32; ++j) {  // 32-value segments, one (scale, bias) each
+    const int g = (k0 + 32 * j) / GS;
+    const uint32_t* seg = words + j * BITS;
+    if constexpr (sizeof(T) == 2) {
+      const uint32_t s2 = splat_bits(bits16(s_row[g]));
+      const uint32_t b2 = splat_bits(bits16(b_row[g]));
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        uint32_t p[4];
+        chunk8<T, BITS, FUSED>(seg, c, s2, b2, p);
+        store_pairs<T>(p, out + 32 * j + 8 * c);
+      }
+    } else {
+      const float sf = s_row[g];
+      const float bf = b_row[g];
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+        float v[4];
+        chunk4_f32<BITS, FUSED>(seg, c, sf, bf, v);
+        store_floats(v, out + 32 * j + 4 * c);
+      }
+    }
+  }
+}
+
 }  // namespace dq
 }  // namespace bricks
 

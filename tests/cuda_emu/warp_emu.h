@@ -70,6 +70,7 @@ inline thread_local Block* blk = nullptr;
 inline thread_local std::vector<Pending> pending;       // issued, not yet committed
 inline thread_local std::deque<std::vector<Pending>> groups;  // committed, not yet landed
 inline Dim3 g_dim;
+inline Dim3 g_bdim;
 
 inline int lane() { return int(t_idx.x % 32); }
 inline int warp_id() { return int(t_idx.x / 32); }
@@ -103,6 +104,7 @@ inline float bitsf(uint32_t u) {
 #define threadIdx emu::t_idx
 #define blockIdx emu::b_idx
 #define gridDim emu::g_dim
+#define blockDim emu::g_bdim
 
 inline void __syncthreads() { emu::blk->all->arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp_sync(); }
@@ -434,6 +436,7 @@ template <typename F>
 inline void launch(Dim3 grid, int nthreads, uint32_t smem_bytes, int n_named, int named_count,
                    F kernel) {
   g_dim = grid;
+  g_bdim = Dim3{unsigned(nthreads), 1, 1};
   for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
       for (unsigned bx = 0; bx < grid.x; ++bx) {
