@@ -221,10 +221,11 @@ struct AffineB {
   const T* biases[Cfg::NB];
   int N, K, n0, words_per_row, groups;
   bool vec;  // 16-byte copies of the packed rows
-  // Scale and bias of each owned segment for the stage being prepared next, as T pairs
-  // (both halves equal); 0 for segments past K, which then dequantize to +0 without a branch.
-  uint32_t s2_next[SEG_PER_THREAD];
-  uint32_t b2_next[SEG_PER_THREAD];
+  // Scale (low half) and bias (high half) of each owned segment for the stage being prepared
+  // next, as T bits in one register (splat to pairs at use: one register less per segment
+  // next to the accumulators); 0 for segments past K, which then dequantize to +0 without a
+  // branch.
+  uint32_t sb_next[SEG_PER_THREAD];
 
   // w_[b]: operand b's packed uint32 (N, K * BITS / 32); s_, b_: its scales and biases.
   __device__ AffineB(const void* const (&w_)[Cfg::NB], const T* const (&s_)[Cfg::NB],
@@ -286,8 +287,7 @@ struct AffineB {
 #pragma unroll
     for (int j = 0; j < SEG_PER_THREAD; ++j) {
       const int seg = tid + j * Cfg::THREADS;
-      uint32_t s2 = 0;
-      uint32_t b2 = 0;
+      uint32_t sb = 0;
       if (SEGS % Cfg::THREADS == 0 || seg < SEGS) {
         const int r = seg / 2;
         const int b = r / Cfg::BN;
@@ -295,12 +295,11 @@ struct AffineB {
         const int k = k0 + (seg % 2) * 32;
         if (k < K) {
           const long g = long(n) * groups + k / GS;
-          s2 = dq::splat_bits(dq::bits16(pick(scales, b)[g]));
-          b2 = dq::splat_bits(dq::bits16(pick(biases, b)[g]));
+          sb = uint32_t(dq::bits16(pick(scales, b)[g])) |
+               (uint32_t(dq::bits16(pick(biases, b)[g])) << 16);
         }
       }
-      s2_next[j] = s2;
-      b2_next[j] = b2;
+      sb_next[j] = sb;
     }
   }
 
@@ -337,6 +336,8 @@ struct AffineB {
         const int r = seg / 2;
         const int h = seg % 2;
         const uint32_t* src = reinterpret_cast<const uint32_t*>(packed) + r * WPR + h * BITS;
+        const uint32_t s2 = __byte_perm(sb_next[j], 0u, 0x1010);
+        const uint32_t b2 = __byte_perm(sb_next[j], 0u, 0x3232);
 #pragma unroll
         for (int g = 0; g < BITS / GW; ++g) {  // one load group at a time
           uint32_t words[GW];
@@ -344,7 +345,7 @@ struct AffineB {
 #pragma unroll
           for (int c = 0; c < CPG; ++c) {  // 8-value chunks of the group, stored at once
             uint32_t out[4];
-            dq::chunk8<T, BITS>(words, c, s2_next[j], b2_next[j], out);
+            dq::chunk8<T, BITS>(words, c, s2, b2, out);
             *reinterpret_cast<uint4*>(dq_tile + swz(r, h * 4 + g * CPG + c)) =
                 make_uint4(out[0], out[1], out[2], out[3]);
           }
@@ -579,19 +580,19 @@ __device__ __forceinline__ void grouped_tile(int pid, int tiles_m, int tiles_n, 
 // Epilogue helpers
 // ---------------------------------------------------------------------------------------------
 
-// Store two adjacent columns (col, col + 1) of row `row` of a (rows, ld) output, predicated;
-// one 32-bit store when both are in bounds and aligned.
+// An epilogue is an element op and a destination, as MLX steel's transforms: WarpTile::for_each
+// hands Epilogue each pair of adjacent output columns (col, col + 1) of one row; Epilogue checks
+// the bounds once, the op turns the accumulators into the two output values (reading bias /
+// residual / up pairs through load_pair), and the destination stores them.
+
+// T values p[0], p[1] as floats (p[1] only when `two`, else 0): one 32-bit load when both are
+// in bounds and the pair is 4-byte aligned.
 template <typename T>
-__device__ __forceinline__ void store_pair(T* out, long ld, int row, int col, int rows, int cols,
-                                           float v0, float v1) {
-  if (row >= rows || col >= cols) return;
-  T* p = out + long(row) * ld + col;
-  if (col + 1 < cols && ((reinterpret_cast<uintptr_t>(p) & 3) == 0)) {
-    *reinterpret_cast<uint32_t*>(p) = pack2<T>(v0, v1);
-  } else {
-    p[0] = from_float<T>(v0);
-    if (col + 1 < cols) p[1] = from_float<T>(v1);
+__device__ __forceinline__ float2 load_pair(const T* p, bool two) {
+  if (two && (reinterpret_cast<uintptr_t>(p) & 3) == 0) {
+    return unpack2<T>(*reinterpret_cast<const uint32_t*>(p));
   }
+  return make_float2(to_float(p[0]), two ? to_float(p[1]) : 0.0f);
 }
 
 // SiLU(g) = g / (1 + exp(-g)) with exp of -|g| only (no overflow for any finite g), as the MSL
@@ -624,115 +625,141 @@ __device__ __forceinline__ float activation(float g) {
   }
 }
 
-// y = acc (+ bias[col]) (+ residual[row, col]), summed in float, rounded once; y and residual
-// (M, N) row-major. Block-relative (r, c) from WarpTile::for_each.
+// ---- element ops: (accumulators of NB operands, row, col, two) -> the two output values ----
+
+// acc (+ bias[col]) (+ residual[row, col]), summed in float, rounded once on the store; residual
+// (M, ld) row-major.
 template <typename T, bool HAS_BIAS, bool HAS_RESIDUAL>
-struct BiasResidualOut {
-  T* y;
+struct AddBiasResidual {
   const T* bias;
   const T* residual;
-  int M, N, m0, n0;
+  long ld;
 
-  __device__ __forceinline__ void operator()(const float (&v)[1][2], int r, int c) const {
-    const int row = m0 + r;
-    const int col = n0 + c;
-    if (row >= M || col >= N) return;
-    const bool two = col + 1 < N;
-    float a0 = v[0][0];
-    float a1 = v[0][1];
+  __device__ __forceinline__ float2 operator()(const float (&v)[1][2], int row, int col,
+                                               bool two) const {
+    float2 o = make_float2(v[0][0], v[0][1]);
     if constexpr (HAS_BIAS) {
-      a0 += to_float(bias[col]);
-      if (two) a1 += to_float(bias[col + 1]);
+      const float2 b = load_pair(bias + col, two);
+      o.x += b.x;
+      o.y += b.y;
     }
     if constexpr (HAS_RESIDUAL) {
-      const T* rp = residual + long(row) * N + col;
-      a0 += to_float(rp[0]);
-      if (two) a1 += to_float(rp[1]);
+      const float2 r = load_pair(residual + long(row) * ld + col, two);
+      o.x += r.x;
+      o.y += r.y;
     }
-    store_pair(y, N, row, col, M, N, a0, a1);
+    return o;
   }
 };
 
-// act = act(acc + bias[col]) * up[row, col] (act: ACT; the split SwiGLU's gate GEMM; up was
-// computed by the up GEMM and rounded to T, as the MSL split variant and the stock MLP do).
-template <typename T, bool HAS_BIAS, int ACT = ACT_SILU>
-struct SwiGLUUpOut {
-  T* act;
+// act(acc + bias[col]) * up[row, col] (the split SwiGLU's gate GEMM; up was computed by the up
+// GEMM and rounded to T, as the MSL split variant and the stock MLP do).
+template <typename T, bool HAS_BIAS, int ACT>
+struct GateTimesUp {
   const T* bias;
   const T* up;
-  int M, N, m0, n0;
+  long ld;
 
-  __device__ __forceinline__ void operator()(const float (&v)[1][2], int r, int c) const {
-    const int row = m0 + r;
-    const int col = n0 + c;
-    if (row >= M || col >= N) return;
-    const bool two = col + 1 < N;
+  __device__ __forceinline__ float2 operator()(const float (&v)[1][2], int row, int col,
+                                               bool two) const {
     float g0 = v[0][0];
     float g1 = v[0][1];
     if constexpr (HAS_BIAS) {
-      g0 += to_float(bias[col]);
-      if (two) g1 += to_float(bias[col + 1]);
+      const float2 b = load_pair(bias + col, two);
+      g0 += b.x;
+      g1 += b.y;
     }
-    const T* up_p = up + long(row) * N + col;
-    const float u0 = to_float(up_p[0]);
-    const float u1 = two ? to_float(up_p[1]) : 0.0f;
-    store_pair(act, N, row, col, M, N, activation<ACT>(g0) * u0, activation<ACT>(g1) * u1);
+    const float2 u = load_pair(up + long(row) * ld + col, two);
+    return make_float2(activation<ACT>(g0) * u.x, activation<ACT>(g1) * u.y);
   }
 };
 
-// act = act(gate + b_gate) * (up + b_up) (act: ACT) from the fused block's two operands
-// (b = 0 gate, b = 1 up), all in float, one rounding.
-template <typename T, bool HAS_BIAS_GATE, bool HAS_BIAS_UP, int ACT = ACT_SILU>
-struct SwiGLUOut {
-  T* act;
+// act(gate + b_gate) * (up + b_up) from the fused block's two operands (b = 0 gate, b = 1 up),
+// all in float, one rounding.
+template <typename T, bool HAS_BIAS_GATE, bool HAS_BIAS_UP, int ACT>
+struct GateUp {
   const T* b_gate;
   const T* b_up;
-  int M, N, m0, n0;
 
-  __device__ __forceinline__ void operator()(const float (&v)[2][2], int r, int c) const {
-    const int row = m0 + r;
-    const int col = n0 + c;
-    if (row >= M || col >= N) return;
-    const int c1 = min(col + 1, N - 1);  // a clamped column is never stored
+  __device__ __forceinline__ float2 operator()(const float (&v)[2][2], int, int col,
+                                               bool two) const {
     float g0 = v[0][0], g1 = v[0][1], u0 = v[1][0], u1 = v[1][1];
     if constexpr (HAS_BIAS_GATE) {
-      g0 += to_float(b_gate[col]);
-      g1 += to_float(b_gate[c1]);
+      const float2 b = load_pair(b_gate + col, two);
+      g0 += b.x;
+      g1 += b.y;
     }
     if constexpr (HAS_BIAS_UP) {
-      u0 += to_float(b_up[col]);
-      u1 += to_float(b_up[c1]);
+      const float2 b = load_pair(b_up + col, two);
+      u0 += b.x;
+      u1 += b.y;
     }
-    store_pair(act, N, row, col, M, N, activation<ACT>(g0) * u0, activation<ACT>(g1) * u1);
+    return make_float2(activation<ACT>(g0) * u0, activation<ACT>(g1) * u1);
   }
 };
 
-// RMSNorm + QKV epilogue: output column col = h * D + d of row row = b * L + l goes to
-// out[((b * H + h) * L + l) * D + d] (head layout (B, H, L, D)), bias added in float.
-template <typename T, bool HAS_BIAS>
-struct HeadOut {
-  T* out;
-  const T* bias;
-  int M, N, m0, n0, L, H, D;
+// ---- destinations ----
 
-  __device__ __forceinline__ void operator()(const float (&v)[1][2], int r, int c) const {
-    const int row = m0 + r;
-    const int col = n0 + c;
-    if (row >= M || col >= N) return;
+// (rows, ld) row-major: one 32-bit store when both columns are in bounds and aligned.
+template <typename T>
+struct RowMajor {
+  T* out;
+  long ld;
+
+  __device__ __forceinline__ void store(int row, int col, bool two, float2 o) const {
+    T* p = out + long(row) * ld + col;
+    if (two && (reinterpret_cast<uintptr_t>(p) & 3) == 0) {
+      *reinterpret_cast<uint32_t*>(p) = pack2<T>(o.x, o.y);
+    } else {
+      p[0] = from_float<T>(o.x);
+      if (two) p[1] = from_float<T>(o.y);
+    }
+  }
+};
+
+// The RMSNorm + QKV layout: column n = h * D + d of row m = b * L + l goes to
+// out[((b * H + h) * L + l) * D + d], (B, H, L, D).
+template <typename T>
+struct HeadLayout {
+  T* out;
+  int L, H, D;
+
+  __device__ __forceinline__ void store(int row, int col, bool two, float2 o) const {
     const int b = row / L;
     const int l = row - b * L;
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
+      if (e == 1 && !two) break;
       const int n = col + e;
-      if (n >= N) break;
       const int h = n / D;
       const int d = n - h * D;
-      float a = v[0][e];
-      if constexpr (HAS_BIAS) a += to_float(bias[n]);
-      out[((long(b) * H + h) * L + l) * D + d] = from_float<T>(a);
+      out[((long(b) * H + h) * L + l) * D + d] = from_float<T>(e == 0 ? o.x : o.y);
     }
   }
 };
+
+// The epilogue WarpTile::for_each calls: block-relative (r, c) -> bounds check, op, store.
+template <class Op, class Dst>
+struct Epilogue {
+  Op op;
+  Dst dst;
+  int M, N, m0, n0;
+
+  template <int NB>
+  __device__ __forceinline__ void operator()(const float (&v)[NB][2], int r, int c) const {
+    const int row = m0 + r;
+    const int col = n0 + c;
+    if (row >= M || col >= N) return;
+    const bool two = col + 1 < N;
+    dst.store(row, col, two, op(v, row, col, two));
+  }
+};
+
+template <class Op, class Dst>
+__device__ __forceinline__ Epilogue<Op, Dst> make_epilogue(Op op, Dst dst, int M, int N, int m0,
+                                                         int n0) {
+  return Epilogue<Op, Dst>{op, dst, M, N, m0, n0};
+}
 
 // One block tile: the K loop on (x, the weight loader), then the epilogue.
 // x: (M, K) row-major; m0: first row of the tile.

@@ -126,8 +126,8 @@ def test_swiglu_twins_compile(variant, fmt_g, fmt_u, tile):
     ("split", None, "128x128", "sm_90a"), ("fused", (4, 64), "64x64", "sm_80"),
 ])
 def test_swiglu_gelu_tanh_twins_compile(monkeypatch, variant, fmt, tile, arch):
-    """The GELU-tanh activation (ACT = 1) of both twins: the fused kernel's SwiGLUOut and the
-    split variant's gate GEMM epilogue (SwiGLUUpOut), each the same kernel with ACT set."""
+    """The GELU-tanh activation (ACT = 1) of both twins: the fused kernel's GateUp op and the
+    split variant's gate GEMM epilogue (GateTimesUp), each the same kernel with ACT set."""
     if arch == "sm_80":
         monkeypatch.setattr(gemm_cuda, "device_capability", lambda: (8, 0))
     M, N, K, dtype = 70, 384, 256, mx.bfloat16
