@@ -486,14 +486,17 @@ __device__ __forceinline__ unsigned char* align_smem(unsigned char* smem) {
   return smem + ((1024u - (a & 1023u)) & 1023u);
 }
 
-// Runs the whole K loop for one block tile. smem: dynamic shared memory laid out as
-// [A stages][B stages][loader extra]. Stage s of a K loop of `steps` stages lands in ring slot
-// s % STAGES; the weight loader's operand for stage s is ready LOOKAHEAD stages ahead.
+// Runs the K loop for one block tile over stages [first, last) of 64 k each (default: all of
+// K; split-K blocks take a part). smem: dynamic shared memory laid out as [A stages][B stages]
+// [loader extra]. The s-th stage of the range lands in ring slot s % STAGES; the weight
+// loader's operand for it is ready LOOKAHEAD stages ahead. An empty range leaves the
+// accumulators at 0.
 // Barriers: one per K step (it orders the ring slot reuse, the dequantized-tile reuse and the
 // visibility of cp.async data and scalar stores).
 template <class Cfg, class AL, class BL, class Mma>
 __device__ __forceinline__ void gemm_mainloop(unsigned char* smem, const AL& al, BL& bl,
-                                              Mma& mma, int K, int tid) {
+                                              Mma& mma, int K, int tid, int first = 0,
+                                              int last = -1) {
   constexpr int S = Cfg::STAGES;
   constexpr int LA = BL::LOOKAHEAD;
   constexpr int D = Cfg::DEPTH;
@@ -503,24 +506,26 @@ __device__ __forceinline__ void gemm_mainloop(unsigned char* smem, const AL& al,
   unsigned char* a_ring = smem;
   unsigned char* b_ring = smem + Smem::A_BYTES;
   unsigned char* extra = smem + Smem::A_BYTES + Smem::B_BYTES;
-  const int steps = (K + Cfg::BK - 1) / Cfg::BK;
+  if (last < 0) last = (K + Cfg::BK - 1) / Cfg::BK;
+  const int steps = last - first;
+  const int k_first = first * Cfg::BK;
 
   // Prologue: stages 0 .. P - 1 in flight (one commit group each, empty past the end).
 #pragma unroll
   for (int s = 0; s < P; ++s) {
     if (s < steps) {
-      al.issue(a_ring + s * Cfg::A_STAGE_BYTES, s * Cfg::BK, tid);
-      bl.issue(b_ring + s * BL::STAGE_BYTES, s * Cfg::BK, tid);
+      al.issue(a_ring + s * Cfg::A_STAGE_BYTES, k_first + s * Cfg::BK, tid);
+      bl.issue(b_ring + s * BL::STAGE_BYTES, k_first + s * Cfg::BK, tid);
     }
     cp_async_commit();
   }
   if constexpr (LA == 1) {
     // Stage 0 must be dequantized before the loop: wait for it alone.
-    bl.fetch_scales(0, tid);
+    bl.fetch_scales(k_first, tid);
     cp_async_wait<P - 1>();
     __syncthreads();
-    bl.prepare(b_ring, extra, 0, tid, 0);
-    if (steps > 1) bl.fetch_scales(Cfg::BK, tid);
+    bl.prepare(b_ring, extra, k_first, tid, 0);
+    if (steps > 1) bl.fetch_scales(k_first + Cfg::BK, tid);
   }
 
   for (int s = 0; s < steps; ++s) {
@@ -536,16 +541,16 @@ __device__ __forceinline__ void gemm_mainloop(unsigned char* smem, const AL& al,
     if constexpr (Mma::ASYNC) mma.issue(a_stage, b_stage);  // runs while we copy below
     const int nxt = s + P;
     if (nxt < steps) {
-      al.issue(a_ring + (nxt % S) * Cfg::A_STAGE_BYTES, nxt * Cfg::BK, tid);
-      bl.issue(b_ring + (nxt % S) * BL::STAGE_BYTES, nxt * Cfg::BK, tid);
+      al.issue(a_ring + (nxt % S) * Cfg::A_STAGE_BYTES, k_first + nxt * Cfg::BK, tid);
+      bl.issue(b_ring + (nxt % S) * BL::STAGE_BYTES, k_first + nxt * Cfg::BK, tid);
     }
     cp_async_commit();
     if constexpr (LA == 1) {
       if (s + 1 < steps) {
         bl.prepare(b_ring + ((s + 1) % S) * BL::STAGE_BYTES,
-                   extra + ((s + 1) % Cfg::DQ_TILES) * Cfg::B_TILE_BYTES, (s + 1) * Cfg::BK,
-                   tid, s + 1);
-        if (s + 2 < steps) bl.fetch_scales((s + 2) * Cfg::BK, tid);
+                   extra + ((s + 1) % Cfg::DQ_TILES) * Cfg::B_TILE_BYTES,
+                   k_first + (s + 1) * Cfg::BK, tid, s + 1);
+        if (s + 2 < steps) bl.fetch_scales(k_first + (s + 2) * Cfg::BK, tid);
       }
     }
     if constexpr (Mma::ASYNC) {
@@ -700,7 +705,8 @@ struct GateUp {
 
 // ---- destinations ----
 
-// (rows, ld) row-major: one 32-bit store when both columns are in bounds and aligned.
+// (rows, ld) row-major: one 32-bit (float32: 64-bit) store when both columns are in bounds and
+// aligned.
 template <typename T>
 struct RowMajor {
   T* out;
@@ -708,12 +714,17 @@ struct RowMajor {
 
   __device__ __forceinline__ void store(int row, int col, bool two, float2 o) const {
     T* p = out + long(row) * ld + col;
-    if (two && (reinterpret_cast<uintptr_t>(p) & 3) == 0) {
+    if constexpr (sizeof(T) == 4) {  // float32 (split-K partial sums)
+      if (two && (reinterpret_cast<uintptr_t>(p) & 7) == 0) {
+        *reinterpret_cast<float2*>(p) = o;
+        return;
+      }
+    } else if (two && (reinterpret_cast<uintptr_t>(p) & 3) == 0) {
       *reinterpret_cast<uint32_t*>(p) = pack2<T>(o.x, o.y);
-    } else {
-      p[0] = from_float<T>(o.x);
-      if (two) p[1] = from_float<T>(o.y);
+      return;
     }
+    p[0] = from_float<T>(o.x);
+    if (two) p[1] = from_float<T>(o.y);
   }
 };
 
@@ -766,12 +777,22 @@ __device__ __forceinline__ Epilogue<Op, Dst> make_epilogue(Op op, Dst dst, int M
 // Mma: the MMA policy, WarpTile<Cfg> (mma.sync, sm_80+) or WgmmaTile<Cfg> (sm_90a).
 template <class Cfg, class Mma, class BL, class Epi>
 __device__ __forceinline__ void gemm_block(unsigned char* smem, const typename Cfg::T* x, int M,
-                                           int K, int m0, BL& bl, Epi& epi) {
+                                           int K, int m0, BL& bl, Epi& epi, int first = 0,
+                                           int last = -1) {
   const int tid = threadIdx.x;
   ALoader<Cfg> al(x, K, M, K, m0);
   Mma mma(tid / 32, tid % 32);
-  gemm_mainloop<Cfg>(align_smem(smem), al, bl, mma, K, tid);
+  gemm_mainloop<Cfg>(align_smem(smem), al, bl, mma, K, tid, first, last);
   mma.for_each(epi);
+}
+
+// Split-K: the K stages [first, last) of split `split` of `splits` (contiguous, as even as
+// whole 64-wide stages allow; a split past the end gets an empty range).
+__device__ __forceinline__ void split_range(int K, int split, int splits, int& first, int& last) {
+  const int steps = (K + GEMM_BK - 1) / GEMM_BK;
+  const int per = (steps + splits - 1) / splits;
+  first = min(steps, split * per);
+  last = min(steps, first + per);
 }
 
 }  // namespace bricks

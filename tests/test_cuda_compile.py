@@ -84,6 +84,13 @@ LINEAR_CASES = [
     (300, 512, 256, mx.bfloat16, (4, 64), False, True, "wg128x256d"),
     (300, 512, 256, mx.bfloat16, (4, 64), False, False, "wg128x256d5"),
     (300, 512, 256, mx.float16, (8, 32), False, False, "wg128x128d"),
+    # 8-bit on the 128 x 256 wgmma tiles (the conversion of dequant.cuh fits them)
+    (300, 512, 256, mx.bfloat16, (8, 64), True, True, "wg128x256"),
+    (300, 512, 256, mx.float16, (8, 64), False, False, "wg128x256d5"),
+    # split-K: partial products, then the reduce (bias and residual there)
+    (300, 512, 256, mx.bfloat16, (4, 64), True, True, "wg128x256k2"),
+    (300, 512, 256, mx.float16, None, False, True, "wg128x128k4"),
+    (100, 256, 320, mx.bfloat16, (8, 32), True, False, "128x128k2"),
 ]
 
 
@@ -97,6 +104,9 @@ def test_linear_twin_compiles(case):
     with cudacheck.recorded_launches(gemm_cuda) as rec:
         y = gemm_cuda.linear(x, w, b, r, tile=tile)
     assert y.shape == (M, N)
+    split = gemm_cuda.LINEAR_TILES[tile].split_k if tile else 1
+    assert [r.name for r in rec] == (["gemm"] if split == 1 else
+                                     ["gemm_splitk", "gemm_splitk_reduce"])
     _compile_all(rec, "sm_90a")
 
 
@@ -107,6 +117,8 @@ def test_linear_twin_compiles(case):
     ("fused", None, None, "wg128x64"), ("fused", (4, 64), (4, 64), "wg128x64"),
     ("fused", (8, 32), (8, 32), "wg128x64"),
     ("fused", (4, 64), (4, 64), "wg128x64d"),
+    ("fused", None, None, "wg128x128"), ("fused", (4, 64), (4, 64), "wg128x128"),
+    ("fused", (8, 64), (8, 64), "wg128x128"),
 ])
 def test_swiglu_twins_compile(variant, fmt_g, fmt_u, tile):
     M, N, K, dtype = 70, 384, 256, mx.bfloat16

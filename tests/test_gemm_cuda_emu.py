@@ -243,3 +243,21 @@ def test_rms_norm_qkv_twin_matches_float64(fmts, tile, dtype):
         ref = ref.reshape(B, L, heads, D).transpose(0, 2, 1, 3)
         naive = naive.reshape(B, L, heads, D).transpose(0, 2, 1, 3)
         assert_dtype_close(out, ref, naive, dtype=dtype, what=f"qkv {fmts} {tile}")
+
+
+@pytest.mark.parametrize("M, N, K, dtype, fmt, tile", [
+    (70, 100, 320, F16, (4, 64), "128x128k2"),   # 5 stages: splits of 3 and 2
+    (9, 40, 64, BF16, None, "128x128k2"),        # one stage: the second split is empty
+    pytest.param(130, 72, 200, BF16, None, "128x128k2", marks=pytest.mark.slow),
+    pytest.param(33, 136, 384, F16, (8, 128), "128x128k2", marks=pytest.mark.slow),
+])
+def test_split_k_linear_matches_float64(M, N, K, dtype, fmt, tile):
+    """Split-K: partial sums per split (float32), then one reduce with bias and residual."""
+    x = randn((M, K), dtype, 1)
+    w = weight(N, K, fmt, dtype, 2)
+    b, r = randn((N,), dtype, 3), randn((M, N), dtype, 4)
+    y, names = _emulated(gemm_cuda.linear, x, w, b, r, tile=tile)
+    assert names == ["gemm_splitk", "gemm_splitk_reduce"]
+    ref = to_f64(x) @ dequant64(w).T + to_f64(b) + to_f64(r)
+    naive = x @ dequant(w).T + b + r
+    assert_dtype_close(y, ref, naive, dtype=dtype, what=f"split-K {tile} M{M} N{N} K{K} {fmt}")

@@ -126,7 +126,8 @@ def tile_names(backend: str, dtype=None, bits: int | None = None) -> tuple[str, 
         mlx_bricks.backends.BackendError: ``backend`` is not one of ``BACKENDS``.
     """
     return kernel_variants(backend, "gemm", tuple(TILES),
-                           cuda_names=lambda: gemm_cuda_tiles(gemm_cuda.TILES, dtype, bits=bits))
+                           cuda_names=lambda: gemm_cuda_tiles(gemm_cuda.LINEAR_TILES, dtype,
+                                                              bits=bits))
 
 
 def gemm_cuda_tiles(tiles: dict, dtype, weight_operands: int = 1,
