@@ -210,3 +210,26 @@ def test_cuda_sources_avoid_builtins_nvrtc_lacks():
             text = f.read_text()
             bad += [f"{f.name}: {b}" for b in NVRTC_MISSING if b in text]
     assert not bad, f"NVRTC does not define these (use a union, memcpy-free loads): {bad}"
+
+
+@pytest.mark.skipif(cudacheck.find_nvrtc() is None,
+                    reason="libnvrtc not found (pip install nvidia-cuda-nvrtc, or MLX_BRICKS_NVRTC)")
+def test_gemm_family_compiles_under_nvrtc():
+    """NVRTC (what MLX compiles with) on one launch of each GEMM-family body and the dequantize
+    brick: nvcc accepts builtins NVRTC lacks."""
+    from mlx_bricks.ops import dequantize_cuda as dqc
+
+    x = mx.zeros((300, 256), dtype=mx.bfloat16)
+    with cudacheck.recorded_launches(gemm_cuda, dqc) as rec:
+        gemm_cuda.linear(x, _quantized(512, 256, 3, 64, mx.bfloat16), tile="wg128x256k2")
+        gemm_cuda.swiglu(x, _quantized(512, 256, 8, 64, mx.bfloat16),
+                         _quantized(512, 256, 8, 64, mx.bfloat16), tile="wg128x128")
+        gemm_cuda.rms_norm_qkv(x.reshape(1, 300, 256), mx.ones((256,), mx.bfloat16), 1e-5,
+                               *(_quantized(n, 256, 4, 64, mx.bfloat16) for n in (512, 128, 128)),
+                               n_heads=8, n_kv_heads=2, head_dim=64)
+        w = _quantized(64, 256, 5, 64, mx.float16)
+        dqc.dequantize_cuda(w.w, w.scales, w.biases, bits=5, group_size=64, dtype=mx.float32)
+    assert [r.name for r in rec] == ["gemm_splitk", "gemm_splitk_reduce", "swiglu_fused",
+                                     "rms_norm_qkv", "dequantize"]
+    for r in rec:
+        cudacheck.compile_source_nvrtc(r.source())
