@@ -63,6 +63,18 @@ struct GemmConfig {
   static constexpr int A_STAGE_BYTES = BM * BK * 2;
   static constexpr int B_ROWS = NB * BN;
   static constexpr int B_TILE_BYTES = B_ROWS * BK * 2;
+  // Operand (0 .. NB - 1) of tile row r owned in iteration j of a loop whose iterations cover
+  // THREADS / UNITS rows each (UNITS work units per row): a compile-time value after unrolling
+  // when every iteration stays inside one operand, so the operand's pointers are selected
+  // without a run-time select chain (fewer live registers next to the accumulators).
+  template <int UNITS>
+  __device__ __forceinline__ static int operand_of(int j, int r) {
+    if constexpr (THREADS % UNITS == 0 && BN % (THREADS / UNITS) == 0) {
+      return j * (THREADS / UNITS) / BN;
+    } else {
+      return r / BN;
+    }
+  }
   static_assert(sizeof(T) == 2, "the tensor-core pipeline takes 16-bit operands");
   static_assert(BM % (16 * WM) == 0 && BN % (16 * WN) == 0, "warp tile must be 16 x 16k");
   static_assert(NF % 2 == 0, "B fragments are loaded two n8 blocks at a time");
@@ -170,7 +182,7 @@ struct FloatB {
       const int id = tid + j * Cfg::THREADS;
       const int r = id / GEMM_CHUNKS;  // 0 .. NB * BN - 1
       const int c = id % GEMM_CHUNKS;
-      const int b = r / Cfg::BN;
+      const int b = Cfg::template operand_of<GEMM_CHUNKS>(j, r);
       const int n = n0 + r % Cfg::BN;
       const int k = k0 + c * 8;
       unsigned char* dst = stage + swz(r, c);
@@ -254,7 +266,7 @@ struct AffineB {
         if (TOTAL % Cfg::THREADS == 0 || id < TOTAL) {
           const int r = id / CPR;
           const int c = id % CPR;
-          const int b = r / Cfg::BN;
+          const int b = Cfg::template operand_of<CPR>(j, r);
           const int n = n0 + r % Cfg::BN;
           const int kw = kw0 + c * 4;
           const bool ok = n < N && kw < words_per_row;
@@ -270,7 +282,7 @@ struct AffineB {
         if (TOTAL % Cfg::THREADS == 0 || id < TOTAL) {
           const int r = id / WPR;
           const int c = id % WPR;
-          const int b = r / Cfg::BN;
+          const int b = Cfg::template operand_of<WPR>(j, r);
           const int n = n0 + r % Cfg::BN;
           const int kw = kw0 + c;
           const bool ok = n < N && kw < words_per_row;
@@ -290,7 +302,7 @@ struct AffineB {
       uint32_t sb = 0;
       if (SEGS % Cfg::THREADS == 0 || seg < SEGS) {
         const int r = seg / 2;
-        const int b = r / Cfg::BN;
+        const int b = Cfg::template operand_of<2>(j, r);
         const int n = min(n0 + r % Cfg::BN, N - 1);
         const int k = k0 + (seg % 2) * 32;
         if (k < K) {
@@ -349,6 +361,9 @@ struct AffineB {
             *reinterpret_cast<uint4*>(dq_tile + swz(r, h * 4 + g * CPG + c)) =
                 make_uint4(out[0], out[1], out[2], out[3]);
           }
+          // Keep the next group's shared loads behind these stores (ptxas would hoist them,
+          // and the words of every group would be live at once next to the accumulators).
+          if (g + 1 < BITS / GW) asm volatile("" ::: "memory");
         }
       }
     }

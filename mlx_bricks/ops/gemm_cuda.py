@@ -92,10 +92,10 @@ TILES = {
     "wg128x256": _wg(128, 256),
     "wg128x128": _wg(128, 128),
     # One wgmma group in flight ("d"): the ring prefetches one stage less, so the affine
-    # path (dequantized a stage ahead) gets 5 stages where 227 KB allow it ("d5"). ptxas: d
-    # spills at 6 and 8 bits (136 / 184 bytes), d5 does not.
+    # path (dequantized a stage ahead) gets 5 stages where 227 KB allow it ("d5": 4 bits at
+    # most; 6-bit needs 237 KB). ptxas: d spills at 6 and 8 bits (136 / 184 bytes).
     "wg128x256d": _wg(128, 256, max_bits=4, depth=1),
-    "wg128x256d5": _wg(128, 256, stages=5, depth=1),
+    "wg128x256d5": _wg(128, 256, stages=5, max_bits=4, depth=1),
     "wg128x128d": _wg(128, 128, stages=5, depth=1),
 }
 #: Fused SwiGLU tiles, named by the act tile; each block also stages 2 * BN weight rows.
@@ -106,7 +106,8 @@ SWIGLU_TILES = {
     "wg128x64d": _wg(128, 64, stages=5, depth=1),
     # 128 x 128 act tile: two m64n128 wgmma per k16 per warpgroup (the 128 x 64 tile's
     # m64n64 saturates shared-memory bandwidth); 128 accumulators per thread, as wg128x256.
-    "wg128x128": _wg(128, 128),
+    # ptxas: float and 2-6 bits without spills (242-255 registers), 8-bit spills 20 bytes.
+    "wg128x128": _wg(128, 128, max_bits=6),
 }
 #: Split-K variants of the linear twin (``k<S>``: S contiguous K splits, partial sums in
 #: float32 added in order by ``gemm_splitk_reduce``): for grids with fewer blocks than SMs, e.g.
