@@ -149,8 +149,8 @@ __device__ __forceinline__ uint32_t affine_pair(uint32_t q2, uint32_t s2, uint32
 
 // Values 8c .. 8c + 7 of a run of BITS-bit fields that starts at bit 0 of w[0] (w: registers,
 // c a compile-time index after unrolling), as four T pairs T(s * q + b) in stream order.
-// Reads w[c * BITS / 4 ...]: words 2c, 2c + 1 (8-bit), word c (4-bit), word c / 2 (2-bit), the
-// words holding bits [8 c BITS, 8 (c + 1) BITS) otherwise.
+// Reads words 2c and 2c + 1 (8-bit), word c (4-bit), word c / 2 (2-bit), or the words holding
+// bits [8 c BITS, 8 (c + 1) BITS) (3, 5, 6-bit).
 template <typename T, int BITS, bool FUSED = true>
 __device__ __forceinline__ void chunk8(const uint32_t* w, int c, uint32_t s2, uint32_t b2,
                                        uint32_t (&out)[4]) {
@@ -193,7 +193,6 @@ __device__ __forceinline__ void chunk4_f32(const uint32_t* w, int c, float s, fl
     out[i] = FUSED ? fmaf(s, q, b) : __fadd_rn(__fmul_rn(s, q), b);
   }
 }
-
 
 // ---------------------------------------------------------------------------------------------
 // The dequantize brick (dequantize.cu): one thread per run of UNIT values of one row

@@ -361,9 +361,6 @@ struct AffineB {
             *reinterpret_cast<uint4*>(dq_tile + swz(r, h * 4 + g * CPG + c)) =
                 make_uint4(out[0], out[1], out[2], out[3]);
           }
-          // Keep the next group's shared loads behind these stores (ptxas would hoist them,
-          // and the words of every group would be live at once next to the accumulators).
-          if (g + 1 < BITS / GW) asm volatile("" ::: "memory");
         }
       }
     }

@@ -136,7 +136,23 @@ def _check_linear(M, N, K, dtype, fmt, bias, residual, tile, seed):
                        what=f"M{M} N{N} K{K} {NAME[dtype]} {fmt} {tile}")
 
 
+#: Default-suite cases: the scalar-load path (K = 9), the tile rule, bias and residual, every
+#: mma.sync tile; the sweep below adds a fixed hash-chosen sample (the rest is slow).
+_LINEAR_COVERING = [
+    (33, 200, 9, F16, None, True, True, "64x64"),
+    (70, 100, 192, BF16, (4, 64), True, True, None),
+    (129, 65, 256, F16, (5, 64), False, True, "128x64"),
+    (100, 136, 320, BF16, (6, 32), True, False, "128x128"),
+]
+
+
+def _linear_id(M, N, K, dtype, fmt, bias, residual, tile):
+    return f"M{M}-N{N}-K{K}-{NAME[dtype]}-{fmt}-{tile}-b{int(bias)}r{int(residual)}"
+
+
 def _linear_cases():
+    for case in _LINEAR_COVERING:
+        yield pytest.param(*case, id=_linear_id(*case))
     shapes = [(1, 8, 64), (7, 72, 64), (70, 100, 192), (129, 65, 256), (33, 200, 9),
               (64, 64, 128), (100, 136, 320)]
     tiles = (None, "64x64", "128x64", "128x128")
@@ -147,18 +163,13 @@ def _linear_cases():
             if fmt is not None and K % fmt[1]:
                 continue
             for dtype in (F16, BF16):
-                tile = tiles[n % len(tiles)]
-                bias, residual = n % 2 == 0, n % 3 == 0
-                cid = f"M{M}-N{N}-K{K}-{NAME[dtype]}-{fmt}-{tile}-b{int(bias)}r{int(residual)}"
+                case = (M, N, K, dtype, fmt, n % 2 == 0, n % 3 == 0, tiles[n % len(tiles)])
                 n += 1
-                fast = sampled(cid, 12) or cid in _LINEAR_COVERING
-                yield pytest.param(M, N, K, dtype, fmt, bias, residual, tile, id=cid,
-                                   marks=() if fast else pytest.mark.slow)
-
-
-_LINEAR_COVERING = {
-    "M70-N100-K192-float16-None-64x64-b1r0",
-}
+                if case in _LINEAR_COVERING:
+                    continue
+                cid = _linear_id(*case)
+                yield pytest.param(*case, id=cid,
+                                   marks=() if sampled(cid, 12) else pytest.mark.slow)
 
 
 @pytest.mark.parametrize("M, N, K, dtype, fmt, bias, residual, tile", list(_linear_cases()))

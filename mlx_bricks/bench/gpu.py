@@ -138,6 +138,7 @@ def swiglu_cases(backend: str, dtype_name: str = "bfloat16", variants=("fused", 
     import mlx.nn as nn
 
     from mlx_bricks import ops
+    from mlx_bricks.ops.gemm_cuda import SWIGLU_TILES
 
     dtype = getattr(mx, dtype_name)
     N, K = INTERMEDIATE, HIDDEN
@@ -145,6 +146,8 @@ def swiglu_cases(backend: str, dtype_name: str = "bfloat16", variants=("fused", 
         for M in M_SIZES:
             for variant in variants:
                 for tile in (tiles if variant == "fused" else (None,)):
+                    if tile is not None and fmt and fmt[0] > SWIGLU_TILES[tile].max_bits:
+                        continue
                     def build(M=M, fmt=fmt, variant=variant, tile=tile):
                         x = _randn((M, K), dtype, 1)
                         wg, gate = _weight(N, K, fmt, dtype, 2)
