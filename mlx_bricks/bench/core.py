@@ -118,8 +118,8 @@ BENCHMARKS.update(_e2e_benchmarks())
 def _cuda_case_benchmarks() -> dict[str, dict[str, Benchmark]]:
     """The CUDA twins vs stock MLX (``mlx_bricks.bench.gpu``), by group: ``cuda_kernels``
     (linear per weight format and projection, SwiGLU fused and split, RMSNorm + QKV, tile
-    rule), ``cuda_tiles`` (every sm_90 linear tile, split-K included, and every fused SwiGLU
-    tile on 4- and 8-bit gs64 weights), ``cuda_dequantize``, ``cuda_attention``,
+    rule), ``cuda_tiles`` (per tile on 4- and 8-bit gs64 weights: every sm_90 linear tile,
+    split-K included, every fused SwiGLU tile, split SwiGLU and RMSNorm + QKV per wgmma tile), ``cuda_dequantize``, ``cuda_attention``,
     ``cuda_decode`` and ``cuda_kv_cache``; each at the llama-3-8B shapes."""
     from mlx_bricks.bench import gpu
     from mlx_bricks.ops import gemm_cuda
@@ -131,11 +131,12 @@ def _cuda_case_benchmarks() -> dict[str, dict[str, Benchmark]]:
         return brick, stock, lambda: facts
 
     sm90 = [n for n, t in gemm_cuda.LINEAR_TILES.items() if t.wgmma]
+    sm90_plain = [n for n in sm90 if gemm_cuda.LINEAR_TILES[n].split_k == 1]
     per_tile = [*gpu.linear_cases("cuda", tiles=sm90, formats=gpu.QUANT_FORMATS,
                                   shapes=("qo", "kv", "gate_up")),
-                *gpu.swiglu_cases("cuda", variants=("fused",),
-                                  tiles=tuple(gemm_cuda.SWIGLU_TILES),
-                                  formats=gpu.QUANT_FORMATS)]
+                *gpu.swiglu_cases("cuda", tiles=tuple(gemm_cuda.SWIGLU_TILES),
+                                  split_tiles=sm90_plain, formats=gpu.QUANT_FORMATS),
+                *gpu.rms_norm_qkv_cases("cuda", tiles=sm90_plain, formats=gpu.QUANT_FORMATS)]
     families = {
         "cuda_kernels": [*gpu.linear_cases("cuda"), *gpu.swiglu_cases("cuda"),
                          *gpu.rms_norm_qkv_cases("cuda")],

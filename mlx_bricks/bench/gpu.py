@@ -131,22 +131,23 @@ def linear_cases(backend: str, dtype_name: str = "bfloat16", tiles=(None,), form
 
 
 def swiglu_cases(backend: str, dtype_name: str = "bfloat16", variants=("fused", "split"),
-                 tiles=(None,), formats=FORMATS):
-    """SwiGLU (gate and up of the 8B MLP) per variant and, with ``tiles``, per fused tile (a
-    tile name applies to ``fused`` only; ``split`` runs the rule)."""
+                 tiles=(None,), split_tiles=(None,), formats=FORMATS):
+    """SwiGLU (gate and up of the 8B MLP) per variant and, with ``tiles`` / ``split_tiles``,
+    per fused tile (``SWIGLU_TILES``) / per GEMM tile of both split launches (``TILES``)."""
     import mlx.core as mx
     import mlx.nn as nn
 
     from mlx_bricks import ops
-    from mlx_bricks.ops.gemm_cuda import SWIGLU_TILES
+    from mlx_bricks.ops.gemm_cuda import SWIGLU_TILES, TILES
 
     dtype = getattr(mx, dtype_name)
     N, K = INTERMEDIATE, HIDDEN
     for fmt in formats:
         for M in M_SIZES:
             for variant in variants:
-                for tile in (tiles if variant == "fused" else (None,)):
-                    if tile is not None and fmt and fmt[0] > SWIGLU_TILES[tile].max_bits:
+                table = SWIGLU_TILES if variant == "fused" else TILES
+                for tile in (tiles if variant == "fused" else split_tiles):
+                    if tile is not None and fmt and fmt[0] > table[tile].max_bits:
                         continue
                     def build(M=M, fmt=fmt, variant=variant, tile=tile):
                         x = _randn((M, K), dtype, 1)
@@ -160,34 +161,41 @@ def swiglu_cases(backend: str, dtype_name: str = "bfloat16", variants=("fused", 
                     yield Case(f"swiglu_{variant}_{fmt_name(fmt)}_M{M}{suffix}", build)
 
 
-def rms_norm_qkv_cases(backend: str, dtype_name: str = "bfloat16"):
+def rms_norm_qkv_cases(backend: str, dtype_name: str = "bfloat16", tiles=(None,),
+                       formats=FORMATS):
+    """RMSNorm + Q/K/V of the 8B layer, with the tile rule or, with ``tiles``, per tile."""
     import mlx.core as mx
 
     from mlx_bricks import ops
+    from mlx_bricks.ops.gemm_cuda import TILES
 
     dtype = getattr(mx, dtype_name)
     K, D = HIDDEN, HEAD_DIM
-    for fmt in FORMATS:
+    for fmt in formats:
         for M in M_SIZES:
-            def build(M=M, fmt=fmt):
-                x = _randn((1, M, K), dtype, 1)
-                nw = _randn((K,), dtype, 4) + 1
-                wq, sq = _weight(HEADS * D, K, fmt, dtype, 2)
-                wk, sk = _weight(KV_HEADS * D, K, fmt, dtype, 3)
-                wv, sv = _weight(KV_HEADS * D, K, fmt, dtype, 5)
-                mx.eval(x, nw)
+            for tile in tiles:
+                if tile is not None and fmt and fmt[0] > TILES[tile].max_bits:
+                    continue
+                def build(M=M, fmt=fmt, tile=tile):
+                    x = _randn((1, M, K), dtype, 1)
+                    nw = _randn((K,), dtype, 4) + 1
+                    wq, sq = _weight(HEADS * D, K, fmt, dtype, 2)
+                    wk, sk = _weight(KV_HEADS * D, K, fmt, dtype, 3)
+                    wv, sv = _weight(KV_HEADS * D, K, fmt, dtype, 5)
+                    mx.eval(x, nw)
 
-                def stock():
-                    h = mx.fast.rms_norm(x, nw, 1e-5)
-                    return [p(h).reshape(1, M, n, D).transpose(0, 2, 1, 3)
-                            for p, n in ((sq, HEADS), (sk, KV_HEADS), (sv, KV_HEADS))]
+                    def stock():
+                        h = mx.fast.rms_norm(x, nw, 1e-5)
+                        return [p(h).reshape(1, M, n, D).transpose(0, 2, 1, 3)
+                                for p, n in ((sq, HEADS), (sk, KV_HEADS), (sv, KV_HEADS))]
 
-                def brick():
-                    return list(ops.rms_norm_qkv(x, nw, 1e-5, wq, wk, wv, n_heads=HEADS,
-                                                 n_kv_heads=KV_HEADS, head_dim=D,
-                                                 backend=backend))
-                return brick, stock, 2.0 * M * (HEADS + 2 * KV_HEADS) * D * K
-            yield Case(f"rms_norm_qkv_{fmt_name(fmt)}_M{M}", build)
+                    def brick():
+                        return list(ops.rms_norm_qkv(x, nw, 1e-5, wq, wk, wv, n_heads=HEADS,
+                                                     n_kv_heads=KV_HEADS, head_dim=D,
+                                                     tile=tile, backend=backend))
+                    return brick, stock, 2.0 * M * (HEADS + 2 * KV_HEADS) * D * K
+                suffix = "" if tile is None else f"_{tile}"
+                yield Case(f"rms_norm_qkv_{fmt_name(fmt)}_M{M}{suffix}", build)
 
 
 def dequantize_cases(backend: str = "cuda", dtype_name: str = "bfloat16",
