@@ -106,15 +106,17 @@ SWIGLU_TILES = {
     "wg128x64d": _wg(128, 64, stages=5, depth=1),
     # 128 x 128 act tile: two m64n128 wgmma per k16 per warpgroup (the 128 x 64 tile's
     # m64n64 saturates shared-memory bandwidth); 128 accumulators per thread, as wg128x256.
-    # ptxas: float and 2-6 bits without spills (242-255 registers), 8-bit spills 20 bytes.
-    "wg128x128": _wg(128, 128, max_bits=6),
+    # ptxas: float and 2-4 bits without spills (242-255 registers); 6-bit spills 48 bytes with
+    # a gate bias (none without), 8-bit 20 bytes.
+    "wg128x128": _wg(128, 128, max_bits=4),
 }
 #: Split-K variants of the linear twin (``k<S>``: S contiguous K splits, partial sums in
 #: float32 added in order by ``gemm_splitk_reduce``): for grids with fewer blocks than SMs, e.g.
 #: N = 1024 at M = 2048 is 64 tiles of 128 x 256 (128 with k2) on an H200's 132 SMs. Never
 #: chosen by the tile rule; the tuner times them (``LINEAR_TILES``).
 SPLITK_TILES = {
-    "wg128x256k2": _wg(128, 256, split_k=2),
+    # ptxas: 8-bit spills 8 bytes here (the split's range is live next to 128 accumulators).
+    "wg128x256k2": _wg(128, 256, max_bits=6, split_k=2),
     "wg128x128k2": _wg(128, 128, split_k=2),
     "wg128x128k4": _wg(128, 128, split_k=4),
     "128x128k2": CudaTile(128, 128, 2, 4, 4, split_k=2),
