@@ -138,27 +138,9 @@ int main(int argc, char** argv) {
 
 
 def build(template) -> Path:
-    """Compile (cached by source hash) the host program for one template; returns its path."""
-    tc = toolchain()
-    if tc is None:
-        raise FileNotFoundError("no host C++ compiler or CUDA headers for the CUDA emulator")
-    cxx, inc = tc
-    src = _source(template)
-    digest = hashlib.sha1((src + cxx).encode()).hexdigest()[:16]
-    exe = _CACHE / f"attn_{digest}"
-    if exe.is_file():
-        return exe
-    _CACHE.mkdir(parents=True, exist_ok=True)
-    cpp = _CACHE / f"attn_{digest}.cpp"
-    cpp.write_text(src)
-    tmp = exe.with_suffix(f".tmp{os.getpid()}")
-    cmd = [cxx, "-std=c++20", "-O1", "-pthread", "-w", "-I", str(HERE), "-I", str(CUDA_SRC),
-           "-I", inc, "-o", str(tmp), str(cpp)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise RuntimeError(f"host compile failed:\n{res.stderr[-6000:]}")
-    os.replace(tmp, exe)
-    return exe
+    """Compile (cached by source hash) the attention host program for one template; returns its
+    path."""
+    return _build_source(_source(template), "attn")
 
 
 def _geom(t: Tensor | None) -> bytes:
@@ -286,6 +268,7 @@ int main(int argc, char** argv) {
 
 
 def _build_source(src: str, tag: str) -> Path:
+    """Compile host program ``src`` (cached by its hash) with warp_emu.h; returns its path."""
     tc = toolchain()
     if tc is None:
         raise FileNotFoundError("no host C++ compiler or CUDA headers for the CUDA emulator")
