@@ -19,18 +19,17 @@ from tests.tolerance import assert_dtype_close, to_f64
 FORMATS = (None, (4, 64), (8, 64), (3, 32), (6, 128))
 
 
-def _runs(tiles, tile):
-    if tile not in gemm_cuda.tile_names(tiles):
-        pytest.skip(f"tile {tile} does not run on this GPU")
+def _runs(tiles, tile, fmt, operands=1):
+    if tile not in gemm_cuda.tile_names(tiles, weight_operands=operands,
+                                        bits=fmt[0] if fmt else None):
+        pytest.skip(f"tile {tile} does not run {fmt} weights on this GPU")
 
 
 @gpu
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 @pytest.mark.parametrize("tile", list(gemm_cuda.LINEAR_TILES))
 def test_gpu_linear_every_tile(tile, fmt):
-    _runs(gemm_cuda.LINEAR_TILES, tile)
-    if fmt and fmt[0] > gemm_cuda.LINEAR_TILES[tile].max_bits:
-        pytest.skip(f"{tile} takes at most {gemm_cuda.LINEAR_TILES[tile].max_bits} bits")
+    _runs(gemm_cuda.LINEAR_TILES, tile, fmt)
     for (M, N, K), dtype in (((300, 520, 640), mx.bfloat16), ((7, 136, 384), mx.float16)):
         x = randn((M, K), dtype, 1)
         w = weight(N, K, fmt, dtype, 2)
@@ -45,7 +44,7 @@ def test_gpu_linear_every_tile(tile, fmt):
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 @pytest.mark.parametrize("tile", list(gemm_cuda.SWIGLU_TILES))
 def test_gpu_fused_swiglu_every_tile(tile, fmt):
-    _runs(gemm_cuda.SWIGLU_TILES, tile)
+    _runs(gemm_cuda.SWIGLU_TILES, tile, fmt, operands=2)
     M, N, K, dtype = 300, 264, 512, mx.bfloat16
     x = randn((M, K), dtype, 1)
     wg, wu = weight(N, K, fmt, dtype, 2), weight(N, K, fmt, dtype, 3)
