@@ -344,7 +344,8 @@ __device__ __forceinline__ void qk_tile(float (&s)[MT][BK / 8][4],
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[m][j][e] = 0.0f;
   if constexpr (C::F32) {
-    const float* qa_row = reinterpret_cast<const float*>(smem + C::Q_OFF) + (rg * 16 + g) * LDS + dcol0;
+    const float* qa_row =
+        reinterpret_cast<const float*>(smem + C::Q_OFF) + (rg * 16 + g) * LDS + dcol0;
     const float* kt = reinterpret_cast<const float*>(smem + C::K_OFF) + dcol0;
 #pragma unroll 2
     for (int d = 0; d < DW; d += 4) {

@@ -119,8 +119,9 @@ def _cuda_case_benchmarks() -> dict[str, dict[str, Benchmark]]:
     """The CUDA twins vs stock MLX (``mlx_bricks.bench.gpu``), by group: ``cuda_kernels``
     (linear per weight format and projection, SwiGLU fused and split, RMSNorm + QKV, tile
     rule), ``cuda_tiles`` (per tile on 4- and 8-bit gs64 weights: every sm_90 linear tile,
-    split-K included, every fused SwiGLU tile, split SwiGLU and RMSNorm + QKV per wgmma tile), ``cuda_dequantize``, ``cuda_attention``,
-    ``cuda_decode`` and ``cuda_kv_cache``; each at the llama-3-8B shapes."""
+    split-K included, every fused SwiGLU tile, split SwiGLU and RMSNorm + QKV per wgmma
+    tile), ``cuda_dequantize``, ``cuda_attention``, ``cuda_decode`` and ``cuda_kv_cache``;
+    each at the llama-3-8B shapes."""
     from mlx_bricks.bench import gpu
     from mlx_bricks.ops import gemm_cuda
 

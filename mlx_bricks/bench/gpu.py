@@ -285,17 +285,17 @@ def decode_cases(dtype_name: str = "float16"):
                 mx.eval(q, k, v, kq, vq)
                 mask = "causal" if Lq > 1 else None
                 scale = D ** -0.5
-                if kv == "q8_0":
-                    brick = lambda: decode_attention(q, kq, vq, scale=scale, mask=mask,  # noqa: E731
-                                                     kv_quant="q8_0", backend="cuda")
-                    moved = 2 * Hkv * Lk * (D + 2 * (D // 32))
-                else:
-                    brick = lambda: decode_attention(q, k, v, scale=scale, mask=mask,  # noqa: E731
-                                                     backend="cuda")
-                    moved = 2 * Hkv * Lk * 2 * D
-                return (brick, lambda: mx.fast.scaled_dot_product_attention(
-                            q, k, v, scale=scale, mask=mask), 4.0 * Hq * Lq * Lk * D,
-                        {"bytes": moved})
+                quant = kv == "q8_0"
+                kin, vin = (kq, vq) if quant else (k, v)
+                moved = 2 * Hkv * Lk * ((D + 2 * (D // 32)) if quant else 2 * D)
+
+                def brick():
+                    return decode_attention(q, kin, vin, scale=scale, mask=mask,
+                                            kv_quant="q8_0" if quant else None, backend="cuda")
+
+                def stock():
+                    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+                return brick, stock, 4.0 * Hq * Lq * Lk * D, {"bytes": moved}
             yield Case(f"decode_{kv}_Lk{Lk}_Lq{Lq}", build)
 
 

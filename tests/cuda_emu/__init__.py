@@ -2,11 +2,12 @@
 
 :func:`run_kernel` (and :func:`emulated_launches`, which routes an op's launches to it) runs any
 registered twin, the GEMM family's mma.sync path and the dequantize brick included, with MLX's
-generated parameters and row-contiguous inputs. :func:`run_attention` builds a host program from the exact kernel body and headers the cuda
-backend gives ``mx.fast.cuda_kernel`` (``kernels.kernel_source``), wrapped the way MLX wraps it
-(template constants inside the function, ``<name>_shape`` / ``_strides`` parameters), compiles
-it with the host C++ compiler against the CUDA toolkit's headers (types only), and runs one
-launch with the geometry ``launch_attention_cuda`` would use. Inputs are numpy buffers with
+generated parameters and row-contiguous inputs. :func:`run_attention` builds a host program
+from the exact kernel body and headers the cuda backend gives ``mx.fast.cuda_kernel``
+(``kernels.kernel_source``), wrapped the way MLX wraps it (template constants inside the
+function, ``<name>_shape`` / ``_strides`` parameters), compiles it with the host C++ compiler
+against the CUDA toolkit's headers (types only), and runs one launch with the geometry
+``launch_attention_cuda`` would use. Inputs are numpy buffers with
 explicit element offsets and strides, so transposed views, cache slices, non-unit head_dim
 strides and misaligned rows reach the kernel exactly as MLX would pass them.
 """
@@ -248,7 +249,8 @@ int main(int argc, char** argv) {
     for (int d = 0; d < 10; ++d) in.strides[d] = rd(f);
     const int64_t nbytes = rd(f);
     const int64_t offset = rd(f);  // bytes past a 64-byte aligned start
-    in.ptr = static_cast<unsigned char*>(std::aligned_alloc(64, size_t(nbytes + offset + 64) / 64 * 64 + 64)) + offset;
+    const size_t bytes = size_t(nbytes + offset + 64) / 64 * 64 + 64;
+    in.ptr = static_cast<unsigned char*>(std::aligned_alloc(64, bytes)) + offset;
     if (nbytes && std::fread(in.ptr, 1, size_t(nbytes), f) != size_t(nbytes)) std::abort();
   }
   const int64_t n_out = rd(f);
