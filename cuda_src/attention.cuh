@@ -291,6 +291,278 @@ struct Dims {
   int Hq, Lq, Hkv, Lk;
 };
 
+// ---- The per-tile steps of the kernel, one function each (the kernel below strings them
+// together; every path, fp16/bf16 tensor cores or float32 FFMA, split head_dim or not, is a
+// branch inside a step, not a copy of the loop). Fragment layouts: mma.cuh.
+
+// Per-lane shared addresses of the ldmatrix sources; the steps add compile-time offsets (so no
+// per-fragment address stays live across the key loop).
+struct LdmBases {
+  uint32_t q, k, v;
+};
+
+template <class C>
+__device__ __forceinline__ LdmBases ldm_bases(const unsigned char* smem, int rg, int dcol0,
+                                              int lane) {
+  constexpr int LDS = C::LDS;
+  LdmBases b;
+  b.q = smem_addr(smem + C::Q_OFF) +
+        uint32_t(((rg * C::WR + lane % 16) * LDS + dcol0 + (lane / 16) * 8) * C::E);
+  b.k = smem_addr(smem + C::K_OFF) +
+        uint32_t((((lane / 16) * 8 + lane % 8) * LDS + dcol0 + ((lane / 8) % 2) * 8) * C::E);
+  b.v = smem_addr(smem + C::V_OFF) +
+        uint32_t(((lane % 16) * LDS + dcol0 + (lane / 16) * 8) * C::E);
+  return b;
+}
+
+// Step: Q's A fragments of m16 tile m, k16 chunk kc (from registers with QREG, else ldmatrix).
+template <class C, bool QREG, int QM, int QK>
+__device__ __forceinline__ void q_fragment(const uint32_t (&qf)[QM][QK][4], uint32_t q_lm, int m,
+                                           int kc, uint32_t (&qa)[4]) {
+  if constexpr (QREG) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) qa[e] = qf[m][kc][e];
+  } else {
+    ldmatrix_x4(qa, q_lm + uint32_t((m * 16 * C::LDS + kc * 16) * C::E));
+  }
+}
+
+// Step 1: S = Q K^T over this warp's head_dim slice (s zeroed first). fp16/bf16: mma.sync with
+// K fragments by ldmatrix; float32: FFMA from shared memory (MT = 1).
+template <class C, typename T, int BK, int MT, bool QREG, int QM, int QK>
+__device__ __forceinline__ void qk_tile(float (&s)[MT][BK / 8][4],
+                                        const uint32_t (&qf)[QM][QK][4], const LdmBases& lm,
+                                        const unsigned char* smem, int rg, int dcol0, int g,
+                                        int tq) {
+  constexpr int NB = BK / 8;
+  constexpr int DW = C::DW;
+  constexpr int LDS = C::LDS;
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int j = 0; j < NB; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[m][j][e] = 0.0f;
+  if constexpr (C::F32) {
+    const float* qa_row =
+        reinterpret_cast<const float*>(smem + C::Q_OFF) + (rg * 16 + g) * LDS + dcol0;
+    const float* kt = reinterpret_cast<const float*>(smem + C::K_OFF) + dcol0;
+#pragma unroll 2
+    for (int d = 0; d < DW; d += 4) {
+      const float4 qa = *reinterpret_cast<const float4*>(qa_row + d);
+      const float4 qb = *reinterpret_cast<const float4*>(qa_row + 8 * LDS + d);
+#pragma unroll
+      for (int j = 0; j < NB; ++j) {
+        const float4 k0 = *reinterpret_cast<const float4*>(kt + (j * 8 + 2 * tq) * LDS + d);
+        const float4 k1 = *reinterpret_cast<const float4*>(kt + (j * 8 + 2 * tq + 1) * LDS + d);
+        float* sj = s[0][j];
+        sj[0] = fmaf(qa.x, k0.x, sj[0]); sj[0] = fmaf(qa.y, k0.y, sj[0]);
+        sj[0] = fmaf(qa.z, k0.z, sj[0]); sj[0] = fmaf(qa.w, k0.w, sj[0]);
+        sj[1] = fmaf(qa.x, k1.x, sj[1]); sj[1] = fmaf(qa.y, k1.y, sj[1]);
+        sj[1] = fmaf(qa.z, k1.z, sj[1]); sj[1] = fmaf(qa.w, k1.w, sj[1]);
+        sj[2] = fmaf(qb.x, k0.x, sj[2]); sj[2] = fmaf(qb.y, k0.y, sj[2]);
+        sj[2] = fmaf(qb.z, k0.z, sj[2]); sj[2] = fmaf(qb.w, k0.w, sj[2]);
+        sj[3] = fmaf(qb.x, k1.x, sj[3]); sj[3] = fmaf(qb.y, k1.y, sj[3]);
+        sj[3] = fmaf(qb.z, k1.z, sj[3]); sj[3] = fmaf(qb.w, k1.w, sj[3]);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int kc = 0; kc < DW / 16; ++kc) {
+      uint32_t qa[MT][4];
+#pragma unroll
+      for (int m = 0; m < MT; ++m) q_fragment<C, QREG>(qf, lm.q, m, kc, qa[m]);
+#pragma unroll
+      for (int jp = 0; jp < BK / 16; ++jp) {
+        uint32_t kb[4];
+        ldmatrix_x4(kb, lm.k + uint32_t((jp * 16 * LDS + kc * 16) * C::E));
+        const uint32_t b0[2] = {kb[0], kb[1]};
+        const uint32_t b1[2] = {kb[2], kb[3]};
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          mma_16816<T>(s[m][2 * jp], qa[m], b0);
+          mma_16816<T>(s[m][2 * jp + 1], qa[m], b1);
+        }
+      }
+    }
+  }
+}
+
+// Step 2 (D = 512 only): add the partner warp's partial S through shared memory (the same float
+// sum in both warps of the pair, one named barrier per row group).
+template <class C, int BK, int MT>
+__device__ __forceinline__ void add_partner_scores(float (&s)[MT][BK / 8][4],
+                                                   unsigned char* smem, int warp, int rg,
+                                                   int lane) {
+  constexpr int NB = BK / 8;
+  float* sx = reinterpret_cast<float*>(smem + C::X_OFF);
+  float* mine = sx + warp * C::X_FLOATS;
+  const float* other = sx + (warp ^ 4) * C::X_FLOATS;
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int j = 0; j < NB; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) mine[((m * NB + j) * 4 + e) * 32 + lane] = s[m][j][e];
+  named_barrier(1 + rg, 64);
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int j = 0; j < NB; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[m][j][e] += other[((m * NB + j) * 4 + e) * 32 + lane];
+}
+
+// Step 3: scores to the log2 domain (scale, soft-cap), mask (only when the tile needs it), and
+// the online softmax update: s becomes P, m_run / l_run / o are rescaled.
+template <bool F32, bool SOFTCAP, bool UPPER, bool WINDOW, int BK, int MT, int ND>
+__device__ __forceinline__ void softmax_tile(float (&s)[MT][BK / 8][4], float (&m_run)[MT][2],
+                                             float (&l_run)[MT][2], float (&o)[MT][ND][4],
+                                             float pre, float post, bool need_mask, int wrow0,
+                                             int diag, int kv0, int Lk, int window, int g,
+                                             int tq) {
+  constexpr int NB = BK / 8;
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+    float mx[2] = {m_run[m][0], m_run[m][1]};
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = SOFTCAP ? tanhf(s[m][j][e] * pre) * post : s[m][j][e] * pre;
+        if (need_mask) {
+          const int pos = wrow0 + m * 16 + g + (e / 2) * 8 + diag;  // key position of the row
+          const int key = kv0 + j * 8 + 2 * tq + (e % 2);
+          x = key_visible(key, pos, Lk, UPPER, WINDOW, window) ? x : kMasked;
+        }
+        s[m][j][e] = x;
+        mx[e / 2] = fmaxf(mx[e / 2], x);
+      }
+    }
+    float factor[2];
+    bool live[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = quad_max(mx[r]);
+      live[r] = mx[r] > kMasked;  // the row has seen a visible key
+      factor[r] = F32 ? exp2f(m_run[m][r] - mx[r]) : exp2_fast(m_run[m][r] - mx[r]);
+      m_run[m][r] = mx[r];
+    }
+    float lsum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float d = s[m][j][e] - mx[e / 2];
+        const float p = live[e / 2] ? (F32 ? exp2f(d) : exp2_fast(d)) : 0.0f;
+        s[m][j][e] = p;
+        lsum[e / 2] += p;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) l_run[m][r] = l_run[m][r] * factor[r] + lsum[r];
+#pragma unroll
+    for (int i = 0; i < ND; ++i) {
+      o[m][i][0] *= factor[0];
+      o[m][i][1] *= factor[0];
+      o[m][i][2] *= factor[1];
+      o[m][i][3] *= factor[1];
+    }
+  }
+}
+
+// Step 4: O += P V over this warp's head_dim slice. fp16/bf16: P is the S accumulator packed to
+// A fragments in registers, V fragments by ldmatrix.trans; float32: P staged per warp in shared
+// memory, FFMA.
+template <class C, typename T, int BK, int MT, int ND>
+__device__ __forceinline__ void pv_tile(float (&o)[MT][ND][4], const float (&s)[MT][BK / 8][4],
+                                        const LdmBases& lm, unsigned char* smem, int warp,
+                                        int dcol0, int g, int tq) {
+  constexpr int NB = BK / 8;
+  constexpr int DW = C::DW;
+  constexpr int LDS = C::LDS;
+  if constexpr (C::F32) {
+    float* sp = reinterpret_cast<float*>(smem + C::P_OFF) + warp * C::P_FLOATS;
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+      *reinterpret_cast<float2*>(sp + g * C::LDP + j * 8 + 2 * tq) =
+          make_float2(s[0][j][0], s[0][j][1]);
+      *reinterpret_cast<float2*>(sp + (g + 8) * C::LDP + j * 8 + 2 * tq) =
+          make_float2(s[0][j][2], s[0][j][3]);
+    }
+    __syncwarp();
+    const float* vt = reinterpret_cast<const float*>(smem + C::V_OFF) + dcol0 + 2 * tq;
+#pragma unroll 2
+    for (int c = 0; c < BK; ++c) {
+      const float p0 = sp[g * C::LDP + c];
+      const float p1 = sp[(g + 8) * C::LDP + c];
+#pragma unroll
+      for (int i = 0; i < ND; ++i) {
+        const float2 vv = *reinterpret_cast<const float2*>(vt + c * LDS + i * 8);
+        o[0][i][0] = fmaf(p0, vv.x, o[0][i][0]);
+        o[0][i][1] = fmaf(p0, vv.y, o[0][i][1]);
+        o[0][i][2] = fmaf(p1, vv.x, o[0][i][2]);
+        o[0][i][3] = fmaf(p1, vv.y, o[0][i][3]);
+      }
+    }
+    __syncwarp();  // P is read before the next tile overwrites it
+  } else {
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      uint32_t pa[MT][4];
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        pa[m][0] = pack2<T>(s[m][2 * kk][0], s[m][2 * kk][1]);
+        pa[m][1] = pack2<T>(s[m][2 * kk][2], s[m][2 * kk][3]);
+        pa[m][2] = pack2<T>(s[m][2 * kk + 1][0], s[m][2 * kk + 1][1]);
+        pa[m][3] = pack2<T>(s[m][2 * kk + 1][2], s[m][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dn = 0; dn < DW / 16; ++dn) {
+        uint32_t vb[4];
+        ldmatrix_x4_trans(vb, lm.v + uint32_t((kk * 16 * LDS + dn * 16) * C::E));
+        const uint32_t b0[2] = {vb[0], vb[1]};
+        const uint32_t b1[2] = {vb[2], vb[3]};
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          mma_16816<T>(o[m][2 * dn], pa[m], b0);
+          mma_16816<T>(o[m][2 * dn + 1], pa[m], b1);
+        }
+      }
+    }
+  }
+}
+
+// Step 5: out[b, row, h, :] = O / l for this warp's rows and columns; a row that saw no key
+// gives 0.
+template <class C, typename T, int D, int MT, int ND>
+__device__ __forceinline__ void store_rows(T* out, const float (&o)[MT][ND][4],
+                                           const float (&l_run)[MT][2], int64_t b, int h,
+                                           int Lq, int Hq, int wrow0, int dcol0, int g, int tq) {
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float l = quad_sum(l_run[m][r]);
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      const int row = wrow0 + m * 16 + g + 8 * r;
+      if (row < Lq) {
+        T* dst = out + ((b * Lq + row) * Hq + h) * D + dcol0 + 2 * tq;
+#pragma unroll
+        for (int i = 0; i < ND; ++i) {
+          const float x0 = o[m][i][2 * r] * inv;
+          const float x1 = o[m][i][2 * r + 1] * inv;
+          if constexpr (C::F32) {
+            *reinterpret_cast<float2*>(dst + i * 8) = make_float2(x0, x1);
+          } else {
+            *reinterpret_cast<uint32_t*>(dst + i * 8) = pack2<T>(x0, x1);
+          }
+        }
+      }
+    }
+  }
+}
+
 // The whole kernel. T: dtype of q/out (and k/v unless KV_Q8); KT: element type of k/v as
 // given (T, or int8_t codes). fparams = (scale, softcap, 1 / softcap), iparams = (window,)
 // (the MSL brick's parameter inputs; 1 / softcap is not used here).
@@ -399,23 +671,18 @@ __device__ __forceinline__ void flash_attention_fwd(
   cp_async_wait<0>();
   __syncthreads();
 
-  // Per-lane shared addresses of the ldmatrix sources; the loops add compile-time offsets (so
-  // no per-fragment address stays live across the key loop).
-  const uint32_t q_lm = smem_addr(sQ) +
-      uint32_t(((rg * C::WR + lane % 16) * LDS + dcol0 + (lane / 16) * 8) * C::E);
-  const uint32_t k_lm = smem_addr(sK) +
-      uint32_t((((lane / 16) * 8 + lane % 8) * LDS + dcol0 + ((lane / 8) % 2) * 8) * C::E);
-  const uint32_t v_lm = smem_addr(sV) +
-      uint32_t(((lane % 16) * LDS + dcol0 + (lane / 16) * 8) * C::E);
+  const LdmBases lm = ldm_bases<C>(smem, rg, dcol0, lane);
 
   // Q fragments held in registers (QREG) for the whole key loop.
-  uint32_t qf[QREG ? MT : 1][QREG ? DW / 16 : 1][4];
+  constexpr int QM = QREG ? MT : 1;
+  constexpr int QK = QREG ? DW / 16 : 1;
+  uint32_t qf[QM][QK][4];
   if constexpr (QREG) {
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
 #pragma unroll
       for (int kc = 0; kc < DW / 16; ++kc) {
-        ldmatrix_x4(qf[m][kc], q_lm + uint32_t((m * 16 * LDS + kc * 16) * C::E));
+        ldmatrix_x4(qf[m][kc], lm.q + uint32_t((m * 16 * LDS + kc * 16) * C::E));
       }
     }
   }
@@ -475,147 +742,12 @@ __device__ __forceinline__ void flash_attention_fwd(
 
     float s[MT][NB][4];
     if (active) {
-#pragma unroll
-      for (int m = 0; m < MT; ++m) {
-#pragma unroll
-        for (int j = 0; j < NB; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            s[m][j][e] = 0.0f;
-          }
-        }
-      }
-      // ---- S = Q K^T over this warp's head_dim slice ----
-      if constexpr (C::F32) {
-        const float* qa_row = reinterpret_cast<const float*>(sQ) + (rg * 16 + g) * LDS + dcol0;
-        const float* kt = reinterpret_cast<const float*>(sK) + dcol0;
-#pragma unroll 2
-        for (int d = 0; d < DW; d += 4) {
-          const float4 qa = *reinterpret_cast<const float4*>(qa_row + d);
-          const float4 qb = *reinterpret_cast<const float4*>(qa_row + 8 * LDS + d);
-#pragma unroll
-          for (int j = 0; j < NB; ++j) {
-            const float4 k0 = *reinterpret_cast<const float4*>(kt + (j * 8 + 2 * tq) * LDS + d);
-            const float4 k1 = *reinterpret_cast<const float4*>(kt + (j * 8 + 2 * tq + 1) * LDS + d);
-            float* sj = s[0][j];
-            sj[0] = fmaf(qa.x, k0.x, sj[0]); sj[0] = fmaf(qa.y, k0.y, sj[0]);
-            sj[0] = fmaf(qa.z, k0.z, sj[0]); sj[0] = fmaf(qa.w, k0.w, sj[0]);
-            sj[1] = fmaf(qa.x, k1.x, sj[1]); sj[1] = fmaf(qa.y, k1.y, sj[1]);
-            sj[1] = fmaf(qa.z, k1.z, sj[1]); sj[1] = fmaf(qa.w, k1.w, sj[1]);
-            sj[2] = fmaf(qb.x, k0.x, sj[2]); sj[2] = fmaf(qb.y, k0.y, sj[2]);
-            sj[2] = fmaf(qb.z, k0.z, sj[2]); sj[2] = fmaf(qb.w, k0.w, sj[2]);
-            sj[3] = fmaf(qb.x, k1.x, sj[3]); sj[3] = fmaf(qb.y, k1.y, sj[3]);
-            sj[3] = fmaf(qb.z, k1.z, sj[3]); sj[3] = fmaf(qb.w, k1.w, sj[3]);
-          }
-        }
-      } else {
-#pragma unroll
-        for (int kc = 0; kc < DW / 16; ++kc) {
-          uint32_t qa[MT][4];
-#pragma unroll
-          for (int m = 0; m < MT; ++m) {
-            if constexpr (QREG) {
-#pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                qa[m][e] = qf[m][kc][e];
-              }
-            } else {
-              ldmatrix_x4(qa[m], q_lm + uint32_t((m * 16 * LDS + kc * 16) * C::E));
-            }
-          }
-#pragma unroll
-          for (int jp = 0; jp < BK / 16; ++jp) {
-            uint32_t kb[4];
-            ldmatrix_x4(kb, k_lm + uint32_t((jp * 16 * LDS + kc * 16) * C::E));
-            const uint32_t b0[2] = {kb[0], kb[1]};
-            const uint32_t b1[2] = {kb[2], kb[3]};
-#pragma unroll
-            for (int m = 0; m < MT; ++m) {
-              mma_16816<T>(s[m][2 * jp], qa[m], b0);
-              mma_16816<T>(s[m][2 * jp + 1], qa[m], b1);
-            }
-          }
-        }
-      }
-
-      // ---- D = 512: add the partner warp's partial S (same sum in both warps) ----
+      qk_tile<C, T, BK, MT, QREG>(s, qf, lm, smem, rg, dcol0, g, tq);
       if constexpr (C::NSPLIT > 1) {
-        float* sx = reinterpret_cast<float*>(smem + C::X_OFF);
-        float* mine = sx + warp * C::X_FLOATS;
-        const float* other = sx + (warp ^ 4) * C::X_FLOATS;
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
-#pragma unroll
-          for (int j = 0; j < NB; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              mine[((m * NB + j) * 4 + e) * 32 + lane] = s[m][j][e];
-            }
-          }
-        }
-        named_barrier(1 + rg, 64);
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
-#pragma unroll
-          for (int j = 0; j < NB; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              s[m][j][e] += other[((m * NB + j) * 4 + e) * 32 + lane];
-            }
-          }
-        }
+        add_partner_scores<C, BK, MT>(s, smem, warp, rg, lane);
       }
-
-      // ---- scores -> log2 domain, mask, online softmax ----
-#pragma unroll
-      for (int m = 0; m < MT; ++m) {
-        float mx[2] = {m_run[m][0], m_run[m][1]};
-#pragma unroll
-        for (int j = 0; j < NB; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float x = SOFTCAP ? tanhf(s[m][j][e] * pre) * post : s[m][j][e] * pre;
-            if (need_mask) {
-              const int pos = wrow0 + m * 16 + g + (e / 2) * 8 + diag;  // key position of the row
-              const int key = kv0 + j * 8 + 2 * tq + (e % 2);
-              x = key_visible(key, pos, Lk, UPPER, WINDOW, window) ? x : kMasked;
-            }
-            s[m][j][e] = x;
-            mx[e / 2] = fmaxf(mx[e / 2], x);
-          }
-        }
-        float factor[2];
-        bool live[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          mx[r] = quad_max(mx[r]);
-          live[r] = mx[r] > kMasked;  // the row has seen a visible key
-          factor[r] = C::F32 ? exp2f(m_run[m][r] - mx[r]) : exp2_fast(m_run[m][r] - mx[r]);
-          m_run[m][r] = mx[r];
-        }
-        float lsum[2] = {0.0f, 0.0f};
-#pragma unroll
-        for (int j = 0; j < NB; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float d = s[m][j][e] - mx[e / 2];
-            const float p = live[e / 2] ? (C::F32 ? exp2f(d) : exp2_fast(d)) : 0.0f;
-            s[m][j][e] = p;
-            lsum[e / 2] += p;
-          }
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          l_run[m][r] = l_run[m][r] * factor[r] + lsum[r];
-        }
-#pragma unroll
-        for (int i = 0; i < ND; ++i) {
-          o[m][i][0] *= factor[0];
-          o[m][i][1] *= factor[0];
-          o[m][i][2] *= factor[1];
-          o[m][i][3] *= factor[1];
-        }
-      }
+      softmax_tile<C::F32, SOFTCAP, UPPER, WINDOW, BK, MT, ND>(
+          s, m_run, l_run, o, pre, post, need_mask, wrow0, diag, kv0, Lk, window, g, tq);
     }
 
     // V_t landed and every warp is done reading sK: start K_{t+1} behind P V_t.
@@ -629,84 +761,12 @@ __device__ __forceinline__ void flash_attention_fwd(
     }
 
     if (active) {
-      // ---- O += P V over this warp's head_dim slice ----
-      if constexpr (C::F32) {
-        float* sp = reinterpret_cast<float*>(smem + C::P_OFF) + warp * C::P_FLOATS;
-#pragma unroll
-        for (int j = 0; j < NB; ++j) {
-          *reinterpret_cast<float2*>(sp + g * C::LDP + j * 8 + 2 * tq) =
-              make_float2(s[0][j][0], s[0][j][1]);
-          *reinterpret_cast<float2*>(sp + (g + 8) * C::LDP + j * 8 + 2 * tq) =
-              make_float2(s[0][j][2], s[0][j][3]);
-        }
-        __syncwarp();
-        const float* vt = reinterpret_cast<const float*>(sV) + dcol0 + 2 * tq;
-#pragma unroll 2
-        for (int c = 0; c < BK; ++c) {
-          const float p0 = sp[g * C::LDP + c];
-          const float p1 = sp[(g + 8) * C::LDP + c];
-#pragma unroll
-          for (int i = 0; i < ND; ++i) {
-            const float2 vv = *reinterpret_cast<const float2*>(vt + c * LDS + i * 8);
-            o[0][i][0] = fmaf(p0, vv.x, o[0][i][0]);
-            o[0][i][1] = fmaf(p0, vv.y, o[0][i][1]);
-            o[0][i][2] = fmaf(p1, vv.x, o[0][i][2]);
-            o[0][i][3] = fmaf(p1, vv.y, o[0][i][3]);
-          }
-        }
-        __syncwarp();  // P is read before the next tile overwrites it
-      } else {
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) {
-          uint32_t pa[MT][4];
-#pragma unroll
-          for (int m = 0; m < MT; ++m) {
-            pa[m][0] = pack2<T>(s[m][2 * kk][0], s[m][2 * kk][1]);
-            pa[m][1] = pack2<T>(s[m][2 * kk][2], s[m][2 * kk][3]);
-            pa[m][2] = pack2<T>(s[m][2 * kk + 1][0], s[m][2 * kk + 1][1]);
-            pa[m][3] = pack2<T>(s[m][2 * kk + 1][2], s[m][2 * kk + 1][3]);
-          }
-#pragma unroll
-          for (int dn = 0; dn < DW / 16; ++dn) {
-            uint32_t vb[4];
-            ldmatrix_x4_trans(vb, v_lm + uint32_t((kk * 16 * LDS + dn * 16) * C::E));
-            const uint32_t b0[2] = {vb[0], vb[1]};
-            const uint32_t b1[2] = {vb[2], vb[3]};
-#pragma unroll
-            for (int m = 0; m < MT; ++m) {
-              mma_16816<T>(o[m][2 * dn], pa[m], b0);
-              mma_16816<T>(o[m][2 * dn + 1], pa[m], b1);
-            }
-          }
-        }
-      }
+      pv_tile<C, T, BK, MT, ND>(o, s, lm, smem, warp, dcol0, g, tq);
     }
   }
   cp_async_wait<0>();  // nothing may stay in flight past the kernel's end
 
-  // ---- out[b, row, h, :] = O / l; a row that saw no key gives 0 ----
-#pragma unroll
-  for (int m = 0; m < MT; ++m) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float l = quad_sum(l_run[m][r]);
-      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-      const int row = wrow0 + m * 16 + g + 8 * r;
-      if (row < Lq) {
-        T* dst = out + ((int64_t(b) * Lq + row) * dims.Hq + h) * D + dcol0 + 2 * tq;
-#pragma unroll
-        for (int i = 0; i < ND; ++i) {
-          const float x0 = o[m][i][2 * r] * inv;
-          const float x1 = o[m][i][2 * r + 1] * inv;
-          if constexpr (C::F32) {
-            *reinterpret_cast<float2*>(dst + i * 8) = make_float2(x0, x1);
-          } else {
-            *reinterpret_cast<uint32_t*>(dst + i * 8) = pack2<T>(x0, x1);
-          }
-        }
-      }
-    }
-  }
+  store_rows<C, T, D, MT, ND>(out, o, l_run, int64_t(b), h, Lq, dims.Hq, wrow0, dcol0, g, tq);
 }
 
 }  // namespace attn

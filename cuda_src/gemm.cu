@@ -1,7 +1,7 @@
 // CUDA twin of Bricks 1 and 2 (metal_src/gemm.metal): y = x @ W.T (+ bias) (+ residual), W a
 // 16-bit float weight or MLX affine weight; with SWIGLU_UP, the split SwiGLU's gate GEMM
 // (metal_src/swiglu_split.metal): act = act(x @ W.T + bias) * up, act SiLU or GELU-tanh (ACT).
-// Headers: mma.cuh, gemm.cuh.
+// Headers: mma.cuh, dequant.cuh, gemm.cuh, wgmma.cuh.
 //
 // Template: T (__half, __nv_bfloat16), BM, BN, WM, WN (WM * WN warps), STAGES (>= 3 for affine
 // weights: a stage is dequantized one ahead), BITS (0: float weight; else 2..8 affine), GS
@@ -27,10 +27,12 @@ const T* ss[1] = {scales};
 const T* bs[1] = {biases};
 typename bricks::WeightLoader<Cfg, BITS, GS>::type bl(ws, ss, bs, N, K, tn * BN);
 if constexpr (SWIGLU_UP) {
-  bricks::SwiGLUUpOut<T, HAS_BIAS, ACT> epi{y, bias, residual, M, N, tm * BM, tn * BN};
+  auto epi = bricks::make_epilogue(bricks::GateTimesUp<T, HAS_BIAS, ACT>{bias, residual, N},
+                                   bricks::RowMajor<T>{y, N}, M, N, tm * BM, tn * BN);
   bricks::gemm_block<Cfg, Mma>(smem, x, M, K, tm * BM, bl, epi);
 } else {
-  bricks::BiasResidualOut<T, HAS_BIAS, HAS_RESIDUAL> epi{y, bias, residual, M, N, tm * BM,
-                                                          tn * BN};
+  auto epi = bricks::make_epilogue(
+      bricks::AddBiasResidual<T, HAS_BIAS, HAS_RESIDUAL>{bias, residual, N},
+      bricks::RowMajor<T>{y, N}, M, N, tm * BM, tn * BN);
   bricks::gemm_block<Cfg, Mma>(smem, x, M, K, tm * BM, bl, epi);
 }

@@ -1,5 +1,5 @@
 // gemm.cuh -- the CUDA twin of metal_src/gemm.h: one ingestion pipeline for every GEMM brick.
-// Needs mma.cuh before it (the registry concatenates cuda_headers in order).
+// Needs mma.cuh and dequant.cuh before it (the registry concatenates cuda_headers in order).
 //
 // C (M x N) = A (M x K) * B^T, B in the nn.Linear layout (N rows of K), FP32 accumulators on
 // mma.sync m16n8k16 tensor cores (sm_80+). A kernel body picks:
@@ -63,6 +63,18 @@ struct GemmConfig {
   static constexpr int A_STAGE_BYTES = BM * BK * 2;
   static constexpr int B_ROWS = NB * BN;
   static constexpr int B_TILE_BYTES = B_ROWS * BK * 2;
+  // Operand (0 .. NB - 1) of tile row r owned in iteration j of a loop whose iterations cover
+  // THREADS / UNITS rows each (UNITS work units per row): a compile-time value after unrolling
+  // when every iteration stays inside one operand, so the operand's pointers are selected
+  // without a run-time select chain (fewer live registers next to the accumulators).
+  template <int UNITS>
+  __device__ __forceinline__ static int operand_of(int j, int r) {
+    if constexpr (THREADS % UNITS == 0 && BN % (THREADS / UNITS) == 0) {
+      return j * (THREADS / UNITS) / BN;
+    } else {
+      return r / BN;
+    }
+  }
   static_assert(sizeof(T) == 2, "the tensor-core pipeline takes 16-bit operands");
   static_assert(BM % (16 * WM) == 0 && BN % (16 * WN) == 0, "warp tile must be 16 x 16k");
   static_assert(NF % 2 == 0, "B fragments are loaded two n8 blocks at a time");
@@ -170,7 +182,7 @@ struct FloatB {
       const int id = tid + j * Cfg::THREADS;
       const int r = id / GEMM_CHUNKS;  // 0 .. NB * BN - 1
       const int c = id % GEMM_CHUNKS;
-      const int b = r / Cfg::BN;
+      const int b = Cfg::template operand_of<GEMM_CHUNKS>(j, r);
       const int n = n0 + r % Cfg::BN;
       const int k = k0 + c * 8;
       unsigned char* dst = stage + swz(r, c);
@@ -197,6 +209,10 @@ struct FloatB {
 // into one of two 16-bit operand tiles while the MMAs of the current stage run, so every packed
 // value is dequantized exactly once per block. Each thread owns 32-value segments (rows r,
 // half h): 32 values of BITS bits are exactly BITS whole words of the row's bit stream.
+// Values are T(s * q + b) rounded once (dequant.cuh: integer and paired-half tricks, one HFMA2
+// per pair); a segment is decoded one shared-memory load group (16 bytes for 4- and 8-bit) at a
+// time and each 8-value chunk is stored as soon as it is ready, so few words stay live next to
+// the accumulators.
 template <class Cfg, int BITS, int GS>
 struct AffineB {
   using T = typename Cfg::T;
@@ -206,7 +222,9 @@ struct AffineB {
   static constexpr int EXTRA_BYTES = Cfg::DQ_TILES * Cfg::B_TILE_BYTES;  // dequantized tiles
   static constexpr int SEGS = Cfg::B_ROWS * 2;                // 32-value segments per stage
   static constexpr int SEG_PER_THREAD = (SEGS + Cfg::THREADS - 1) / Cfg::THREADS;
-  static constexpr unsigned MASK = (1u << BITS) - 1u;
+  // Words per shared-memory load group and 8-value chunks decoded from one group.
+  static constexpr int GW = BITS % 4 == 0 ? 4 : BITS;
+  static constexpr int CPG = 4 * GW / BITS;
   static_assert(GS % 32 == 0, "a 32-value segment must sit in one group");
   static_assert(BITS >= 2 && BITS <= 8, "affine bits 2..8");
 
@@ -215,9 +233,11 @@ struct AffineB {
   const T* biases[Cfg::NB];
   int N, K, n0, words_per_row, groups;
   bool vec;  // 16-byte copies of the packed rows
-  // Scale and bias of each owned segment for the stage being prepared next.
-  float s_next[SEG_PER_THREAD];
-  float b_next[SEG_PER_THREAD];
+  // Scale (low half) and bias (high half) of each owned segment for the stage being prepared
+  // next, as T bits in one register (splat to pairs at use: one register less per segment
+  // next to the accumulators); 0 for segments past K, which then dequantize to +0 without a
+  // branch.
+  uint32_t sb_next[SEG_PER_THREAD];
 
   // w_[b]: operand b's packed uint32 (N, K * BITS / 32); s_, b_: its scales and biases.
   __device__ AffineB(const void* const (&w_)[Cfg::NB], const T* const (&s_)[Cfg::NB],
@@ -246,7 +266,7 @@ struct AffineB {
         if (TOTAL % Cfg::THREADS == 0 || id < TOTAL) {
           const int r = id / CPR;
           const int c = id % CPR;
-          const int b = r / Cfg::BN;
+          const int b = Cfg::template operand_of<CPR>(j, r);
           const int n = n0 + r % Cfg::BN;
           const int kw = kw0 + c * 4;
           const bool ok = n < N && kw < words_per_row;
@@ -262,7 +282,7 @@ struct AffineB {
         if (TOTAL % Cfg::THREADS == 0 || id < TOTAL) {
           const int r = id / WPR;
           const int c = id % WPR;
-          const int b = r / Cfg::BN;
+          const int b = Cfg::template operand_of<WPR>(j, r);
           const int n = n0 + r % Cfg::BN;
           const int kw = kw0 + c;
           const bool ok = n < N && kw < words_per_row;
@@ -279,27 +299,47 @@ struct AffineB {
 #pragma unroll
     for (int j = 0; j < SEG_PER_THREAD; ++j) {
       const int seg = tid + j * Cfg::THREADS;
-      float s = 0.0f;
-      float bb = 0.0f;
+      uint32_t sb = 0;
       if (SEGS % Cfg::THREADS == 0 || seg < SEGS) {
         const int r = seg / 2;
-        const int b = r / Cfg::BN;
+        const int b = Cfg::template operand_of<2>(j, r);
         const int n = min(n0 + r % Cfg::BN, N - 1);
         const int k = k0 + (seg % 2) * 32;
         if (k < K) {
           const long g = long(n) * groups + k / GS;
-          s = to_float(pick(scales, b)[g]);
-          bb = to_float(pick(biases, b)[g]);
+          sb = uint32_t(dq::bits16(pick(scales, b)[g])) |
+               (uint32_t(dq::bits16(pick(biases, b)[g])) << 16);
         }
       }
-      s_next[j] = s;
-      b_next[j] = bb;
+      sb_next[j] = sb;
+    }
+  }
+
+  // GW packed words at src (shared memory) with the widest loads the segment's alignment allows
+  // (a segment starts at word BITS * seg: 16-byte aligned for BITS % 4 == 0, 8-byte for even
+  // BITS; conflict-free either way).
+  __device__ __forceinline__ static void load_words(const uint32_t* src, uint32_t (&words)[GW]) {
+    if constexpr (GW % 4 == 0) {
+      const uint4 q4 = *reinterpret_cast<const uint4*>(src);
+      words[0] = q4.x;
+      words[1] = q4.y;
+      words[2] = q4.z;
+      words[3] = q4.w;
+    } else if constexpr (GW % 2 == 0) {
+#pragma unroll
+      for (int i = 0; i < GW; i += 2) {
+        const uint2 q2 = *reinterpret_cast<const uint2*>(src + i);
+        words[i] = q2.x;
+        words[i + 1] = q2.y;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < GW; ++i) words[i] = src[i];
     }
   }
 
   // Dequantize the landed packed stage into the operand tile `dq` (swizzled, like FloatB's).
-  // Segments past K become zeros (A is zero there too, but the values must be finite).
-  __device__ __forceinline__ void prepare(unsigned char* packed, unsigned char* dq, int k0,
+  __device__ __forceinline__ void prepare(unsigned char* packed, unsigned char* dq_tile, int,
                                           int tid, int) {
 #pragma unroll
     for (int j = 0; j < SEG_PER_THREAD; ++j) {
@@ -308,54 +348,19 @@ struct AffineB {
         const int r = seg / 2;
         const int h = seg % 2;
         const uint32_t* src = reinterpret_cast<const uint32_t*>(packed) + r * WPR + h * BITS;
-        // Widest conflict-free shared loads the segment's alignment allows (a segment starts
-        // at word BITS * seg: 16-byte aligned for BITS % 4 == 0, 8-byte for even BITS).
-        uint32_t words[BITS];
-        if constexpr (BITS % 4 == 0) {
+        const uint32_t s2 = __byte_perm(sb_next[j], 0u, 0x1010);
+        const uint32_t b2 = __byte_perm(sb_next[j], 0u, 0x3232);
 #pragma unroll
-          for (int i = 0; i < BITS; i += 4) {
-            const uint4 q4 = *reinterpret_cast<const uint4*>(src + i);
-            words[i] = q4.x;
-            words[i + 1] = q4.y;
-            words[i + 2] = q4.z;
-            words[i + 3] = q4.w;
+        for (int g = 0; g < BITS / GW; ++g) {  // one load group at a time
+          uint32_t words[GW];
+          load_words(src + g * GW, words);
+#pragma unroll
+          for (int c = 0; c < CPG; ++c) {  // 8-value chunks of the group, stored at once
+            uint32_t out[4];
+            dq::chunk8<T, BITS>(words, c, s2, b2, out);
+            *reinterpret_cast<uint4*>(dq_tile + swz(r, h * 4 + g * CPG + c)) =
+                make_uint4(out[0], out[1], out[2], out[3]);
           }
-        } else if constexpr (BITS % 2 == 0) {
-#pragma unroll
-          for (int i = 0; i < BITS; i += 2) {
-            const uint2 q2 = *reinterpret_cast<const uint2*>(src + i);
-            words[i] = q2.x;
-            words[i + 1] = q2.y;
-          }
-        } else {
-#pragma unroll
-          for (int i = 0; i < BITS; ++i) words[i] = src[i];
-        }
-        const float s = s_next[j];
-        const float bias = b_next[j];
-        const bool live = k0 + h * 32 < K;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {  // four 16-byte chunks of 8 values
-          uint32_t out[4];
-#pragma unroll
-          for (int p = 0; p < 4; ++p) {
-            float v[2];
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int idx = c * 8 + p * 2 + e;  // value index in the segment, 0..31
-              const int bit = idx * BITS;
-              const int wi = bit / 32;
-              const int off = bit % 32;
-              uint32_t q = words[wi] >> off;
-              if (off + BITS > 32) q |= words[wi + 1] << (32 - off);
-              q &= MASK;
-              // Exact small integer as float: 2^23 + q, minus 2^23.
-              const float qf = __uint_as_float(0x4B000000u | q) - 8388608.0f;
-              v[e] = live ? fmaf(s, qf, bias) : 0.0f;
-            }
-            out[p] = pack2<T>(v[0], v[1]);
-          }
-          *reinterpret_cast<uint4*>(dq + swz(r, h * 4 + c)) = make_uint4(out[0], out[1], out[2], out[3]);
         }
       }
     }
@@ -493,14 +498,17 @@ __device__ __forceinline__ unsigned char* align_smem(unsigned char* smem) {
   return smem + ((1024u - (a & 1023u)) & 1023u);
 }
 
-// Runs the whole K loop for one block tile. smem: dynamic shared memory laid out as
-// [A stages][B stages][loader extra]. Stage s of a K loop of `steps` stages lands in ring slot
-// s % STAGES; the weight loader's operand for stage s is ready LOOKAHEAD stages ahead.
+// Runs the K loop for one block tile over stages [first, last) of 64 k each (default: all of
+// K; split-K blocks take a part). smem: dynamic shared memory laid out as [A stages][B stages]
+// [loader extra]. The s-th stage of the range lands in ring slot s % STAGES; the weight
+// loader's operand for it is ready LOOKAHEAD stages ahead. An empty range leaves the
+// accumulators at 0.
 // Barriers: one per K step (it orders the ring slot reuse, the dequantized-tile reuse and the
 // visibility of cp.async data and scalar stores).
 template <class Cfg, class AL, class BL, class Mma>
 __device__ __forceinline__ void gemm_mainloop(unsigned char* smem, const AL& al, BL& bl,
-                                              Mma& mma, int K, int tid) {
+                                              Mma& mma, int K, int tid, int first = 0,
+                                              int last = -1) {
   constexpr int S = Cfg::STAGES;
   constexpr int LA = BL::LOOKAHEAD;
   constexpr int D = Cfg::DEPTH;
@@ -510,24 +518,26 @@ __device__ __forceinline__ void gemm_mainloop(unsigned char* smem, const AL& al,
   unsigned char* a_ring = smem;
   unsigned char* b_ring = smem + Smem::A_BYTES;
   unsigned char* extra = smem + Smem::A_BYTES + Smem::B_BYTES;
-  const int steps = (K + Cfg::BK - 1) / Cfg::BK;
+  if (last < 0) last = (K + Cfg::BK - 1) / Cfg::BK;
+  const int steps = last - first;
+  const int k_first = first * Cfg::BK;
 
   // Prologue: stages 0 .. P - 1 in flight (one commit group each, empty past the end).
 #pragma unroll
   for (int s = 0; s < P; ++s) {
     if (s < steps) {
-      al.issue(a_ring + s * Cfg::A_STAGE_BYTES, s * Cfg::BK, tid);
-      bl.issue(b_ring + s * BL::STAGE_BYTES, s * Cfg::BK, tid);
+      al.issue(a_ring + s * Cfg::A_STAGE_BYTES, k_first + s * Cfg::BK, tid);
+      bl.issue(b_ring + s * BL::STAGE_BYTES, k_first + s * Cfg::BK, tid);
     }
     cp_async_commit();
   }
   if constexpr (LA == 1) {
     // Stage 0 must be dequantized before the loop: wait for it alone.
-    bl.fetch_scales(0, tid);
+    bl.fetch_scales(k_first, tid);
     cp_async_wait<P - 1>();
     __syncthreads();
-    bl.prepare(b_ring, extra, 0, tid, 0);
-    if (steps > 1) bl.fetch_scales(Cfg::BK, tid);
+    bl.prepare(b_ring, extra, k_first, tid, 0);
+    if (steps > 1) bl.fetch_scales(k_first + Cfg::BK, tid);
   }
 
   for (int s = 0; s < steps; ++s) {
@@ -543,16 +553,16 @@ __device__ __forceinline__ void gemm_mainloop(unsigned char* smem, const AL& al,
     if constexpr (Mma::ASYNC) mma.issue(a_stage, b_stage);  // runs while we copy below
     const int nxt = s + P;
     if (nxt < steps) {
-      al.issue(a_ring + (nxt % S) * Cfg::A_STAGE_BYTES, nxt * Cfg::BK, tid);
-      bl.issue(b_ring + (nxt % S) * BL::STAGE_BYTES, nxt * Cfg::BK, tid);
+      al.issue(a_ring + (nxt % S) * Cfg::A_STAGE_BYTES, k_first + nxt * Cfg::BK, tid);
+      bl.issue(b_ring + (nxt % S) * BL::STAGE_BYTES, k_first + nxt * Cfg::BK, tid);
     }
     cp_async_commit();
     if constexpr (LA == 1) {
       if (s + 1 < steps) {
         bl.prepare(b_ring + ((s + 1) % S) * BL::STAGE_BYTES,
-                   extra + ((s + 1) % Cfg::DQ_TILES) * Cfg::B_TILE_BYTES, (s + 1) * Cfg::BK,
-                   tid, s + 1);
-        if (s + 2 < steps) bl.fetch_scales((s + 2) * Cfg::BK, tid);
+                   extra + ((s + 1) % Cfg::DQ_TILES) * Cfg::B_TILE_BYTES,
+                   k_first + (s + 1) * Cfg::BK, tid, s + 1);
+        if (s + 2 < steps) bl.fetch_scales(k_first + (s + 2) * Cfg::BK, tid);
       }
     }
     if constexpr (Mma::ASYNC) {
@@ -587,19 +597,19 @@ __device__ __forceinline__ void grouped_tile(int pid, int tiles_m, int tiles_n, 
 // Epilogue helpers
 // ---------------------------------------------------------------------------------------------
 
-// Store two adjacent columns (col, col + 1) of row `row` of a (rows, ld) output, predicated;
-// one 32-bit store when both are in bounds and aligned.
+// An epilogue is an element op and a destination, as MLX steel's transforms: WarpTile::for_each
+// hands Epilogue each pair of adjacent output columns (col, col + 1) of one row; Epilogue checks
+// the bounds once, the op turns the accumulators into the two output values (reading bias /
+// residual / up pairs through load_pair), and the destination stores them.
+
+// T values p[0], p[1] as floats (p[1] only when `two`, else 0): one 32-bit load when both are
+// in bounds and the pair is 4-byte aligned.
 template <typename T>
-__device__ __forceinline__ void store_pair(T* out, long ld, int row, int col, int rows, int cols,
-                                           float v0, float v1) {
-  if (row >= rows || col >= cols) return;
-  T* p = out + long(row) * ld + col;
-  if (col + 1 < cols && ((reinterpret_cast<uintptr_t>(p) & 3) == 0)) {
-    *reinterpret_cast<uint32_t*>(p) = pack2<T>(v0, v1);
-  } else {
-    p[0] = from_float<T>(v0);
-    if (col + 1 < cols) p[1] = from_float<T>(v1);
+__device__ __forceinline__ float2 load_pair(const T* p, bool two) {
+  if (two && (reinterpret_cast<uintptr_t>(p) & 3) == 0) {
+    return unpack2<T>(*reinterpret_cast<const uint32_t*>(p));
   }
+  return make_float2(to_float(p[0]), two ? to_float(p[1]) : 0.0f);
 }
 
 // SiLU(g) = g / (1 + exp(-g)) with exp of -|g| only (no overflow for any finite g), as the MSL
@@ -632,127 +642,169 @@ __device__ __forceinline__ float activation(float g) {
   }
 }
 
-// y = acc (+ bias[col]) (+ residual[row, col]), summed in float, rounded once; y and residual
-// (M, N) row-major. Block-relative (r, c) from WarpTile::for_each.
+// ---- element ops: (accumulators of NB operands, row, col, two) -> the two output values ----
+
+// acc (+ bias[col]) (+ residual[row, col]), summed in float, rounded once on the store; residual
+// (M, ld) row-major.
 template <typename T, bool HAS_BIAS, bool HAS_RESIDUAL>
-struct BiasResidualOut {
-  T* y;
+struct AddBiasResidual {
   const T* bias;
   const T* residual;
-  int M, N, m0, n0;
+  long ld;
 
-  __device__ __forceinline__ void operator()(const float (&v)[1][2], int r, int c) const {
-    const int row = m0 + r;
-    const int col = n0 + c;
-    if (row >= M || col >= N) return;
-    const bool two = col + 1 < N;
-    float a0 = v[0][0];
-    float a1 = v[0][1];
+  __device__ __forceinline__ float2 operator()(const float (&v)[1][2], int row, int col,
+                                               bool two) const {
+    float2 o = make_float2(v[0][0], v[0][1]);
     if constexpr (HAS_BIAS) {
-      a0 += to_float(bias[col]);
-      if (two) a1 += to_float(bias[col + 1]);
+      const float2 b = load_pair(bias + col, two);
+      o.x += b.x;
+      o.y += b.y;
     }
     if constexpr (HAS_RESIDUAL) {
-      const T* rp = residual + long(row) * N + col;
-      a0 += to_float(rp[0]);
-      if (two) a1 += to_float(rp[1]);
+      const float2 r = load_pair(residual + long(row) * ld + col, two);
+      o.x += r.x;
+      o.y += r.y;
     }
-    store_pair(y, N, row, col, M, N, a0, a1);
+    return o;
   }
 };
 
-// act = act(acc + bias[col]) * up[row, col] (act: ACT; the split SwiGLU's gate GEMM; up was
-// computed by the up GEMM and rounded to T, as the MSL split variant and the stock MLP do).
-template <typename T, bool HAS_BIAS, int ACT = ACT_SILU>
-struct SwiGLUUpOut {
-  T* act;
+// act(acc + bias[col]) * up[row, col] (the split SwiGLU's gate GEMM; up was computed by the up
+// GEMM and rounded to T, as the MSL split variant and the stock MLP do).
+template <typename T, bool HAS_BIAS, int ACT>
+struct GateTimesUp {
   const T* bias;
   const T* up;
-  int M, N, m0, n0;
+  long ld;
 
-  __device__ __forceinline__ void operator()(const float (&v)[1][2], int r, int c) const {
-    const int row = m0 + r;
-    const int col = n0 + c;
-    if (row >= M || col >= N) return;
-    const bool two = col + 1 < N;
+  __device__ __forceinline__ float2 operator()(const float (&v)[1][2], int row, int col,
+                                               bool two) const {
     float g0 = v[0][0];
     float g1 = v[0][1];
     if constexpr (HAS_BIAS) {
-      g0 += to_float(bias[col]);
-      if (two) g1 += to_float(bias[col + 1]);
+      const float2 b = load_pair(bias + col, two);
+      g0 += b.x;
+      g1 += b.y;
     }
-    const T* up_p = up + long(row) * N + col;
-    const float u0 = to_float(up_p[0]);
-    const float u1 = two ? to_float(up_p[1]) : 0.0f;
-    store_pair(act, N, row, col, M, N, activation<ACT>(g0) * u0, activation<ACT>(g1) * u1);
+    const float2 u = load_pair(up + long(row) * ld + col, two);
+    return make_float2(activation<ACT>(g0) * u.x, activation<ACT>(g1) * u.y);
   }
 };
 
-// act = act(gate + b_gate) * (up + b_up) (act: ACT) from the fused block's two operands
-// (b = 0 gate, b = 1 up), all in float, one rounding.
-template <typename T, bool HAS_BIAS_GATE, bool HAS_BIAS_UP, int ACT = ACT_SILU>
-struct SwiGLUOut {
-  T* act;
+// act(gate + b_gate) * (up + b_up) from the fused block's two operands (b = 0 gate, b = 1 up),
+// all in float, one rounding.
+template <typename T, bool HAS_BIAS_GATE, bool HAS_BIAS_UP, int ACT>
+struct GateUp {
   const T* b_gate;
   const T* b_up;
-  int M, N, m0, n0;
 
-  __device__ __forceinline__ void operator()(const float (&v)[2][2], int r, int c) const {
-    const int row = m0 + r;
-    const int col = n0 + c;
-    if (row >= M || col >= N) return;
-    const int c1 = min(col + 1, N - 1);  // a clamped column is never stored
+  __device__ __forceinline__ float2 operator()(const float (&v)[2][2], int, int col,
+                                               bool two) const {
     float g0 = v[0][0], g1 = v[0][1], u0 = v[1][0], u1 = v[1][1];
     if constexpr (HAS_BIAS_GATE) {
-      g0 += to_float(b_gate[col]);
-      g1 += to_float(b_gate[c1]);
+      const float2 b = load_pair(b_gate + col, two);
+      g0 += b.x;
+      g1 += b.y;
     }
     if constexpr (HAS_BIAS_UP) {
-      u0 += to_float(b_up[col]);
-      u1 += to_float(b_up[c1]);
+      const float2 b = load_pair(b_up + col, two);
+      u0 += b.x;
+      u1 += b.y;
     }
-    store_pair(act, N, row, col, M, N, activation<ACT>(g0) * u0, activation<ACT>(g1) * u1);
+    return make_float2(activation<ACT>(g0) * u0, activation<ACT>(g1) * u1);
   }
 };
 
-// RMSNorm + QKV epilogue: output column col = h * D + d of row row = b * L + l goes to
-// out[((b * H + h) * L + l) * D + d] (head layout (B, H, L, D)), bias added in float.
-template <typename T, bool HAS_BIAS>
-struct HeadOut {
-  T* out;
-  const T* bias;
-  int M, N, m0, n0, L, H, D;
+// ---- destinations ----
 
-  __device__ __forceinline__ void operator()(const float (&v)[1][2], int r, int c) const {
-    const int row = m0 + r;
-    const int col = n0 + c;
-    if (row >= M || col >= N) return;
+// (rows, ld) row-major: one 32-bit (float32: 64-bit) store when both columns are in bounds and
+// aligned.
+template <typename T>
+struct RowMajor {
+  T* out;
+  long ld;
+
+  __device__ __forceinline__ void store(int row, int col, bool two, float2 o) const {
+    T* p = out + long(row) * ld + col;
+    if constexpr (sizeof(T) == 4) {  // float32 (split-K partial sums)
+      if (two && (reinterpret_cast<uintptr_t>(p) & 7) == 0) {
+        *reinterpret_cast<float2*>(p) = o;
+        return;
+      }
+    } else if (two && (reinterpret_cast<uintptr_t>(p) & 3) == 0) {
+      *reinterpret_cast<uint32_t*>(p) = pack2<T>(o.x, o.y);
+      return;
+    }
+    p[0] = from_float<T>(o.x);
+    if (two) p[1] = from_float<T>(o.y);
+  }
+};
+
+// The RMSNorm + QKV layout: column n = h * D + d of row m = b * L + l goes to
+// out[((b * H + h) * L + l) * D + d], (B, H, L, D).
+template <typename T>
+struct HeadLayout {
+  T* out;
+  int L, H, D;
+
+  __device__ __forceinline__ void store(int row, int col, bool two, float2 o) const {
     const int b = row / L;
     const int l = row - b * L;
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
+      if (e == 1 && !two) break;
       const int n = col + e;
-      if (n >= N) break;
       const int h = n / D;
       const int d = n - h * D;
-      float a = v[0][e];
-      if constexpr (HAS_BIAS) a += to_float(bias[n]);
-      out[((long(b) * H + h) * L + l) * D + d] = from_float<T>(a);
+      out[((long(b) * H + h) * L + l) * D + d] = from_float<T>(e == 0 ? o.x : o.y);
     }
   }
 };
+
+// The epilogue WarpTile::for_each calls: block-relative (r, c) -> bounds check, op, store.
+template <class Op, class Dst>
+struct Epilogue {
+  Op op;
+  Dst dst;
+  int M, N, m0, n0;
+
+  template <int NB>
+  __device__ __forceinline__ void operator()(const float (&v)[NB][2], int r, int c) const {
+    const int row = m0 + r;
+    const int col = n0 + c;
+    if (row >= M || col >= N) return;
+    const bool two = col + 1 < N;
+    dst.store(row, col, two, op(v, row, col, two));
+  }
+};
+
+template <class Op, class Dst>
+__device__ __forceinline__ Epilogue<Op, Dst> make_epilogue(Op op, Dst dst, int M, int N, int m0,
+                                                         int n0) {
+  return Epilogue<Op, Dst>{op, dst, M, N, m0, n0};
+}
 
 // One block tile: the K loop on (x, the weight loader), then the epilogue.
 // x: (M, K) row-major; m0: first row of the tile.
 // Mma: the MMA policy, WarpTile<Cfg> (mma.sync, sm_80+) or WgmmaTile<Cfg> (sm_90a).
 template <class Cfg, class Mma, class BL, class Epi>
 __device__ __forceinline__ void gemm_block(unsigned char* smem, const typename Cfg::T* x, int M,
-                                           int K, int m0, BL& bl, Epi& epi) {
+                                           int K, int m0, BL& bl, Epi& epi, int first = 0,
+                                           int last = -1) {
   const int tid = threadIdx.x;
   ALoader<Cfg> al(x, K, M, K, m0);
   Mma mma(tid / 32, tid % 32);
-  gemm_mainloop<Cfg>(align_smem(smem), al, bl, mma, K, tid);
+  gemm_mainloop<Cfg>(align_smem(smem), al, bl, mma, K, tid, first, last);
   mma.for_each(epi);
+}
+
+// Split-K: the K stages [first, last) of split `split` of `splits` (contiguous, as even as
+// whole 64-wide stages allow; a split past the end gets an empty range).
+__device__ __forceinline__ void split_range(int K, int split, int splits, int& first, int& last) {
+  const int steps = (K + GEMM_BK - 1) / GEMM_BK;
+  const int per = (steps + splits - 1) / splits;
+  first = min(steps, split * per);
+  last = min(steps, first + per);
 }
 
 }  // namespace bricks

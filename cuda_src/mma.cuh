@@ -7,6 +7,10 @@
 //   mma_16816<T>                                      D = A * B + D, m16n8k16, f32 accumulate,
 //                                                     T = __half or __nv_bfloat16.
 //   pack2<T> / unpack2<T>                             two floats <-> one 32-bit register of T.
+//   lop3_and_or                                       (a & b) | c in one LOP3.
+//   h2_fma / h2_sub / h2_mul_rn / h2_add_rn<T>        HFMA2 / HSUB2 / HMUL2 / HADD2 on two T held
+//                                                     as the bits of one 32-bit register, each
+//                                                     rounded once to nearest even.
 //   Num<T>                                            float conversion for __half, bf16, float
 //                                                     (and int8_t -> float, for Q8_0 quants).
 //   ldg16_as_float                                    16 aligned bytes of float/half/bf16/int8
@@ -105,6 +109,59 @@ __device__ __forceinline__ float2 unpack2<__half>(uint32_t r) {
 template <>
 __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t r) {
   return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&r));
+}
+
+// (a & b) | c in one LOP3: written as PTX because ptxas keeps two different immediates (a mask
+// and an exponent magic) as two LOP3s; with both in registers one instruction does it.
+__device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// Paired 16-bit arithmetic on register bits (the layout of __half2 / __nv_bfloat162, low half
+// first). Each result is the exact result rounded once to nearest even: fma.rn.{f16,bf16}x2 for
+// h2_fma; h2_sub only ever computes exact differences here (magic-number removal); the _rn forms
+// carry an explicit rounding so ptxas never contracts a multiply and an add into one fma.
+template <typename T>
+struct Pair;
+template <>
+struct Pair<__half> {
+  using type = __half2;
+};
+template <>
+struct Pair<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+};
+
+template <typename T>
+__device__ __forceinline__ typename Pair<T>::type as_pair(uint32_t r) {
+  return *reinterpret_cast<typename Pair<T>::type*>(&r);
+}
+
+template <typename V>
+__device__ __forceinline__ uint32_t pair_bits(V v) {
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t h2_fma(uint32_t a, uint32_t b, uint32_t c) {
+  return pair_bits(__hfma2(as_pair<T>(a), as_pair<T>(b), as_pair<T>(c)));
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t h2_sub(uint32_t a, uint32_t b) {
+  return pair_bits(__hsub2(as_pair<T>(a), as_pair<T>(b)));
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t h2_mul_rn(uint32_t a, uint32_t b) {
+  return pair_bits(__hmul2_rn(as_pair<T>(a), as_pair<T>(b)));
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t h2_add_rn(uint32_t a, uint32_t b) {
+  return pair_bits(__hadd2_rn(as_pair<T>(a), as_pair<T>(b)));
 }
 
 // ---------------------------------------------------------------------------------------------

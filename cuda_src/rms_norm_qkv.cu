@@ -6,7 +6,7 @@
 // ONE projection (column tiles: q's, then k's, then v's), so weights are never concatenated,
 // and the epilogue writes (B, H, L, head_dim) directly. Each projection has its own weight format
 // (float or affine BITS / GS), as mlx-lm's mixed-precision recipes produce.
-// Headers: mma.cuh, gemm.cuh, wgmma.cuh.
+// Headers: mma.cuh, dequant.cuh, gemm.cuh, wgmma.cuh.
 //
 // Template: T, BM, BN, WM, WN, STAGES, BITS_Q, GS_Q, BITS_K, GS_K, BITS_V, GS_V (0 = float),
 // HAS_BIAS, N_HEADS, N_KV_HEADS, HEAD_DIM, WGMMA, DEPTH (as gemm.cu).
@@ -29,7 +29,8 @@ int tm, tn;
 bricks::grouped_tile<8>(int(blockIdx.x), (M + BM - 1) / BM, TQ + 2 * TKV, tm, tn);
 const int m0 = tm * BM;
 auto run = [&](auto& bl, const T* bias, T* out, int N, int H, int n0) {
-  bricks::HeadOut<T, HAS_BIAS> epi{out, bias, M, N, m0, n0, L, H, HEAD_DIM};
+  auto epi = bricks::make_epilogue(bricks::AddBiasResidual<T, HAS_BIAS, false>{bias, nullptr, 0},
+                                   bricks::HeadLayout<T>{out, L, H, HEAD_DIM}, M, N, m0, n0);
   bricks::gemm_block<Cfg, Mma>(smem, h, M, K, m0, bl, epi);
 };
 if (tn < TQ) {

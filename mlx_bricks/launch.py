@@ -7,7 +7,7 @@ loopback address each); **nccl** reads ``MLX_RANK``, ``MLX_WORLD_SIZE``, ``NCCL_
 ``NCCL_PORT`` (rank 0's address), and each rank sees one GPU through ``CUDA_VISIBLE_DEVICES``.
 NVLink multicast (NVLS) stays off for NCCL (``NCCL_NVLS_ENABLE=0`` is forced: on the shared GPU
 hosts it can take the GPUs out of service). Used by the sharding test and
-``scripts/gpu/shard_check.py``, which need each rank's exit status and output separately.
+``tests/test_shard_gpu.py``, which need each rank's exit status and output separately.
 """
 from __future__ import annotations
 

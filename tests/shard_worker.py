@@ -143,7 +143,7 @@ def main(out_dir: str) -> int:
         return 3  # the launcher then stops the other rank (waiting to accept it)
     out = {"rank": rank, "size": group.size(), "all_sum_check": float(check[0]),
            "cases": [run_case(group, *case) for case in CASES],
-           # scripts/gpu/shard_check.py's rank side, tiny, on this group
+           # tests/test_shard_gpu.py's rank side, tiny, on this group
            "bench": run_rank(shape_name="tiny", dtype="bf16", M=32, backend="reference",
                              tune="off", repeats=1, group=group)}
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(out))

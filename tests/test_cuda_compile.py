@@ -84,6 +84,12 @@ LINEAR_CASES = [
     (300, 512, 256, mx.bfloat16, (4, 64), False, True, "wg128x256d"),
     (300, 512, 256, mx.bfloat16, (4, 64), False, False, "wg128x256d5"),
     (300, 512, 256, mx.float16, (8, 32), False, False, "wg128x128d"),
+    # 8-bit on the 128 x 256 wgmma tiles (the conversion of dequant.cuh fits them)
+    (300, 512, 256, mx.bfloat16, (8, 64), True, True, "wg128x256"),
+    # split-K: partial products, then the reduce (bias and residual there)
+    (300, 512, 256, mx.bfloat16, (4, 64), True, True, "wg128x256k2"),
+    (300, 512, 256, mx.float16, None, False, True, "wg128x128k4"),
+    (100, 256, 320, mx.bfloat16, (8, 32), True, False, "128x128k2"),
 ]
 
 
@@ -97,6 +103,9 @@ def test_linear_twin_compiles(case):
     with cudacheck.recorded_launches(gemm_cuda) as rec:
         y = gemm_cuda.linear(x, w, b, r, tile=tile)
     assert y.shape == (M, N)
+    split = gemm_cuda.LINEAR_TILES[tile].split_k if tile else 1
+    assert [r.name for r in rec] == (["gemm"] if split == 1 else
+                                     ["gemm_splitk", "gemm_splitk_reduce"])
     _compile_all(rec, "sm_90a")
 
 
@@ -107,6 +116,8 @@ def test_linear_twin_compiles(case):
     ("fused", None, None, "wg128x64"), ("fused", (4, 64), (4, 64), "wg128x64"),
     ("fused", (8, 32), (8, 32), "wg128x64"),
     ("fused", (4, 64), (4, 64), "wg128x64d"),
+    ("fused", None, None, "wg128x128"), ("fused", (4, 64), (4, 64), "wg128x128"),
+    ("fused", (2, 32), (2, 32), "wg128x128"),
 ])
 def test_swiglu_twins_compile(variant, fmt_g, fmt_u, tile):
     M, N, K, dtype = 70, 384, 256, mx.bfloat16
@@ -126,8 +137,8 @@ def test_swiglu_twins_compile(variant, fmt_g, fmt_u, tile):
     ("split", None, "128x128", "sm_90a"), ("fused", (4, 64), "64x64", "sm_80"),
 ])
 def test_swiglu_gelu_tanh_twins_compile(monkeypatch, variant, fmt, tile, arch):
-    """The GELU-tanh activation (ACT = 1) of both twins: the fused kernel's SwiGLUOut and the
-    split variant's gate GEMM epilogue (SwiGLUUpOut), each the same kernel with ACT set."""
+    """The GELU-tanh activation (ACT = 1) of both twins: the fused kernel's GateUp op and the
+    split variant's gate GEMM epilogue (GateTimesUp), each the same kernel with ACT set."""
     if arch == "sm_80":
         monkeypatch.setattr(gemm_cuda, "device_capability", lambda: (8, 0))
     M, N, K, dtype = 70, 384, 256, mx.bfloat16
@@ -198,3 +209,26 @@ def test_cuda_sources_avoid_builtins_nvrtc_lacks():
             text = f.read_text()
             bad += [f"{f.name}: {b}" for b in NVRTC_MISSING if b in text]
     assert not bad, f"NVRTC does not define these (use a union, memcpy-free loads): {bad}"
+
+
+@pytest.mark.skipif(cudacheck.find_nvrtc() is None,
+                    reason="libnvrtc not found (pip install nvidia-cuda-nvrtc, or MLX_BRICKS_NVRTC)")
+def test_gemm_family_compiles_under_nvrtc():
+    """NVRTC (what MLX compiles with) on one launch of each GEMM-family body and the dequantize
+    brick: nvcc accepts builtins NVRTC lacks."""
+    from mlx_bricks.ops import dequantize_cuda as dqc
+
+    x = mx.zeros((300, 256), dtype=mx.bfloat16)
+    with cudacheck.recorded_launches(gemm_cuda, dqc) as rec:
+        gemm_cuda.linear(x, _quantized(512, 256, 3, 64, mx.bfloat16), tile="wg128x256k2")
+        gemm_cuda.swiglu(x, _quantized(512, 256, 4, 64, mx.bfloat16),
+                         _quantized(512, 256, 4, 64, mx.bfloat16), tile="wg128x128")
+        gemm_cuda.rms_norm_qkv(x.reshape(1, 300, 256), mx.ones((256,), mx.bfloat16), 1e-5,
+                               *(_quantized(n, 256, 4, 64, mx.bfloat16) for n in (512, 128, 128)),
+                               n_heads=8, n_kv_heads=2, head_dim=64)
+        w = _quantized(64, 256, 5, 64, mx.float16)
+        dqc.dequantize_cuda(w.w, w.scales, w.biases, bits=5, group_size=64, dtype=mx.float32)
+    assert [r.name for r in rec] == ["gemm_splitk", "gemm_splitk_reduce", "swiglu_fused",
+                                     "rms_norm_qkv", "dequantize"]
+    for r in rec:
+        cudacheck.compile_source_nvrtc(r.source())

@@ -99,7 +99,8 @@ from mlx_bricks import kernels
 for m in pkgutil.walk_packages(mlx_bricks.bricks.__path__, "mlx_bricks.bricks."):
     importlib.import_module(m.name)
 print(json.dumps({
-    "kernels": {n: list(kernels.kernel_source(n)) for n in kernels.registered()},
+    "kernels": {f"{n}/{b}": list(kernels.kernel_source(n, b)) for n in kernels.registered()
+                for b in ("metal", "cuda") if kernels.has_kernel(n, b)},
     "files": {f: kernels.read_source(f) for f in json.loads(sys.argv[2])},
 }))
 """ + _ONLY_FROM_SITE

@@ -208,7 +208,7 @@ def test_call_time_structure_check_sees_a_resharded_layer():
 
 
 def test_gpu_check_rank_side_runs_tiny_on_the_ring(two_ranks):
-    """``scripts/gpu/shard_check.py``'s rank side (``mlx_bricks.bench.shard.run_rank``), tiny,
+    """``tests/test_shard_gpu.py``'s rank side (``mlx_bricks.bench.shard.run_rank``), tiny,
     reference bricks: correct, every layer patched and used, per-rank shapes, both ranks'
     timings gathered."""
     for rank in two_ranks:

@@ -115,28 +115,51 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
 BENCHMARKS.update(_e2e_benchmarks())
 
 
-def _cuda_kernel_benchmarks() -> dict[str, Benchmark]:
-    """The GEMM-family CUDA twins (linear per weight format and projection, SwiGLU fused and
-    split, RMSNorm + QKV) at the llama-3-8B shapes vs stock MLX: ``mlx_bricks.bench.gpu``."""
+def _cuda_case_benchmarks() -> dict[str, dict[str, Benchmark]]:
+    """The CUDA twins vs stock MLX (``mlx_bricks.bench.gpu``), by group: ``cuda_kernels``
+    (linear per weight format and projection, SwiGLU fused and split, RMSNorm + QKV, tile
+    rule), ``cuda_tiles`` (per tile on 4- and 8-bit gs64 weights: every sm_90 linear tile,
+    split-K included, every fused SwiGLU tile, split SwiGLU and RMSNorm + QKV per wgmma
+    tile), ``cuda_dequantize``, ``cuda_attention``, ``cuda_decode`` and ``cuda_kv_cache``;
+    each at the llama-3-8B shapes."""
     from mlx_bricks.bench import gpu
-
+    from mlx_bricks.bricks.gemm import cuda as gemm_cuda
     def setup(case):
-        brick, stock, flops = case.build()
-        return brick, stock, lambda: {"flop": flops}
+        made = case.build()
+        brick, stock, flops = made[:3]
+        facts = {"flop": flops, **(made[3] if len(made) > 3 else {})}
+        return brick, stock, lambda: facts
 
-    cases = [*gpu.linear_cases("cuda"), *gpu.swiglu_cases("cuda"),
-             *gpu.rms_norm_qkv_cases("cuda")]
-    return {f"cuda_{c.name}": Benchmark(f"cuda_{c.name}", "cuda",
-                                        f"CUDA twin {c.name} (bf16 activations, llama-3-8B "
-                                        "shapes) vs stock MLX", lambda c=c: setup(c))
-            for c in cases}
+    sm90 = [n for n, t in gemm_cuda.LINEAR_TILES.items() if t.wgmma]
+    sm90_plain = [n for n in sm90 if gemm_cuda.LINEAR_TILES[n].split_k == 1]
+    per_tile = [*gpu.linear_cases("cuda", tiles=sm90, formats=gpu.QUANT_FORMATS,
+                                  shapes=("qo", "kv", "gate_up")),
+                *gpu.swiglu_cases("cuda", tiles=tuple(gemm_cuda.SWIGLU_TILES),
+                                  split_tiles=sm90_plain, formats=gpu.QUANT_FORMATS),
+                *gpu.rms_norm_qkv_cases("cuda", tiles=sm90_plain, formats=gpu.QUANT_FORMATS)]
+    families = {
+        "cuda_kernels": [*gpu.linear_cases("cuda"), *gpu.swiglu_cases("cuda"),
+                         *gpu.rms_norm_qkv_cases("cuda")],
+        "cuda_tiles": per_tile,
+        "cuda_dequantize": list(gpu.dequantize_cases()),
+        "cuda_attention": list(gpu.attention_cases()),
+        "cuda_decode": list(gpu.decode_cases()),
+        "cuda_kv_cache": list(gpu.kv_cache_cases()),
+    }
+    return {group: {f"cuda_{c.name}": Benchmark(f"cuda_{c.name}", "cuda",
+                                                f"CUDA twin {c.name} (llama-3-8B shapes) vs "
+                                                "stock MLX", lambda c=c: setup(c))
+                    for c in cases}
+            for group, cases in families.items()}
 
 
-BENCHMARKS.update(_cuda_kernel_benchmarks())
+CUDA_GROUPS = _cuda_case_benchmarks()
+for _members in CUDA_GROUPS.values():
+    BENCHMARKS.update(_members)
 
 #: Names that stand for several benchmarks (``--only GROUP``).
 GROUPS: dict[str, list[str]] = {
-    "cuda_kernels": [n for n in BENCHMARKS if n.startswith("cuda_")],
+    **{group: list(members) for group, members in CUDA_GROUPS.items()},
     "e2e_llama8b_4layer": [n for n in BENCHMARKS if n.startswith("e2e_llama8b_4layer_")],
     "e2e_llama8b_4layer_float": [n for n in BENCHMARKS if n.startswith("e2e_llama8b_4layer_")
                                  and "_q" not in n],

@@ -11,7 +11,8 @@ Timing: ``tune.timing.time_interleaved`` with one call per evaluation (every ran
 the same collectives in the same order; a rank's time includes waiting for the others, i.e. the
 step time of the group); the group's time of each side is the slowest rank's median.
 
-``scripts/gpu/shard_check.py`` launches the ranks and writes the JSON; docs/sharding.md.
+``tests/test_shard_gpu.py`` launches the ranks on 2 GPUs (``tests.shard_gpu_worker``);
+docs/sharding.md.
 """
 from __future__ import annotations
 

@@ -6,7 +6,9 @@
 ``T*``, template arguments as ``constexpr`` / ``using`` lines) and compiles it with NVRTC for the
 device (``sm_90a`` on an H100/H200). :func:`generated_source` reproduces that text and
 :func:`compile_twin` compiles it with ``nvcc -cubin`` for a chosen architecture, returning the
-resource report of ``ptxas -v`` (registers, spills, stack, shared memory).
+resource report of ``ptxas -v`` (registers, spills, stack, shared memory);
+:func:`compile_source_nvrtc` compiles it with NVRTC itself where ``libnvrtc`` is at hand (the
+``nvidia-cuda-nvrtc`` wheel, or ``$MLX_BRICKS_NVRTC``).
 
 It proves the twins compile and stay out of local memory on a machine with only the CUDA
 toolkit (CI); whether they run correctly and fast is measured on the GPU machine. Headers MLX
@@ -200,6 +202,16 @@ class Launch:
         """Compile this launch's generated source (see :func:`compile_twin`)."""
         return compile_twin(self.name, self.inputs, self.output_dtypes, self.template, arch, nvcc)
 
+    def source(self) -> str:
+        """The source ``mx.fast.cuda_kernel`` would build for this launch."""
+        from mlx_bricks import kernels
+
+        spec = kernels.spec(self.name)
+        kname, header, body = kernels.kernel_source(self.name, "cuda")
+        ins = [(n, d, nd) for n, (d, nd) in zip(spec.inputs_for("cuda"), self.inputs)]
+        return generated_source(f"custom_kernel_{kname}", header, body, ins, spec.output_names,
+                                self.output_dtypes, self.template)
+
 
 @contextlib.contextmanager
 def recorded_launches(*modules):
@@ -229,3 +241,70 @@ def recorded_launches(*modules):
     finally:
         for m, orig in saved:
             m.launch = orig
+
+
+# ---------------------------------------------------------------------------------------------
+# NVRTC: what mx.fast.cuda_kernel compiles with (nvcc accepts builtins NVRTC lacks)
+
+def cuda_include_dir() -> Path | None:
+    """The CUDA toolkit's include directory (beside nvcc, or under ``/usr/local/cuda*``)."""
+    nvcc = find_nvcc()
+    roots = ([Path(nvcc).resolve().parent.parent] if nvcc else []) + sorted(
+        Path("/usr/local").glob("cuda*"), reverse=True)
+    for root in roots:
+        if (root / "include" / "cuda_fp16.h").is_file():
+            return root / "include"
+    return None
+
+
+def find_nvrtc() -> str | None:
+    """Path of libnvrtc (``$MLX_BRICKS_NVRTC``, else the ``nvidia-cuda-nvrtc`` wheel's
+    ``nvidia/cu13/lib/libnvrtc.so.13`` on ``sys.path``), or None."""
+    import sys
+
+    cand = os.environ.get("MLX_BRICKS_NVRTC")
+    if cand:
+        return cand if Path(cand).is_file() else None
+    for entry in sys.path:
+        p = Path(entry) / "nvidia" / "cu13" / "lib" / "libnvrtc.so.13"
+        if p.is_file():
+            return str(p)
+    return None
+
+
+def compile_source_nvrtc(source: str, arch: str = "sm_90a", nvrtc: str | None = None) -> None:
+    """Compile ``source`` with NVRTC for ``arch`` (to PTX; no resources), with the CUDA
+    toolkit's headers and the stand-in for MLX's. ``libnvrtc-builtins`` must sit beside the
+    library (the wheel ships both).
+
+    Raises:
+        FileNotFoundError: no libnvrtc or no CUDA headers.
+        CompileError: the compile failed (message: NVRTC's log).
+    """
+    import ctypes
+
+    lib_path = nvrtc or find_nvrtc()
+    inc = cuda_include_dir()
+    if lib_path is None or inc is None:
+        raise FileNotFoundError("libnvrtc or the CUDA toolkit headers not found")
+    # libnvrtc loads libnvrtc-builtins from its own directory through the loader path.
+    ctypes.CDLL(str(Path(lib_path).with_name("libnvrtc-builtins.so.13.0")), mode=ctypes.RTLD_GLOBAL)
+    lib = ctypes.CDLL(lib_path)
+    prog = ctypes.c_void_p()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None):
+        raise CompileError("nvrtcCreateProgram failed")
+    # -default-device as MLX's JIT compiles (unannotated helpers such as GemmSmem::round built
+    # and ran on the H200).
+    opts = [f"--gpu-architecture={arch}", "-std=c++17", "-default-device", f"-I{inc}",
+            f"-I{inc / 'cccl'}", f"-I{SHIM_DIR}"]
+    arr = (ctypes.c_char_p * len(opts))(*(o.encode() for o in opts))
+    try:
+        res = lib.nvrtcCompileProgram(prog, len(opts), arr)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    if res != 0:
+        raise CompileError(f"NVRTC failed for {arch}:\n{log.value.decode()[-6000:]}")

@@ -1,17 +1,22 @@
-"""Run the CUDA attention twin on the CPU through ``warp_emu.h`` (tests only).
+"""Run the CUDA twins on the CPU through ``warp_emu.h`` (tests only).
 
-:func:`run_attention` builds a host program from the exact kernel body and headers the cuda
-backend gives ``mx.fast.cuda_kernel`` (``kernels.kernel_source``), wrapped the way MLX wraps it
-(template constants inside the function, ``<name>_shape`` / ``_strides`` parameters), compiles
-it with the host C++ compiler against the CUDA toolkit's headers (types only), and runs one
-launch with the geometry ``launch_attention_cuda`` would use. Inputs are numpy buffers with
+:func:`run_kernel` (and :func:`emulated_launches`, which routes an op's launches to it) runs any
+registered twin, the GEMM family's mma.sync path and the dequantize brick included, with MLX's
+generated parameters and row-contiguous inputs. :func:`run_attention` builds a host program
+from the exact kernel body and headers the cuda backend gives ``mx.fast.cuda_kernel``
+(``kernels.kernel_source``), wrapped the way MLX wraps it (template constants inside the
+function, ``<name>_shape`` / ``_strides`` parameters), compiles it with the host C++ compiler
+against the CUDA toolkit's headers (types only), and runs one launch with the geometry
+``launch_attention_cuda`` would use. Inputs are numpy buffers with
 explicit element offsets and strides, so transposed views, cache slices, non-unit head_dim
 strides and misaligned rows reach the kernel exactly as MLX would pass them.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -134,27 +139,9 @@ int main(int argc, char** argv) {
 
 
 def build(template) -> Path:
-    """Compile (cached by source hash) the host program for one template; returns its path."""
-    tc = toolchain()
-    if tc is None:
-        raise FileNotFoundError("no host C++ compiler or CUDA headers for the CUDA emulator")
-    cxx, inc = tc
-    src = _source(template)
-    digest = hashlib.sha1((src + cxx).encode()).hexdigest()[:16]
-    exe = _CACHE / f"attn_{digest}"
-    if exe.is_file():
-        return exe
-    _CACHE.mkdir(parents=True, exist_ok=True)
-    cpp = _CACHE / f"attn_{digest}.cpp"
-    cpp.write_text(src)
-    tmp = exe.with_suffix(f".tmp{os.getpid()}")
-    cmd = [cxx, "-std=c++20", "-O1", "-pthread", "-w", "-I", str(HERE), "-I", str(CUDA_SRC),
-           "-I", inc, "-o", str(tmp), str(cpp)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise RuntimeError(f"host compile failed:\n{res.stderr[-6000:]}")
-    os.replace(tmp, exe)
-    return exe
+    """Compile (cached by source hash) the attention host program for one template; returns its
+    path."""
+    return _build_source(_source(template), "attn")
 
 
 def _geom(t: Tensor | None) -> bytes:
@@ -185,3 +172,200 @@ def run_attention(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
         raw = fout.read_bytes()
     dt = np.float32 if dict(template)["T"] == "float32" else np.uint16
     return np.frombuffer(raw, dt).copy()
+
+
+# ---------------------------------------------------------------------------------------------
+# Any registered CUDA twin (GEMM, SwiGLU, RMSNorm + QKV, dequantize): the generic runner
+
+_SMEM_DECL = re.compile(r"extern __shared__ __align__\(\d+\) unsigned char smem\[\];")
+
+
+def _ctype(dtype) -> str:
+    return cudacheck.CUDA_TYPES[str(dtype).replace("mlx.core.", "")]
+
+
+def _generic_source(name: str, input_dtypes, output_dtypes, template) -> str:
+    """Host program for one launch of twin ``name``: the body inside a function with MLX's
+    generated parameters (``<input>_shape`` / ``_strides`` / ``_ndim`` where the body uses
+    them) and template constants, and a main that reads the inputs and geometry from a file."""
+    spec = kernels.spec(name)
+    _, header, body = kernels.kernel_source(name, "cuda")
+    body, n = _SMEM_DECL.subn("unsigned char* smem = emu::blk->smem;", body)
+    assert n <= 1, "one dynamic shared-memory declaration per body"
+    params, args = [], []
+    for i, (iname, dt) in enumerate(zip(spec.inputs_for("cuda"), input_dtypes)):
+        ct = _ctype(dt)
+        params.append(f"const {ct}* {iname}")
+        args.append(f"reinterpret_cast<const {ct}*>(ins[{i}].ptr)")
+        for suffix, ptype, field in (("shape", "Shape", "shape"), ("strides", "Strides", "strides"),
+                                     ("ndim", "int", "ndim")):
+            if f"{iname}_{suffix}" in body:
+                params.append(f"const {ptype} {iname}_{suffix}")
+                args.append(f"ins[{i}].{field}")
+    for j, (oname, dt) in enumerate(zip(spec.output_names, output_dtypes)):
+        ct = _ctype(dt)
+        params.append(f"{ct}* {oname}")
+        args.append(f"reinterpret_cast<{ct}*>(outs[{j}].data())")
+    consts = []
+    for tname, value in template:
+        if isinstance(value, bool):
+            consts.append(f"  constexpr bool {tname} = {'true' if value else 'false'};")
+        elif isinstance(value, int):
+            consts.append(f"  constexpr int {tname} = {value};")
+        else:
+            consts.append(f"  using {tname} = {_ctype(value)};")
+    return "\n".join([
+        '#include "warp_emu.h"',
+        header,
+        "using Shape = std::array<int32_t, 10>;",
+        "using Strides = std::array<int64_t, 10>;",
+        f"static void kernel_fn({', '.join(params)}) {{",
+        *consts,
+        body,
+        "}",
+        _GENERIC_MAIN.replace("@ARGS@", ", ".join(args)),
+    ])
+
+
+_GENERIC_MAIN = r"""
+struct In {
+  Shape shape{};
+  Strides strides{};
+  int ndim = 0;
+  unsigned char* ptr = nullptr;
+};
+static int64_t rd(FILE* f) {
+  int64_t v;
+  if (std::fread(&v, 8, 1, f) != 1) std::abort();
+  return v;
+}
+int main(int argc, char** argv) {
+  FILE* f = std::fopen(argv[1], "rb");
+  const int64_t n_in = rd(f);
+  std::vector<In> ins(static_cast<size_t>(n_in));
+  for (auto& in : ins) {
+    in.ndim = int(rd(f));
+    for (int d = 0; d < 10; ++d) in.shape[d] = int32_t(rd(f));
+    for (int d = 0; d < 10; ++d) in.strides[d] = rd(f);
+    const int64_t nbytes = rd(f);
+    const int64_t offset = rd(f);  // bytes past a 64-byte aligned start
+    const size_t bytes = size_t(nbytes + offset + 64) / 64 * 64 + 64;
+    in.ptr = static_cast<unsigned char*>(std::aligned_alloc(64, bytes)) + offset;
+    if (nbytes && std::fread(in.ptr, 1, size_t(nbytes), f) != size_t(nbytes)) std::abort();
+  }
+  const int64_t n_out = rd(f);
+  std::vector<std::vector<unsigned char>> outs(static_cast<size_t>(n_out));
+  for (auto& o : outs) o.assign(size_t(rd(f)), 0xFF);  // poison: NaN bits
+  int64_t g[5];
+  for (auto& x : g) x = rd(f);
+  std::fclose(f);
+  emu::launch(emu::Dim3{unsigned(g[0]), unsigned(g[1]), unsigned(g[2])}, int(g[3]), uint32_t(g[4]),
+              0, 0, [&] { kernel_fn(@ARGS@); });
+  FILE* o = std::fopen(argv[2], "wb");
+  for (auto& x : outs) std::fwrite(x.data(), 1, x.size(), o);
+  std::fclose(o);
+  return 0;
+}
+"""
+
+
+def _build_source(src: str, tag: str) -> Path:
+    """Compile host program ``src`` (cached by its hash) with warp_emu.h; returns its path."""
+    tc = toolchain()
+    if tc is None:
+        raise FileNotFoundError("no host C++ compiler or CUDA headers for the CUDA emulator")
+    cxx, inc = tc
+    digest = hashlib.sha1((src + cxx).encode()).hexdigest()[:16]
+    exe = _CACHE / f"{tag}_{digest}"
+    if exe.is_file():
+        return exe
+    _CACHE.mkdir(parents=True, exist_ok=True)
+    cpp = _CACHE / f"{tag}_{digest}.cpp"
+    cpp.write_text(src)
+    tmp = exe.with_suffix(f".tmp{os.getpid()}")
+    cmd = [cxx, "-std=c++20", "-O1", "-pthread", "-w", "-I", str(HERE), "-I", str(CUDA_SRC),
+           "-I", inc, "-o", str(tmp), str(cpp)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"host compile failed:\n{res.stderr[-6000:]}")
+    os.replace(tmp, exe)
+    return exe
+
+
+def run_kernel(name: str, inputs, output_shapes, output_dtypes, grid, threadgroup, template=(),
+               shared_memory: int = 0, offsets=None):
+    """Run one launch of CUDA twin ``name`` on the CPU, as ``kernels.launch`` would on the GPU.
+
+    Args:
+        inputs: ``mx.array`` per input of the spec (passed row-contiguous, MLX's strides).
+        output_shapes, output_dtypes, grid (threads, MLX's convention), threadgroup, template,
+            shared_memory: the launch's arguments.
+        offsets: per input, bytes past a 64-byte boundary where its data starts (default 0),
+            to drive the unaligned load paths.
+
+    Returns:
+        The outputs as ``mx.array`` (unwritten elements keep the NaN-bits poison).
+    """
+    import mlx.core as mx
+
+    exe = _build_source(_generic_source(name, [a.dtype for a in inputs], output_dtypes,
+                                        template), f"twin_{name}")
+    offsets = offsets or [0] * len(inputs)
+    parts = [struct.pack("<q", len(inputs))]
+    for a, off in zip(inputs, offsets):
+        a = mx.contiguous(a)
+        raw = np.array(a.reshape(-1).view(mx.uint8)).tobytes() if a.size else b""
+        shape = list(a.shape) + [0] * (10 - a.ndim)
+        strides, acc = [0] * 10, 1
+        for d in range(a.ndim - 1, -1, -1):
+            strides[d] = acc
+            acc *= a.shape[d]
+        parts.append(struct.pack("<21q", a.ndim, *shape, *strides) +
+                     struct.pack("<2q", len(raw), off) + raw)
+    nbytes = [int(np.prod(sh)) * dt.size for sh, dt in zip(output_shapes, output_dtypes)]
+    parts.append(struct.pack(f"<{1 + len(nbytes)}q", len(nbytes), *nbytes))
+    blocks = [-(-g // t) for g, t in zip(grid, threadgroup)]
+    parts.append(struct.pack("<5q", *blocks, threadgroup[0], shared_memory))
+    with tempfile.TemporaryDirectory() as tmp:
+        fin, fout = Path(tmp) / "in.bin", Path(tmp) / "out.bin"
+        fin.write_bytes(b"".join(parts))
+        res = subprocess.run([str(exe), str(fin), str(fout)], capture_output=True, text=True,
+                             timeout=900)
+        if res.returncode != 0:
+            raise RuntimeError(f"emulated {name} failed ({res.returncode}): {res.stderr[-3000:]}")
+        raw = fout.read_bytes()
+    outs, pos = [], 0
+    for sh, dt, n in zip(output_shapes, output_dtypes, nbytes):
+        buf = np.frombuffer(raw[pos:pos + n], np.uint8).copy()
+        pos += n
+        outs.append(mx.array(buf).view(dt).reshape(sh))
+    return outs
+
+
+@contextlib.contextmanager
+def emulated_launches(*modules):
+    """Within the block, ``launch`` in each of ``modules`` (modules that did
+    ``from mlx_bricks.kernels import launch``) runs its CUDA launches through
+    :func:`run_kernel` on the CPU and returns their outputs, so an op's whole CUDA path
+    (geometry, template, inputs, chained launches) runs without a GPU. Yields the list of
+    launched kernel names."""
+    names: list[str] = []
+
+    def fake(name, backend, *, shared_memory=0, inputs, output_shapes, output_dtypes, grid,
+             threadgroup, template=(), init_value=None):
+        if backend != "cuda":
+            raise ValueError(f"emulated_launches runs cuda launches only, got {backend!r}")
+        if init_value is not None:
+            raise NotImplementedError("init_value is not emulated")
+        names.append(name)
+        return run_kernel(name, inputs, output_shapes, output_dtypes, grid, threadgroup,
+                          template, shared_memory)
+
+    saved = [(m, m.launch) for m in modules]
+    try:
+        for m in modules:
+            m.launch = fake
+        yield names
+    finally:
+        for m, orig in saved:
+            m.launch = orig

@@ -7,7 +7,12 @@
 // cp.async copies land at cp_async_wait (the latest moment the PTX memory model allows), so a
 // read of a tile before its wait sees stale data. The kernel source is compiled unchanged by a
 // host C++20 compiler: this header replaces cuda_src/mma.cuh (same names, same semantics) and
-// supplies attention.cuh's PTX-only helpers (BRICKS_HOST_EMULATION).
+// supplies attention.cuh's PTX-only helpers (BRICKS_HOST_EMULATION). cp.async keeps PTX's
+// commit groups: cp_async_wait<N> lands every group but the newest N. The integer and paired
+// half instructions of the weight conversion (PRMT, funnel shift, LOP3, HFMA2, HSUB2, HMUL2.RN,
+// HADD2.RN) are computed bit-exactly: each paired result is the exact value rounded once to
+// nearest even (float64 arithmetic, an exact TwoSum error term for the last bit). wgmma is not
+// emulated: MmaPolicy gives the mma.sync WarpTile (wgmma.cuh is skipped).
 //
 // What it does not model: timing, bank conflicts, the exact rounding order inside the tensor
 // core (mma sums in float, in k order), ex2.approx's error (exact exp2f here).
@@ -15,6 +20,7 @@
 
 #define BRICKS_HOST_EMULATION 1
 #define MLX_BRICKS_MMA_CUH 1  // the real mma.cuh is PTX; this file is its host twin
+#define MLX_BRICKS_WGMMA_CUH 1  // wgmma is not emulated (MmaPolicy below)
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -27,8 +33,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <thread>
+#include <type_traits>
+#include <algorithm>
 #include <vector>
 
 #define __global__
@@ -58,8 +67,10 @@ struct Pending {
 
 inline thread_local Dim3 t_idx, b_idx;
 inline thread_local Block* blk = nullptr;
-inline thread_local std::vector<Pending> pending;
+inline thread_local std::vector<Pending> pending;       // issued, not yet committed
+inline thread_local std::deque<std::vector<Pending>> groups;  // committed, not yet landed
 inline Dim3 g_dim;
+inline Dim3 g_bdim;
 
 inline int lane() { return int(t_idx.x % 32); }
 inline int warp_id() { return int(t_idx.x / 32); }
@@ -93,6 +104,7 @@ inline float bitsf(uint32_t u) {
 #define threadIdx emu::t_idx
 #define blockIdx emu::b_idx
 #define gridDim emu::g_dim
+#define blockDim emu::g_bdim
 
 inline void __syncthreads() { emu::blk->all->arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp_sync(); }
@@ -113,6 +125,29 @@ inline int __float_as_int(float f) {
   std::memcpy(&i, &f, 4);
   return i;
 }
+inline float __uint_as_float(uint32_t u) { return emu::bitsf(u); }
+inline uint32_t __float_as_uint(float f) { return emu::fbits(f); }
+// prmt.b32 default mode with selectors 0..7 (the only ones the twins use).
+inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+  const uint64_t v = uint64_t(x) | (uint64_t(y) << 32);
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t sel = (s >> (4 * i)) & 0xf;
+    if (sel & 8) {
+      std::fprintf(stderr, "emu: prmt sign-replicate selectors are not emulated\n");
+      std::abort();
+    }
+    r |= uint32_t((v >> (8 * sel)) & 0xff) << (8 * i);
+  }
+  return r;
+}
+// shf.r.wrap: the low 32 bits of (hi:lo) >> (s & 31).
+inline uint32_t __funnelshift_r(uint32_t lo, uint32_t hi, uint32_t s) {
+  return uint32_t(((uint64_t(hi) << 32) | lo) >> (s & 31));
+}
+// Rounded float32 operations (the host compiler contracts nothing under -std=c++20).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
 
 namespace bricks {
 
@@ -186,16 +221,134 @@ inline void cp_async_n(uint32_t dst, const void* src, bool pred, int n) {
 }
 inline void cp_async16(uint32_t dst, const void* src, bool pred = true) { cp_async_n(dst, src, pred, 16); }
 inline void cp_async4(uint32_t dst, const void* src, bool pred = true) { cp_async_n(dst, src, pred, 4); }
-inline void cp_async_commit() {}
-template <int N>
-inline void cp_async_wait() {
-  static_assert(N == 0, "the emulator lands every copy at wait_group 0 only");
-  for (const auto& p : emu::pending) {
-    if (p.src) std::memcpy(p.dst, p.src, p.n);
-    else std::memset(p.dst, 0, p.n);
-  }
+inline void cp_async_commit() {
+  emu::groups.push_back(std::move(emu::pending));
   emu::pending.clear();
 }
+// Lands the oldest committed groups until at most N stay in flight (PTX cp.async.wait_group).
+template <int N>
+inline void cp_async_wait() {
+  while (emu::groups.size() > size_t(N)) {
+    for (const auto& p : emu::groups.front()) {
+      if (p.src) std::memcpy(p.dst, p.src, p.n);
+      else std::memset(p.dst, 0, p.n);
+    }
+    emu::groups.pop_front();
+  }
+}
+inline void fence_proxy_async() {}
+
+// ---- paired 16-bit arithmetic, bit-exact (mma.cuh's h2_* and lop3_and_or) ----
+inline uint32_t lop3_and_or(uint32_t a, uint32_t b, uint32_t c) { return (a & b) | c; }
+
+template <typename T>
+struct Half16Fmt;
+template <>
+struct Half16Fmt<__half> {
+  static constexpr int P = 11, EMIN = -14;  // precision, smallest normal exponent
+  static constexpr double MAX = 65504.0;
+};
+template <>
+struct Half16Fmt<__nv_bfloat16> {
+  static constexpr int P = 8, EMIN = -126;
+  static constexpr double MAX = 3.3895313892515355e38;
+};
+
+template <typename T>
+inline double h16_value(uint16_t b) {
+  T v;
+  std::memcpy(&v, &b, 2);
+  return double(Num<T>::to_float(v));
+}
+
+// T bits of the exact value s + e (|e| <= half an ulp of s, from TwoSum), rounded once to
+// nearest even: s is rounded at T's precision; when s is exactly halfway between two T values
+// the sign of e decides, otherwise it cannot change the result.
+template <typename T>
+inline uint16_t round_exact(double s, double e) {
+  using F = Half16Fmt<T>;
+  if (std::isnan(s)) return uint16_t(0x7fff);
+  const bool neg = std::signbit(s);
+  const double a = std::fabs(s);
+  const double ea = neg ? -e : e;  // error in the direction of |s|
+  double r;
+  if (a == 0.0 || std::isinf(a)) {
+    r = a;
+  } else {
+    int ex;
+    std::frexp(a, &ex);  // a = f 2^ex, f in [0.5, 1)
+    const int ue = std::max(ex - 1, F::EMIN) - (F::P - 1);  // exponent of T's ulp at a
+    const double m = std::ldexp(a, -ue);                      // exact
+    const double fl = std::floor(m);
+    const double frac = m - fl;
+    double k;
+    if (frac > 0.5 || (frac == 0.5 && (ea > 0 || (ea == 0 && std::fmod(fl, 2.0) != 0.0)))) {
+      k = fl + 1.0;
+    } else {
+      k = fl;
+    }
+    r = std::ldexp(k, ue);
+  }
+  if (r > F::MAX) r = INFINITY;
+  const float f = float(neg ? -r : r);  // exact: r is a T value
+  T t = Num<T>::from_float(f);
+  uint16_t bits;
+  std::memcpy(&bits, &t, 2);
+  return bits;
+}
+
+// Exact a * b + c of T values: the product is exact in float64 (at most 22 significant bits),
+// the sum's rounding error is recovered by TwoSum.
+template <typename T>
+inline uint16_t h16_fma(uint16_t a, uint16_t b, uint16_t c) {
+  const double p = h16_value<T>(a) * h16_value<T>(b);
+  const double cc = h16_value<T>(c);
+  const double s = p + cc;
+  const double bp = s - cc;
+  const double e = (p - bp) + (cc - (s - bp));
+  return round_exact<T>(s, std::isfinite(s) ? e : 0.0);
+}
+
+template <typename T, typename F>
+inline uint32_t h2_map(uint32_t a, uint32_t b, uint32_t c, F op) {
+  const uint16_t lo = op(uint16_t(a), uint16_t(b), uint16_t(c));
+  const uint16_t hi = op(uint16_t(a >> 16), uint16_t(b >> 16), uint16_t(c >> 16));
+  return uint32_t(lo) | (uint32_t(hi) << 16);
+}
+
+inline uint16_t h16_neg(uint16_t x) { return uint16_t(x ^ 0x8000u); }
+
+template <typename T>
+inline uint32_t h2_fma(uint32_t a, uint32_t b, uint32_t c) {
+  return h2_map<T>(a, b, c, [](uint16_t x, uint16_t y, uint16_t z) { return h16_fma<T>(x, y, z); });
+}
+template <typename T>
+inline uint32_t h2_sub(uint32_t a, uint32_t b) {
+  constexpr uint16_t one = std::is_same_v<T, __half> ? 0x3c00 : 0x3f80;
+  return h2_map<T>(a, b, 0, [](uint16_t x, uint16_t y, uint16_t) {
+    return h16_fma<T>(y, h16_neg(one), x);  // x - y, rounded once
+  });
+}
+template <typename T>
+inline uint32_t h2_mul_rn(uint32_t a, uint32_t b) {
+  return h2_map<T>(a, b, 0, [](uint16_t x, uint16_t y, uint16_t) {
+    return round_exact<T>(h16_value<T>(x) * h16_value<T>(y), 0.0);  // exact product
+  });
+}
+template <typename T>
+inline uint32_t h2_add_rn(uint32_t a, uint32_t b) {
+  constexpr uint16_t one = std::is_same_v<T, __half> ? 0x3c00 : 0x3f80;
+  return h2_map<T>(a, b, 0, [](uint16_t x, uint16_t y, uint16_t) { return h16_fma<T>(x, one, y); });
+}
+
+// wgmma is not emulated: every GEMM body gets the mma.sync warp tile (gemm.cuh).
+template <class Cfg>
+struct WarpTile;
+template <class Cfg, bool WGMMA>
+struct MmaPolicy {
+  static_assert(!WGMMA, "the CUDA emulator runs the mma.sync path only (WGMMA = false)");
+  using type = WarpTile<Cfg>;
+};
 
 // ldmatrix: lane l addresses row l % 8 of matrix l / 8; lane (g, t) receives row g, 32-bit word
 // t of each matrix (trans: elements (2t, g) and (2t + 1, g)).
@@ -283,6 +436,7 @@ template <typename F>
 inline void launch(Dim3 grid, int nthreads, uint32_t smem_bytes, int n_named, int named_count,
                    F kernel) {
   g_dim = grid;
+  g_bdim = Dim3{unsigned(nthreads), 1, 1};
   for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
       for (unsigned bx = 0; bx < grid.x; ++bx) {
@@ -302,7 +456,7 @@ inline void launch(Dim3 grid, int nthreads, uint32_t smem_bytes, int n_named, in
             b_idx = Dim3{bx, by, bz};
             blk = &b;
             kernel();
-            if (!pending.empty()) {
+            if (!pending.empty() || !groups.empty()) {
               std::fprintf(stderr, "emu: cp.async still pending at kernel end\n");
               std::abort();
             }

@@ -1,5 +1,6 @@
-"""Launch geometry of the CUDA GEMM twins (``cuda_src/gemm.cu``, ``gemm_affine.cu``,
-``swiglu.cu``, ``rms_norm_qkv.cu``, all on the pipeline of ``cuda_src/gemm.cuh``).
+"""Launch geometry of the CUDA GEMM twins (``cuda_src/gemm.cu``, ``gemm_splitk.cu`` with
+``gemm_splitk_reduce.cu``, ``swiglu_fused.cu``, ``rms_norm_qkv.cu``, all on the pipeline of
+``cuda_src/gemm.cuh``; affine weights converted by ``cuda_src/dequant.cuh``).
 
 The ops (``linear``, ``swiglu``, ``rms_norm_qkv``) call these after their own argument checks when
 the backend is ``cuda``; the semantics are the MSL bricks' (same inputs, outputs and rounding:
@@ -17,8 +18,26 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlx_bricks.kernels import launch
 from mlx_bricks.formats import format_of
+from mlx_bricks.kernels import KernelSpec, launch, register
+
+#: The split-K passes (CUDA only; the MSL GEMM has no split-K): partial sums, then the reduce.
+register(KernelSpec(
+    name="gemm_splitk",
+    body=None,
+    input_names=("x", "w", "scales", "biases"),
+    output_names=("partial",),
+    cuda_body="gemm_splitk.cu",
+    cuda_headers=("mma.cuh", "dequant.cuh", "gemm.cuh", "wgmma.cuh"),
+))
+register(KernelSpec(
+    name="gemm_splitk_reduce",
+    body=None,
+    input_names=("partial", "bias", "residual"),
+    output_names=("y",),
+    cuda_body="gemm_splitk_reduce.cu",
+    cuda_headers=("mma.cuh",),
+))
 
 #: K per pipeline stage (gemm.cuh GEMM_BK).
 BK = 64
@@ -37,7 +56,9 @@ class CudaTile:
     ``wgmma``: the sm_90a warpgroup-MMA policy (then WM = BM / 16, WN = 1); ``max_bits``: the
     widest affine format it takes without spilling registers (ptxas -v, tests/test_cuda_compile);
     ``depth``: wgmma groups kept in flight across K steps (1: the tensor cores always have the
-    next stage queued, at one stage less of prefetch and a third dequantized tile)."""
+    next stage queued, at one stage less of prefetch and a third dequantized tile);
+    ``split_k``: K splits (> 1: partial sums of each split in float32, added by a second
+    launch; for grids with fewer blocks than SMs)."""
 
     bm: int
     bn: int
@@ -47,14 +68,17 @@ class CudaTile:
     wgmma: bool = False
     max_bits: int = 8
     depth: int = 0
+    split_k: int = 1
 
     @property
     def threads(self) -> int:
         return self.wm * self.wn * 32
 
 
-def _wg(bm: int, bn: int, stages: int = 4, max_bits: int = 8, depth: int = 0) -> CudaTile:
-    return CudaTile(bm, bn, bm // 16, 1, stages, wgmma=True, max_bits=max_bits, depth=depth)
+def _wg(bm: int, bn: int, stages: int = 4, max_bits: int = 8, depth: int = 0,
+        split_k: int = 1) -> CudaTile:
+    return CudaTile(bm, bn, bm // 16, 1, stages, wgmma=True, max_bits=max_bits, depth=depth,
+                    split_k=split_k)
 
 
 #: Tile variants of the GEMM twin (and of the QKV twin), by name (the ``tile=`` argument).
@@ -63,11 +87,13 @@ TILES = {
     "128x128": CudaTile(128, 128, 2, 4, 4),
     "128x64": CudaTile(128, 64, 2, 2, 4),
     "64x64": CudaTile(64, 64, 2, 2, 4),
-    # 128 accumulators per thread: 8-bit dequantization needs 16 bytes of spills here.
-    "wg128x256": _wg(128, 256, max_bits=6),
+    # 128 accumulators per thread; 8-bit fits since the conversion of dequant.cuh (ptxas:
+    # 255 registers, no spills; the float32-built values of before spilled 16 bytes).
+    "wg128x256": _wg(128, 256),
     "wg128x128": _wg(128, 128),
     # One wgmma group in flight ("d"): the ring prefetches one stage less, so the affine
-    # path (dequantized a stage ahead) gets 5 stages where 227 KB allow it ("d5", <= 4 bits).
+    # path (dequantized a stage ahead) gets 5 stages where 227 KB allow it ("d5": 4 bits at
+    # most; 6-bit needs 237 KB). ptxas: d spills at 6 and 8 bits (136 / 184 bytes).
     "wg128x256d": _wg(128, 256, max_bits=4, depth=1),
     "wg128x256d5": _wg(128, 256, stages=5, max_bits=4, depth=1),
     "wg128x128d": _wg(128, 128, stages=5, depth=1),
@@ -78,12 +104,30 @@ SWIGLU_TILES = {
     "64x64": CudaTile(64, 64, 2, 2, 4),
     "wg128x64": _wg(128, 64),
     "wg128x64d": _wg(128, 64, stages=5, depth=1),
+    # 128 x 128 act tile: two m64n128 wgmma per k16 per warpgroup (the 128 x 64 tile's
+    # m64n64 saturates shared-memory bandwidth); 128 accumulators per thread, as wg128x256.
+    # ptxas: float and 2-4 bits without spills (242-255 registers); 6-bit spills 48 bytes with
+    # a gate bias (none without), 8-bit 20 bytes.
+    "wg128x128": _wg(128, 128, max_bits=4),
 }
+#: Split-K variants of the linear twin (``k<S>``: S contiguous K splits, partial sums in
+#: float32 added in order by ``gemm_splitk_reduce``): for grids with fewer blocks than SMs, e.g.
+#: N = 1024 at M = 2048 is 64 tiles of 128 x 256 (128 with k2) on an H200's 132 SMs. Never
+#: chosen by the tile rule; the tuner times them (``LINEAR_TILES``).
+SPLITK_TILES = {
+    # ptxas: 8-bit spills 8 bytes here (the split's range is live next to 128 accumulators).
+    "wg128x256k2": _wg(128, 256, max_bits=6, split_k=2),
+    "wg128x128k2": _wg(128, 128, split_k=2),
+    "wg128x128k4": _wg(128, 128, split_k=4),
+    "128x128k2": CudaTile(128, 128, 2, 4, 4, split_k=2),
+}
+#: Every tile the linear twin takes (``tile=``; the tuner's listing).
+LINEAR_TILES = {**TILES, **SPLITK_TILES}
 #: Threads per block of every tile. mx.fast.cuda_kernel generates the __global__ signature, so a
 #: twin cannot carry __launch_bounds__ and ptxas may use up to 255 registers per thread: 256
 #: threads x 255 registers still fit an SM's 64 K registers, 512 would fail to launch.
 MAX_THREADS = 256
-assert all(t.threads <= MAX_THREADS for t in (*TILES.values(), *SWIGLU_TILES.values()))
+assert all(t.threads <= MAX_THREADS for t in (*LINEAR_TILES.values(), *SWIGLU_TILES.values()))
 #: Blocks below which the large tiles leave SMs idle (an H100/H200 has 132 SMs).
 MIN_BLOCKS = 132
 
@@ -226,6 +270,33 @@ def _gemm(x2, triple, bits, gs, bias, residual, t: CudaTile, swiglu_up: bool = F
     return y
 
 
+def _gemm_splitk(x2, triple, bits, gs, bias, residual, t: CudaTile):
+    """The split-K linear: ``gemm_splitk`` (t.split_k float32 partial products), then
+    ``gemm_splitk_reduce`` (their sum in order, bias, residual, one rounding)."""
+    M, K = x2.shape
+    N = triple[0].shape[0]
+    S = t.split_k
+    grid, tg = _grid(t, M, N)
+    (partial,) = launch(
+        "gemm_splitk", "cuda", inputs=[x2, *triple],
+        template=_geom(t, x2.dtype) + [("BITS", bits), ("GS", gs), ("SPLIT", S)],
+        grid=(grid[0] * S, 1, 1), threadgroup=tg, output_shapes=[(S, M, N)],
+        output_dtypes=[mx.float32], shared_memory=_smem(t, [bits]),
+    )
+    ph = triple[1]
+    threads = 256
+    (y,) = launch(
+        "gemm_splitk_reduce", "cuda",
+        inputs=[partial, ph if bias is None else mx.contiguous(bias),
+                ph if residual is None else residual],
+        template=[("T", x2.dtype), ("SPLIT", S), ("HAS_BIAS", bias is not None),
+                  ("HAS_RESIDUAL", residual is not None)],
+        grid=(math.ceil(M * N / threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[(M, N)], output_dtypes=[x2.dtype],
+    )
+    return y
+
+
 def linear(x, weight, bias=None, residual=None, *, tile=None):
     """The GEMM twin: ``x @ weight.T (+ bias) (+ residual)``, weight float or
     :class:`~mlx_bricks.formats.affine.QuantizedWeight`. Arguments already validated by
@@ -242,9 +313,12 @@ def linear(x, weight, bias=None, residual=None, *, tile=None):
     x2 = _rows(x, K)
     M = x2.shape[0]
     triple, bits, gs = weight_triple(weight, x.dtype)
-    t = _tile(TILES, tile, M, N, 1, bits)
+    t = _tile(TILES if tile is None else LINEAR_TILES, tile, M, N, 1, bits)
     res = None if residual is None else mx.contiguous(residual.reshape(M, N))
-    y = _gemm(x2, triple, bits, gs, bias, res, t)
+    if t.split_k > 1:
+        y = _gemm_splitk(x2, triple, bits, gs, bias, res, t)
+    else:
+        y = _gemm(x2, triple, bits, gs, bias, res, t)
     return y.reshape(*x.shape[:-1], N)
 
 
@@ -252,7 +326,7 @@ def swiglu(x, w_gate, w_up, b_gate=None, b_up=None, *, variant="fused", tile=Non
     """The SwiGLU twins: ``act(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)``, (M, N_mlp) of
     x's dtype, for validated arguments (weights float or affine; ``act`` the ``ACT`` template
     value, ``ops.swiglu_variants.ACTIVATIONS``: 0 SiLU, 1 GELU-tanh). ``fused``: one kernel
-    (swiglu.cu); gate and up in different formats run ``split``. ``split``: the up GEMM, then
+    (swiglu_fused.cu); gate and up in different formats run ``split``. ``split``: the up GEMM, then
     the gate GEMM whose epilogue reads up (gemm.cu with SWIGLU_UP).
 
     Raises:

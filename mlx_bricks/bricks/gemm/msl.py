@@ -30,7 +30,7 @@ register(KernelSpec(
     ensure_row_contiguous=False,
     # The twin takes the weight as a (w, scales, biases) triple: float or MLX affine.
     cuda_body="gemm.cu",
-    cuda_headers=("mma.cuh", "gemm.cuh", "wgmma.cuh"),
+    cuda_headers=("mma.cuh", "dequant.cuh", "gemm.cuh", "wgmma.cuh"),
     cuda_input_names=("x", "w", "scales", "biases", "bias", "residual"),
 ))
 

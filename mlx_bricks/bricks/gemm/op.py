@@ -28,7 +28,8 @@ def tile_names(backend: str, dtype=None, bits: int | None = None) -> tuple[str, 
         mlx_bricks.backends.BackendError: ``backend`` is not one of ``BACKENDS``.
     """
     return kernel_variants(backend, "gemm", tuple(msl.TILES),
-                           cuda_names=lambda: cuda.dtype_tile_names(cuda.TILES, dtype, bits=bits))
+                           cuda_names=lambda: cuda.dtype_tile_names(cuda.LINEAR_TILES, dtype,
+                                                                   bits=bits))
 
 
 def linear_reference(x, weight, bias=None, residual=None):

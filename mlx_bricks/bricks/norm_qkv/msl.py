@@ -36,7 +36,7 @@ register(KernelSpec(
     # The twin takes h = mx.fast.rms_norm(x) (see cuda_src/rms_norm_qkv.cu for why) and each
     # weight as a (w, scales, biases) triple, float or MLX affine, each in its own format.
     cuda_body="rms_norm_qkv.cu",
-    cuda_headers=("mma.cuh", "gemm.cuh", "wgmma.cuh"),
+    cuda_headers=("mma.cuh", "dequant.cuh", "gemm.cuh", "wgmma.cuh"),
     cuda_input_names=("h", "wq", "sq", "zq", "wk", "sk", "zk", "wv", "sv", "zv", "bq", "bk",
                       "bv"),
 ))

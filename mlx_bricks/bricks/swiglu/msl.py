@@ -30,8 +30,8 @@ register(KernelSpec(
     headers=("gemm.h", "swiglu.h"),
     # x is read through x_strides, so views of x are not copied.
     ensure_row_contiguous=False,
-    cuda_body="swiglu.cu",
-    cuda_headers=("mma.cuh", "gemm.cuh", "wgmma.cuh"),
+    cuda_body="swiglu_fused.cu",
+    cuda_headers=("mma.cuh", "dequant.cuh", "gemm.cuh", "wgmma.cuh"),
     cuda_input_names=("x", "w_gate", "scales_gate", "biases_gate", "w_up", "scales_up",
                       "biases_up", "b_gate", "b_up"),
 ))

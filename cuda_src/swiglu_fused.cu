@@ -3,7 +3,7 @@
 // each block stages one x tile and BN rows of each weight per K step; every warp holds gate and
 // up of the same outputs in the same lanes, so act(gate) * up is formed in float registers and
 // written once.
-// Headers: mma.cuh, gemm.cuh, wgmma.cuh.
+// Headers: mma.cuh, dequant.cuh, gemm.cuh, wgmma.cuh.
 //
 // Template: T, BM, BN (act columns per block), WM, WN, STAGES, BITS (0: float weights; else
 // affine, the same for gate and up), GS, HAS_BIAS_GATE, HAS_BIAS_UP, WGMMA, DEPTH (as gemm.cu),
@@ -25,6 +25,6 @@ const void* ws[2] = {w_gate, w_up};
 const T* ss[2] = {scales_gate, scales_up};
 const T* bs[2] = {biases_gate, biases_up};
 typename bricks::WeightLoader<Cfg, BITS, GS>::type bl(ws, ss, bs, N, K, tn * BN);
-bricks::SwiGLUOut<T, HAS_BIAS_GATE, HAS_BIAS_UP, ACT> epi{act, b_gate, b_up, M, N, tm * BM,
-                                                         tn * BN};
+auto epi = bricks::make_epilogue(bricks::GateUp<T, HAS_BIAS_GATE, HAS_BIAS_UP, ACT>{b_gate, b_up},
+                                 bricks::RowMajor<T>{act, N}, M, N, tm * BM, tn * BN);
 bricks::gemm_block<Cfg, Mma>(smem, x, M, K, tm * BM, bl, epi);
