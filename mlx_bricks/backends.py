@@ -93,6 +93,47 @@ def _cuda_status() -> tuple[bool, str]:
     return True, f"mx.cuda.is_available() is True ({name}, sm_{cc[0]}{cc[1]})"
 
 
+#: First Apple GPU generation with per-core neural accelerators (M5: ``applegpu_g17*``), and the
+#: macOS release from which MLX routes matmul, quantized matmul and attention to them.
+NEURAL_ACCELERATOR_GENERATION = 17
+NEURAL_ACCELERATOR_MACOS = (26, 2)
+
+
+def neural_accelerators(architecture: str | None = None, macos: str | None = None
+                        ) -> str | None:
+    """Why MLX itself runs GEMMs and attention on this Metal GPU's neural accelerators (M5 and
+    newer on macOS 26.2+: MLX's ``steel`` NAX kernels), or None. The bricks run on the SIMD ALUs
+    (``simdgroup_matrix``), about 4x below the accelerators' peak, so the tuner keeps stock
+    there without measuring (issue 28; MLX gates its NAX kernels the same way).
+
+    Args:
+        architecture: ``mx.device_info()["architecture"]`` (default: this device's; empty
+            without Metal), e.g. ``"applegpu_g17s"``.
+        macos: the macOS version (default ``platform.mac_ver()[0]``; empty off macOS).
+    """
+    import platform
+    import re
+
+    if architecture is None:
+        if not backend_status("metal"):
+            return None
+        import mlx.core as mx
+
+        architecture = str(mx.device_info().get("architecture", ""))
+    m = re.match(r"applegpu_g(\d+)", architecture or "")
+    if m is None or int(m.group(1)) < NEURAL_ACCELERATOR_GENERATION:
+        return None
+    macos = platform.mac_ver()[0] if macos is None else macos
+    try:
+        version = tuple(int(x) for x in macos.split(".")[:2])
+    except ValueError:
+        version = ()
+    if version and version < NEURAL_ACCELERATOR_MACOS:
+        return None
+    return (f"{architecture}: MLX runs matmul, quantized matmul and attention on the GPU's "
+            "neural accelerators, which the bricks' simdgroup_matrix kernels do not use")
+
+
 def _emulator_status() -> tuple[bool, str]:
     try:
         from mlx_bricks import emulator

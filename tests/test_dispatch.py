@@ -395,3 +395,33 @@ def test_stock_path_runs_the_original_classes_for_a_while():
     with pytest.raises(TypeError, match="model"):
         with stock_path(None):
             pass
+
+
+def test_neural_accelerators_are_read_from_the_architecture():
+    """M5 and newer (applegpu_g17 on macOS 26.2+): MLX's own GEMM and attention use the neural
+    accelerators; earlier generations and macOS releases keep the ALU kernels."""
+    from mlx_bricks.backends import neural_accelerators
+
+    assert neural_accelerators("applegpu_g16s", "26.2") is None
+    assert neural_accelerators("applegpu_g17s", "26.1") is None
+    assert neural_accelerators("", "26.2") is None
+    assert "neural accelerators" in neural_accelerators("applegpu_g17s", "26.2")
+    assert "applegpu_g18p" in neural_accelerators("applegpu_g18p", "")
+
+
+def test_with_neural_accelerators_stock_is_kept_without_measuring(monkeypatch):
+    """On an M5 the tuner reaches stock at once: the kernel variants are no candidates, nothing
+    is timed, and the reason names the accelerators."""
+    from mlx_bricks.backends import BackendChoice
+
+    reason = "applegpu_g17s: MLX runs matmul ... on the GPU's neural accelerators"
+    monkeypatch.setattr(dispatch_mod, "neural_accelerators", lambda: reason)
+    monkeypatch.setattr(dispatch_mod, "tune_op", lambda *a, **k: pytest.fail("measured"))
+    d = dispatch_mod.Dispatch(BackendChoice("metal", "argument", "test"), "auto")
+    w = mx.random.normal((64, 32))
+    choice = d.choose(KINDS["linear"], {"x": Act((1, 40, 32), mx.float32), "weight": w})
+    assert not choice.brick and choice.tuned and choice.reason == f"stock kept: {reason}"
+    # without the accelerators the same call has kernel candidates (and would be measured)
+    monkeypatch.setattr(dispatch_mod, "neural_accelerators", lambda: None)
+    d = dispatch_mod.Dispatch(BackendChoice("metal", "argument", "test"), "off")
+    assert d.choose(KINDS["linear"], {"x": Act((1, 40, 32), mx.float32), "weight": w}).brick

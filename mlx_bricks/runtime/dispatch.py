@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlx_bricks.backends import BackendChoice
+from mlx_bricks.backends import BackendChoice, neural_accelerators
 from mlx_bricks.options import TUNE_MODES
 from mlx_bricks.runtime.guard import GUARD
 from mlx_bricks.runtime.kind import Key, Variant
@@ -79,6 +79,9 @@ class Dispatch:
         self.tuning = tune != "off" and backend.name in TUNED_BACKENDS
         self.guarded = backend.name in GUARDED_BACKENDS
         self.settings = dict(settings or {})
+        #: Why kernel variants are no candidates on this device (MLX's own kernels use its
+        #: neural accelerators), or None.
+        self.accelerated = neural_accelerators() if backend.name == "metal" else None
         self.progress = progress
         #: ``"<backend>|<key>" -> Decision`` taken for this model (cached or measured).
         self.decisions: dict[str, Decision] = {}
@@ -162,6 +165,8 @@ class Dispatch:
         k = kind_of(kind) if isinstance(kind, str) else kind
         key, dtype = k.key(args), k.dtype(args)
         names = k.listing(self.backend, dtype, args)
+        if self.accelerated is not None and self.tuning:
+            names = ()  # stock is MLX on the accelerators: only composites of stock ops compete
         cands = self._candidates(k, names, args)
         if not self.tuning or k.untuned_reason(args) is not None:
             v = self._rule(k, names, args)
@@ -170,6 +175,8 @@ class Dispatch:
                               f"w={key.weights})", key)
             reason = "rule"
         elif not cands:
+            if self.accelerated is not None:
+                return Choice(None, f"stock kept: {self.accelerated}", key, tuned=True)
             return Choice(None, f"no {self.backend} kernel for {k.name} ({key.dtype}, "
                           f"w={key.weights})", key)
         else:
