@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_bricks.bricks.attention import msl as _attention
+from mlx_bricks.bricks.attention import msl as _attention  # noqa: F401  (registers the kernel)
 from mlx_bricks.bricks.attention.cuda import CUDA_HEAD_DIMS, launch_attention_cuda, variants
 from mlx_bricks.bricks.q8_0.op import quantize_q8_0_reference
 from tests.gpu_support import gpu

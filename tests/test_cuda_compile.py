@@ -17,6 +17,8 @@ import mlx_bricks.bricks.gemm.msl  # noqa: F401  (the ops register the kernel sp
 import mlx_bricks.bricks.swiglu.msl  # noqa: F401
 import mlx_bricks.bricks.norm_qkv.msl  # noqa: F401
 from mlx_bricks.bricks.gemm import cuda as gemm_cuda
+from mlx_bricks.bricks.swiglu import cuda as swiglu_cuda
+from mlx_bricks.bricks.norm_qkv import cuda as qkv_cuda
 from mlx_bricks.formats.affine import QuantizedWeight
 
 pytestmark = pytest.mark.skipif(cudacheck.find_nvcc() is None, reason="nvcc not found")
@@ -100,7 +102,7 @@ def test_linear_twin_compiles(case):
     w = _weight(N, K, fmt, dtype)
     b = mx.zeros((N,), dtype=dtype) if bias else None
     r = mx.zeros((M, N), dtype=dtype) if residual else None
-    with cudacheck.recorded_launches(gemm_cuda) as rec:
+    with cudacheck.recorded_launches(gemm_cuda, swiglu_cuda, qkv_cuda) as rec:
         y = gemm_cuda.linear(x, w, b, r, tile=tile)
     assert y.shape == (M, N)
     split = gemm_cuda.LINEAR_TILES[tile].split_k if tile else 1
@@ -122,8 +124,8 @@ def test_linear_twin_compiles(case):
 def test_swiglu_twins_compile(variant, fmt_g, fmt_u, tile):
     M, N, K, dtype = 70, 384, 256, mx.bfloat16
     x = mx.zeros((M, K), dtype=dtype)
-    with cudacheck.recorded_launches(gemm_cuda) as rec:
-        act = gemm_cuda.swiglu(x, _weight(N, K, fmt_g, dtype), _weight(N, K, fmt_u, dtype),
+    with cudacheck.recorded_launches(gemm_cuda, swiglu_cuda, qkv_cuda) as rec:
+        act = swiglu_cuda.swiglu(x, _weight(N, K, fmt_g, dtype), _weight(N, K, fmt_u, dtype),
                                mx.zeros((N,), dtype=dtype), None, variant=variant, tile=tile)
     assert act.shape == (M, N)
     names = [r.name for r in rec]
@@ -143,8 +145,8 @@ def test_swiglu_gelu_tanh_twins_compile(monkeypatch, variant, fmt, tile, arch):
         monkeypatch.setattr(gemm_cuda, "device_capability", lambda: (8, 0))
     M, N, K, dtype = 70, 384, 256, mx.bfloat16
     x = mx.zeros((M, K), dtype=dtype)
-    with cudacheck.recorded_launches(gemm_cuda) as rec:
-        act = gemm_cuda.swiglu(x, _weight(N, K, fmt, dtype), _weight(N, K, fmt, dtype), None,
+    with cudacheck.recorded_launches(gemm_cuda, swiglu_cuda, qkv_cuda) as rec:
+        act = swiglu_cuda.swiglu(x, _weight(N, K, fmt, dtype), _weight(N, K, fmt, dtype), None,
                                None, variant=variant, tile=tile, act=1)
     assert act.shape == (M, N)
     acts = [dict(r.template)["ACT"] for r in rec]
@@ -159,8 +161,8 @@ def test_rms_norm_qkv_twin_compiles(fmts):
     x = mx.zeros((B, L, K), dtype=dtype)
     ws = [_weight(h * D, K, f, dtype) for h, f in zip((H, Hkv, Hkv), fmts)]
     bias = [mx.zeros((h * D,), dtype=dtype) for h in (H, Hkv, Hkv)]
-    with cudacheck.recorded_launches(gemm_cuda) as rec:
-        q, k, v = gemm_cuda.rms_norm_qkv(x, mx.ones((K,), dtype=dtype), 1e-5, *ws, *bias,
+    with cudacheck.recorded_launches(gemm_cuda, swiglu_cuda, qkv_cuda) as rec:
+        q, k, v = qkv_cuda.rms_norm_qkv(x, mx.ones((K,), dtype=dtype), 1e-5, *ws, *bias,
                                          n_heads=H, n_kv_heads=Hkv, head_dim=D)
     assert q.shape == (B, H, L, D) and k.shape == v.shape == (B, Hkv, L, D)
     assert [r.name for r in rec] == ["rms_norm_qkv"]
@@ -173,7 +175,7 @@ def test_sm80_portable_path_compiles(monkeypatch):
     monkeypatch.setattr(gemm_cuda, "device_capability", lambda: (8, 0))
     assert not any(gemm_cuda.TILES[n].wgmma for n in gemm_cuda.tile_names())
     x = mx.zeros((1000, 256), dtype=mx.bfloat16)
-    with cudacheck.recorded_launches(gemm_cuda) as rec:
+    with cudacheck.recorded_launches(gemm_cuda, swiglu_cuda, qkv_cuda) as rec:
         gemm_cuda.linear(x, _quantized(1024, 256, 4, 64, mx.bfloat16))
     assert not dict(rec[0].template)["WGMMA"]
     _compile_all(rec, "sm_80")
@@ -219,11 +221,11 @@ def test_gemm_family_compiles_under_nvrtc():
     from mlx_bricks.ops import dequantize_cuda as dqc
 
     x = mx.zeros((300, 256), dtype=mx.bfloat16)
-    with cudacheck.recorded_launches(gemm_cuda, dqc) as rec:
+    with cudacheck.recorded_launches(gemm_cuda, swiglu_cuda, qkv_cuda, dqc) as rec:
         gemm_cuda.linear(x, _quantized(512, 256, 3, 64, mx.bfloat16), tile="wg128x256k2")
-        gemm_cuda.swiglu(x, _quantized(512, 256, 4, 64, mx.bfloat16),
+        swiglu_cuda.swiglu(x, _quantized(512, 256, 4, 64, mx.bfloat16),
                          _quantized(512, 256, 4, 64, mx.bfloat16), tile="wg128x128")
-        gemm_cuda.rms_norm_qkv(x.reshape(1, 300, 256), mx.ones((256,), mx.bfloat16), 1e-5,
+        qkv_cuda.rms_norm_qkv(x.reshape(1, 300, 256), mx.ones((256,), mx.bfloat16), 1e-5,
                                *(_quantized(n, 256, 4, 64, mx.bfloat16) for n in (512, 128, 128)),
                                n_heads=8, n_kv_heads=2, head_dim=64)
         w = _quantized(64, 256, 5, 64, mx.float16)

@@ -18,7 +18,7 @@ are compile-checked (tests/test_cuda_compile.py) and run on the GPU (tests marke
 """
 from __future__ import annotations
 
-import math
+
 
 import mlx.core as mx
 import numpy as np
@@ -28,6 +28,8 @@ import mlx_bricks.bricks.gemm.msl  # noqa: F401  (registers the kernel specs)
 import mlx_bricks.bricks.swiglu.msl  # noqa: F401
 import mlx_bricks.bricks.norm_qkv.msl  # noqa: F401
 from mlx_bricks.bricks.gemm import cuda as gemm_cuda
+from mlx_bricks.bricks.swiglu import cuda as swiglu_cuda
+from mlx_bricks.bricks.norm_qkv import cuda as qkv_cuda
 from mlx_bricks.formats.affine import QuantizedWeight
 from tests import cuda_emu
 from tests.cuda_emu.affine import dequantize_model
@@ -51,7 +53,7 @@ def _as_if_on_an_a100(monkeypatch):
 
 
 def _emulated(fn, *args, **kwargs):
-    with cuda_emu.emulated_launches(gemm_cuda) as names:
+    with cuda_emu.emulated_launches(gemm_cuda, swiglu_cuda, qkv_cuda) as names:
         out = fn(*args, **kwargs)
         mx.eval(out)
     return out, names
@@ -226,7 +228,7 @@ def test_swiglu_twins_match_float64(variant, fmt_g, fmt_u, tile, M, N, K, dtype)
     x = randn((M, K), dtype, 1)
     wg, wu = weight(N, K, fmt_g, dtype, 2), weight(N, K, fmt_u, dtype, 3)
     bg = randn((N,), dtype, 4)
-    act, names = _emulated(gemm_cuda.swiglu, x, wg, wu, bg, None, variant=variant, tile=tile)
+    act, names = _emulated(swiglu_cuda.swiglu, x, wg, wu, bg, None, variant=variant, tile=tile)
     fused = variant == "fused" and fmt_g == fmt_u
     assert names == (["swiglu_fused"] if fused else ["gemm", "gemm"])
     ref, naive = _swiglu_reference(x, wg, wu, bg, None)
@@ -244,7 +246,7 @@ def test_rms_norm_qkv_twin_matches_float64(fmts, tile, dtype):
     nw = randn((K,), dtype, 2) + 1
     ws = [weight(h * D, K, f, dtype, 3 + i) for i, (h, f) in enumerate(zip((H, Hkv, Hkv), fmts))]
     bs = [randn((h * D,), dtype, 7 + i) for i, h in enumerate((H, Hkv, Hkv))]
-    (q, k, v), names = _emulated(gemm_cuda.rms_norm_qkv, x, nw, 1e-5, *ws, *bs, n_heads=H,
+    (q, k, v), names = _emulated(qkv_cuda.rms_norm_qkv, x, nw, 1e-5, *ws, *bs, n_heads=H,
                                  n_kv_heads=Hkv, head_dim=D, tile=tile)
     assert names == ["rms_norm_qkv"]
     h = mx.fast.rms_norm(x, nw, 1e-5)  # the twin's input (stock's kernel, same rounding)

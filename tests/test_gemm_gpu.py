@@ -12,6 +12,7 @@ import pytest
 
 import mlx_bricks.bricks.gemm.msl  # noqa: F401  (registers the kernel specs)
 from mlx_bricks.bricks.gemm import cuda as gemm_cuda
+from mlx_bricks.bricks.swiglu import cuda as swiglu_cuda
 from tests.gpu_support import gpu
 from tests.quant_support import dequant, dequant64, randn, weight
 from tests.tolerance import assert_dtype_close, to_f64
@@ -42,13 +43,13 @@ def test_gpu_linear_every_tile(tile, fmt):
 
 @gpu
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
-@pytest.mark.parametrize("tile", list(gemm_cuda.SWIGLU_TILES))
+@pytest.mark.parametrize("tile", list(swiglu_cuda.SWIGLU_TILES))
 def test_gpu_fused_swiglu_every_tile(tile, fmt):
-    _runs(gemm_cuda.SWIGLU_TILES, tile, fmt, operands=2)
+    _runs(swiglu_cuda.SWIGLU_TILES, tile, fmt, operands=2)
     M, N, K, dtype = 300, 264, 512, mx.bfloat16
     x = randn((M, K), dtype, 1)
     wg, wu = weight(N, K, fmt, dtype, 2), weight(N, K, fmt, dtype, 3)
-    act = gemm_cuda.swiglu(x, wg, wu, variant="fused", tile=tile)
+    act = swiglu_cuda.swiglu(x, wg, wu, variant="fused", tile=tile)
     g64, u64 = to_f64(x) @ dequant64(wg).T, to_f64(x) @ dequant64(wu).T
     g, u = x @ dequant(wg).T, x @ dequant(wu).T
     assert_dtype_close(act, g64 / (1.0 + np.exp(-g64)) * u64, g * mx.sigmoid(g) * u,

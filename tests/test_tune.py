@@ -111,10 +111,11 @@ def test_variant_listing_functions():
     # cuda: the twins' own tiles (those this GPU can run; no GPU here: no wgmma tile), none for
     # float32 (no twin) nor for a brick without a twin
     from mlx_bricks.bricks.gemm import cuda as gemm_cuda
+    from mlx_bricks.bricks.swiglu import cuda as swiglu_cuda
     assert set(gemm.tile_names("cuda", mx.bfloat16)) <= set(gemm_cuda.TILES)
     assert gemm.tile_names("cuda", mx.float32) == ()
     assert norm_qkv.tile_names("cuda", mx.float16) == gemm.tile_names("cuda", mx.float16)
-    assert set(mlp.tile_names("cuda", "fused", mx.float16)) <= set(gemm_cuda.SWIGLU_TILES)
+    assert set(mlp.tile_names("cuda", "fused", mx.float16)) <= set(swiglu_cuda.SWIGLU_TILES)
     assert mlp.variant_names("cuda", mx.float32) == ()
     if not kernels.has_kernel("flash_attention", "cuda"):
         assert attention.variant_names("cuda") == ()

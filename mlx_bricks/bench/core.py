@@ -124,6 +124,7 @@ def _cuda_case_benchmarks() -> dict[str, dict[str, Benchmark]]:
     each at the llama-3-8B shapes."""
     from mlx_bricks.bench import gpu
     from mlx_bricks.bricks.gemm import cuda as gemm_cuda
+    from mlx_bricks.bricks.swiglu import cuda as swiglu_cuda
     def setup(case):
         made = case.build()
         brick, stock, flops = made[:3]
@@ -134,7 +135,7 @@ def _cuda_case_benchmarks() -> dict[str, dict[str, Benchmark]]:
     sm90_plain = [n for n in sm90 if gemm_cuda.LINEAR_TILES[n].split_k == 1]
     per_tile = [*gpu.linear_cases("cuda", tiles=sm90, formats=gpu.QUANT_FORMATS,
                                   shapes=("qo", "kv", "gate_up")),
-                *gpu.swiglu_cases("cuda", tiles=tuple(gemm_cuda.SWIGLU_TILES),
+                *gpu.swiglu_cases("cuda", tiles=tuple(swiglu_cuda.SWIGLU_TILES),
                                   split_tiles=sm90_plain, formats=gpu.QUANT_FORMATS),
                 *gpu.rms_norm_qkv_cases("cuda", tiles=sm90_plain, formats=gpu.QUANT_FORMATS)]
     families = {

@@ -228,7 +228,7 @@ def attention_cases(dtype_name: str = "bfloat16"):
     the alternative tile variants. TFLOP/s count the visible pairs."""
     import mlx.core as mx
 
-    from mlx_bricks.bricks.attention import msl as _attention
+    from mlx_bricks.bricks.attention import msl as _attention  # noqa: F401  (registers the kernel)
     from mlx_bricks.bricks.attention.op import causal_window_mask
     from mlx_bricks.bricks.attention.cuda import launch_attention_cuda, variants
     from mlx_bricks.bricks.q8_0.op import quantize_q8_0_reference

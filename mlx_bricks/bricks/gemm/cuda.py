@@ -75,7 +75,7 @@ class CudaTile:
         return self.wm * self.wn * 32
 
 
-def _wg(bm: int, bn: int, stages: int = 4, max_bits: int = 8, depth: int = 0,
+def wgmma_tile(bm: int, bn: int, stages: int = 4, max_bits: int = 8, depth: int = 0,
         split_k: int = 1) -> CudaTile:
     return CudaTile(bm, bn, bm // 16, 1, stages, wgmma=True, max_bits=max_bits, depth=depth,
                     split_k=split_k)
@@ -89,26 +89,14 @@ TILES = {
     "64x64": CudaTile(64, 64, 2, 2, 4),
     # 128 accumulators per thread; 8-bit fits since the conversion of dequant.cuh (ptxas:
     # 255 registers, no spills; the float32-built values of before spilled 16 bytes).
-    "wg128x256": _wg(128, 256),
-    "wg128x128": _wg(128, 128),
+    "wg128x256": wgmma_tile(128, 256),
+    "wg128x128": wgmma_tile(128, 128),
     # One wgmma group in flight ("d"): the ring prefetches one stage less, so the affine
     # path (dequantized a stage ahead) gets 5 stages where 227 KB allow it ("d5": 4 bits at
     # most; 6-bit needs 237 KB). ptxas: d spills at 6 and 8 bits (136 / 184 bytes).
-    "wg128x256d": _wg(128, 256, max_bits=4, depth=1),
-    "wg128x256d5": _wg(128, 256, stages=5, max_bits=4, depth=1),
-    "wg128x128d": _wg(128, 128, stages=5, depth=1),
-}
-#: Fused SwiGLU tiles, named by the act tile; each block also stages 2 * BN weight rows.
-SWIGLU_TILES = {
-    "128x64": CudaTile(128, 64, 4, 2, 4),
-    "64x64": CudaTile(64, 64, 2, 2, 4),
-    "wg128x64": _wg(128, 64),
-    "wg128x64d": _wg(128, 64, stages=5, depth=1),
-    # 128 x 128 act tile: two m64n128 wgmma per k16 per warpgroup (the 128 x 64 tile's
-    # m64n64 saturates shared-memory bandwidth); 128 accumulators per thread, as wg128x256.
-    # ptxas: float and 2-4 bits without spills (242-255 registers); 6-bit spills 48 bytes with
-    # a gate bias (none without), 8-bit 20 bytes.
-    "wg128x128": _wg(128, 128, max_bits=4),
+    "wg128x256d": wgmma_tile(128, 256, max_bits=4, depth=1),
+    "wg128x256d5": wgmma_tile(128, 256, stages=5, max_bits=4, depth=1),
+    "wg128x128d": wgmma_tile(128, 128, stages=5, depth=1),
 }
 #: Split-K variants of the linear twin (``k<S>``: S contiguous K splits, partial sums in
 #: float32 added in order by ``gemm_splitk_reduce``): for grids with fewer blocks than SMs, e.g.
@@ -116,9 +104,9 @@ SWIGLU_TILES = {
 #: chosen by the tile rule; the tuner times them (``LINEAR_TILES``).
 SPLITK_TILES = {
     # ptxas: 8-bit spills 8 bytes here (the split's range is live next to 128 accumulators).
-    "wg128x256k2": _wg(128, 256, max_bits=6, split_k=2),
-    "wg128x128k2": _wg(128, 128, split_k=2),
-    "wg128x128k4": _wg(128, 128, split_k=4),
+    "wg128x256k2": wgmma_tile(128, 256, max_bits=6, split_k=2),
+    "wg128x128k2": wgmma_tile(128, 128, split_k=2),
+    "wg128x128k4": wgmma_tile(128, 128, split_k=4),
     "128x128k2": CudaTile(128, 128, 2, 4, 4, split_k=2),
 }
 #: Every tile the linear twin takes (``tile=``; the tuner's listing).
@@ -127,7 +115,7 @@ LINEAR_TILES = {**TILES, **SPLITK_TILES}
 #: twin cannot carry __launch_bounds__ and ptxas may use up to 255 registers per thread: 256
 #: threads x 255 registers still fit an SM's 64 K registers, 512 would fail to launch.
 MAX_THREADS = 256
-assert all(t.threads <= MAX_THREADS for t in (*LINEAR_TILES.values(), *SWIGLU_TILES.values()))
+assert all(t.threads <= MAX_THREADS for t in LINEAR_TILES.values())
 #: Blocks below which the large tiles leave SMs idle (an H100/H200 has 132 SMs).
 MIN_BLOCKS = 132
 
@@ -208,8 +196,14 @@ def shared_memory_bytes(tile: CudaTile, weight_operands: int = 1, bits: int | No
     return a + up(tile.stages * rows * (BK * bits // 32) * 4) + dq_tiles * rows * BK * 2 + 1024
 
 
-def _tile(tiles: dict, tile: str | None, M: int, N: int, weight_operands: int = 1,
-          bits: int | None = None) -> CudaTile:
+def pick_tile(tiles: dict, tile: str | None, M: int, N: int, weight_operands: int = 1,
+              bits: int | None = None) -> CudaTile:
+    """Tile ``tile`` of ``tiles`` (None: :func:`select_tile`) for an (M, N) output with
+    ``weight_operands`` weights per stage of width ``bits``.
+
+    Raises:
+        ValueError: an unknown tile, or one that takes narrower affine weights.
+    """
     if tile is None:
         tile = select_tile(M, N, tiles, weight_operands, bits)
     if tile not in tiles:
@@ -220,12 +214,13 @@ def _tile(tiles: dict, tile: str | None, M: int, N: int, weight_operands: int = 
     return tiles[tile]
 
 
-def _grid(tile: CudaTile, M: int, N: int):
+def grid_of(tile: CudaTile, M: int, N: int):
+    """``(grid, threadgroup)`` of a one-block-per-output-tile launch."""
     blocks = math.ceil(M / tile.bm) * math.ceil(N / tile.bn)
     return (blocks * tile.threads, 1, 1), (tile.threads, 1, 1)
 
 
-def _rows(x, K):
+def as_rows(x, K):
     """x as a row-contiguous (M, K) matrix (a free reshape for contiguous inputs)."""
     return mx.contiguous(x.reshape(-1, K))
 
@@ -241,47 +236,52 @@ def weight_triple(weight, dtype, name: str = "weight"):
     return format_of(weight).cuda_inputs(weight, dtype, name)
 
 
-def _smem(tile: CudaTile, bits_list, weight_operands: int = 1) -> int:
+def smem_of(tile: CudaTile, bits_list, weight_operands: int = 1) -> int:
+    """Dynamic shared memory of ``tile`` for the widest of the weights' ``bits_list``."""
     return max(shared_memory_bytes(tile, weight_operands, b or None) for b in bits_list)
 
 
-def _geom(t: CudaTile, dtype) -> list:
+def geometry(t: CudaTile, dtype) -> list:
+    """The template arguments every kernel on gemm.cuh takes for tile ``t``."""
     return [("T", dtype), ("BM", t.bm), ("BN", t.bn), ("WM", t.wm), ("WN", t.wn),
             ("STAGES", t.stages), ("WGMMA", t.wgmma), ("DEPTH", t.depth)]
 
 
-def _gemm(x2, triple, bits, gs, bias, residual, t: CudaTile, swiglu_up: bool = False,
-          act: int = 0):
+def gemm_launch(x2, triple, bits, gs, bias, residual, t: CudaTile, swiglu_up: bool = False,
+                act: int = 0):
+    """One launch of ``gemm.cu`` on (M, K) rows ``x2`` and a weight ``triple``
+    (:func:`weight_triple`); ``swiglu_up``: ``residual`` is the split SwiGLU's up, the epilogue
+    writes ``act(gate) * up``."""
     M, K = x2.shape
     N = triple[0].shape[0]
-    grid, tg = _grid(t, M, N)
+    grid, tg = grid_of(t, M, N)
     ph = triple[1]  # a placeholder of the activation dtype
     (y,) = launch(
         "gemm", "cuda",
         inputs=[x2, *triple, ph if bias is None else mx.contiguous(bias),
                 ph if residual is None else residual],
-        template=_geom(t, x2.dtype) + [
+        template=geometry(t, x2.dtype) + [
             ("BITS", bits), ("GS", gs), ("HAS_BIAS", bias is not None),
             ("HAS_RESIDUAL", residual is not None and not swiglu_up),
             ("SWIGLU_UP", swiglu_up), ("ACT", act)],
         grid=grid, threadgroup=tg, output_shapes=[(M, N)], output_dtypes=[x2.dtype],
-        shared_memory=_smem(t, [bits]),
+        shared_memory=smem_of(t, [bits]),
     )
     return y
 
 
-def _gemm_splitk(x2, triple, bits, gs, bias, residual, t: CudaTile):
+def gemm_splitk_launch(x2, triple, bits, gs, bias, residual, t: CudaTile):
     """The split-K linear: ``gemm_splitk`` (t.split_k float32 partial products), then
     ``gemm_splitk_reduce`` (their sum in order, bias, residual, one rounding)."""
     M, K = x2.shape
     N = triple[0].shape[0]
     S = t.split_k
-    grid, tg = _grid(t, M, N)
+    grid, tg = grid_of(t, M, N)
     (partial,) = launch(
         "gemm_splitk", "cuda", inputs=[x2, *triple],
-        template=_geom(t, x2.dtype) + [("BITS", bits), ("GS", gs), ("SPLIT", S)],
+        template=geometry(t, x2.dtype) + [("BITS", bits), ("GS", gs), ("SPLIT", S)],
         grid=(grid[0] * S, 1, 1), threadgroup=tg, output_shapes=[(S, M, N)],
-        output_dtypes=[mx.float32], shared_memory=_smem(t, [bits]),
+        output_dtypes=[mx.float32], shared_memory=smem_of(t, [bits]),
     )
     ph = triple[1]
     threads = 256
@@ -310,91 +310,13 @@ def linear(x, weight, bias=None, residual=None, *, tile=None):
     check_dtype(x.dtype)
     K = x.shape[-1]
     N = weight.shape[0]
-    x2 = _rows(x, K)
+    x2 = as_rows(x, K)
     M = x2.shape[0]
     triple, bits, gs = weight_triple(weight, x.dtype)
-    t = _tile(TILES if tile is None else LINEAR_TILES, tile, M, N, 1, bits)
+    t = pick_tile(TILES if tile is None else LINEAR_TILES, tile, M, N, 1, bits)
     res = None if residual is None else mx.contiguous(residual.reshape(M, N))
     if t.split_k > 1:
-        y = _gemm_splitk(x2, triple, bits, gs, bias, res, t)
+        y = gemm_splitk_launch(x2, triple, bits, gs, bias, res, t)
     else:
-        y = _gemm(x2, triple, bits, gs, bias, res, t)
+        y = gemm_launch(x2, triple, bits, gs, bias, res, t)
     return y.reshape(*x.shape[:-1], N)
-
-
-def swiglu(x, w_gate, w_up, b_gate=None, b_up=None, *, variant="fused", tile=None, act=0):
-    """The SwiGLU twins: ``act(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)``, (M, N_mlp) of
-    x's dtype, for validated arguments (weights float or affine; ``act`` the ``ACT`` template
-    value, ``ops.swiglu_variants.ACTIVATIONS``: 0 SiLU, 1 GELU-tanh). ``fused``: one kernel
-    (swiglu_fused.cu); gate and up in different formats run ``split``. ``split``: the up GEMM, then
-    the gate GEMM whose epilogue reads up (gemm.cu with SWIGLU_UP).
-
-    Raises:
-        NotImplementedError: float32 activations. ValueError: unknown tile. TypeError: see
-        :func:`weight_triple`.
-    """
-    check_dtype(x.dtype)
-    K = x.shape[-1]
-    N = w_gate.shape[0]
-    x2 = _rows(x, K)
-    M = x2.shape[0]
-    g3, g_bits, g_gs = weight_triple(w_gate, x.dtype, "w_gate")
-    u3, u_bits, u_gs = weight_triple(w_up, x.dtype, "w_up")
-    if variant == "fused" and (g_bits, g_gs) == (u_bits, u_gs):
-        t = _tile(SWIGLU_TILES, tile, M, N, 2, g_bits)
-        grid, tg = _grid(t, M, N)
-        ph = g3[1]
-        (act,) = launch(
-            "swiglu_fused", "cuda",
-            inputs=[x2, *g3, *u3, ph if b_gate is None else mx.contiguous(b_gate),
-                    ph if b_up is None else mx.contiguous(b_up)],
-            template=_geom(t, x.dtype) + [
-                ("BITS", g_bits), ("GS", g_gs), ("HAS_BIAS_GATE", b_gate is not None),
-                ("HAS_BIAS_UP", b_up is not None), ("ACT", act)],
-            grid=grid, threadgroup=tg, output_shapes=[(M, N)], output_dtypes=[x.dtype],
-            shared_memory=_smem(t, [g_bits], weight_operands=2),
-        )
-        return act
-    t = _tile(TILES, None if variant == "fused" else tile, M, N, 1, max(g_bits, u_bits))
-    up = _gemm(x2, u3, u_bits, u_gs, b_up, None, t)
-    return _gemm(x2, g3, g_bits, g_gs, b_gate, up, t, swiglu_up=True, act=act)
-
-
-def rms_norm_qkv(x, norm_weight, eps, wq, wk, wv, bq=None, bk=None, bv=None, *, n_heads,
-                 n_kv_heads, head_dim, tile=None):
-    """The RMSNorm + QKV twin: ``h = mx.fast.rms_norm(x)`` (stock's own kernel, the same
-    rounding), then ``rms_norm_qkv.cu``: the three projections in one launch, each weight float
-    or affine in its own format, written in head layout. Validated arguments; x (B, L, K) with
-    B * L >= 1.
-
-    Returns:
-        (q, k, v): (B, n_heads, L, head_dim), (B, n_kv_heads, L, head_dim) twice.
-    """
-    check_dtype(x.dtype)
-    B, L, K = x.shape
-    M = B * L
-    h = mx.contiguous(mx.fast.rms_norm(x, norm_weight, eps))
-    nq, nkv = n_heads * head_dim, n_kv_heads * head_dim
-    triples = [weight_triple(w, x.dtype, n) for w, n in ((wq, "wq"), (wk, "wk"), (wv, "wv"))]
-    t = _tile(TILES, tile, M, nq, 1, max(tr[1] for tr in triples))
-    tiles_n = math.ceil(nq / t.bn) + 2 * math.ceil(nkv / t.bn)
-    blocks = math.ceil(M / t.bm) * tiles_n
-    ph = triples[0][0][1]
-    has_bias = bq is not None
-    biases = [mx.contiguous(b) for b in (bq, bk, bv)] if has_bias else [ph, ph, ph]
-    fmt = []
-    for (_, bits, gs), p in zip(triples, "QKV"):
-        fmt += [(f"BITS_{p}", bits), (f"GS_{p}", gs)]
-    q, k, v = launch(
-        "rms_norm_qkv", "cuda",
-        inputs=[h, *triples[0][0], *triples[1][0], *triples[2][0], *biases],
-        template=_geom(t, x.dtype) + fmt + [
-            ("HAS_BIAS", has_bias), ("N_HEADS", n_heads), ("N_KV_HEADS", n_kv_heads),
-            ("HEAD_DIM", head_dim)],
-        grid=(blocks * t.threads, 1, 1), threadgroup=(t.threads, 1, 1),
-        output_shapes=[(B, n_heads, L, head_dim), (B, n_kv_heads, L, head_dim),
-                       (B, n_kv_heads, L, head_dim)],
-        output_dtypes=[x.dtype] * 3,
-        shared_memory=_smem(t, [tr[1] for tr in triples]),
-    )
-    return q, k, v

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from mlx_bricks.bricks.norm_qkv.msl import QKV_SPEC
 from mlx_bricks.bricks.norm_qkv.op import run_rms_norm_qkv, tile_names
 from mlx_bricks.checks import dtype_name
 from mlx_bricks.formats import dense, format_of, formats_key, widest_bits
@@ -18,7 +19,7 @@ _PROJECTIONS = (("wq", "bq", "n_heads"), ("wk", "bk", "n_kv_heads"), ("wv", "bv"
 class RmsNormQKV(OpKind):
     """The RMSNorm + QKV kind (module docstring)."""
 
-    name = "rms_norm_qkv"
+    name = QKV_SPEC.name
     op_name = name
     activations = ("x",)
 

@@ -22,7 +22,8 @@ register(KernelSpec(
     # x is read through x_strides, so views of x are not copied.
     ensure_row_contiguous=False,
 ))
-register(KernelSpec(
+#: The fused kernel; its name is the brick's (kernel registry, tuner kind, reports).
+QKV_SPEC = register(KernelSpec(
     name="rms_norm_qkv",
     body="rms_norm_qkv.metal",
     # <w>_scales, <w>_biases: each weight's affine scales and biases (placeholders for a float
@@ -110,7 +111,7 @@ def launch_rms_norm_qkv(x, norm_weight, eps, weights, biases, shapes, *, tile, b
     # Without biases the kernel never reads them; norm_weight stands in (x's dtype).
     b_inputs = [mx.contiguous(b) for b in biases] if has_bias else [norm_weight] * 3
     q, k, v = launch(
-        "rms_norm_qkv", backend,
+        QKV_SPEC.name, backend,
         inputs=[x, mx.contiguous(norm_weight), inv_rms, *w_inputs, *b_inputs],
         template=dataclasses.replace(plan, align_mn=align_mn).template(
             dtype, HAS_BIAS=has_bias, N_HEADS=n_heads, N_KV_HEADS=n_kv_heads,

@@ -15,10 +15,10 @@ import numbers
 
 import mlx.core as mx
 
-from mlx_bricks.bricks.gemm import cuda
+from mlx_bricks.bricks.gemm import cuda as gemm_cuda
 from mlx_bricks.bricks.gemm import msl as gemm_msl
 from mlx_bricks.bricks.gemm.op import gemm_backend
-from mlx_bricks.bricks.norm_qkv import msl
+from mlx_bricks.bricks.norm_qkv import cuda, msl
 from mlx_bricks.checks import check_array, check_float_dtype, check_k, check_same_dtype
 from mlx_bricks.formats import check_weight, format_of
 from mlx_bricks.runtime.variants import kernel_variants
@@ -33,8 +33,9 @@ def tile_names(backend: str, dtype=None, bits: int | None = None) -> tuple[str, 
     Raises:
         mlx_bricks.backends.BackendError: ``backend`` is not one of ``BACKENDS``.
     """
-    return kernel_variants(backend, "rms_norm_qkv", tuple(gemm_msl.TILES),
-                           cuda_names=lambda: cuda.dtype_tile_names(cuda.TILES, dtype, bits=bits))
+    return kernel_variants(backend, msl.QKV_SPEC.name, tuple(gemm_msl.TILES),
+                           cuda_names=lambda: gemm_cuda.dtype_tile_names(gemm_cuda.TILES, dtype,
+                                                                        bits=bits))
 
 
 def rms_norm_qkv_reference(x, norm_weight, eps, wq, wk, wv, bq=None, bk=None, bv=None, *,

@@ -24,10 +24,10 @@ import math
 
 import mlx.core as mx
 
-from mlx_bricks.bricks.gemm import cuda
+from mlx_bricks.bricks.gemm import cuda as gemm_cuda
 from mlx_bricks.bricks.gemm import msl as gemm_msl
 from mlx_bricks.bricks.gemm.op import gemm_backend, linear_reference, run_linear
-from mlx_bricks.bricks.swiglu import msl
+from mlx_bricks.bricks.swiglu import cuda, msl
 from mlx_bricks.bricks.swiglu.variants import (  # noqa: F401  (re-exported)
     ACTIVATIONS,
     DEFAULT_VARIANT,
@@ -65,7 +65,7 @@ def variant_names(backend: str, dtype=None) -> tuple[str, ...]:
 def tile_names(backend: str, variant: str, dtype=None) -> tuple[str, ...]:
     """The names :func:`swiglu` accepts as ``tile=`` for ``variant`` on ``backend``: MSL
     ``msl.FUSED_TILES`` for ``fused``, the GEMM tiles for ``split``; on ``cuda`` the twins'
-    tiles this GPU runs (``gemm_cuda.SWIGLU_TILES`` / ``TILES``); ``()`` where the variant does
+    tiles this GPU runs (``cuda.SWIGLU_TILES`` / ``gemm.cuda.TILES``); ``()`` where the variant does
     not run (see :func:`variant_names`).
 
     Raises:
@@ -77,10 +77,10 @@ def tile_names(backend: str, variant: str, dtype=None) -> tuple[str, ...]:
                          f"got {variant!r}")
     if variant == "fused":  # gate and up: two weight tiles per stage
         names = msl.FUSED_TILES
-        on_cuda = lambda: cuda.dtype_tile_names(cuda.SWIGLU_TILES, dtype, 2)  # noqa: E731
+        on_cuda = lambda: gemm_cuda.dtype_tile_names(cuda.SWIGLU_TILES, dtype, 2)  # noqa: E731
     else:
         names = gemm_msl.TILES
-        on_cuda = lambda: cuda.dtype_tile_names(cuda.TILES, dtype)  # noqa: E731
+        on_cuda = lambda: gemm_cuda.dtype_tile_names(gemm_cuda.TILES, dtype)  # noqa: E731
     return kernel_variants(backend, _kernels(backend, variant), tuple(names), cuda_names=on_cuda)
 
 
