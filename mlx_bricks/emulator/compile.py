@@ -1,5 +1,4 @@
-"""Finding clang, compiling kernels (one clang run, address spaces included), and the on-disk
-cache.
+"""Compiling kernels (one clang run, address spaces included), and the on-disk cache.
 
 The cache lives in ``$MLX_BRICKS_HOME/emulator`` (default ``~/.cache/mlx_bricks/emulator``);
 files are named by the SHA-256 of everything that goes into them (translation unit, shim,
@@ -12,8 +11,6 @@ import ctypes
 import hashlib
 import os
 import re
-import shutil
-import subprocess
 import tempfile
 import threading
 import time
@@ -21,20 +18,17 @@ from functools import lru_cache
 from pathlib import Path
 
 from .source import Generated, TgDecl, cpp_translation_unit
+from .toolchain import (  # noqa: F401  (find_clang, MIN_CLANG: re-exported)
+    MIN_CLANG,
+    EmulatorCompileError,
+    EmulatorFault,
+    clang_or_raise,
+    find_clang,
+    preprocess,
+    run,
+)
 
 SHIM_DIR = Path(__file__).resolve().parent / "shim"
-MIN_CLANG = 15
-
-
-class EmulatorFault(RuntimeError):
-    """A kernel did something a GPU would hide or punish: out-of-bounds access, an output
-    element left unwritten, a result that depends on thread order (a race), a barrier reached
-    by part of a threadgroup. The message names the kernel and the threads or elements."""
-
-
-class EmulatorCompileError(EmulatorFault):
-    """The kernel does not compile: an MSL error, an address-space mismatch, or an MSL feature
-    the emulator does not provide (the message names it)."""
 
 
 def cache_dir() -> Path:
@@ -44,43 +38,6 @@ def cache_dir() -> Path:
     d = base / "emulator"
     d.mkdir(parents=True, exist_ok=True)
     return d
-
-
-def _clang_version(path: str) -> tuple[int, str] | None:
-    try:
-        out = subprocess.run(
-            [path, "--version"], capture_output=True, text=True, timeout=30, check=False
-        ).stdout
-    except OSError:
-        return None
-    m = re.search(r"clang version (\d+)", out)
-    return (int(m.group(1)), out.splitlines()[0]) if m else None
-
-
-@lru_cache(maxsize=None)
-def find_clang() -> tuple[str | None, str]:
-    """(path, version line) of a usable clang++ (>= 15), or (None, reason)."""
-    env = os.environ.get("MLX_BRICKS_CLANG")
-    if env:
-        v = _clang_version(env)
-        if v is None:
-            return None, f"MLX_BRICKS_CLANG={env!r} is not a working clang++"
-        if v[0] < MIN_CLANG:
-            return None, f"MLX_BRICKS_CLANG={env!r} is clang {v[0]}; need >= {MIN_CLANG}"
-        return env, v[1]
-    candidates = ["clang++-19"] + [f"clang++-{n}" for n in range(25, MIN_CLANG - 1, -1) if n != 19]
-    candidates.append("clang++")
-    for name in candidates:
-        path = shutil.which(name)
-        if not path:
-            continue
-        v = _clang_version(path)
-        if v and v[0] >= MIN_CLANG:
-            return path, v[1]
-    return None, (
-        "clang++-19 not found (need clang >= 15 for _Float16); install Debian package clang-19 "
-        "or set MLX_BRICKS_CLANG"
-    )
 
 
 @lru_cache(maxsize=None)
@@ -129,10 +86,6 @@ def _opt_flag() -> str:
     return "-O" + level
 
 
-def _run(cmd: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, check=False)
-
-
 def _digest(*parts: str) -> str:
     h = hashlib.sha256()
     for p in parts:
@@ -165,16 +118,14 @@ def runtime_library() -> ctypes.CDLL:
     with _lock:
         if _runtime_lib is not None:
             return _runtime_lib
-        clang, version = find_clang()
-        if clang is None:
-            raise EmulatorCompileError(version)
+        clang, version = clang_or_raise()
         flags = ["-std=c++17", "-O2", "-fPIC", "-shared", "-pthread"]
         key = _digest(_shim_text(), version, " ".join(flags), "runtime")
         out = cache_dir() / f"runtime_{key}.so"
         if not out.exists():
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir())
             os.close(fd)
-            r = _run([clang, *flags, "-I", str(SHIM_DIR), str(SHIM_DIR / "emu_runtime.cpp"),
+            r = run([clang, *flags, "-I", str(SHIM_DIR), str(SHIM_DIR / "emu_runtime.cpp"),
                       "-o", tmp])
             if r.returncode != 0:
                 os.unlink(tmp)
@@ -209,7 +160,7 @@ def _precompiled_shim(clang: str, version: str, flags: list[str]) -> list[str]:
     if not pch.exists():
         fd, tmp = tempfile.mkstemp(suffix=".pch", dir=cache_dir())
         os.close(fd)
-        r = _run([clang, *flags, "-I", str(SHIM_DIR), "-x", "c++-header",
+        r = run([clang, *flags, "-I", str(SHIM_DIR), "-x", "c++-header",
                   str(SHIM_DIR / "metal_shim.h"), "-o", tmp])
         if r.returncode != 0:
             os.unlink(tmp)
@@ -380,7 +331,7 @@ def compile_kernel(gen: Generated, check_address_spaces: bool = True) -> Compile
         return known
     runtime_library()
     clang, version = find_clang()
-    tu = cpp_translation_unit(gen)
+    tu = cpp_translation_unit(gen, preprocess)
     key = _digest(tu.text, _shim_text(), version, " ".join(flags), _driver_text())
     if key in _loaded:
         _by_source[(gen.source, len(gen.header), tuple(flags))] = _loaded[key]
@@ -397,7 +348,7 @@ def compile_kernel(gen: Generated, check_address_spaces: bool = True) -> Compile
                    "run.cpp", "-o", "k.so"]
             for _ in range(_MAX_COPY_ROUNDS + bool(pch)):  # + 1: a stale-PCH retry
                 (tmp / "run.cpp").write_text(text)
-                r = _run(cmd, cwd=tmp)
+                r = run(cmd, cwd=tmp)
                 if r.returncode == 0:
                     break
                 if pch and _STALE_PCH in r.stderr:
