@@ -17,6 +17,7 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
+from .bfloat_rules import refused_conversions
 from .source import Generated, TgDecl, cpp_translation_unit
 from .toolchain import (  # noqa: F401  (find_clang, MIN_CLANG: re-exported)
     MIN_CLANG,
@@ -304,17 +305,58 @@ def _apply_copy_patches(text: str, patches) -> str | None:
     return data.decode()
 
 
+#: Buffer arguments a Metal kernel may have: [[buffer(0)]] .. [[buffer(30)]].
+MAX_BUFFERS = 31
+def _check_buffers(gen: Generated) -> None:
+    n = max((p.buffer for p in gen.params), default=-1) + 1
+    if n > MAX_BUFFERS:
+        names = ", ".join(p.name for p in gen.params if p.buffer >= MAX_BUFFERS)
+        raise EmulatorCompileError(
+            f"kernel {gen.kernel_name!r} needs {n} buffers; Metal allows {MAX_BUFFERS} "
+            f"([[buffer(0)]] .. [[buffer({MAX_BUFFERS - 1})]]), MLX's <input>_shape/_strides/_ndim "
+            f"parameters included; past the limit: {names}"
+        )
+
+
+def _check_bfloat_rules(clang: str, cmd_flags: list[str], gen: Generated, text: str,
+                        tmp: Path) -> None:
+    """Metal's bfloat conversion rules (``bfloat_rules``): clang's __bf16 converts implicitly
+    where Metal's bfloat does not. One front-end run with an AST dump, only for kernels that
+    mention bfloat."""
+    if "bfloat" not in text:
+        return
+    (tmp / "ast.cpp").write_text(text)
+    r = run([clang, *cmd_flags, "-fsyntax-only", "-Xclang", "-ast-dump", "-fno-color-diagnostics",
+             "ast.cpp"], cwd=tmp)
+    if r.returncode != 0:  # it compiled a moment ago: only a broken toolchain gets here
+        raise EmulatorCompileError(_format_clang_error(gen.kernel_name, r.stderr))
+    refused = refused_conversions(r.stdout)
+    if refused:
+        shown = "\n".join(f"  {c}" for c in refused[:20])
+        more = f"\n  ... and {len(refused) - 20} more" if len(refused) > 20 else ""
+        raise EmulatorCompileError(
+            f"kernel {gen.kernel_name!r} does not compile on Metal: implicit bfloat "
+            f"conversions Apple's compiler refuses (MSL 3.1: bfloat converts implicitly only to "
+            f"float; float, half and int never implicitly to bfloat):\n{shown}{more}\n"
+            "(write bfloat(x) or static_cast<bfloat>(x), float(b) to mix a bfloat with an int; "
+            "see docs/emulator.md, 'As strict as Apple's compiler')"
+        )
+
+
 def compile_kernel(gen: Generated, check_address_spaces: bool = True) -> CompiledKernel:
     """Compile (or fetch from the cache) the shared object for a generated kernel.
 
     One clang run: ``device``, ``constant`` and ``threadgroup`` are distinct clang address
     spaces (see metal_shim.h), so address-space mistakes are compile errors as on Metal.
     ``check_address_spaces=False`` compiles them away (EMU_FLAT): mismatches are then accepted,
-    and overloads or specialisations that differ only in the address space collide.
+    and overloads or specialisations that differ only in the address space collide. A kernel
+    that mentions bfloat gets a second, front-end-only run whose AST is checked against Metal's
+    bfloat conversion rules (``bfloat_rules``).
 
     Raises:
-        EmulatorCompileError: clang missing, the MLX signature is malformed, an MSL error, or
-            an address-space mismatch.
+        EmulatorCompileError: clang missing, the MLX signature is malformed, more than
+            ``MAX_BUFFERS`` buffers, an MSL error, an address-space mismatch, or an implicit
+            conversion to (or from) bfloat that Metal refuses.
     """
     if gen.malformed:
         raise EmulatorCompileError(
@@ -323,6 +365,7 @@ def compile_kernel(gen: Generated, check_address_spaces: bool = True) -> Compile
             "referenced in the source); Metal would reject it. Reference an attribute such as "
             "thread_position_in_grid in the source."
         )
+    _check_buffers(gen)
     flags = COMMON_FLAGS + CODEGEN_FLAGS + [_opt_flag(), *_host_flags_cached()]
     if not check_address_spaces:
         flags.append("-DEMU_FLAT=1")
@@ -367,6 +410,8 @@ def compile_kernel(gen: Generated, check_address_spaces: bool = True) -> Compile
                     msg += ("\n(::emu::as_plain(...): the emulator's wrapping of struct copies "
                             "between address spaces; see docs/emulator.md)")
                 raise EmulatorCompileError(msg)
+            _check_bfloat_rules(clang, [c for c in cmd if c not in ("run.cpp", "-o", "k.so")
+                                        and c not in LINK_FLAGS], gen, text, tmp)
             # keep the translation unit next to the object, for debugging
             os.replace(tmp / "run.cpp", d / f"k_{key}.cpp")
             os.replace(tmp / "k.so", so)
