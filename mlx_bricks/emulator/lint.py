@@ -235,7 +235,7 @@ def int64_divisions(gen: Generated) -> list[Finding]:
 # strided-scalar-load: from the text
 
 _LOOP = re.compile(r"\b(?:for|while)\s*\(")
-_SUBSCRIPT = re.compile(r"\b\w+\s*\[")
+_SUBSCRIPT = re.compile(r"(?:\b\w+|[\])])\s*\[")
 _STRIDE = re.compile(r"\w*stride\w*", re.I)
 
 
