@@ -11,6 +11,12 @@ Q8_0 KV cache can be sliced like any other; values and arithmetic are ggml's
   ``d == 0``): nearest integer, exact halves away from zero, so ``+-amax -> +-127``, never -128
   (where ggml's float -> int8 cast is undefined, here NaN gives 0 and +-inf gives +-127);
 * dequantized value ``q * d`` in float32.
+
+Both divisions are correctly rounded (``precise::divide`` in the kernels, whatever MLX's math
+mode). One guard where ggml has none: a block whose ``d`` would round to an infinite float16
+(``amax >= 127 * 65520``, about 8.32e6; only bfloat16 or float32 inputs get there) stores the
+largest float16, 65504, and quantizes with it (``id = 1 / 65504``), so its quants saturate at
++-127 and it dequantizes to finite values (at most +-8.32e6) instead of ggml's inf and NaN.
 """
 from __future__ import annotations
 
@@ -22,6 +28,10 @@ from mlx_bricks.ops._checks import check_array, check_float_dtype, dtype_name
 
 QK8_0 = 32
 _THREADS = 256  # threads per threadgroup of the Q8_0 kernels (a multiple of 32)
+#: The largest finite float16 (the guarded scale), and the smallest float32 that rounds to an
+#: infinite float16 (``Q8_0_D_MAX`` / ``Q8_0_D_INF`` in metal_src/q8_0.h).
+D_MAX = 65504.0
+D_INF = 65520.0
 
 kernels.register(kernels.KernelSpec(
     name="q8_0_quantize",
@@ -61,6 +71,7 @@ def quantize_q8_0_reference(x):
     # NaN counts as 0 in amax, as in the kernel (so one NaN does not wipe its block).
     amax = mx.max(mx.where(mx.isnan(blocks), 0.0, mx.abs(blocks)), axis=-1, keepdims=True)
     d = amax / mx.array(127.0, mx.float32)
+    d = mx.where(d >= D_INF, mx.array(D_MAX, mx.float32), d)  # a finite float16 scale
     inv = mx.where(d != 0, mx.array(1.0, mx.float32) / mx.where(d != 0, d, 1.0), 0.0)
     v = blocks * inv
     # Defined where ggml's float -> int8 cast is not (NaN -> 0, +-inf -> +-127), as the kernel.
@@ -120,7 +131,9 @@ def quantize_q8_0(x, *, backend=None):
     Returns:
         ``(qs, d)``: qs int8 (..., D) and d float16 (..., D // 32), both row-contiguous, with
         ggml's semantics (module docstring): ``d = amax / 127``, ``q = roundf(x * (1 / d))`` in
-        [-127, 127]; an all-zero block gives ``d = 0`` and zeros.
+        [-127, 127]; an all-zero block gives ``d = 0`` and zeros; a block with ``amax`` above
+        about 8.32e6 gets the largest float16 scale, 65504, and saturated quants (guarded:
+        finite where ggml's scale would be inf).
 
     Raises:
         TypeError: x is not an mx.array of a float dtype.
@@ -128,7 +141,8 @@ def quantize_q8_0(x, *, backend=None):
             backend.
 
     Kernel: ``metal_src/q8_0_quantize.metal``, one thread per value, one SIMD-group per block
-    (amax is a ``simd_max``).
+    (amax is a ``simd_max``); a row-contiguous x is indexed directly, a strided view through
+    32-bit index arithmetic.
     """
     _check_quantize(x)
     name = resolve_backend(backend)
