@@ -41,9 +41,10 @@ from mlx_bricks.ops.gemm import (
     GemmTile,
     linear,
     linear_reference,
+    msl_tile_names,
     plan_gemm,
     weight_inputs,
-    with_single_buffer,
+    with_variants,
 )
 from mlx_bricks.ops.quant import check_weight, is_quantized
 from mlx_bricks.ops.swiglu_variants import (  # noqa: F401  (re-exported)
@@ -82,8 +83,9 @@ register(KernelSpec(
 #: Fused tiles, named by the act tile (BM x BN); each threadgroup also loads 2 * BN weight rows.
 #: "64x32" and "32x16" give every simdgroup as many accumulators as the GEMM brick's 64x64 and
 #: 32x32 tiles (32x16 gate + 32x16 up, 16x8 + 16x8); "64x64" doubles them (opt-in only). Each
-#: also single-buffered (``"64x32_sb"``...: for the tuner to measure; never chosen by the rule).
-FUSED_TILES = with_single_buffer(
+#: also in the GEMM brick's pipeline variants (``"_bk16"``, ``"_sb"``, ``"_sh"``: for the
+#: tuner to measure; never chosen by the rule).
+FUSED_TILES = with_variants(
     {"64x32": GemmTile(64, 32), "32x16": GemmTile(32, 16), "64x64": GemmTile(64, 64)})
 
 
@@ -128,7 +130,8 @@ def tile_names(backend: str, variant: str, dtype=None) -> tuple[str, ...]:
         msl, cuda = FUSED_TILES, lambda: gemm_cuda_tiles(gemm_cuda.SWIGLU_TILES, dtype, 2)
     else:
         msl, cuda = GEMM_TILES, lambda: gemm_cuda_tiles(gemm_cuda.TILES, dtype)
-    return kernel_variants(backend, _kernels(backend, variant), tuple(msl), cuda_names=cuda)
+    return kernel_variants(backend, _kernels(backend, variant), msl_tile_names(msl, dtype),
+                           cuda_names=cuda)
 
 
 def select_fused_tile(M: int, N: int) -> str:

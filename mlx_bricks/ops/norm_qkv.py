@@ -60,7 +60,7 @@ def tile_names(backend: str, dtype=None, bits: int | None = None) -> tuple[str, 
     Raises:
         mlx_bricks.backends.BackendError: ``backend`` is not one of ``BACKENDS``.
     """
-    return kernel_variants(backend, "rms_norm_qkv", tuple(gemm.TILES),
+    return kernel_variants(backend, "rms_norm_qkv", gemm.msl_tile_names(gemm.TILES, dtype),
                            cuda_names=lambda: gemm.gemm_cuda_tiles(gemm_cuda.TILES, dtype,
                                                                    bits=bits))
 
@@ -193,8 +193,8 @@ def rms_norm_qkv(x, norm_weight, eps, wq, wk, wv, bq=None, bk=None, bv=None, *, 
             twice (qwen2); all three or none.
         n_heads, n_kv_heads, head_dim: positive ints (GQA: n_kv_heads may differ from n_heads).
         tile: ``None`` (rule of :func:`mlx_bricks.ops.gemm.select_tile`) or a key of
-            ``mlx_bricks.ops.gemm.TILES`` (``"64x64"``, ``"32x32"``, ``"64x64_sb"``,
-            ``"32x32_sb"``).
+            ``mlx_bricks.ops.gemm.TILES`` (``"64x64"``, ``"32x32"`` and their pipeline
+            variants ``"_bk16"``, ``"_sb"``, ``"_sh"``).
         backend: ``None`` (auto), ``"metal"``, ``"emulator"``, ``"reference"``.
 
     Returns:
