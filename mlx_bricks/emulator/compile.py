@@ -305,6 +305,40 @@ def _apply_copy_patches(text: str, patches) -> str | None:
     return data.decode()
 
 
+def build(kernel: str, text: str, cmd: list[str], outputs: list[str], tmp: Path,
+          pch: list[str] = ()) -> tuple[str, list[str]]:
+    """Run ``cmd + ["run.cpp"] + outputs`` in ``tmp`` on the translation unit ``text``, wrapping
+    the operands of struct copies between address spaces as clang refuses them (a round each,
+    at most ``_MAX_COPY_ROUNDS``) and dropping a stale ``pch`` once. Returns the text that
+    compiled and the command without its outputs (stale PCH dropped).
+
+    Raises:
+        EmulatorCompileError: clang's errors, positions in the kernel's own text.
+    """
+    first = text
+    pch = list(pch)
+    for _ in range(_MAX_COPY_ROUNDS + bool(pch)):  # + 1: a stale-PCH retry
+        (tmp / "run.cpp").write_text(text)
+        r = run([*cmd, "run.cpp", *outputs], cwd=tmp)
+        if r.returncode == 0:
+            return text, cmd
+        if pch and _STALE_PCH in r.stderr:
+            # a header touched after the key was taken: build this one without the PCH
+            cmd = [c for c in cmd if c not in pch]
+            pch = []
+            continue
+        patches = _copy_patches(r.stderr)
+        patched = _apply_copy_patches(text, patches) if patches else None
+        if patched is None or patched == text:
+            break
+        text = patched
+    msg = _format_clang_error(kernel, _strip_ranges(r.stderr))
+    if text != first:
+        msg += ("\n(::emu::as_plain(...): the emulator's wrapping of struct copies between "
+                "address spaces; see docs/emulator.md)")
+    raise EmulatorCompileError(msg)
+
+
 #: Buffer arguments a Metal kernel may have: [[buffer(0)]] .. [[buffer(30)]].
 MAX_BUFFERS = 31
 def _check_buffers(gen: Generated) -> None:
@@ -386,32 +420,10 @@ def compile_kernel(gen: Generated, check_address_spaces: bool = True) -> Compile
         pch = _precompiled_shim(clang, version, flags)
         with tempfile.TemporaryDirectory(dir=d) as tmpd:
             tmp = Path(tmpd)
-            text = tu.text
-            cmd = [clang, *flags, *LINK_FLAGS, *pch, *DIAG_FLAGS, "-I", str(SHIM_DIR),
-                   "run.cpp", "-o", "k.so"]
-            for _ in range(_MAX_COPY_ROUNDS + bool(pch)):  # + 1: a stale-PCH retry
-                (tmp / "run.cpp").write_text(text)
-                r = run(cmd, cwd=tmp)
-                if r.returncode == 0:
-                    break
-                if pch and _STALE_PCH in r.stderr:
-                    # a header touched after the key was taken: build this one without the PCH
-                    cmd = [c for c in cmd if c not in pch]
-                    pch = []
-                    continue
-                patches = _copy_patches(r.stderr)
-                patched = _apply_copy_patches(text, patches) if patches else None
-                if patched is None or patched == text:
-                    break
-                text = patched
-            if r.returncode != 0:
-                msg = _format_clang_error(gen.kernel_name, _strip_ranges(r.stderr))
-                if text != tu.text:
-                    msg += ("\n(::emu::as_plain(...): the emulator's wrapping of struct copies "
-                            "between address spaces; see docs/emulator.md)")
-                raise EmulatorCompileError(msg)
-            _check_bfloat_rules(clang, [c for c in cmd if c not in ("run.cpp", "-o", "k.so")
-                                        and c not in LINK_FLAGS], gen, text, tmp)
+            cmd = [clang, *flags, *pch, *DIAG_FLAGS, "-I", str(SHIM_DIR)]
+            text, cmd = build(gen.kernel_name, tu.text, cmd, LINK_FLAGS + ["-o", "k.so"], tmp,
+                              pch)
+            _check_bfloat_rules(clang, cmd, gen, text, tmp)
             # keep the translation unit next to the object, for debugging
             os.replace(tmp / "run.cpp", d / f"k_{key}.cpp")
             os.replace(tmp / "k.so", so)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from . import compile as _compile
 from .source import Generated, cpp_translation_unit
-from .toolchain import EmulatorCompileError, clang_or_raise, preprocess, run
+from .toolchain import clang_or_raise, preprocess
 
 RULES = ("int64-division", "strided-scalar-load")
 _KERNEL_FILES = ("header", "source")
@@ -159,45 +159,33 @@ def _ir_divisions(ir: str) -> list[tuple[str, int]]:
 
 
 def _locate(meta: dict[str, tuple[str, str]], dbg: str) -> tuple[str, int] | None:
-    """(kernel file, line) of a DILocation: the innermost location, following inlinedAt out of
-    the shim, that lies in the kernel's header or source."""
-    loc = dbg
+    """(kernel file, line) of a DILocation written in the kernel's header or source; None for
+    one in the shim (the emulator's own code, inlined wherever it is called)."""
+    kind, body = meta.get(dbg, ("", ""))
+    if kind != "DILocation":
+        return None
+    scope = _field(body, "scope")
     for _ in range(64):
-        kind, body = meta.get(loc, ("", ""))
-        if kind != "DILocation":
+        _, sbody = meta.get(scope[1:] if scope else "", ("", ""))
+        file_ref = _field(sbody, "file")
+        if file_ref:
+            name = (_field(meta.get(file_ref[1:], ("", ""))[1], "filename") or "").strip('"')
+            return (name, int(_field(body, "line") or 0)) if name in _KERNEL_FILES else None
+        scope = _field(sbody, "scope")
+        if not scope:
             return None
-        scope = _field(body, "scope")
-        f = None
-        for _ in range(64):
-            skind, sbody = meta.get(scope[1:] if scope else "", ("", ""))
-            file_ref = _field(sbody, "file")
-            if file_ref:
-                f = _field(meta.get(file_ref[1:], ("", ""))[1], "filename")
-                break
-            scope = _field(sbody, "scope")
-            if not scope:
-                break
-        name = f.strip('"') if f else None
-        if name in _KERNEL_FILES:
-            return name, int(_field(body, "line") or 0)
-        nxt = _field(body, "inlinedAt")
-        if not nxt:
-            return None
-        loc = nxt[1:]
     return None
 
 
 def _ir(gen: Generated) -> str:
-    clang, version = clang_or_raise()
-    flags = _compile.COMMON_FLAGS + ["-DEMU_FLAT=1", "-O1", "-g"]
+    """The kernel's LLVM IR at -O1 with debug locations (address spaces as in the compile)."""
+    clang, _ = clang_or_raise()
+    cmd = [clang, *_compile.COMMON_FLAGS, "-O1", "-g", *_compile.DIAG_FLAGS, "-I",
+           str(_compile.SHIM_DIR)]
     tu = cpp_translation_unit(gen, preprocess)
     with tempfile.TemporaryDirectory(dir=_compile.cache_dir()) as tmpd:
         tmp = Path(tmpd)
-        (tmp / "lint.cpp").write_text(tu.text)
-        r = run([clang, *flags, "-I", str(_compile.SHIM_DIR), "-S", "-emit-llvm", "lint.cpp",
-                 "-o", "lint.ll"], cwd=tmp)
-        if r.returncode != 0:
-            raise EmulatorCompileError(_compile._format_clang_error(gen.kernel_name, r.stderr))
+        _compile.build(gen.kernel_name, tu.text, cmd, ["-S", "-emit-llvm", "-o", "lint.ll"], tmp)
         return (tmp / "lint.ll").read_text()
 
 
