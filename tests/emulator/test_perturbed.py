@@ -26,7 +26,8 @@ def test_float32_subnormals_flush_only_when_perturbed():
         float sub = x[i] * x[i];                 // 1e-40: a float32 subnormal
         y[i] = i % 2 ? sub * 1e30f : (sub > 0.0f ? 1.0f : 0.0f);
     """
-    plain = _run("ftz", body, x)
+    with em.checks(perturb=0):  # (the suite may run under MLX_BRICKS_EMULATOR_PERTURB)
+        plain = _run("ftz", body, x)
     assert plain[0] == 1.0 and np.isclose(plain[1], 1e-10, rtol=1e-2)
     with em.checks(perturb=5):
         flushed = _run("ftz", body, x)
@@ -46,8 +47,10 @@ def _ulps(a, b):
 def test_fast_exp2_moves_within_the_documented_bound():
     x = mx.array(_EXP_X)
     body = "uint i = thread_position_in_grid.x; y[i] = fast::exp2(x[i]);"
-    plain = _run("fexp2", body, x)
-    precise = _run("pexp2", "uint i = thread_position_in_grid.x; y[i] = precise::exp2(x[i]);", x)
+    with em.checks(perturb=0):
+        plain = _run("fexp2", body, x)
+        precise = _run("pexp2", "uint i = thread_position_in_grid.x; y[i] = precise::exp2(x[i]);",
+                       x)
     np.testing.assert_array_equal(plain, precise)  # unperturbed, fast:: is the precise value
     with em.checks(perturb=11):
         fast = _run("fexp2", body, x)
@@ -83,7 +86,8 @@ def _sum_inputs():
 def test_simd_sum_order_is_shuffled_per_seed_and_deterministic():
     x = _sum_inputs()
     exact = float(np.sum(np.array(x).astype(np.float64)))  # 16
-    plain = _run("ssum", _SUM_BODY, x)
+    with em.checks(perturb=0):
+        plain = _run("ssum", _SUM_BODY, x)
     results = set()
     for seed in range(1, 9):
         with em.checks(perturb=seed):
@@ -117,7 +121,8 @@ def test_mma_accumulation_order_is_shuffled():
                  output_shapes=[(64,)], output_dtypes=[mx.float32])
         return np.array(y)
 
-    plain = run()
+    with em.checks(perturb=0):
+        plain = run()
     A, B, C = (vals[i * 64:(i + 1) * 64].reshape(8, 8).astype(np.float64) for i in range(3))
     exact = (A @ B + C).reshape(-1)
     with em.checks(perturb=21):
