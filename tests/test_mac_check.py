@@ -137,3 +137,17 @@ def test_threadgroup_accounting_matches_the_plans():
         "flash_attention", {"D": 512, "BK": tiles.bk, "WQ": tiles.wq, "WD": tiles.wd,
                             "KV_SHARED": tiles.kv_shared}, 2) == tiles.threadgroup_bytes
     assert norm_qkv.tile_names("metal", mx.float16) == gemm.tile_names("metal", mx.float16)
+
+
+def test_script_refuses_to_run_off_a_mac(tmp_path):
+    import platform
+    import subprocess
+    from pathlib import Path
+
+    if platform.system() == "Darwin":
+        return  # the real run; nothing to check cheaply here
+    script = Path(__file__).resolve().parents[1] / "scripts" / "mac_check.sh"
+    r = subprocess.run(["bash", str(script), str(tmp_path / "out")], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "needs macOS" in r.stderr
+    assert not (tmp_path / "out").exists()  # nothing written before the checks

@@ -104,9 +104,11 @@ def _shim_text() -> str:
 
 @lru_cache(maxsize=1)
 def _driver_text() -> str:
-    """This file: its link and diagnostic flags and the struct-copy patches shape each kernel's
-    object, so a cached one built by another version of it is not reused."""
-    return Path(__file__).read_text()
+    """This file and bfloat_rules.py: the link and diagnostic flags and the struct-copy patches
+    shape each kernel's object, and the bfloat rules decide whether one is built at all, so a
+    cached one built by another version of them is not reused."""
+    here = Path(__file__).resolve().parent
+    return (here / "compile.py").read_text() + (here / "bfloat_rules.py").read_text()
 
 
 _lock = threading.Lock()

@@ -487,11 +487,12 @@ using metal::trunc; using metal::fmax; using metal::fmin; using metal::max; usin
 using metal::clamp; using metal::abs; using metal::fma; using metal::saturate; using metal::fract;
 using metal::copysign; using metal::sign;
 
+EMU_INLINE float exp_ulps(float x) { return 3.0f + __builtin_floorf(__builtin_fabsf(2 * x)); }
 EMU_INLINE float exp2(float x) {  // <= 3 + floor(|2 x|) ulp
-  return emu_fast::within_ulps(__builtin_exp2f(x), x, 1, 3.0f + __builtin_floorf(__builtin_fabsf(2 * x)));
+  return emu_fast::within_ulps(__builtin_exp2f(x), x, 1, exp_ulps(x));
 }
 EMU_INLINE float exp(float x) {   // <= 3 + floor(|2 x|) ulp
-  return emu_fast::within_ulps(__builtin_expf(x), x, 2, 3.0f + __builtin_floorf(__builtin_fabsf(2 * x)));
+  return emu_fast::within_ulps(__builtin_expf(x), x, 2, exp_ulps(x));
 }
 EMU_INLINE float exp10(float x) { return fast::exp2(x * 3.32192809488736234787f); }
 EMU_INLINE float log2(float x) {  // absolute 2^-22 in [0.5, 2], else 3 ulp
@@ -512,7 +513,9 @@ EMU_INLINE float rsqrt(float x) {  // <= 2 ulp
   return emu_fast::within_ulps(1.0f / __builtin_sqrtf(x), x, 5, 2.0f);
 }
 EMU_INLINE float sqrt(float x) {   // x * rsqrt(x), special cases exact
-  if (!emu_perturb_seed || x == 0.0f || !__builtin_isfinite(x) || x < 0.0f) return __builtin_sqrtf(x);
+  if (!emu_perturb_seed || x == 0.0f || !__builtin_isfinite(x) || x < 0.0f) {
+    return __builtin_sqrtf(x);
+  }
   return x * fast::rsqrt(x);
 }
 EMU_INLINE float sin(float x) { return emu_fast::within_abs(__builtin_sinf(x), x, 6, 0x1p-13f); }
