@@ -19,8 +19,10 @@ die() { echo "mac_check.sh: error: $*" >&2; exit 2; }
 note() { echo "mac_check.sh: $*" >&2; }
 
 [ "$(uname -s)" = Darwin ] || die "needs macOS (Apple's Metal compiler and a Metal device)"
-xcrun -sdk macosx -f metal >/dev/null 2>&1 || die "xcrun cannot find the metal compiler: install Xcode (or its command line tools with the Metal toolchain: xcodebuild -downloadComponent MetalToolchain)"
-xcrun -f swift >/dev/null 2>&1 || die "xcrun cannot find swift (install the Xcode command line tools)"
+xcrun -sdk macosx -f metal >/dev/null 2>&1 \
+    || die "xcrun cannot find the metal compiler: install Xcode (or its command line tools" \
+           "and the Metal toolchain: xcodebuild -downloadComponent MetalToolchain)"
+xcrun -f swift >/dev/null 2>&1 || die "xcrun cannot find swift (Xcode command line tools)"
 
 OUT=${1:-mac_check_$(date +%Y%m%d_%H%M%S)}
 mkdir -p "$OUT" || die "cannot create $OUT"
@@ -40,14 +42,17 @@ PY=.venv/bin/python
     echo "  \"chip\": \"$(sysctl -n machdep.cpu.brand_string)\","
     echo "  \"metal_compiler\": \"$(xcrun -sdk macosx metal --version 2>&1 | head -1)\","
     echo "  \"git\": \"$(git rev-parse HEAD 2>/dev/null)\","
-    echo "  \"mlx\": $($PY -c 'import json, mlx.core as mx; print(json.dumps({"version": mx.__version__, "device_info": {k: str(v) for k, v in mx.device_info().items()}}))')"
+    echo "  \"mlx\": $($PY -c 'import json, mlx.core as mx
+info = {k: str(v) for k, v in mx.device_info().items()}
+print(json.dumps({"version": mx.__version__, "device_info": info}))')"
     echo "}"
 } > "$OUT/system.json"
 
 # 1. The instantiations (the same Python function the Linux tests check).
 $PY -m mlx_bricks.tools.mac_check sources "$OUT" || die "writing the kernel sources failed"
 MLX_INCLUDE=$($PY -c 'import mlx, pathlib; print(pathlib.Path(mlx.__file__).parent / "include")')
-[ -f "$MLX_INCLUDE/mlx/backend/metal/kernels/utils.h" ] || die "MLX's kernel headers are not in $MLX_INCLUDE"
+[ -f "$MLX_INCLUDE/mlx/backend/metal/kernels/utils.h" ] \
+    || die "MLX's kernel headers are not in $MLX_INCLUDE"
 
 # 2. Compile each one per Metal version; a file's log is empty when it compiled.
 FILES=$(cd "$OUT" && ls src/*.metal | awk -v n="$EVERY" 'NR % n == 1 || n == 1')

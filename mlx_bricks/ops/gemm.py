@@ -3,7 +3,8 @@
 The kernel (``metal_src/gemm.metal`` on the shared pipeline in ``metal_src/gemm.h``) computes one
 BM x BN output tile per threadgroup of 4 simdgroups with 8x8 ``simdgroup_matrix<float>``
 accumulators, loading K in steps of BK through two ping-pong threadgroup buffers (or one: the
-``*_sb`` tiles; ``*_bk16``: BK = 16; ``*_sh``: scheduling hints between fragment loads and MMAs). The weight is a float array or an MLX affine-quantized
+``*_sb`` tiles; ``*_bk16``: BK = 16; ``*_sh``: scheduling hints between fragment loads and
+MMAs). The weight is a float array or an MLX affine-quantized
 :class:`~mlx_bricks.ops.quant.QuantizedWeight`, dequantized tile by tile into threadgroup memory
 by the pipeline's affine loader. The tiling, the tile rule and the threadgroup memory of each
 variant are in ``docs/bricks.md``.
