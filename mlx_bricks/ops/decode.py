@@ -37,7 +37,8 @@ DECODE_MAX_LQ = 8
 #: SIMD-groups (warps) per threadgroup of the split kernel (``DEC_NSG`` in decode_attention.h,
 #: ``NSG`` in the CUDA twin).
 DECODE_NSG = 4
-#: Keys one threadgroup covers per round: 32 per SIMD-group.
+#: Keys of the shortest split: 32 per SIMD-group (one 32-key chunk of the CUDA twin's warps;
+#: 32 key rows of each SIMD-group of the MSL kernel).
 KEYS_PER_ROUND = 32 * DECODE_NSG
 #: Per-lane register budget: query rows per threadgroup x column slabs (head_dim / 32) <= this.
 ROW_SLAB_BUDGET = 32
@@ -100,7 +101,7 @@ def plan_splits(kv_len: int, n_groups: int, splits: int | None = None) -> tuple[
         kv_len: Lk.
         n_groups: threadgroups per split (``B * Hkv * n_tiles``).
         splits: requested count, or None: enough to reach ``TARGET_THREADGROUPS`` threadgroups,
-            but no split shorter than ``KEYS_PER_ROUND`` keys (one chunk per SIMD-group).
+            but no split shorter than ``KEYS_PER_ROUND`` keys (32 per SIMD-group).
 
     A requested count is kept as given, even when it does not divide Lk (the last split is
     shorter) or exceeds it (trailing splits are empty and merge as zeros). ``split_len =
