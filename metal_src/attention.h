@@ -5,7 +5,13 @@
 // (attention_tile_config), which also sizes the grid; the kernel static_asserts the
 // threadgroup memory they imply against ATTN_TG_LIMIT.
 
+#ifndef MLX_BRICKS_ATTENTION_H
+#define MLX_BRICKS_ATTENTION_H
+
+#include <metal_stdlib>
 #include <metal_simdgroup_matrix>
+
+using namespace metal;
 
 // Threadgroup memory of one threadgroup must stay within this many bytes (Apple GPUs: 32 KB).
 #define ATTN_TG_LIMIT 32768
@@ -84,14 +90,22 @@ struct AttnPlainSource {
       bricks::Load128<bricks::SameType<Ptr, const device T*>::value>::load(c, row + col);
     } else {
       ATTN_UNROLL
-      for (short j = 0; j < short(16 / sizeof(T)); ++j) c.v[j] = row[(col + j) * d_stride];
+      for (short j = 0; j < short(16 / sizeof(T)); ++j) {
+        c.v[j] = row[(col + j) * d_stride];  // lint-ok: strided-scalar-load the vec fallback
+      }
     }
   }
 };
 
+// VW int8 quants read as one load (element alignment, as DeviceVec128).
+template <short N>
+struct AttnQuants {
+  int8_t v[N];
+};
+
 // Q8_0 k or v: int8 quants qs (key, d) and one half scale per 32 d. A chunk (VW <= 8 values,
 // VW divides 32) never crosses a block, so it reads one scale; q * d in float32, then T: the
-// value dequantize_q8_0 gives.
+// value dequantize_q8_0 gives. vec: the d stride is 1, the chunk's quants are one load.
 template <typename T, typename QPtr, typename SPtr>
 struct AttnQ8Source {
   QPtr qs;
@@ -100,13 +114,24 @@ struct AttnQ8Source {
   int64_t d_stride;
   int64_t scale_key_stride;
   int64_t scale_block_stride;
+  bool vec;
 
   void load(thread bricks::Vec128<T>& c, int key, int col) const {
+    constexpr short VW = short(16 / sizeof(T));
     const float d = float(scales[key * scale_key_stride + (col / QK8_0) * scale_block_stride]);
     const QPtr row = qs + key * key_stride;
-    ATTN_UNROLL
-    for (short j = 0; j < short(16 / sizeof(T)); ++j) {
-      c.v[j] = T(q8_0_dequantize(float(row[(col + j) * d_stride]), d));
+    if (vec) {
+      const AttnQuants<VW> q = *reinterpret_cast<const device AttnQuants<VW>*>(row + col);
+      ATTN_UNROLL
+      for (short j = 0; j < VW; ++j) {
+        c.v[j] = T(q8_0_dequantize(float(q.v[j]), d));
+      }
+    } else {
+      ATTN_UNROLL
+      for (short j = 0; j < VW; ++j) {
+        // lint-ok: strided-scalar-load the fallback of the vec path
+        c.v[j] = T(q8_0_dequantize(float(row[(col + j) * d_stride]), d));
+      }
     }
   }
 };
@@ -155,3 +180,5 @@ inline void attn_stage_tile(threadgroup T* tile, thread const Source& src, int k
     }
   }
 }
+
+#endif  // MLX_BRICKS_ATTENTION_H

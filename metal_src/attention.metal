@@ -103,12 +103,14 @@ if constexpr (KV_Q8) {
   ksrc.d_stride = k_strides[3];
   ksrc.scale_key_stride = k_scale_strides[2];
   ksrc.scale_block_stride = k_scale_strides[3];
+  ksrc.vec = k_strides[3] == 1;
   vsrc.qs = v + v_base;
   vsrc.scales = v_scale + (b * v_scale_strides[0] + hk * v_scale_strides[1]);
   vsrc.key_stride = v_strides[2];
   vsrc.d_stride = v_strides[3];
   vsrc.scale_key_stride = v_scale_strides[2];
   vsrc.scale_block_stride = v_scale_strides[3];
+  vsrc.vec = v_strides[3] == 1;
 } else {
   ksrc.base = k + k_base;
   ksrc.key_stride = k_strides[2];

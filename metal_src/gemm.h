@@ -145,12 +145,15 @@ template <typename T, short ROWS, short BK, short LD, short NTHREADS,
 struct TileLoader {
   static constant constexpr short VW = 16 / sizeof(T);   // elements per 128-bit vector
   static constant constexpr short CPR = BK / VW;         // chunks per tile row
-  static constant constexpr short RSTEP = NTHREADS / CPR;  // tile rows between a thread's chunks
-  static constant constexpr short NCH = ROWS / RSTEP;    // chunks per thread
+  // A tile of fewer chunks than threads (BK = 16 on a 32-row tile) leaves threads idle.
+  static constant constexpr bool PARTIAL = ROWS * CPR < NTHREADS;
+  static constant constexpr short RSTEP = PARTIAL ? ROWS : NTHREADS / CPR;  // rows between chunks
+  static constant constexpr short NCH = PARTIAL ? 1 : ROWS / RSTEP;  // chunks per thread
   static constant constexpr int TILE = ROWS * LD;        // elements of one threadgroup buffer
 
   static_assert(BK % VW == 0, "BK must be a multiple of the 128-bit vector width");
-  static_assert(NTHREADS % CPR == 0 && ROWS % RSTEP == 0, "tile does not split evenly");
+  static_assert(PARTIAL || (NTHREADS % CPR == 0 && ROWS % RSTEP == 0),
+                "tile does not split evenly");
   static_assert(LD % VW == 0, "the row pitch must keep 16-byte alignment (pad by VW)");
 
   Ptr src[NCH];
@@ -166,11 +169,15 @@ struct TileLoader {
       : k_stride(1), K(K_), vec(false), row(short(tid / CPR)), col(short((tid % CPR) * VW)),
         k_staged(0) {}
 
+  // Tile row of chunk i (past ROWS for an idle thread of a PARTIAL tile: it binds a clamped
+  // row and stages nothing).
   short tile_row(short i) const { return row + i * RSTEP; }
+  bool active() const { return !PARTIAL || row < ROWS; }
 
   // Issue the global loads of the tile starting at k0 into registers. check_k: the tile
   // crosses K (zero-fill past it; whole chunks in the vector path since VW divides K).
   void load(int k0, bool check_k) {
+    if (!active()) return;
     const int k = k0 + col;
     k_staged = k;
     if (vec) {
@@ -189,6 +196,7 @@ struct TileLoader {
         BRICKS_UNROLL
         for (short j = 0; j < VW; ++j) {
           const int kj = k + j;
+          // lint-ok: strided-scalar-load the fallback of the 128-bit path (vec)
           regs[i].v[j] = (!check_k || kj < K) ? src[i][long(kj) * k_stride] : T(0);
         }
       }
@@ -199,6 +207,7 @@ struct TileLoader {
   // to chunks that start inside K (the zero-filled tail stays zero).
   template <typename Op>
   void store(threadgroup T* dst, thread const Op& op) {
+    if (!active()) return;
     BRICKS_UNROLL
     for (short i = 0; i < NCH; ++i) {
       if (k_staged < K) op(regs[i], tile_row(i), k_staged);
@@ -449,7 +458,11 @@ void bind_weight_rows(thread Loader& lb, W weight, int n0, int N, int K, bool ve
 // float accumulators. Fragments are filled from threadgroup memory through thread_elements()
 // (lane layout as used by MLX's steel kernels: each lane holds (fr, fc) and (fr, fc + 1)),
 // converted to float, so the multiply-accumulate runs in float for every input dtype.
-template <short BM, short BN, short BK, short WM, short WN, short LDA, short LDB>
+// SCHED: simdgroup_barrier(mem_none) before the A loads, between A and B loads and before the
+// MMAs of each 8-wide K slice: scheduling hints (no memory ordering) that keep a simdgroup's
+// lanes together around the matrix unit, where MLX's steel GEMM and ggml place them.
+template <short BM, short BN, short BK, short WM, short WN, short LDA, short LDB,
+          bool SCHED = false>
 struct SimdgroupMMA {
   static constant constexpr short SM = BM / WM;
   static constant constexpr short SN = BN / WN;
@@ -511,13 +524,21 @@ struct SimdgroupMMA {
     }
   }
 
+  // A scheduling hint (SCHED), nothing otherwise.
+  static void hint() {
+    if (SCHED) simdgroup_barrier(mem_flags::mem_none);
+  }
+
   // acc += As (BM x BK) * Bs (BN x BK)^T for one threadgroup buffer pair.
   template <typename T>
   void mma(const threadgroup T* As, const threadgroup T* Bs) {
     BRICKS_UNROLL
     for (short kk = 0; kk < BK; kk += 8) {
+      hint();
       load_a(As, kk);
+      hint();
       load_b(Bs, kk);
+      hint();
       multiply_accumulate();
     }
   }
@@ -623,6 +644,7 @@ float row_sum_squares(Ptr row, int K, long k_stride, bool vec, ushort lane) {
     }
   } else {
     for (int k = int(lane); k < K; k += 32) {
+      // lint-ok: strided-scalar-load the fallback of the 128-bit path (vec)
       const float v = float(row[long(k) * k_stride]);
       acc += v * v;
     }

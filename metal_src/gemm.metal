@@ -3,7 +3,8 @@
 // Template: T (half, bfloat, float), BM, BN, BK, WM, WN (WM * WN simdgroups), PAD (row pitch
 // padding, a multiple of the 128-bit vector width), VEC (K % (16 / sizeof(T)) == 0: 128-bit
 // loads allowed), ALIGN_MN (M % BM == 0 and N % BN == 0: no store predication compiled),
-// STAGES (2: ping-pong buffers, 1: single buffer), HAS_BIAS, HAS_RESIDUAL, BITS (0: float
+// STAGES (2: ping-pong buffers, 1: single buffer), SCHED (scheduling hints between fragment
+// loads and MMAs, see gemm.h), HAS_BIAS, HAS_RESIDUAL, BITS (0: float
 // weight; 2, 3, 4, 5, 6, 8: MLX affine-quantized weight) and GROUP_SIZE (affine group size).
 // Inputs: x (..., K) with any strides (rows = flattened leading dims); weight (N, K) of T, or
 // for BITS > 0 uint32 (N, K * BITS / 32) with scales and biases (N, K / GROUP_SIZE) of T; the
@@ -57,7 +58,7 @@ bricks::bind_weight_rows(lb, WeightOp::make(weight, scales, biases), n0, N, K, V
 
 const ushort sg = ushort(simdgroup_index_in_threadgroup);
 const ushort lane = ushort(thread_index_in_simdgroup);
-bricks::SimdgroupMMA<BM, BN, BK, WM, WN, LDA, LDB> mma(sg, lane);
+bricks::SimdgroupMMA<BM, BN, BK, WM, WN, LDA, LDB, SCHED> mma(sg, lane);
 bricks::gemm_k_loop<BK, STAGES>(la, lb, mma, As, Bs, K, bricks::NoTransform());
 
 // Placeholders for absent bias/residual are never offset or read.

@@ -2,8 +2,10 @@
 // One thread per element in row-major order; the threadgroup size is a multiple of 32, so each
 // SIMD-group holds exactly one 32-value block and amax is one simd_max (no threadgroup memory).
 // Inputs: x (any float dtype, any strides). Outputs: qs int8 (..., D), d half (..., D / 32).
-const uint64_t elem = thread_position_in_grid.x;
-const float xv = float(x[q8_0_elem_offset(elem, x_shape, x_strides, x_ndim, 1)]);
+const uint elem = thread_position_in_grid.x;
+const bool contiguous = q8_0_contiguous(x_shape, x_strides, x_ndim);
+const float xv = float(x[contiguous ? int64_t(elem)
+                                    : q8_0_elem_offset(elem, x_shape, x_strides, x_ndim, 1)]);
 // NaN counts as 0 in amax (one rule on every GPU; ggml drops NaN unless last in the block).
 const float amax = simd_max(isnan(xv) ? 0.0f : fabs(xv));
 const float scale = q8_0_scale(amax);

@@ -12,14 +12,19 @@
 #ifndef MLX_BRICKS_RMS_NORM_QKV_H
 #define MLX_BRICKS_RMS_NORM_QKV_H
 
+#include <metal_stdlib>
+#include <metal_simdgroup_matrix>
+
+using namespace metal;
+
 namespace bricks {
 
 template <typename T, short BM, short BN, short BK, short WM, short WN, short LDA, short LDB,
-          short STAGES, short HEAD_DIM, bool HAS_BIAS, bool ALIGN_MN, typename LoaderA,
-          typename Norm>
+          short STAGES, bool SCHED, short HEAD_DIM, bool HAS_BIAS, bool ALIGN_MN,
+          typename LoaderA, typename Norm>
 struct QkvProjection {
   static constant constexpr short NT = WM * WN * 32;
-  typedef SimdgroupMMA<BM, BN, BK, WM, WN, LDA, LDB> MMA;
+  typedef SimdgroupMMA<BM, BN, BK, WM, WN, LDA, LDB, SCHED> MMA;
 
   thread LoaderA* la;       // x rows of this tile, bound by the kernel
   thread const Norm* norm;  // the RMSNorm transform applied to x chunks

@@ -8,7 +8,8 @@
 // way into threadgroup memory.
 //
 // Template: T, BM, BN, BK, WM, WN, PAD, VEC (K % (16 / sizeof(T)) == 0), ALIGN_MN (M % BM == 0
-// and both n_heads * HEAD_DIM and n_kv_heads * HEAD_DIM are multiples of BN), STAGES, HAS_BIAS,
+// and both n_heads * HEAD_DIM and n_kv_heads * HEAD_DIM are multiples of BN), STAGES, SCHED
+// (scheduling hints, see gemm.h), HAS_BIAS,
 // N_HEADS, N_KV_HEADS, HEAD_DIM, and each weight's format BITS_Q/GROUP_SIZE_Q, BITS_K/
 // GROUP_SIZE_K, BITS_V/GROUP_SIZE_V (0: float; else MLX affine, see gemm.metal).
 // Inputs: x (B, L, K) any strides; norm_weight (K,); inv_rms (B * L,) float32 (rms_norm_inv);
@@ -32,8 +33,8 @@ using WeightV = bricks::WeightOf<BITS_V, GROUP_SIZE_V, decltype(wv + 0), decltyp
                                  decltype(wv_biases + 0)>;
 using LoaderA = bricks::TileLoader<T, BM, BK, LDA, NT, decltype(x + 0)>;
 using Norm = bricks::RmsNormTransform<decltype(norm_weight + 0), decltype(inv_rms + 0)>;
-using Projection = bricks::QkvProjection<T, BM, BN, BK, WM, WN, LDA, LDB, STAGES, HEAD_DIM,
-                                         HAS_BIAS, ALIGN_MN, LoaderA, Norm>;
+using Projection = bricks::QkvProjection<T, BM, BN, BK, WM, WN, LDA, LDB, STAGES, SCHED,
+                                         HEAD_DIM, HAS_BIAS, ALIGN_MN, LoaderA, Norm>;
 
 // Every weight loader stages a BN x LDB tile of T, whatever the weight's format.
 static_assert(STAGES * (BM + BN) * LDA * sizeof(T) <= 32768,

@@ -19,6 +19,11 @@
 #ifndef MLX_BRICKS_SWIGLU_H
 #define MLX_BRICKS_SWIGLU_H
 
+#include <metal_stdlib>
+#include <metal_simdgroup_matrix>
+
+using namespace metal;
+
 namespace bricks {
 
 // SiLU(g) = g / (1 + exp(-g)). exp is taken of -|g| <= 0 so it can only underflow to 0, never
@@ -94,9 +99,10 @@ void bind_gate_up_rows(thread Loader& lb, W w_gate, W w_up, int n0, int N, int K
 // layout, so every simdgroup holds gate and up for the same output elements in the same lanes
 // (the epilogue needs no exchange through threadgroup memory). Bs holds 2 * BN weight rows
 // with pitch LDB: gate rows first, then up rows.
-template <short BM, short BN, short BK, short WM, short WN, short LDA, short LDB>
+template <short BM, short BN, short BK, short WM, short WN, short LDA, short LDB,
+          bool SCHED = false>
 struct GateUpMMA {
-  using Block = SimdgroupMMA<BM, BN, BK, WM, WN, LDA, LDB>;
+  using Block = SimdgroupMMA<BM, BN, BK, WM, WN, LDA, LDB, SCHED>;
   Block gate;
   Block up;  // its a_frag is never used: gate.a_frag feeds both products
 
@@ -108,9 +114,12 @@ struct GateUpMMA {
     const threadgroup T* Bu = Bs + BN * LDB;
     BRICKS_UNROLL
     for (short kk = 0; kk < BK; kk += 8) {
+      Block::hint();
       gate.load_a(As, kk);
+      Block::hint();
       gate.load_b(Bs, kk);
       up.load_b(Bu, kk);
+      Block::hint();
       BRICKS_UNROLL
       for (short i = 0; i < Block::TM; ++i) {
         BRICKS_UNROLL

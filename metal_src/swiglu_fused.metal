@@ -7,7 +7,8 @@
 // Template: T (half, bfloat, float), BM, BN (act columns per tile), BK, WM, WN (WM * WN
 // simdgroups), PAD (row pitch padding, a multiple of the 128-bit vector width), VEC
 // (K % (16 / sizeof(T)) == 0: 128-bit loads allowed), ALIGN_MN (M % BM == 0 and N % BN == 0: no
-// store predication compiled), STAGES (2: ping-pong buffers, 1: single buffer), HAS_BIAS_GATE,
+// store predication compiled), STAGES (2: ping-pong buffers, 1: single buffer), SCHED
+// (scheduling hints, see gemm.h), HAS_BIAS_GATE,
 // HAS_BIAS_UP, BITS and GROUP_SIZE (the weights' format, one for both: 0 = float, else MLX
 // affine; see gemm.metal), ACT (the gate's activation: 0 SiLU, 1 GELU-tanh; see swiglu.h).
 // Inputs: x (..., K) with any strides (rows = flattened leading dims); w_gate and w_up (N, K)
@@ -54,7 +55,7 @@ bricks::bind_gate_up_rows<BN>(lb, WeightOp::make(w_gate, gate_scales, gate_biase
 // Named locals: `mma(ushort(a), ushort(b))` would declare a function (most vexing parse).
 const ushort sg = ushort(simdgroup_index_in_threadgroup);
 const ushort lane = ushort(thread_index_in_simdgroup);
-bricks::GateUpMMA<BM, BN, BK, WM, WN, LDA, LDB> mma(sg, lane);
+bricks::GateUpMMA<BM, BN, BK, WM, WN, LDA, LDB, SCHED> mma(sg, lane);
 bricks::gemm_k_loop<BK, STAGES>(la, lb, mma, As, Bs, K, bricks::NoTransform());
 bricks::swiglu_combine<ACT, HAS_BIAS_GATE, HAS_BIAS_UP>(mma, b_gate, b_up, n0, N);
 

@@ -2,7 +2,7 @@
 // of the GEMM brick's tiling with an epilogue that reads up = x @ w_up.T + b_up (computed before
 // by the GEMM brick) at each stored element. One BM x BN act tile per threadgroup.
 //
-// Template: the GEMM brick's (T, BM, BN, BK, WM, WN, PAD, VEC, ALIGN_MN, STAGES, HAS_BIAS,
+// Template: the GEMM brick's (T, BM, BN, BK, WM, WN, PAD, VEC, ALIGN_MN, STAGES, SCHED, HAS_BIAS,
 // HAS_RESIDUAL, BITS, GROUP_SIZE; see gemm.metal); HAS_BIAS is b_gate's, HAS_RESIDUAL is unused
 // (always false), BITS and GROUP_SIZE are w_gate's format; ACT is the gate's activation (0 SiLU,
 // 1 GELU-tanh; see swiglu.h).
@@ -47,7 +47,7 @@ bricks::bind_weight_rows(lb, WeightOp::make(w_gate, gate_scales, gate_biases), n
 // Named locals: `mma(ushort(a), ushort(b))` would declare a function (most vexing parse).
 const ushort sg = ushort(simdgroup_index_in_threadgroup);
 const ushort lane = ushort(thread_index_in_simdgroup);
-bricks::SimdgroupMMA<BM, BN, BK, WM, WN, LDA, LDB> mma(sg, lane);
+bricks::SimdgroupMMA<BM, BN, BK, WM, WN, LDA, LDB, SCHED> mma(sg, lane);
 bricks::gemm_k_loop<BK, STAGES>(la, lb, mma, As, Bs, K, bricks::NoTransform());
 
 const bricks::SwiGLUUpEpilogue<ACT, HAS_BIAS, decltype(b_gate + 0), decltype(up + 0)> epilogue = {

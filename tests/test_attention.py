@@ -175,7 +175,7 @@ def test_covering_subset_covers_every_axis_value():
     assert all(not (c[8] and c[4] % 32) and c[2] >= c[1] for c in COVERING)
     variants = {(attention_tile_config(c[4], c[5]).wd, attention_tile_config(c[4], c[5]).kv_shared)
                 for c in COVERING}
-    assert variants == {(1, False), (2, False), (4, False), (4, True)}
+    assert variants == {(1, False), (2, False), (2, True), (4, True)}
 
 
 def check_case(backend, case):
@@ -544,9 +544,13 @@ def test_tile_config_fits_32kb_and_register_budget(D, dtype):
     # Each SIMD-group keeps D / wd columns of Q and of O: at most 2 x 32 floats a lane.
     assert D % (8 * t.wd) == 0 and D // t.wd <= MAX_HEAD_DIM_PER_SIMDGROUP
     assert t.bq == 8 * t.wq and t.bk in (8, 16, 32) and t.threads in (128, 256)
-    # K and V share a buffer only where two buffers of the smallest tile would not fit.
+    # K and V share a buffer only where two buffers of the first bk (32 up to head_dim 96,
+    # else 16) would not fit; bk is halved only where one buffer would not.
+    first_bk = 32 if D <= 96 else 16
     if t.kv_shared:
-        assert attention_threadgroup_bytes(D, dtype.size, 8, t.wq, t.wd, False) > 32768
+        assert attention_threadgroup_bytes(D, dtype.size, first_bk, t.wq, t.wd, False) > 32768
+    if t.bk < first_bk:
+        assert attention_threadgroup_bytes(D, dtype.size, 2 * t.bk, t.wq, t.wd, True) > 32768
 
 
 def test_kernel_refuses_tiles_over_32kb():

@@ -16,10 +16,12 @@ import pytest
 from mlx_bricks import cudacheck, kernels
 from mlx_bricks.bricks.decode.op import (
     DECODE_NSG,
+    MSL_MAX_ROWS,
     SUPPORTED_HEAD_DIMS,
     _threadgroup_bytes,
     decode_attention,
     launch_decode_attention,
+    msl_threadgroup_bytes,
     plan_splits,
     rows_per_threadgroup,
 )
@@ -208,11 +210,18 @@ def test_decode_attention_full_sweep(kernel_backend, group):
 
 
 def test_rows_per_threadgroup_keeps_the_register_budget():
+    # CUDA twin
     assert [rows_per_threadgroup(D, 64) for D in SUPPORTED_HEAD_DIMS] == [16, 8, 8, 8, 4, 4, 2]
     assert [rows_per_threadgroup(128, r) for r in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 8]
     for D in SUPPORTED_HEAD_DIMS:
         rt = rows_per_threadgroup(D, 64)
         assert rt * -(-D // 32) <= 32 and _threadgroup_bytes(D, rt) <= 32768
+    # MSL kernel: at most 8 rows, and a small merge buffer (one row of O per SIMD-group)
+    msl = [rows_per_threadgroup(D, 64, MSL_MAX_ROWS) for D in SUPPORTED_HEAD_DIMS]
+    assert msl == [8, 8, 8, 8, 4, 4, 2]
+    assert [msl_threadgroup_bytes(D, rt) for D, rt in zip(SUPPORTED_HEAD_DIMS, msl)] == [
+        4 * (DECODE_NSG * D + 2 * DECODE_NSG * rt) for D, rt in zip(SUPPORTED_HEAD_DIMS, msl)]
+    assert msl_threadgroup_bytes(128, 8) == 2304 and msl_threadgroup_bytes(512, 2) == 8256
 
 
 def test_plan_splits():
@@ -311,6 +320,30 @@ def test_views_are_read_in_place(msl_backend, q8):
                          kv_quant=kvq, splits=3, backend=msl_backend)
     assert np.all(np.isfinite(np.array(a.astype(F32))))
     assert np.array_equal(np.array(a), np.array(b))
+
+
+@pytest.mark.parametrize("q8,D", [(False, 80), (True, 96)], ids=["fp-D80", "q8-D96"])
+def test_kv_with_a_d_stride_take_the_strided_path(msl_backend, q8, D):
+    # K/V (and Q8_0 quants) stored (B, Hkv, D, Lk) and seen transposed: d stride Lk, so the
+    # kernel's scalar path runs; it computes what the chunk-load path computes on copies.
+    B, Lq, Lk, Hq, Hkv = 1, 3, 37, 8, 2
+    q, k, v = make_qkv(B, Lq, Lk, Hq, Hkv, D, BF16, seed=14)
+    if q8:
+        k, v = quantize_q8_0_reference(k), quantize_q8_0_reference(v)
+        kt = (mx.contiguous(k[0].swapaxes(-1, -2)).swapaxes(-1, -2), k[1])
+        vt = (mx.contiguous(v[0].swapaxes(-1, -2)).swapaxes(-1, -2), v[1])
+    else:
+        kt = mx.contiguous(k.swapaxes(-1, -2)).swapaxes(-1, -2)
+        vt = mx.contiguous(v.swapaxes(-1, -2)).swapaxes(-1, -2)
+    kvq = "q8_0" if q8 else None
+    a = decode_attention(q, kt, vt, scale=D**-0.5, mask="causal", kv_quant=kvq, splits=2,
+                         backend=msl_backend)
+    b = decode_attention(q, k, v, scale=D**-0.5, mask="causal", kv_quant=kvq, splits=2,
+                         backend=msl_backend)
+    assert np.array_equal(np.array(a.astype(F32)), np.array(b.astype(F32)))
+    kd64 = dequant64(*k) if q8 else k
+    vd64 = dequant64(*v) if q8 else v
+    np.testing.assert_allclose(to_f64(a), attention64(q, kd64, vd64, D**-0.5, True), atol=2e-2)
 
 
 def test_full_precision_kv_with_q8_0_is_quantized_first(kernel_backend):

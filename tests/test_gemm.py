@@ -131,6 +131,13 @@ VARIANTS = [
     (64, 192, 64, "bfloat16", "64x64_sb"),  # aligned, vector loads, no K tail
     (65, 130, 9, "float16", "64x64_sb"),   # unaligned, scalar loads, K tail
     (33, 31, 1000, "float32", "32x32_sb"),  # unaligned, vector loads with a K tail
+    # BK = 16 (32-row tiles: half the loader threads idle) and scheduling hints
+    (64, 192, 64, "float16", "64x64_bk16"),      # aligned, vector loads
+    (65, 130, 9, "bfloat16", "64x64_bk16_sb"),   # unaligned, scalar loads, K tail
+    (33, 31, 1000, "float16", "32x32_bk16"),     # idle loader threads, vector loads, K tail
+    (96, 64, 33, "bfloat16", "32x32_bk16_sb_sh"),  # idle loader threads, scalar loads
+    (128, 64, 1000, "float32", "64x64_sh"),      # hints, vector loads, K tail
+    (40, 72, 64, "float16", "32x32_sb_sh"),      # hints, single buffer
 ]
 
 
@@ -241,8 +248,9 @@ def test_linear_pitch_padding(msl_backend, pad_chunks):
 def test_threadgroup_memory_within_limit(dtype, tile):
     p = plan_gemm(100, 100, 100, dtype, tile=tile)
     t = gemm.TILES[tile]
-    stages = 1 if tile.endswith("_sb") else 2
-    assert t.stages == stages and t.name.endswith("_sb") == (stages == 1)
+    stages = 1 if "_sb" in tile else 2
+    assert t.stages == stages and ("_sb" in t.name) == (stages == 1)
+    assert p.bk == (16 if "_bk16" in tile else 64 // dtype.size) and t.sched == ("_sh" in tile)
     expected = stages * (t.bm + t.bn) * (p.bk + p.pad) * dtype.size
     assert p.threadgroup_bytes == expected <= 32 * 1024
     assert (p.pad * dtype.size) % 16 == 0 and (p.bk * dtype.size) % 16 == 0

@@ -14,6 +14,7 @@ import re
 
 import pytest
 
+from mlx_bricks import kernels
 from mlx_bricks.kernels import read_source
 
 # The files built on gemm.h's pipeline (attention has its own header and review items).
@@ -106,3 +107,85 @@ def test_rules_catch_the_reviewed_patterns():
             if REGISTER_INDEX.search(body) and not UNROLL.search(before)]
     const_store = "void store(device T* C) const { auto e = acc[0][0].thread_elements(); }"
     assert re.search(r"\)\s*const\s*\{[^}]*thread_elements\(\)", const_store)
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 28: self-contained headers, the performance lint, and the tuner's view of the sources
+
+import importlib.resources  # noqa: E402
+
+ALL_SOURCES = sorted(p.name for p in importlib.resources.files("mlx_bricks.metal_src").iterdir()
+                     if p.name.endswith((".h", ".metal")))
+HEADERS = [n for n in ALL_SOURCES if n.endswith(".h")]
+
+
+@pytest.mark.parametrize("filename", HEADERS)
+def test_headers_are_self_contained(filename):
+    """Each header includes <metal_stdlib> and says `using namespace metal;` before its first
+    declaration, inside an include guard: it does not lean on what MLX's prepended utilities
+    or another header happen to provide (issue 28: q8_0.h and decode_attention.h did)."""
+    text = _strip_comments(read_source(filename))
+    guard = re.search(r"#ifndef (MLX_BRICKS_\w+_H)\s*#define \1\b", text)
+    assert guard and text.rstrip().endswith("#endif"), f"{filename}: no include guard"
+    body = text[guard.end():]
+    inc = body.find("#include <metal_stdlib>")
+    using = body.find("using namespace metal;")
+    first = re.search(r"^\s*(?:template|struct|inline|typedef|enum|namespace|constexpr)\b", body,
+                      re.M)
+    assert inc >= 0 and using > inc, f"{filename}: needs #include <metal_stdlib> and using"
+    assert first is None or using < first.start(), f"{filename}: using namespace metal too late"
+
+
+def test_sources_pass_the_text_lint():
+    from mlx_bricks.emulator.lint import strided_loads
+
+    found = [str(f) for n in ALL_SOURCES for f in strided_loads(n, read_source(n))]
+    assert not found, "\n".join(found)
+
+
+def test_kernels_have_no_64_bit_division_in_loops():
+    """The IR rule of the lint over one launch of every kernel, as the ops make it (the rule
+    sees the instantiated types; the q8_0 kernels had 64-bit % and / per element before issue
+    28). One clang run per kernel."""
+    from mlx_bricks.emulator.lint import int64_divisions
+    from mlx_bricks.tools import mac_check
+    from tests.support import require_backend
+
+    require_backend("emulator")
+    picked = {}
+    for _, record in mac_check.launches("emulator"):
+        picked.setdefault(record[0], record)
+    assert len(picked) >= 10
+    found = [f"{name}: {f}" for name, record in sorted(picked.items())
+             for f in int64_divisions(mac_check.generated(record))]
+    assert not found, "\n".join(found)
+
+
+def test_every_source_file_feeds_the_tuners_cache_key(monkeypatch):
+    """The decision cache's context hashes every kernel source as MLX gets it (tune/cache.py):
+    each metal_src file belongs to a registered kernel, and an edit of any one changes the key,
+    so a decision measured on a former kernel is never served (issue 28's kernel changes)."""
+    from mlx_bricks.tune import cache
+
+    import mlx_bricks.ops  # noqa: F401  (registers the kernels)
+
+    cache.kernel_source_hash()  # imports every op module, registering every kernel
+    used = set()
+    for name in kernels.registered():
+        s = kernels.spec(name)
+        if s.body:
+            used.update([s.body, *s.headers])
+    assert set(ALL_SOURCES) <= used
+    before = cache.kernel_source_hash()
+    original = kernels.read_source
+    for edited in ("decode_attention.h", "q8_0.h", "gemm.h"):
+        def fake(filename, package=kernels.SOURCE_PACKAGE, _e=edited):
+            text = original(filename, package)
+            return text + "\n// edited\n" if filename == _e else text
+
+        monkeypatch.setattr(kernels, "read_source", fake)
+        cache.kernel_source_hash.cache_clear()
+        assert cache.kernel_source_hash() != before, edited
+    monkeypatch.setattr(kernels, "read_source", original)
+    cache.kernel_source_hash.cache_clear()
+    assert cache.kernel_source_hash() == before

@@ -118,6 +118,8 @@ PATHS = [
     (1, 100, 200, 4, 1, 80, "bfloat16", "64x64"),  # unaligned on the main tile, GQA 4
     (1, 7, 36, 2, 2, 64, "float16", None),       # K % 8 != 0: scalar loads and norm
     (2, 33, 1, 2, 1, 64, "float32", "32x32"),    # K = 1
+    (1, 33, 200, 2, 1, 64, "bfloat16", "32x32_bk16_sh"),  # BK = 16, idle loader threads, hints
+    (1, 70, 36, 2, 2, 64, "float16", "64x64_bk16_sb"),    # BK = 16, scalar loads, one buffer
 ]
 
 

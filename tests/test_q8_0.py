@@ -116,6 +116,51 @@ def test_tiny_block_stays_finite(kernel_backend, amax):
     assert np.all(out == 0.0)
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32], ids=["bfloat16", "float32"])
+def test_huge_block_gets_a_finite_guarded_scale(kernel_backend, dtype):
+    # amax / 127 >= 65520 would round to an infinite half (ggml stores inf): the scale
+    # saturates at 65504 and the quants at +-127, and the block stays finite. Just below the
+    # threshold (d in [65504, 65520) rounds to 65504 in half) ggml's values are kept.
+    # edge: the largest magnitude below the guard each dtype represents (float32: d in the
+    # [65504, 65520) sliver where half(d) is 65504; bfloat16 steps by 32768 there)
+    big, edge = 1.0e9, 127.0 * 65510.0 if dtype == mx.float32 else 253.0 * 32768
+    x = mx.concatenate([block([big, -big / 3, 5.0e6, 1.0], dtype), block([edge, 1.0e6], dtype),
+                        block([3.0, -1.5], dtype)], axis=1)
+    qs, d = q8(x, kernel_backend)
+    d_edge = np.float16(np.float32(edge) / np.float32(127))
+    assert d[0].tolist() == [65504.0, d_edge, np.float16(np.float32(3.0) / np.float32(127))]
+    assert np.isfinite(d_edge)
+    xf = np.array(x.astype(mx.float32))[0]
+    assert qs[0, :4].tolist() == [127, -127, round(float(xf[2]) / 65504.0), 0]
+    qs_ref, d_ref = ggml_q8_0(xf[None, 32:])
+    np.testing.assert_array_equal(qs[0, 32:], qs_ref[0])  # below the guard: ggml exactly
+    np.testing.assert_array_equal(d[0, 1:].view(np.uint16), d_ref[0].view(np.uint16))
+    out = np.array(dequantize_q8_0(mx.array(qs), mx.array(d), dtype=mx.float32,
+                                   backend=kernel_backend))
+    assert np.all(np.isfinite(out)) and out[0, 0] == 127 * 65504.0
+    # the reference backend takes the same guard
+    qr, dr = quantize_q8_0_reference(x)
+    np.testing.assert_array_equal(np.array(qr), qs)
+    np.testing.assert_array_equal(np.array(dr).view(np.uint16), d.view(np.uint16))
+
+
+def test_contiguous_and_strided_inputs_agree(msl_backend):
+    # The kernels index a row-contiguous array directly and a view through 32-bit index math;
+    # both give the same quants, also for a view whose size-1 axis has an odd stride.
+    rng = np.random.default_rng(9)
+    buf = mx.array(rng.standard_normal((3, 1, 4, 96)).astype(np.float32)).astype(mx.float16)
+    views = {"contiguous": buf, "sliced": mx.concatenate([buf, buf], axis=2)[:, :, 2:6],
+             "transposed": buf.transpose(1, 0, 2, 3)}
+    want = quantize_q8_0_reference(buf)
+    for name, v in views.items():
+        qs, d = quantize_q8_0(v, backend=msl_backend)
+        ref = quantize_q8_0_reference(mx.contiguous(v))
+        assert mx.array_equal(qs, ref[0]) and mx.array_equal(d, ref[1]), name
+        back = dequantize_q8_0(qs, d, dtype=mx.float32, backend=msl_backend)
+        assert mx.array_equal(back, dequantize_q8_0_reference(*ref, mx.float32)), name
+    assert mx.array_equal(want[0], quantize_q8_0(buf, backend=msl_backend)[0])
+
+
 def test_nan_counts_as_zero_in_the_block_scale(kernel_backend):
     # One NaN must not wipe its block: amax ignores it and the NaN element quantizes to 0.
     x = block([1.0] * 5 + [float("nan"), 1.0, 4.0])

@@ -89,6 +89,8 @@ SWIGLU_TILES = [
     ("fused", "64x64", 70, 128, 130, (Q8, Q8, None), "float16"),
     ("fused", "32x16_sb", 33, 128, 40, ((5, 32), (5, 32), None), "float32"),
     ("split", "64x64_sb", 65, 256, 72, ((2, 128), (2, 128), None), "bfloat16"),
+    # BK = 16: 8-value runs on 16-wide K steps, 32-row x tile with idle loader threads
+    ("fused", "32x16_bk16_sh", 33, 128, 40, ((4, 32), (4, 32), None), "float16"),
 ]
 
 
@@ -200,6 +202,7 @@ QKV_COVER = [
 QKV_TILES = [
     (1, 70, 128, (2, 2), 64, (Q4, Q4, Q8), "float16", "64x64_sb"),
     (2, 9, 64, (4, 1), 32, (Q8, (4, 32), None), "float32", "32x32_sb"),
+    (1, 70, 128, (2, 2), 64, (Q4, (3, 32), Q8), "bfloat16", "64x64_bk16"),  # BK = 16, 3-bit
 ]
 
 

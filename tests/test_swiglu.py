@@ -186,6 +186,11 @@ TILE_CASES = [
     ("fused", "64x32_sb", 100, 40, 130, "bfloat16"),  # unaligned, scalar loads, K tail
     ("fused", "32x16_sb", 64, 64, 64, "float16"),  # aligned, no K tail
     ("split", "32x32_sb", 33, 1000, 40, "float32"),  # vector loads with a K tail
+    # BK = 16 (32-row weight and x tiles: idle loader threads) and scheduling hints
+    ("fused", "32x16_bk16", 33, 1000, 40, "float16"),  # idle loader threads, K tail
+    ("fused", "64x32_bk16_sb_sh", 65, 33, 70, "bfloat16"),  # scalar loads (K odd)
+    ("fused", "64x64_sh", 128, 64, 64, "float32"),  # hints, aligned
+    ("split", "32x32_bk16_sh", 65, 9, 130, "bfloat16"),  # idle loader threads, scalar loads
 ]
 
 
@@ -378,8 +383,9 @@ def test_variant_rule(monkeypatch):
 def test_fused_threadgroup_memory_within_limit(dtype, tile):
     p = plan_fused(100, 100, 100, dtype, tile=tile)
     t = FUSED_TILES[tile]
-    stages = 1 if tile.endswith("_sb") else 2
-    assert t.stages == stages
+    stages = 1 if "_sb" in tile else 2
+    assert t.stages == stages and t.sched == ("_sh" in tile)
+    assert p.bk == (16 if "_bk16" in tile else 64 // dtype.size)
     expected = stages * (t.bm + 2 * t.bn) * (p.bk + p.pad) * dtype.size
     assert p.threadgroup_bytes == expected <= 32 * 1024
 

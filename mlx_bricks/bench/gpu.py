@@ -138,7 +138,8 @@ def swiglu_cases(backend: str, dtype_name: str = "bfloat16", variants=("fused", 
     import mlx.nn as nn
 
     from mlx_bricks import ops
-    from mlx_bricks.bricks.gemm.cuda import SWIGLU_TILES, TILES
+    from mlx_bricks.bricks.gemm.cuda import TILES
+    from mlx_bricks.bricks.swiglu.cuda import SWIGLU_TILES
 
     dtype = getattr(mx, dtype_name)
     N, K = INTERMEDIATE, HIDDEN

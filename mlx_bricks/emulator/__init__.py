@@ -11,7 +11,9 @@ barriers, SIMD-group functions and ``simdgroup_matrix`` operations synchronise f
 Fault finding (on by default; ``set_checks`` / ``checks`` / ``MLX_BRICKS_EMULATOR_CHECKS``)
 raises ``EmulatorFault`` for: out-of-bounds device or threadgroup accesses, output elements left
 unwritten, results that differ between two fiber schedules (a missing barrier), and barriers
-reached by only part of a threadgroup. See ``docs/emulator.md``.
+reached by only part of a threadgroup. The perturbed mode (``checks(perturb=seed)``,
+``MLX_BRICKS_EMULATOR_PERTURB``) varies what Metal may vary: subnormals, ``fast::`` errors,
+accumulation orders. ``lint_kernel`` reports slow patterns. See ``docs/emulator.md``.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from .compile import (
 __all__ = [
     "metal_kernel",
     "generate_source",
+    "lint_kernel",
     "is_available",
     "set_checks",
     "checks",
@@ -61,19 +64,43 @@ class Checks:
         address_spaces: compile device/constant/threadgroup as distinct address spaces, so
             mismatches are compile errors as on Metal (False compiles the keywords away:
             mismatches pass, and overloads or specialisations on the address space collide).
+        perturb: 0 (off), or the seed of the perturbed mode: float32 subnormals flushed to
+            zero, ``fast::`` results anywhere within Metal's documented error bounds, and
+            ``simd_sum``/``simd_product`` and ``simdgroup_multiply_accumulate`` accumulating in
+            shuffled orders; each a freedom the MSL specification gives a GPU, so a kernel and
+            its test tolerance should hold under it (``MLX_BRICKS_EMULATOR_PERTURB=<seed>``).
     """
 
     bounds: bool = True
     unwritten: bool = True
     schedules: int = 2
     address_spaces: bool = True
+    perturb: int = 0
+
+
+def _perturb_from_env() -> int:
+    v = os.environ.get("MLX_BRICKS_EMULATOR_PERTURB", "0").strip().lower()
+    if v in ("", "0", "false", "off", "no"):
+        return 0
+    if v in ("true", "on", "yes"):
+        return 1
+    try:
+        seed = int(v)
+    except ValueError:
+        raise ValueError(
+            f"MLX_BRICKS_EMULATOR_PERTURB must be 0 (off) or a seed 1..2**32-1, got {v!r}"
+        ) from None
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"MLX_BRICKS_EMULATOR_PERTURB must be a seed 1..2**32-1, got {seed}")
+    return seed
 
 
 def _checks_from_env() -> Checks:
     v = os.environ.get("MLX_BRICKS_EMULATOR_CHECKS", "1").strip()
+    perturb = _perturb_from_env()
     if v in ("0", "false", "off", "no"):
-        return Checks(bounds=False, unwritten=False, schedules=1)
-    return Checks()
+        return Checks(bounds=False, unwritten=False, schedules=1, perturb=perturb)
+    return Checks(perturb=perturb)
 
 
 _checks = _checks_from_env()
@@ -89,8 +116,13 @@ def set_checks(
     unwritten: bool | None = None,
     schedules: int | None = None,
     address_spaces: bool | None = None,
+    perturb: int | None = None,
 ) -> Checks:
-    """Change the checks (arguments left None keep their value); returns the previous ones."""
+    """Change the checks (arguments left None keep their value); returns the previous ones.
+
+    Raises:
+        ValueError: ``schedules`` not 1 or 2, ``perturb`` not a seed in [0, 2**32).
+    """
     global _checks
     old = _checks
     new = old
@@ -104,6 +136,10 @@ def set_checks(
         new = replace(new, schedules=int(schedules))
     if address_spaces is not None:
         new = replace(new, address_spaces=bool(address_spaces))
+    if perturb is not None:
+        if isinstance(perturb, bool) or not isinstance(perturb, int) or not 0 <= perturb < 2**32:
+            raise ValueError(f"perturb must be 0 (off) or a seed in [1, 2**32), got {perturb!r}")
+        new = replace(new, perturb=perturb)
     _checks = new
     return old
 
@@ -286,6 +322,38 @@ def generate_source(
     ).source
 
 
+def lint_kernel(
+    name: str,
+    input_names,
+    output_names,
+    source: str,
+    header: str = "",
+    *,
+    inputs,
+    output_dtypes,
+    template=None,
+    atomic_outputs: bool = False,
+    rules=None,
+):
+    """Performance lint of the kernel ``metal_kernel(name, input_names, output_names, source,
+    header)`` as launched with these ``inputs`` (mx.arrays, Python scalars, or
+    ``source.InputInfo``), ``output_dtypes`` and ``template``: a list of
+    ``lint.Finding`` (64-bit division in loops, scalar loads along runtime strides in loops;
+    ``rules`` picks among ``lint.RULES``, default all). See ``mlx_bricks.emulator.lint``.
+
+    Raises:
+        EmulatorCompileError: the kernel does not compile (the division rule builds it).
+    """
+    from . import lint as _lint
+
+    infos = [x if isinstance(x, _source.InputInfo) else _input_info(x) for x in inputs]
+    gen = _source.generate(
+        name, list(input_names), list(output_names), source, header, infos,
+        list(output_dtypes), template, atomic_outputs,
+    )
+    return _lint.lint(gen, _lint.RULES if rules is None else tuple(rules))
+
+
 def _input_info(x) -> _source.InputInfo:
     mx = _mx()
     if isinstance(x, bool):
@@ -377,7 +445,7 @@ class EmulatedKernel:
                 from .runtime import launch
 
                 launch(kernel, gen.kernel_name, bufs, grid, group, schedule % 2, _threads(),
-                       cfg.bounds, _TG_POISON[schedule % 2])
+                       cfg.bounds, _TG_POISON[schedule % 2], cfg.perturb)
             runs.append(outs)
         self._check_outputs(gen.kernel_name, runs, output_dtypes, init_value, cfg)
         return [_from_numpy(o, dt) for o, dt in zip(runs[0], output_dtypes)]

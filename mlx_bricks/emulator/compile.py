@@ -1,5 +1,4 @@
-"""Finding clang, compiling kernels (one clang run, address spaces included), and the on-disk
-cache.
+"""Compiling kernels (one clang run, address spaces included), and the on-disk cache.
 
 The cache lives in ``$MLX_BRICKS_HOME/emulator`` (default ``~/.cache/mlx_bricks/emulator``);
 files are named by the SHA-256 of everything that goes into them (translation unit, shim,
@@ -12,29 +11,25 @@ import ctypes
 import hashlib
 import os
 import re
-import shutil
-import subprocess
 import tempfile
 import threading
 import time
 from functools import lru_cache
 from pathlib import Path
 
+from .bfloat_rules import refused_conversions
 from .source import Generated, TgDecl, cpp_translation_unit
+from .toolchain import (  # noqa: F401  (find_clang, MIN_CLANG: re-exported)
+    MIN_CLANG,
+    EmulatorCompileError,
+    EmulatorFault,
+    clang_or_raise,
+    find_clang,
+    preprocess,
+    run,
+)
 
 SHIM_DIR = Path(__file__).resolve().parent / "shim"
-MIN_CLANG = 15
-
-
-class EmulatorFault(RuntimeError):
-    """A kernel did something a GPU would hide or punish: out-of-bounds access, an output
-    element left unwritten, a result that depends on thread order (a race), a barrier reached
-    by part of a threadgroup. The message names the kernel and the threads or elements."""
-
-
-class EmulatorCompileError(EmulatorFault):
-    """The kernel does not compile: an MSL error, an address-space mismatch, or an MSL feature
-    the emulator does not provide (the message names it)."""
 
 
 def cache_dir() -> Path:
@@ -44,43 +39,6 @@ def cache_dir() -> Path:
     d = home() / "emulator"
     d.mkdir(parents=True, exist_ok=True)
     return d
-
-
-def _clang_version(path: str) -> tuple[int, str] | None:
-    try:
-        out = subprocess.run(
-            [path, "--version"], capture_output=True, text=True, timeout=30, check=False
-        ).stdout
-    except OSError:
-        return None
-    m = re.search(r"clang version (\d+)", out)
-    return (int(m.group(1)), out.splitlines()[0]) if m else None
-
-
-@lru_cache(maxsize=None)
-def find_clang() -> tuple[str | None, str]:
-    """(path, version line) of a usable clang++ (>= 15), or (None, reason)."""
-    env = os.environ.get("MLX_BRICKS_CLANG")
-    if env:
-        v = _clang_version(env)
-        if v is None:
-            return None, f"MLX_BRICKS_CLANG={env!r} is not a working clang++"
-        if v[0] < MIN_CLANG:
-            return None, f"MLX_BRICKS_CLANG={env!r} is clang {v[0]}; need >= {MIN_CLANG}"
-        return env, v[1]
-    candidates = ["clang++-19"] + [f"clang++-{n}" for n in range(25, MIN_CLANG - 1, -1) if n != 19]
-    candidates.append("clang++")
-    for name in candidates:
-        path = shutil.which(name)
-        if not path:
-            continue
-        v = _clang_version(path)
-        if v and v[0] >= MIN_CLANG:
-            return path, v[1]
-    return None, (
-        "clang++-19 not found (need clang >= 15 for _Float16); install Debian package clang-19 "
-        "or set MLX_BRICKS_CLANG"
-    )
 
 
 @lru_cache(maxsize=None)
@@ -129,10 +87,6 @@ def _opt_flag() -> str:
     return "-O" + level
 
 
-def _run(cmd: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, check=False)
-
-
 def _digest(*parts: str) -> str:
     h = hashlib.sha256()
     for p in parts:
@@ -150,9 +104,11 @@ def _shim_text() -> str:
 
 @lru_cache(maxsize=1)
 def _driver_text() -> str:
-    """This file: its link and diagnostic flags and the struct-copy patches shape each kernel's
-    object, so a cached one built by another version of it is not reused."""
-    return Path(__file__).read_text()
+    """This file and bfloat_rules.py: the link and diagnostic flags and the struct-copy patches
+    shape each kernel's object, and the bfloat rules decide whether one is built at all, so a
+    cached one built by another version of them is not reused."""
+    here = Path(__file__).resolve().parent
+    return (here / "compile.py").read_text() + (here / "bfloat_rules.py").read_text()
 
 
 _lock = threading.Lock()
@@ -165,16 +121,14 @@ def runtime_library() -> ctypes.CDLL:
     with _lock:
         if _runtime_lib is not None:
             return _runtime_lib
-        clang, version = find_clang()
-        if clang is None:
-            raise EmulatorCompileError(version)
+        clang, version = clang_or_raise()
         flags = ["-std=c++17", "-O2", "-fPIC", "-shared", "-pthread"]
         key = _digest(_shim_text(), version, " ".join(flags), "runtime")
         out = cache_dir() / f"runtime_{key}.so"
         if not out.exists():
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir())
             os.close(fd)
-            r = _run([clang, *flags, "-I", str(SHIM_DIR), str(SHIM_DIR / "emu_runtime.cpp"),
+            r = run([clang, *flags, "-I", str(SHIM_DIR), str(SHIM_DIR / "emu_runtime.cpp"),
                       "-o", tmp])
             if r.returncode != 0:
                 os.unlink(tmp)
@@ -209,7 +163,7 @@ def _precompiled_shim(clang: str, version: str, flags: list[str]) -> list[str]:
     if not pch.exists():
         fd, tmp = tempfile.mkstemp(suffix=".pch", dir=cache_dir())
         os.close(fd)
-        r = _run([clang, *flags, "-I", str(SHIM_DIR), "-x", "c++-header",
+        r = run([clang, *flags, "-I", str(SHIM_DIR), "-x", "c++-header",
                   str(SHIM_DIR / "metal_shim.h"), "-o", tmp])
         if r.returncode != 0:
             os.unlink(tmp)
@@ -353,17 +307,92 @@ def _apply_copy_patches(text: str, patches) -> str | None:
     return data.decode()
 
 
+def build(kernel: str, text: str, cmd: list[str], outputs: list[str], tmp: Path,
+          pch: list[str] = ()) -> tuple[str, list[str]]:
+    """Run ``cmd + ["run.cpp"] + outputs`` in ``tmp`` on the translation unit ``text``, wrapping
+    the operands of struct copies between address spaces as clang refuses them (a round each,
+    at most ``_MAX_COPY_ROUNDS``) and dropping a stale ``pch`` once. Returns the text that
+    compiled and the command without its outputs (stale PCH dropped).
+
+    Raises:
+        EmulatorCompileError: clang's errors, positions in the kernel's own text.
+    """
+    first = text
+    pch = list(pch)
+    for _ in range(_MAX_COPY_ROUNDS + bool(pch)):  # + 1: a stale-PCH retry
+        (tmp / "run.cpp").write_text(text)
+        r = run([*cmd, "run.cpp", *outputs], cwd=tmp)
+        if r.returncode == 0:
+            return text, cmd
+        if pch and _STALE_PCH in r.stderr:
+            # a header touched after the key was taken: build this one without the PCH
+            cmd = [c for c in cmd if c not in pch]
+            pch = []
+            continue
+        patches = _copy_patches(r.stderr)
+        patched = _apply_copy_patches(text, patches) if patches else None
+        if patched is None or patched == text:
+            break
+        text = patched
+    msg = _format_clang_error(kernel, _strip_ranges(r.stderr))
+    if text != first:
+        msg += ("\n(::emu::as_plain(...): the emulator's wrapping of struct copies between "
+                "address spaces; see docs/emulator.md)")
+    raise EmulatorCompileError(msg)
+
+
+#: Buffer arguments a Metal kernel may have: [[buffer(0)]] .. [[buffer(30)]].
+MAX_BUFFERS = 31
+def _check_buffers(gen: Generated) -> None:
+    n = max((p.buffer for p in gen.params), default=-1) + 1
+    if n > MAX_BUFFERS:
+        names = ", ".join(p.name for p in gen.params if p.buffer >= MAX_BUFFERS)
+        raise EmulatorCompileError(
+            f"kernel {gen.kernel_name!r} needs {n} buffers; Metal allows {MAX_BUFFERS} "
+            f"([[buffer(0)]] .. [[buffer({MAX_BUFFERS - 1})]]), MLX's <input>_shape/_strides/_ndim "
+            f"parameters included; past the limit: {names}"
+        )
+
+
+def _check_bfloat_rules(clang: str, cmd_flags: list[str], gen: Generated, text: str,
+                        tmp: Path) -> None:
+    """Metal's bfloat conversion rules (``bfloat_rules``): clang's __bf16 converts implicitly
+    where Metal's bfloat does not. One front-end run with an AST dump, only for kernels that
+    mention bfloat."""
+    if "bfloat" not in text:
+        return
+    (tmp / "ast.cpp").write_text(text)
+    r = run([clang, *cmd_flags, "-fsyntax-only", "-Xclang", "-ast-dump", "-fno-color-diagnostics",
+             "ast.cpp"], cwd=tmp)
+    if r.returncode != 0:  # it compiled a moment ago: only a broken toolchain gets here
+        raise EmulatorCompileError(_format_clang_error(gen.kernel_name, r.stderr))
+    refused = refused_conversions(r.stdout)
+    if refused:
+        shown = "\n".join(f"  {c}" for c in refused[:20])
+        more = f"\n  ... and {len(refused) - 20} more" if len(refused) > 20 else ""
+        raise EmulatorCompileError(
+            f"kernel {gen.kernel_name!r} does not compile on Metal: implicit bfloat "
+            f"conversions Apple's compiler refuses (MSL 3.1: bfloat converts implicitly only to "
+            f"float; float, half and int never implicitly to bfloat):\n{shown}{more}\n"
+            "(write bfloat(x) or static_cast<bfloat>(x), float(b) to mix a bfloat with an int; "
+            "see docs/emulator.md, 'As strict as Apple's compiler')"
+        )
+
+
 def compile_kernel(gen: Generated, check_address_spaces: bool = True) -> CompiledKernel:
     """Compile (or fetch from the cache) the shared object for a generated kernel.
 
     One clang run: ``device``, ``constant`` and ``threadgroup`` are distinct clang address
     spaces (see metal_shim.h), so address-space mistakes are compile errors as on Metal.
     ``check_address_spaces=False`` compiles them away (EMU_FLAT): mismatches are then accepted,
-    and overloads or specialisations that differ only in the address space collide.
+    and overloads or specialisations that differ only in the address space collide. A kernel
+    that mentions bfloat gets a second, front-end-only run whose AST is checked against Metal's
+    bfloat conversion rules (``bfloat_rules``).
 
     Raises:
-        EmulatorCompileError: clang missing, the MLX signature is malformed, an MSL error, or
-            an address-space mismatch.
+        EmulatorCompileError: clang missing, the MLX signature is malformed, more than
+            ``MAX_BUFFERS`` buffers, an MSL error, an address-space mismatch, or an implicit
+            conversion to (or from) bfloat that Metal refuses.
     """
     if gen.malformed:
         raise EmulatorCompileError(
@@ -372,6 +401,7 @@ def compile_kernel(gen: Generated, check_address_spaces: bool = True) -> Compile
             "referenced in the source); Metal would reject it. Reference an attribute such as "
             "thread_position_in_grid in the source."
         )
+    _check_buffers(gen)
     flags = COMMON_FLAGS + CODEGEN_FLAGS + [_opt_flag(), *_host_flags_cached()]
     if not check_address_spaces:
         flags.append("-DEMU_FLAT=1")
@@ -380,7 +410,7 @@ def compile_kernel(gen: Generated, check_address_spaces: bool = True) -> Compile
         return known
     runtime_library()
     clang, version = find_clang()
-    tu = cpp_translation_unit(gen)
+    tu = cpp_translation_unit(gen, preprocess)
     key = _digest(tu.text, _shim_text(), version, " ".join(flags), _driver_text())
     if key in _loaded:
         _by_source[(gen.source, len(gen.header), tuple(flags))] = _loaded[key]
@@ -392,30 +422,10 @@ def compile_kernel(gen: Generated, check_address_spaces: bool = True) -> Compile
         pch = _precompiled_shim(clang, version, flags)
         with tempfile.TemporaryDirectory(dir=d) as tmpd:
             tmp = Path(tmpd)
-            text = tu.text
-            cmd = [clang, *flags, *LINK_FLAGS, *pch, *DIAG_FLAGS, "-I", str(SHIM_DIR),
-                   "run.cpp", "-o", "k.so"]
-            for _ in range(_MAX_COPY_ROUNDS + bool(pch)):  # + 1: a stale-PCH retry
-                (tmp / "run.cpp").write_text(text)
-                r = _run(cmd, cwd=tmp)
-                if r.returncode == 0:
-                    break
-                if pch and _STALE_PCH in r.stderr:
-                    # a header touched after the key was taken: build this one without the PCH
-                    cmd = [c for c in cmd if c not in pch]
-                    pch = []
-                    continue
-                patches = _copy_patches(r.stderr)
-                patched = _apply_copy_patches(text, patches) if patches else None
-                if patched is None or patched == text:
-                    break
-                text = patched
-            if r.returncode != 0:
-                msg = _format_clang_error(gen.kernel_name, _strip_ranges(r.stderr))
-                if text != tu.text:
-                    msg += ("\n(::emu::as_plain(...): the emulator's wrapping of struct copies "
-                            "between address spaces; see docs/emulator.md)")
-                raise EmulatorCompileError(msg)
+            cmd = [clang, *flags, *pch, *DIAG_FLAGS, "-I", str(SHIM_DIR)]
+            text, cmd = build(gen.kernel_name, tu.text, cmd, LINK_FLAGS + ["-o", "k.so"], tmp,
+                              pch)
+            _check_bfloat_rules(clang, cmd, gen, text, tmp)
             # keep the translation unit next to the object, for debugging
             os.replace(tmp / "run.cpp", d / f"k_{key}.cpp")
             os.replace(tmp / "k.so", so)

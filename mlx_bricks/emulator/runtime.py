@@ -33,6 +33,7 @@ class EmuLaunchDesc(ctypes.Structure):
         ("nthreads", ctypes.c_uint32),
         ("checks", ctypes.c_uint32),
         ("tg_poison", ctypes.c_uint32),
+        ("perturb", ctypes.c_uint32),
         ("kernel_name", ctypes.c_char_p),
         ("ntg_names", ctypes.c_uint32),
         ("tg_names", ctypes.POINTER(ctypes.c_char_p)),
@@ -49,9 +50,10 @@ def launch(
     nthreads: int,
     checks: bool,
     tg_poison: int,
+    perturb: int = 0,
 ) -> None:
     """Run the kernel once. ``buffers``: (name, contiguous array, is_output, element size) in
-    buffer order; outputs are written in place.
+    buffer order; outputs are written in place. ``perturb``: the perturbed mode's seed (0: off).
 
     Raises:
         EmulatorFault: bounds violation, divergent barrier, division by zero, ...
@@ -81,6 +83,7 @@ def launch(
     d.nthreads = nthreads
     d.checks = 1 if checks else 0
     d.tg_poison = tg_poison
+    d.perturb = perturb
     kname = kernel_name.encode()
     d.kernel_name = kname
     d.ntg_names = len(names)

@@ -15,14 +15,16 @@ MLX prints with ``verbose=True``, including its quirks:
 ``cpp_translation_unit`` turns the same pieces into one C++ file for clang: the shim include,
 the header and body (lightly rewritten: functional and C-style casts to any type that may be a
 vector, ``static_cast``, ``threadgroup`` declarations, ``1.0h`` literals; run through the
-preprocessor first when a macro casts to one of its parameters), the signature and an
-``extern "C"`` entry that binds buffers and attributes. The address-space keywords stay: the
-shim makes them clang address spaces.
+preprocessor first when a macro casts to one of its parameters: the caller hands in the
+preprocessor, this module runs no tool), the signature and an ``extern "C"`` entry that binds
+buffers and attributes. The address-space keywords stay: the shim makes them clang address
+spaces.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Callable, Tuple
 
 MAX_CONSTANT_ARRAY_SIZE = 8
 
@@ -346,7 +348,7 @@ def type_names(text: str) -> set[str]:
     return names
 
 
-def _macro_casts_parameter(text: str) -> bool:
+def macro_casts_parameter(text: str) -> bool:
     """A function-like macro whose body calls or casts to a parameter (`#define C(T, x) T(x)`):
     the parameter may be a vector type only the preprocessor can reveal."""
     for m in _DEFINE.finditer(text):
@@ -357,36 +359,6 @@ def _macro_casts_parameter(text: str) -> bool:
             if re.search(rf"(?<![\w.]){p}\s*\(|\(\s*{p}\s*\)", body):
                 return True
     return False
-
-
-_preprocessed: dict[tuple[str, str], tuple[str, str]] = {}
-
-
-def _preprocess(header: str, body: str) -> tuple[str, str]:
-    """header and body through clang's preprocessor (line markers keep the line numbers)."""
-    key = (header, body)
-    if key in _preprocessed:
-        return _preprocessed[key]
-    import subprocess
-
-    from .compile import EmulatorCompileError, find_clang
-
-    clang, why = find_clang()
-    if clang is None:
-        raise EmulatorCompileError(why)
-    text = f'#line 1 "header"\n{header}\n#line 1 "source"\n{body}\n'
-    r = subprocess.run([clang, "-std=c++17", "-E", "-x", "c++", "-"], input=text,
-                       capture_output=True, text=True, check=False)
-    if r.returncode != 0:
-        raise EmulatorCompileError(f"the kernel's macros do not preprocess:\n{r.stderr}")
-    out = r.stdout
-    m = re.search(r'^# 1 "header".*$', out, re.M)
-    n = re.search(r'^# 1 "source".*$', out, re.M)
-    if not m or not n:
-        raise EmulatorCompileError(f"unexpected preprocessor output:\n{out[:2000]}")
-    result = (out[m.end() + 1 : n.start()], out[n.end() + 1 :])
-    _preprocessed[key] = result
-    return result
 
 
 def _rewrite_constructors(text: str, names: set[str]) -> str:
@@ -580,14 +552,28 @@ class TranslationUnit:
     tg_decls: list[TgDecl]
 
 
-def cpp_translation_unit(gen: Generated) -> TranslationUnit:
+Preprocessor = Callable[[str, str], Tuple[str, str]]
+
+
+def cpp_translation_unit(gen: Generated, preprocess: Preprocessor | None = None) -> TranslationUnit:
     """One C++ file for clang: shim + rewritten header + MLX's signature + rewritten body +
-    the ``emu_kernel_entry`` that binds buffers and attributes."""
+    the ``emu_kernel_entry`` that binds buffers and attributes.
+
+    ``preprocess(header, body) -> (header, body)`` expands the kernel's macros, line numbers
+    kept (``toolchain.preprocess``); it is called only for a kernel with a function-like macro
+    that casts to a parameter (:func:`macro_casts_parameter`), and such a kernel needs it.
+
+    Raises:
+        ValueError: the kernel needs the preprocessor and ``preprocess`` is None.
+    """
     decls: list[TgDecl] = []
     header = _METAL_INCLUDE.sub("", gen.header)
     body = _METAL_INCLUDE.sub("", gen.body)
-    if _macro_casts_parameter(header + "\n" + body):
-        header, body = _preprocess(header, body)
+    if macro_casts_parameter(header + "\n" + body):
+        if preprocess is None:
+            raise ValueError(f"kernel {gen.kernel_name!r} has a macro that casts to one of its "
+                             "parameters: pass preprocess= (toolchain.preprocess)")
+        header, body = preprocess(header, body)
     names = type_names(header + "\n" + gen.template_line + "\n" + body)
     header = rewrite_msl(header, decls, names)
     body = rewrite_msl(body, decls, names)

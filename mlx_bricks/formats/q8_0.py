@@ -12,6 +12,12 @@ Q8_0 KV cache can be sliced like any other; values and arithmetic are ggml's
   (where ggml's float -> int8 cast is undefined, here NaN gives 0 and +-inf gives +-127);
 * dequantized value ``q * d`` in float32.
 
+Both divisions are correctly rounded (``precise::divide`` in the kernels, whatever MLX's math
+mode). One guard where ggml has none: a block whose ``d`` would round to an infinite float16
+(``amax >= 127 * 65520``, about 8.32e6; only bfloat16 or float32 inputs get there) stores the
+largest float16, 65504, and quantizes with it (``id = 1 / 65504``), so its quants saturate at
++-127 and it dequantizes to finite values (at most +-8.32e6) instead of ggml's inf and NaN.
+
 This module is the format's definition (the reference arithmetic in MLX ops, the checks of a
 ``(qs, d)`` pair); the kernels that quantize and dequantize are the ``q8_0`` brick
 (``mlx_bricks.bricks.q8_0``), and the attention bricks read the blocks directly.
@@ -23,6 +29,10 @@ import mlx.core as mx
 from mlx_bricks.checks import check_array, check_float_dtype, dtype_name
 
 QK8_0 = 32
+#: The largest finite float16 (the guarded scale), and the smallest float32 that rounds to an
+#: infinite float16 (``Q8_0_D_MAX`` / ``Q8_0_D_INF`` in metal_src/q8_0.h).
+D_MAX = 65504.0
+D_INF = 65520.0
 #: The ``kv_quant`` values of the attention bricks: full precision, or Q8_0 K/V.
 KV_QUANTS = (None, "q8_0")
 
@@ -47,6 +57,7 @@ def quantize_q8_0_reference(x):
     # NaN counts as 0 in amax, as in the kernel (so one NaN does not wipe its block).
     amax = mx.max(mx.where(mx.isnan(blocks), 0.0, mx.abs(blocks)), axis=-1, keepdims=True)
     d = amax / mx.array(127.0, mx.float32)
+    d = mx.where(d >= D_INF, mx.array(D_MAX, mx.float32), d)  # a finite float16 scale
     inv = mx.where(d != 0, mx.array(1.0, mx.float32) / mx.where(d != 0, d, 1.0), 0.0)
     v = blocks * inv
     # Defined where ggml's float -> int8 cast is not (NaN -> 0, +-inf -> +-127), as the kernel.

@@ -13,6 +13,7 @@ import pytest
 
 from mlx_bricks import emulator as em
 from mlx_bricks.emulator import source as S
+from mlx_bricks.emulator import toolchain
 
 
 def mlx_generated(capfd, tmp_path, name, input_names, output_names, src, inputs, output_shapes,
@@ -203,7 +204,25 @@ def test_macro_that_casts_a_parameter_is_preprocessed():
     body = "float4 v = CVT(float4, x[0]);\n// two\ny[0] = v.w;\n"
     gen = S.generate("m", ["x"], ["y"], body, header, [S.InputInfo(mx.float32, 1, 16)],
                      [mx.float32])
-    tu = S.cpp_translation_unit(gen).text
+    with pytest.raises(ValueError, match="preprocess"):
+        S.cpp_translation_unit(gen)
+    tu = S.cpp_translation_unit(gen, toolchain.preprocess).text
     assert "return ::emu::mk<float4>(q);" in tu
     source = tu[tu.index('#line 1 "source"'):].splitlines()
     assert source[1:4] == ["float4 v = ::emu::mk<float4>(x[0]);", "", "y[0] = v.w;"]
+
+
+def test_translator_runs_no_tool_and_imports_no_driver():
+    """The translator sits above toolchain.py only (issue 22 item 7: no compile <-> source
+    circle): it neither imports the compiler driver nor starts a process."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(S))
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(("." * node.level) + (node.module or ""))
+    assert not imported & {"subprocess", ".compile", "mlx_bricks.emulator.compile", ".runtime"}

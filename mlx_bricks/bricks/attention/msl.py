@@ -69,9 +69,12 @@ def attention_tile_config(head_dim: int, dtype) -> AttentionTiles:
     Rule (not tuned on hardware): ``wd`` is the fewest SIMD-groups that keep each one's
     head_dim slice at most 128 (1 up to 128, 2 for 192 and 256, 4 for 512), ``wq`` 4 row blocks
     (2 at head_dim 512), so 128 threads up to head_dim 128 and 256 above. ``bk`` starts at 32
-    for head_dim <= 96 and 16 above (as MLX's steel attention) and is halved, down to 8, until
-    the threadgroup memory fits in 32 KB; if it still does not (float32, head_dim 512), K and V
-    share one buffer.
+    for head_dim <= 96 and 16 above (as MLX's steel attention); where K and V tiles of that
+    ``bk`` do not fit in 32 KB side by side, they share one buffer (``kv_shared``: 2 barriers
+    per tile more, against halving ``bk``, which doubles every per-tile barrier: head_dim 512 in
+    16 bits runs bk 16 shared, 4 barriers per 16 keys, where bk 8 took 3 per 8), and ``bk`` is
+    halved, down to 8, only while even one buffer does not fit (float32, head_dim 512: bk 8
+    shared).
 
     Raises:
         ValueError: head_dim not in ``SUPPORTED_HEAD_DIMS``.
@@ -90,10 +93,10 @@ def attention_tile_config(head_dim: int, dtype) -> AttentionTiles:
     def nbytes():
         return attention_threadgroup_bytes(head_dim, itemsize, bk, wq, wd, shared)
 
-    while nbytes() > THREADGROUP_MEMORY_LIMIT and bk > 8:
-        bk //= 2
     if nbytes() > THREADGROUP_MEMORY_LIMIT:
         shared = True
+    while nbytes() > THREADGROUP_MEMORY_LIMIT and bk > 8:
+        bk //= 2
     size = nbytes()
     assert size <= THREADGROUP_MEMORY_LIMIT, (head_dim, dtype, bk, size)
     assert head_dim % (8 * wd) == 0

@@ -8,9 +8,10 @@ of *all* the query rows that share one KV head, so each K/V element is read once
 (GQA-aware), and one reduction kernel merges the splits. K/V may be Q8_0 ``(qs, d)`` blocks (a
 Q8_0 KV cache, :mod:`mlx_bricks.cache`): 34 bytes per 32 values instead of 64.
 
-Kernels: ``metal_src/decode_attention.metal`` (split) and ``decode_attention_reduce.metal``
-(reduction), header ``decode_attention.h``; CUDA twins in ``cuda_src/`` with the same inputs,
-outputs and launch geometry.
+Kernels: ``metal_src/decode_attention.metal`` (split: the lanes of a SIMD-group span head_dim,
+as MLX's ``sdpa_vector``) and ``decode_attention_reduce.metal`` (reduction), header
+``decode_attention.h``; CUDA twins in ``cuda_src/`` with the same inputs, outputs and grid shape
+(their rows per threadgroup go up to ``MAX_ROWS``, the MSL kernel's to ``MSL_MAX_ROWS``).
 
 Why a separate op from :func:`mlx_bricks.ops.flash_attention`: the prefill brick tiles 32 query
 rows per threadgroup and parallelises over query blocks, which leaves a GPU idle for Lq = 1; this
@@ -34,14 +35,19 @@ from mlx_bricks.formats.q8_0 import QK8_0, check_kv, check_kv_quant, kv_dense
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 192, 256, 512)
 #: Query lengths the patch should send here (above it, the prefill brick parallelises better).
 DECODE_MAX_LQ = 8
-#: SIMD-groups (warps) per threadgroup of the split kernel (``DEC_NSG`` in decode_attention.h).
+#: SIMD-groups (warps) per threadgroup of the split kernel (``DEC_NSG`` in decode_attention.h,
+#: ``NSG`` in the CUDA twin).
 DECODE_NSG = 4
-#: Keys one threadgroup covers per round: 32 per SIMD-group.
+#: Keys of the shortest split: 32 per SIMD-group (one 32-key chunk of the CUDA twin's warps;
+#: 32 key rows of each SIMD-group of the MSL kernel).
 KEYS_PER_ROUND = 32 * DECODE_NSG
 #: Per-lane register budget: query rows per threadgroup x column slabs (head_dim / 32) <= this.
 ROW_SLAB_BUDGET = 32
-#: Largest number of query rows in one threadgroup.
+#: Largest number of query rows in one threadgroup of the CUDA twin.
 MAX_ROWS = 16
+#: Largest number of query rows in one threadgroup of the MSL kernel (lanes across head_dim:
+#: each lane keeps q and O of every row, ceil(head_dim / 32) columns each).
+MSL_MAX_ROWS = 8
 #: Threadgroups the automatic split count aims for (a few per core: 132 SMs on an H200, up to
 #: 40 GPU cores on an M4 Max), so that long contexts fill the GPU.
 TARGET_THREADGROUPS = 512
@@ -68,16 +74,18 @@ kernels.register(kernels.KernelSpec(
 ))
 
 
-def rows_per_threadgroup(head_dim: int, rows: int) -> int:
+def rows_per_threadgroup(head_dim: int, rows: int, max_rows: int = MAX_ROWS) -> int:
     """Query rows one threadgroup holds (template ``RT``): the smallest power of two >= ``rows``
     (the rows of one KV head, ``Hq / Hkv * Lq``), capped so that ``RT * ceil(head_dim / 32) <=
-    ROW_SLAB_BUDGET`` (each lane keeps RT x head_dim / 32 output accumulators) and ``MAX_ROWS``.
+    ROW_SLAB_BUDGET`` (each lane keeps RT x head_dim / 32 output accumulators) and
+    ``max_rows`` (``MAX_ROWS`` for the CUDA twin, ``MSL_MAX_ROWS`` for the MSL kernel).
 
-    head_dim 64: up to 16 rows; 80-128: 8; 192, 256: 4; 512: 2. More rows than that take several
-    threadgroups per KV head (each re-reads the split's K/V).
+    CUDA: head_dim 64: up to 16 rows; 80-128: 8; 192, 256: 4; 512: 2. MSL: 64-128: 8; 192, 256:
+    4; 512: 2. More rows than that take several threadgroups per KV head (each re-reads the
+    split's K/V).
     """
     slabs = -(-head_dim // 32)
-    cap = MAX_ROWS
+    cap = max_rows
     while cap * slabs > ROW_SLAB_BUDGET:
         cap //= 2
     rt = 1
@@ -93,7 +101,7 @@ def plan_splits(kv_len: int, n_groups: int, splits: int | None = None) -> tuple[
         kv_len: Lk.
         n_groups: threadgroups per split (``B * Hkv * n_tiles``).
         splits: requested count, or None: enough to reach ``TARGET_THREADGROUPS`` threadgroups,
-            but no split shorter than ``KEYS_PER_ROUND`` keys (one chunk per SIMD-group).
+            but no split shorter than ``KEYS_PER_ROUND`` keys (32 per SIMD-group).
 
     A requested count is kept as given, even when it does not divide Lk (the last split is
     shorter) or exceeds it (trailing splits are empty and merge as zeros). ``split_len =
@@ -106,8 +114,14 @@ def plan_splits(kv_len: int, n_groups: int, splits: int | None = None) -> tuple[
 
 
 def _threadgroup_bytes(head_dim: int, rt: int) -> int:
-    """Threadgroup memory of the split kernel: q tile, probabilities, per-SIMD-group O, m, l."""
+    """Shared memory of the CUDA twin's split kernel: q tile, probabilities, per-warp O, m, l."""
     return 4 * (rt * head_dim + DECODE_NSG * rt * (32 + head_dim + 2))
+
+
+def msl_threadgroup_bytes(head_dim: int, rt: int) -> int:
+    """Threadgroup memory of the MSL split kernel: one row of each SIMD-group's O (the merge
+    goes row by row) and every row's m and l per SIMD-group (2.3 KB at head_dim 128, RT 8)."""
+    return 4 * (DECODE_NSG * head_dim + 2 * DECODE_NSG * rt)
 
 
 def decode_attention_reference(q, k, v, *, scale, mask=None, kv_quant=None):
@@ -160,10 +174,14 @@ def launch_decode_attention(q, k, v, k_scale, v_scale, scale, causal, splits, ba
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     rows = (Hq // Hkv) * Lq
-    rt = rows_per_threadgroup(D, rows)
+    if backend == "cuda":
+        rt = rows_per_threadgroup(D, rows)
+        assert _threadgroup_bytes(D, rt) <= 32768, (D, rt)
+    else:
+        rt = rows_per_threadgroup(D, rows, MSL_MAX_ROWS)
+        assert msl_threadgroup_bytes(D, rt) <= 32768, (D, rt)
     n_tiles = -(-rows // rt)
     S, split_len = plan_splits(Lk, B * Hkv * n_tiles, splits)
-    assert _threadgroup_bytes(D, rt) <= 32768, (D, rt)
     kv_q8 = k_scale is not None
     if not kv_q8:
         k_scale = v_scale = mx.zeros((1, 1, 1, 1), mx.float16)  # never read; 4-D strides

@@ -4,13 +4,15 @@ nn.Linear layout, ``y = x @ weight.T (+ bias) (+ residual)``: spec, tiles, plan 
 The kernel (``metal_src/gemm.metal`` on the shared pipeline in ``metal_src/gemm.h``) computes one
 BM x BN output tile per threadgroup of 4 simdgroups with 8x8 ``simdgroup_matrix<float>``
 accumulators, loading K in steps of BK through two ping-pong threadgroup buffers (or one: the
-``*_sb`` tiles). The weight is a float array or an MLX affine-quantized
+``*_sb`` tiles; ``*_bk16``: BK = 16; ``*_sh``: scheduling hints between fragment loads and
+MMAs). The weight is a float array or an MLX affine-quantized
 :class:`~mlx_bricks.formats.affine.QuantizedWeight`, dequantized tile by tile into threadgroup memory
 by the pipeline's affine loader. The tiling, the tile rule and the threadgroup memory of each
 variant are in ``docs/bricks.md``.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -52,13 +54,18 @@ class GemmTile:
     """A tile variant: a BM x BN output tile per threadgroup of WM x WN simdgroups, with
     ``stages`` threadgroup buffers per operand (2: ping-pong, the loads of the next K step
     overlap the MMAs with one barrier per step; 1: single buffer, half the threadgroup memory,
-    two barriers per step)."""
+    two barriers per step), ``bk`` elements of K per step (None: ``K_TILE_BYTES`` of the
+    dtype, 32 for float16/bfloat16 and 16 for float32), and ``sched``: ``simdgroup_barrier(
+    mem_none)`` scheduling hints between the fragment loads and the MMAs of each 8-wide K slice
+    (as MLX's steel GEMM places them)."""
 
     bm: int
     bn: int
     wm: int = 2
     wn: int = 2
     stages: int = 2
+    bk: int | None = None
+    sched: bool = False
 
     @property
     def threads(self) -> int:
@@ -66,26 +73,61 @@ class GemmTile:
 
     @property
     def name(self) -> str:
+        bk = f"_bk{self.bk}" if self.bk else ""
         sb = "_sb" if self.stages == 1 else ""
-        return f"bm{self.bm}_bn{self.bn}_wm{self.wm}_wn{self.wn}{sb}"
+        sh = "_sh" if self.sched else ""
+        return f"bm{self.bm}_bn{self.bn}_wm{self.wm}_wn{self.wn}{bk}{sb}{sh}"
+
+    def k_step(self, itemsize: int) -> int:
+        """BK for elements of ``itemsize`` bytes."""
+        return self.bk or K_TILE_BYTES // itemsize
 
 
 #: Suffix of the single-buffered form of a tile name ("64x64" -> "64x64_sb").
 SINGLE_BUFFER_SUFFIX = "_sb"
+#: Suffix of a tile with BK = 16 ("64x64_bk16": a quarter of the 16-bit tile's 20 KB of
+#: threadgroup memory single-buffered, as MLX's 64x64x16 steel tile; the float32 default).
+BK16_SUFFIX = "_bk16"
+#: Suffix of a tile with scheduling hints ("64x64_sh").
+SCHED_SUFFIX = "_sh"
 
 
 def with_single_buffer(tiles: dict) -> dict:
     """``tiles`` plus the single-buffered form of each (``name + "_sb"``, ``stages=1``)."""
     out = dict(tiles)
     for key, t in tiles.items():
-        out[key + SINGLE_BUFFER_SUFFIX] = GemmTile(t.bm, t.bn, t.wm, t.wn, stages=1)
+        out[key + SINGLE_BUFFER_SUFFIX] = dataclasses.replace(t, stages=1)
     return out
 
 
+def with_variants(tiles: dict) -> dict:
+    """``tiles`` with every pipeline variant of each: BK = 16 (``"_bk16"``), single-buffered
+    (``"_sb"``) and scheduling hints (``"_sh"``), in that order in the names
+    (``"64x64_bk16_sb_sh"``)."""
+    out = {}
+    for key, t in tiles.items():
+        for bk in (None, 16):
+            base = dataclasses.replace(t, bk=bk)
+            name = key + (BK16_SUFFIX if bk else "")
+            for k2, t2 in with_single_buffer({name: base}).items():
+                out[k2] = t2
+                out[k2 + SCHED_SUFFIX] = dataclasses.replace(t2, sched=True)
+    return out
+
+
+def msl_tile_names(tiles: dict, dtype=None) -> tuple[str, ...]:
+    """The names of ``tiles`` that are distinct kernels for ``dtype`` (None: all): a BK = 16
+    tile is the float32 default (16) already, so float32 lists it once, without ``"_bk16"``."""
+    if dtype is None or K_TILE_BYTES // dtype.size != 16:
+        return tuple(tiles)
+    return tuple(n for n, t in tiles.items() if t.bk != 16)
+
+
 #: The variants: the main 64x64 tile (32x32 per simdgroup) and the small 32x32 tile (16x16 per
-#: simdgroup) for small M or N, each double-buffered (the rule's choice) and single-buffered
-#: (``"64x64_sb"``, ``"32x32_sb"``: for the tuner to measure; never chosen by the rule).
-TILES = with_single_buffer({"64x64": GemmTile(64, 64), "32x32": GemmTile(32, 32)})
+#: simdgroup) for small M or N; the rule picks the double-buffered BK = 64 bytes form of one
+#: (docs/bricks.md), the tuner measures all of them: double- or single-buffered (``_sb``), BK
+#: = 16 (``_bk16``), with or without scheduling hints (``_sh``).
+TILES = with_variants({"64x64": GemmTile(64, 64), "32x32": GemmTile(32, 32)})
 
 
 @dataclass(frozen=True)
@@ -103,12 +145,13 @@ class GemmPlan:
 
     def template(self, dtype, **flags) -> list:
         """Template arguments shared by the kernels built on ``gemm.h`` (T, BM, BN, BK, WM, WN,
-        PAD, VEC, ALIGN_MN, STAGES), then the kernel's own ``flags`` in order
+        PAD, VEC, ALIGN_MN, STAGES, SCHED), then the kernel's own ``flags`` in order
         (``HAS_BIAS=True``...)."""
         t = self.tile
         return [("T", dtype), ("BM", t.bm), ("BN", t.bn), ("BK", self.bk), ("WM", t.wm),
                 ("WN", t.wn), ("PAD", self.pad), ("VEC", self.vec),
-                ("ALIGN_MN", self.align_mn), ("STAGES", t.stages), *flags.items()]
+                ("ALIGN_MN", self.align_mn), ("STAGES", t.stages), ("SCHED", t.sched),
+                *flags.items()]
 
 
 def select_tile(M: int, N: int) -> str:
@@ -162,7 +205,7 @@ def plan_gemm(M: int, N: int, K: int, dtype, *, tile: str | None = None,
     t = tiles[tile]
     itemsize = dtype.size
     vw = VECTOR_BYTES // itemsize
-    bk = K_TILE_BYTES // itemsize
+    bk = t.k_step(itemsize)
     pad_chunks = PAD_CHUNKS if pad_chunks is None else pad_chunks
     if isinstance(pad_chunks, bool) or not isinstance(pad_chunks, int) or pad_chunks < 0:
         raise ValueError(f"pad_chunks must be an int >= 0, got {pad_chunks!r}")

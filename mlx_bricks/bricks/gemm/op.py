@@ -27,7 +27,7 @@ def tile_names(backend: str, dtype=None, bits: int | None = None) -> tuple[str, 
     Raises:
         mlx_bricks.backends.BackendError: ``backend`` is not one of ``BACKENDS``.
     """
-    return kernel_variants(backend, "gemm", tuple(msl.TILES),
+    return kernel_variants(backend, "gemm", msl.msl_tile_names(msl.TILES, dtype),
                            cuda_names=lambda: cuda.dtype_tile_names(cuda.LINEAR_TILES, dtype,
                                                                    bits=bits))
 
@@ -96,8 +96,9 @@ def linear(x, weight, bias=None, residual=None, *, tile=None, backend=None):
         bias: optional (N,), x's dtype.
         residual: optional (..., N) (the output shape), x's dtype; added in the epilogue.
         tile: ``None`` (the tile rule: ``msl.select_tile``, ``cuda.select_tile``) or one of
-            :func:`tile_names` for the backend (MSL: ``"64x64"``, ``"32x32"``, and their
-            single-buffered ``"64x64_sb"``, ``"32x32_sb"``).
+            :func:`tile_names` for the backend (MSL: ``"64x64"``, ``"32x32"`` and their pipeline
+            variants: ``"_bk16"`` BK = 16, ``"_sb"`` single-buffered, ``"_sh"`` scheduling hints,
+            e.g. ``"64x64_bk16_sb"``).
         backend: ``None`` (auto), ``"metal"``, ``"cuda"``, ``"emulator"``, ``"reference"``
             (see ``mlx_bricks.backends``); ``reference`` runs :func:`linear_reference`
             (``mx.quantized_matmul`` for a quantized weight).

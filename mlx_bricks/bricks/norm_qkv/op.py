@@ -33,7 +33,7 @@ def tile_names(backend: str, dtype=None, bits: int | None = None) -> tuple[str, 
     Raises:
         mlx_bricks.backends.BackendError: ``backend`` is not one of ``BACKENDS``.
     """
-    return kernel_variants(backend, msl.QKV_SPEC.name, tuple(gemm_msl.TILES),
+    return kernel_variants(backend, msl.QKV_SPEC.name, gemm_msl.msl_tile_names(gemm_msl.TILES, dtype),
                            cuda_names=lambda: gemm_cuda.dtype_tile_names(gemm_cuda.TILES, dtype,
                                                                         bits=bits))
 
@@ -120,8 +120,8 @@ def rms_norm_qkv(x, norm_weight, eps, wq, wk, wv, bq=None, bk=None, bv=None, *, 
             twice (qwen2); all three or none.
         n_heads, n_kv_heads, head_dim: positive ints (GQA: n_kv_heads may differ from n_heads).
         tile: ``None`` (rule of :func:`mlx_bricks.bricks.gemm.msl.select_tile`) or a key of
-            ``mlx_bricks.bricks.gemm.msl.TILES`` (``"64x64"``, ``"32x32"``, ``"64x64_sb"``,
-            ``"32x32_sb"``).
+            ``mlx_bricks.bricks.gemm.msl.TILES`` (``"64x64"``, ``"32x32"`` and their pipeline
+            variants ``"_bk16"``, ``"_sb"``, ``"_sh"``).
         backend: ``None`` (auto), ``"metal"``, ``"emulator"``, ``"reference"``.
 
     Returns:

@@ -48,7 +48,9 @@ def quantize_q8_0(x, *, backend=None):
     Returns:
         ``(qs, d)``: qs int8 (..., D) and d float16 (..., D // 32), both row-contiguous, with
         ggml's semantics (``mlx_bricks.formats.q8_0``): ``d = amax / 127``, ``q = roundf(x * (1 / d))`` in
-        [-127, 127]; an all-zero block gives ``d = 0`` and zeros.
+        [-127, 127]; an all-zero block gives ``d = 0`` and zeros; a block with ``amax`` above
+        about 8.32e6 gets the largest float16 scale, 65504, and saturated quants (guarded:
+        finite where ggml's scale would be inf).
 
     Raises:
         TypeError: x is not an mx.array of a float dtype.
@@ -56,7 +58,8 @@ def quantize_q8_0(x, *, backend=None):
             backend.
 
     Kernel: ``metal_src/q8_0_quantize.metal``, one thread per value, one SIMD-group per block
-    (amax is a ``simd_max``).
+    (amax is a ``simd_max``); a row-contiguous x is indexed directly, a strided view through
+    32-bit index arithmetic.
     """
     check_quantize(x)
     name = resolve_backend(backend)

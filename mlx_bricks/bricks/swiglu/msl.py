@@ -15,7 +15,7 @@ from mlx_bricks.bricks.gemm.msl import (
     GemmPlan,
     GemmTile,
     plan_gemm,
-    with_single_buffer,
+    with_variants,
 )
 from mlx_bricks.formats import format_of
 from mlx_bricks.kernels import KernelSpec, launch, register
@@ -47,8 +47,9 @@ register(KernelSpec(
 #: Fused tiles, named by the act tile (BM x BN); each threadgroup also loads 2 * BN weight rows.
 #: "64x32" and "32x16" give every simdgroup as many accumulators as the GEMM brick's 64x64 and
 #: 32x32 tiles (32x16 gate + 32x16 up, 16x8 + 16x8); "64x64" doubles them (opt-in only). Each
-#: also single-buffered (``"64x32_sb"``...: for the tuner to measure; never chosen by the rule).
-FUSED_TILES = with_single_buffer(
+#: also in the GEMM brick's pipeline variants (``"_bk16"``, ``"_sb"``, ``"_sh"``: for the
+#: tuner to measure; never chosen by the rule).
+FUSED_TILES = with_variants(
     {"64x32": GemmTile(64, 32), "32x16": GemmTile(32, 16), "64x64": GemmTile(64, 64)})
 
 

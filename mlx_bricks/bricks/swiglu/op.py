@@ -81,7 +81,8 @@ def tile_names(backend: str, variant: str, dtype=None) -> tuple[str, ...]:
     else:
         names = gemm_msl.TILES
         on_cuda = lambda: gemm_cuda.dtype_tile_names(gemm_cuda.TILES, dtype)  # noqa: E731
-    return kernel_variants(backend, _kernels(backend, variant), tuple(names), cuda_names=on_cuda)
+    return kernel_variants(backend, _kernels(backend, variant),
+                           gemm_msl.msl_tile_names(names, dtype), cuda_names=on_cuda)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -73,6 +73,7 @@ struct EmuLaunchDesc {
   uint32_t nthreads;             // OS threads running threadgroups in parallel
   uint32_t checks;               // 1: guarded copies of the buffers (bounds checks)
   uint32_t tg_poison;            // byte written over threadgroup memory before each threadgroup
+  uint32_t perturb;              // perturbed mode's seed (0: off): FTZ/DAZ, fast:: errors, orders
   const char* kernel_name;
   uint32_t ntg_names;
   const char* const* tg_names;   // threadgroup declaration per slot, for messages

@@ -141,13 +141,18 @@ emu_ctx_switch:
 
 void fiber_main();
 
-void* init_stack(char* top) {  // top: 16-byte aligned end of the fiber's stack
+// MXCSR of a fiber: round to nearest, exceptions masked; in perturbed mode also FTZ (bit 15)
+// and DAZ (bit 6): float32 subnormals flushed to zero, as Apple GPUs may.
+constexpr uint32_t kMxcsr = 0x1F80;
+constexpr uint32_t kMxcsrFlush = 0x1F80 | 0x8000 | 0x40;
+
+void* init_stack(char* top, uint32_t mxcsr) {  // top: 16-byte aligned end of the fiber's stack
   uint64_t* p = reinterpret_cast<uint64_t*>(top - 16);
   p[0] = reinterpret_cast<uint64_t>(&fiber_main);  // return address, at a 16-aligned slot
   p -= 7;                                           // rbp rbx r12 r13 r14 r15 + mxcsr/fpu
   for (int i = 1; i < 7; ++i) p[i] = 0;
   uint32_t* ctl = reinterpret_cast<uint32_t*>(p);
-  ctl[0] = 0x1F80;  // default MXCSR
+  ctl[0] = mxcsr;
   ctl[1] = 0x037F;  // default x87 control word
   return p;
 }
@@ -493,7 +498,7 @@ void run_group(Worker* w, Launch* L, uint64_t flat) {
     f.state = kReady;
     f.completer = 0;
     f.site = 0;
-    f.sp = init_stack(w->stacks + i * per + per);
+    f.sp = init_stack(w->stacks + i * per + per, d->perturb ? kMxcsrFlush : kMxcsr);
   }
   for (int s = 0; s < w->nsg; ++s) {
     int lanes = n - s * EMU_SIMD_WIDTH;
@@ -566,6 +571,10 @@ __attribute__((visibility("default"))) __bf16 __truncdfbf2(double d) {
   // via float: double rounding differs from a direct rounding only in rare ties
   return __truncsfbf2(static_cast<float>(d));
 }
+
+// The launch's perturbation seed (0: off), read by the shim's fast:: functions, reductions and
+// simdgroup products. Launches are serialised (g_launch_mu), so one global serves.
+__attribute__((visibility("default"))) uint32_t emu_perturb_seed = 0;
 
 EmuLane* emu_cur(void) { return &tw->fibers[tw->cur].lane; }
 
@@ -687,6 +696,7 @@ void emu_fault(const char* msg) {
 
 int emu_launch(const EmuLaunchDesc* d, char* err, uint32_t errlen) {
   std::lock_guard<std::mutex> guard(g_launch_mu);
+  emu_perturb_seed = d->perturb;
   Launch L;
   L.d = d;
   L.total_groups = 1;

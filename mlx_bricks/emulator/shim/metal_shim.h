@@ -64,6 +64,7 @@ typedef bool bool3 __attribute__((ext_vector_type(3)));
 typedef bool bool4 __attribute__((ext_vector_type(4)));
 
 }  // namespace metal
+// MLX's prepended utilities (bf16.h) say `using namespace metal;` before any kernel text.
 using namespace metal;
 
 // ---------------------------------------------------------------------------------------------
@@ -417,7 +418,7 @@ EMU_INLINE uint clz(uint x) { return x ? __builtin_clz(x) : 32; }
 EMU_INLINE uint ctz(uint x) { return x ? __builtin_ctz(x) : 32; }
 EMU_INLINE uint mulhi(uint a, uint b) { return static_cast<uint>((static_cast<ulong>(a) * b) >> 32); }
 
-namespace fast {
+namespace precise {
 using metal::exp; using metal::exp2; using metal::exp10; using metal::log; using metal::log2;
 using metal::log10; using metal::sqrt; using metal::rsqrt; using metal::fabs; using metal::floor;
 using metal::ceil; using metal::round; using metal::rint; using metal::trunc; using metal::sin;
@@ -426,10 +427,155 @@ using metal::fmax; using metal::fmin; using metal::max; using metal::min; using 
 using metal::divide; using metal::abs; using metal::fma; using metal::saturate; using metal::fract;
 using metal::copysign; using metal::sinh; using metal::cosh; using metal::atan; using metal::atan2;
 using metal::asin; using metal::acos; using metal::log1p; using metal::sign;
-}  // namespace fast
-namespace precise {
-using namespace fast;
 }  // namespace precise
+}  // namespace metal
+
+// ---------------------------------------------------------------------------------------------
+// Perturbed mode (MLX_BRICKS_EMULATOR_PERTURB=<seed>, see docs/emulator.md): what Metal may do
+// differently within its specification. fast:: functions return values anywhere in the error
+// bounds of the MSL specification's fast-math table (3.1, section 7.4; the functions it
+// describes as "implemented as" a formula are computed by that formula); emu_perturb_seed is
+// the launch's seed (0: off). The choice of error depends only on the seed, the function and
+// the argument bits, so both schedules of a launch see the same values.
+extern "C" uint32_t emu_perturb_seed;
+namespace emu_fast {
+EMU_INLINE uint64_t mix(uint64_t x) {  // splitmix64's finaliser
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+// An integer in [-k, k]: -k or k half the time (the bound's edges stress tolerances most),
+// otherwise anything in between.
+EMU_INLINE int64_t pick(uint64_t h, int64_t k) {
+  switch (h & 3) {
+    case 0: return k;
+    case 1: return -k;
+    default: return int64_t((h >> 8) % uint64_t(2 * k + 1)) - k;
+  }
+}
+EMU_INLINE uint64_t key(float x, uint32_t fn) {
+  return mix((uint64_t(emu_perturb_seed) << 40) ^ (uint64_t(fn) << 32) ^
+             __builtin_bit_cast(uint32_t, x));
+}
+// r moved by k units in the last place, never across zero or into infinity.
+EMU_INLINE float ulps(float r, int64_t k) {
+  uint32_t b = __builtin_bit_cast(uint32_t, r);
+  int64_t mag = b & 0x7FFFFFFFu;
+  if (k == 0 || mag == 0 || mag >= 0x7F800000) return r;
+  mag += k;
+  mag = mag < 1 ? 1 : (mag > 0x7F7FFFFF ? 0x7F7FFFFF : mag);
+  return __builtin_bit_cast(float, (b & 0x80000000u) | uint32_t(mag));
+}
+EMU_INLINE float within_ulps(float r, float x, uint32_t fn, float bound) {
+  if (!emu_perturb_seed) return r;
+  float b = bound < 1048576.0f ? bound : 1048576.0f;
+  return ulps(r, pick(key(x, fn), int64_t(b)));
+}
+EMU_INLINE float within_abs(float r, float x, uint32_t fn, float err) {
+  if (!emu_perturb_seed || !__builtin_isfinite(r)) return r;
+  uint64_t h = key(x, fn);
+  return r + err * float(pick(h, 1024)) / 1024.0f;
+}
+}  // namespace emu_fast
+
+namespace metal {
+namespace fast {
+// Exact in fast math too (0 ulp or correctly rounded).
+using metal::fabs; using metal::floor; using metal::ceil; using metal::round; using metal::rint;
+using metal::trunc; using metal::fmax; using metal::fmin; using metal::max; using metal::min;
+using metal::clamp; using metal::abs; using metal::fma; using metal::saturate; using metal::fract;
+using metal::copysign; using metal::sign;
+
+EMU_INLINE float exp_ulps(float x) { return 3.0f + __builtin_floorf(__builtin_fabsf(2 * x)); }
+EMU_INLINE float exp2(float x) {  // <= 3 + floor(|2 x|) ulp
+  return emu_fast::within_ulps(__builtin_exp2f(x), x, 1, exp_ulps(x));
+}
+EMU_INLINE float exp(float x) {   // <= 3 + floor(|2 x|) ulp
+  return emu_fast::within_ulps(__builtin_expf(x), x, 2, exp_ulps(x));
+}
+EMU_INLINE float exp10(float x) { return fast::exp2(x * 3.32192809488736234787f); }
+EMU_INLINE float log2(float x) {  // absolute 2^-22 in [0.5, 2], else 3 ulp
+  const float r = __builtin_log2f(x);
+  return x >= 0.5f && x <= 2.0f ? emu_fast::within_abs(r, x, 3, 0x1p-22f)
+                                : emu_fast::within_ulps(r, x, 3, 3.0f);
+}
+EMU_INLINE float log(float x) {   // absolute 2^-21 in [0.5, 2], else 3 ulp
+  const float r = __builtin_logf(x);
+  return x >= 0.5f && x <= 2.0f ? emu_fast::within_abs(r, x, 4, 0x1p-21f)
+                                : emu_fast::within_ulps(r, x, 4, 3.0f);
+}
+EMU_INLINE float log10(float x) { return fast::log2(x) * 0.30102999566398119521f; }
+EMU_INLINE float log1p(float x) { return fast::log(1.0f + x); }
+EMU_INLINE float powr(float x, float y) { return fast::exp2(y * fast::log2(x)); }
+EMU_INLINE float pow(float x, float y) { return fast::exp2(y * fast::log2(x)); }
+EMU_INLINE float rsqrt(float x) {  // <= 2 ulp
+  return emu_fast::within_ulps(1.0f / __builtin_sqrtf(x), x, 5, 2.0f);
+}
+EMU_INLINE float sqrt(float x) {   // x * rsqrt(x), special cases exact
+  if (!emu_perturb_seed || x == 0.0f || !__builtin_isfinite(x) || x < 0.0f) {
+    return __builtin_sqrtf(x);
+  }
+  return x * fast::rsqrt(x);
+}
+EMU_INLINE float sin(float x) { return emu_fast::within_abs(__builtin_sinf(x), x, 6, 0x1p-13f); }
+EMU_INLINE float cos(float x) { return emu_fast::within_abs(__builtin_cosf(x), x, 7, 0x1p-13f); }
+EMU_INLINE float tan(float x) {
+  return emu_perturb_seed ? fast::sin(x) * (1.0f / fast::cos(x)) : __builtin_tanf(x);
+}
+EMU_INLINE float tanh(float x) {   // (t - 1) / (t + 1), t = exp(2 x): NaN once t overflows
+  if (!emu_perturb_seed) return __builtin_tanhf(x);
+  const float t = fast::exp(2.0f * x);
+  return (t - 1.0f) / (t + 1.0f);
+}
+EMU_INLINE float sinh(float x) {
+  return emu_perturb_seed ? 0.5f * (fast::exp(x) - fast::exp(-x)) : __builtin_sinhf(x);
+}
+EMU_INLINE float cosh(float x) {
+  return emu_perturb_seed ? 0.5f * (fast::exp(x) + fast::exp(-x)) : __builtin_coshf(x);
+}
+EMU_INLINE float asin(float x) { return emu_fast::within_ulps(__builtin_asinf(x), x, 8, 5.0f); }
+EMU_INLINE float acos(float x) { return emu_fast::within_ulps(__builtin_acosf(x), x, 9, 5.0f); }
+EMU_INLINE float atan(float x) { return emu_fast::within_ulps(__builtin_atanf(x), x, 10, 5.0f); }
+EMU_INLINE float atan2(float y, float x) {
+  return emu_fast::within_ulps(__builtin_atan2f(y, x), y * 3.0f + x, 11, 5.0f);
+}
+EMU_INLINE float divide(float x, float y) {  // <= 2.5 ulp
+  return emu_fast::within_ulps(x / y, x * 7.0f + y, 12, 2.0f);
+}
+
+// half and bfloat through the float function, one rounding; vectors component by component.
+#define EMU_FAST1(name)                                                                      \
+  EMU_INLINE half name(half x) { return static_cast<half>(fast::name(static_cast<float>(x))); } \
+  EMU_INLINE bfloat name(bfloat x) {                                                         \
+    return static_cast<bfloat>(fast::name(static_cast<float>(x)));                           \
+  }                                                                                          \
+  template <class T, int N>                                                                  \
+  EMU_INLINE vec<T, N> name(vec<T, N> v) {                                                   \
+    vec<T, N> r;                                                                             \
+    for (int i = 0; i < N; ++i) r[i] = fast::name(static_cast<T>(v[i]));                     \
+    return r;                                                                                \
+  }
+#define EMU_FAST2(name)                                                                      \
+  EMU_INLINE half name(half x, half y) {                                                     \
+    return static_cast<half>(fast::name(static_cast<float>(x), static_cast<float>(y)));      \
+  }                                                                                          \
+  EMU_INLINE bfloat name(bfloat x, bfloat y) {                                               \
+    return static_cast<bfloat>(fast::name(static_cast<float>(x), static_cast<float>(y)));    \
+  }                                                                                          \
+  template <class T, int N>                                                                  \
+  EMU_INLINE vec<T, N> name(vec<T, N> a, vec<T, N> b) {                                      \
+    vec<T, N> r;                                                                             \
+    for (int i = 0; i < N; ++i) r[i] = fast::name(static_cast<T>(a[i]), static_cast<T>(b[i])); \
+    return r;                                                                                \
+  }
+EMU_FAST1(exp2) EMU_FAST1(exp) EMU_FAST1(exp10) EMU_FAST1(log2) EMU_FAST1(log) EMU_FAST1(log10)
+EMU_FAST1(log1p) EMU_FAST1(rsqrt) EMU_FAST1(sqrt) EMU_FAST1(sin) EMU_FAST1(cos) EMU_FAST1(tan)
+EMU_FAST1(tanh) EMU_FAST1(sinh) EMU_FAST1(cosh) EMU_FAST1(asin) EMU_FAST1(acos) EMU_FAST1(atan)
+EMU_FAST2(pow) EMU_FAST2(powr) EMU_FAST2(atan2) EMU_FAST2(divide)
+#undef EMU_FAST1
+#undef EMU_FAST2
+}  // namespace fast
 
 // numeric_limits for the scalar types
 template <class T> struct numeric_limits;
@@ -518,9 +664,36 @@ EMU_INLINE T permute(T x, uint32_t site, int src) {
   });
 }
 
+// Perturbed mode: the active lanes in an order drawn from the seed, the site and every
+// lane's value (the same in both schedules of a race-free launch).
+EMU_INLINE int shuffled_lanes(EmuSimd* S, uint32_t act, uint32_t site, uint32_t bytes,
+                              uint8_t (&order)[EMU_SIMD_WIDTH]) {
+  uint64_t h = emu_fast::mix((uint64_t(emu_perturb_seed) << 32) ^ site ^ (uint64_t(act) << 12));
+  int n = 0;
+  for (uint32_t m = act; m; m &= m - 1) {
+    uint32_t l = __builtin_ctz(m);
+    for (uint32_t k = 0; k < bytes; ++k) h = emu_fast::mix(h ^ S->in[l][k]);
+    order[n++] = uint8_t(l);
+  }
+  for (int i = n - 1; i > 0; --i) {  // Fisher-Yates
+    h = emu_fast::mix(h);
+    int j = int(h % uint64_t(i + 1));
+    uint8_t t = order[i]; order[i] = order[j]; order[j] = t;
+  }
+  return n;
+}
+
 template <class T, class Op>
 EMU_INLINE T reduce(T x, uint32_t site, Op op) {
   return collective(x, site, [&](EmuSimd* S, uint32_t act) {
+    if (emu_perturb_seed) {  // one lane after the other, in a shuffled order
+      uint8_t order[EMU_SIMD_WIDTH];
+      int n = shuffled_lanes(S, act, site, sizeof(T), order);
+      T acc = in<T>(S, order[0]);
+      for (int i = 1; i < n; ++i) acc = op(acc, in<T>(S, order[i]));
+      for (uint32_t m = act; m; m &= m - 1) emu::store(S->out[__builtin_ctz(m)], acc);
+      return;
+    }
     // butterfly order over the active lanes (lane order within pairs), same result everywhere
     T v[EMU_SIMD_WIDTH];
     bool have[EMU_SIMD_WIDTH];
@@ -552,58 +725,101 @@ EMU_INLINE T scan(T x, uint32_t site, Op op, bool inclusive, T identity) {
 }
 }  // namespace emu_simd
 
+// The types Metal's SIMD-group functions take: scalars and vectors of float, half, bfloat
+// (MLX's bf16_math.h adds those), int, uint, short, ushort; the permutations also char and
+// uchar, the bitwise reductions only the integers. Not bool, 64-bit integers or structs: MLX's
+// utils.h adds simd_shuffle, simd_shuffle_up and simd_shuffle_down for bool, int64_t and
+// uint64_t (below, at global scope as there), nothing else.
+}  // namespace metal
+namespace emu {
+template <class E> constexpr bool simd_int = same<E, int> || same<E, uint> || same<E, short> ||
+    same<E, ushort>;
+template <class E> constexpr bool simd_byte = same<E, char> || same<E, signed char> ||
+    same<E, uchar>;
+template <class E> constexpr bool simd_arith = is_float<E> || simd_int<E>;
+template <class T> constexpr bool simd_vec_ok = vinfo<plain<T>>::n <= 4;
+template <class T> constexpr bool simd_permute_type =
+    simd_vec_ok<T> && (simd_arith<elem_t<T>> || simd_byte<elem_t<T>>);
+template <class T> constexpr bool simd_arith_type = simd_vec_ok<T> && simd_arith<elem_t<T>>;
+template <class T> constexpr bool simd_bits_type =
+    simd_vec_ok<T> && (simd_int<elem_t<T>> || simd_byte<elem_t<T>>);
+}  // namespace emu
+namespace metal {
+#define EMU_SIMD_TYPES(kind, fn)                                                              \
+  static_assert(emu::simd_##kind##_type<T>, #fn ": Metal's SIMD-group functions do not take "  \
+                "this type (only scalars or vectors of float, half, bfloat, int, uint, short, " \
+                "ushort; permutations also char, uchar; simd_and/or/xor integers only; no bool, " \
+                "64-bit or struct; MLX adds simd_shuffle/_up/_down for bool, int64_t, uint64_t)")
+
 template <class T> EMU_INLINE T simd_shuffle(T x, ushort lane, EMU_SITE) {
+  EMU_SIMD_TYPES(permute, simd_shuffle);
   return emu_simd::permute(x, emu_site, int(lane));
 }
 template <class T> EMU_INLINE T simd_broadcast(T x, ushort lane, EMU_SITE) {
+  EMU_SIMD_TYPES(permute, simd_broadcast);
   return emu_simd::permute(x, emu_site, int(lane));
 }
 template <class T> EMU_INLINE T simd_shuffle_down(T x, ushort delta, EMU_SITE) {
+  EMU_SIMD_TYPES(permute, simd_shuffle_down);
   return emu_simd::permute(x, emu_site, int(emu_cur()->thread_index_in_simdgroup) + int(delta));
 }
 template <class T> EMU_INLINE T simd_shuffle_up(T x, ushort delta, EMU_SITE) {
+  EMU_SIMD_TYPES(permute, simd_shuffle_up);
   return emu_simd::permute(x, emu_site, int(emu_cur()->thread_index_in_simdgroup) - int(delta));
 }
 template <class T> EMU_INLINE T simd_shuffle_xor(T x, ushort mask, EMU_SITE) {
+  EMU_SIMD_TYPES(permute, simd_shuffle_xor);
   return emu_simd::permute(x, emu_site, int(emu_cur()->thread_index_in_simdgroup ^ mask));
 }
 template <class T> EMU_INLINE T simd_broadcast_first(T x, EMU_SITE) {
+  EMU_SIMD_TYPES(permute, simd_broadcast_first);
   return emu_simd::collective(x, emu_site, [](EmuSimd* S, uint32_t act) {
     uint first = __builtin_ctz(act);
     for (uint32_t m = act; m; m &= m - 1) __builtin_memcpy(S->out[__builtin_ctz(m)], S->in[first], sizeof(T));
   });
 }
 template <class T> EMU_INLINE T simd_sum(T x, EMU_SITE) {
+  EMU_SIMD_TYPES(arith, simd_sum);
   return emu_simd::reduce(x, emu_site, [](T a, T b) { return T(a + b); });
 }
 template <class T> EMU_INLINE T simd_product(T x, EMU_SITE) {
+  EMU_SIMD_TYPES(arith, simd_product);
   return emu_simd::reduce(x, emu_site, [](T a, T b) { return T(a * b); });
 }
 template <class T> EMU_INLINE T simd_max(T x, EMU_SITE) {
+  EMU_SIMD_TYPES(arith, simd_max);
   return emu_simd::reduce(x, emu_site, [](T a, T b) { return metal::max(a, b); });
 }
 template <class T> EMU_INLINE T simd_min(T x, EMU_SITE) {
+  EMU_SIMD_TYPES(arith, simd_min);
   return emu_simd::reduce(x, emu_site, [](T a, T b) { return metal::min(a, b); });
 }
 template <class T> EMU_INLINE T simd_and(T x, EMU_SITE) {
+  EMU_SIMD_TYPES(bits, simd_and);
   return emu_simd::reduce(x, emu_site, [](T a, T b) { return T(a & b); });
 }
 template <class T> EMU_INLINE T simd_or(T x, EMU_SITE) {
+  EMU_SIMD_TYPES(bits, simd_or);
   return emu_simd::reduce(x, emu_site, [](T a, T b) { return T(a | b); });
 }
 template <class T> EMU_INLINE T simd_xor(T x, EMU_SITE) {
+  EMU_SIMD_TYPES(bits, simd_xor);
   return emu_simd::reduce(x, emu_site, [](T a, T b) { return T(a ^ b); });
 }
 template <class T> EMU_INLINE T simd_prefix_inclusive_sum(T x, EMU_SITE) {
+  EMU_SIMD_TYPES(arith, simd_prefix_inclusive_sum);
   return emu_simd::scan(x, emu_site, [](T a, T b) { return T(a + b); }, true, T(0));
 }
 template <class T> EMU_INLINE T simd_prefix_exclusive_sum(T x, EMU_SITE) {
+  EMU_SIMD_TYPES(arith, simd_prefix_exclusive_sum);
   return emu_simd::scan(x, emu_site, [](T a, T b) { return T(a + b); }, false, T(0));
 }
 template <class T> EMU_INLINE T simd_prefix_inclusive_product(T x, EMU_SITE) {
+  EMU_SIMD_TYPES(arith, simd_prefix_inclusive_product);
   return emu_simd::scan(x, emu_site, [](T a, T b) { return T(a * b); }, true, T(1));
 }
 template <class T> EMU_INLINE T simd_prefix_exclusive_product(T x, EMU_SITE) {
+  EMU_SIMD_TYPES(arith, simd_prefix_exclusive_product);
   return emu_simd::scan(x, emu_site, [](T a, T b) { return T(a * b); }, false, T(1));
 }
 EMU_INLINE bool simd_all(bool x, EMU_SITE) {
@@ -622,6 +838,25 @@ EMU_INLINE bool simd_is_first(EMU_SITE) {
   return first == me;
 }
 
+}  // namespace metal
+
+// MLX's utils.h: the permutations of bool and 64-bit integers Metal lacks, as two 32-bit words.
+#define EMU_MLX_SHUFFLE(fn, arg)                                                              \
+  inline uint64_t fn(uint64_t data, uint16_t arg, EMU_SITE) {                                 \
+    return as_type<uint64_t>(metal::fn(as_type<uint2>(data), arg, emu_site));                 \
+  }                                                                                           \
+  inline int64_t fn(int64_t data, uint16_t arg, EMU_SITE) {                                   \
+    return as_type<int64_t>(metal::fn(as_type<uint2>(data), arg, emu_site));                  \
+  }                                                                                           \
+  inline bool fn(bool data, uint16_t arg, EMU_SITE) {                                         \
+    return metal::fn(static_cast<uint32_t>(data), arg, emu_site);                             \
+  }
+EMU_MLX_SHUFFLE(simd_shuffle, lane)
+EMU_MLX_SHUFFLE(simd_shuffle_down, delta)
+EMU_MLX_SHUFFLE(simd_shuffle_up, delta)
+#undef EMU_MLX_SHUFFLE
+
+namespace metal {
 // ---------------------------------------------------------------------------------------------
 // simdgroup_matrix<T, 8, 8>. Lane l holds elements (r, c) and (r, c + 1) with
 //   q = l / 4, r = (q & 4) + (l / 2) % 4, c = (q & 2) * 2 + (l % 2) * 2
@@ -716,11 +951,39 @@ __attribute__((noinline)) void complete(EmuSimd* S) {
   gather<TA>(S, 0, A);
   gather<TB>(S, 1, B);
   gather<TC>(S, 2, Cm);
-  for (int i = 0; i < 8; ++i) {
-    for (int j = 0; j < 8; ++j) {
-      float acc = Cm[i][j];
-      for (int k = 0; k < 8; ++k) acc = __builtin_fmaf(A[i][k], B[k][j], acc);
-      Cm[i][j] = acc;
+  if (emu_perturb_seed) {
+    // Perturbed mode: per element, the 8 products in a shuffled order and C added at a
+    // shuffled point (the hardware's order is not documented), drawn from the operands.
+    uint64_t h = emu_fast::mix(emu_perturb_seed);
+    for (int i = 0; i < 8; ++i)
+      for (int k = 0; k < 8; ++k)
+        h = emu_fast::mix(h ^ __builtin_bit_cast(uint32_t, A[i][k]) ^
+                          (uint64_t(__builtin_bit_cast(uint32_t, B[i][k])) << 32));
+    for (int i = 0; i < 8; ++i) {
+      for (int j = 0; j < 8; ++j) {
+        uint8_t ord[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+        for (int t = 7; t > 0; --t) {
+          h = emu_fast::mix(h);
+          int u = int(h % uint64_t(t + 1));
+          uint8_t w = ord[t]; ord[t] = ord[u]; ord[u] = w;
+        }
+        const int c_at = int((h >> 40) % 9);
+        float acc = 0.0f;
+        for (int t = 0; t < 8; ++t) {
+          if (t == c_at) acc += Cm[i][j];
+          acc = __builtin_fmaf(A[i][ord[t]], B[ord[t]][j], acc);
+        }
+        if (c_at == 8) acc += Cm[i][j];
+        Cm[i][j] = acc;
+      }
+    }
+  } else {
+    for (int i = 0; i < 8; ++i) {
+      for (int j = 0; j < 8; ++j) {
+        float acc = Cm[i][j];
+        for (int k = 0; k < 8; ++k) acc = __builtin_fmaf(A[i][k], B[k][j], acc);
+        Cm[i][j] = acc;
+      }
     }
   }
   for (uint l = 0; l < EMU_SIMD_WIDTH; ++l) {
