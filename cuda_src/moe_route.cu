@@ -4,10 +4,12 @@
 // Template: E (experts), BM (rows per tile), NT (threads).
 // Inputs: indices (R,) uint32, order (R,) uint32 (the ascending argsort of indices).
 // Output: route (E + 2 + 2 * TILES,) int32, TILES = (R + min(E + 1, R) * (BM - 1)) / BM.
-// Launch: grid (NT, 1, 1), block (NT, 1, 1).
-__shared__ int offs[E + 2];    // first sorted row of expert e; offs[E + 1] = R
-__shared__ int starts[E + 2];  // first row tile of expert e; starts[E + 1] = the tile count
-__shared__ int scan[NT];
+// Launch: grid (NT, 1, 1), block (NT, 1, 1), dynamic shared memory (2 * (E + 2) + NT) * 4
+// bytes (moe/cuda.py: route_shared_memory).
+extern __shared__ __align__(16) unsigned char smem[];
+int* offs = reinterpret_cast<int*>(smem);  // first sorted row of expert e; offs[E + 1] = R
+int* starts = offs + E + 2;                // first row tile of expert e; starts[E + 1] = tiles
+int* scan = starts + E + 2;                // NT per-thread sums
 
 const int R = int(order_shape[0]);
 const int TILES = (R + min(E + 1, R) * (BM - 1)) / BM;

@@ -91,6 +91,12 @@ def _geom(t: CudaTile, dtype) -> list:
             ("STAGES", t.stages), ("WGMMA", t.wgmma), ("DEPTH", t.depth)]
 
 
+def route_shared_memory(E: int, threads: int) -> int:
+    """Bytes of the route twin's shared memory: offsets and tile starts (E + 2 each) and one
+    scan slot per thread, int32."""
+    return (2 * (E + 2) + threads) * 4
+
+
 def route(idx, order, E: int, bm: int):
     """The route array (``moe_route`` twin), int32 (route_size(R, E, bm),)."""
     R = idx.shape[0]
@@ -100,6 +106,7 @@ def route(idx, order, E: int, bm: int):
         template=[("E", E), ("BM", bm), ("NT", threads)],
         grid=(threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(route_size(R, E, bm),)], output_dtypes=[mx.int32],
+        shared_memory=route_shared_memory(E, threads),
     )
     return out
 
@@ -177,7 +184,8 @@ def combine(y, scores, backend: str = "cuda"):
     D = y.shape[1]
     blocks = math.ceil(tokens * D / COMBINE_THREADS)
     (out,) = launch(
-        "moe_combine", "cuda", inputs=[y, scores], template=[("T", y.dtype)],
+        "moe_combine", "cuda", inputs=[y, scores],
+        template=[("T", y.dtype), ("NT", COMBINE_THREADS)],
         grid=(blocks * COMBINE_THREADS, 1, 1), threadgroup=(COMBINE_THREADS, 1, 1),
         output_shapes=[(tokens, D)], output_dtypes=[y.dtype],
     )

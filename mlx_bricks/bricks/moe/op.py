@@ -165,16 +165,16 @@ def switch_linear_reference(x, weight, bias, indices, sorted_indices: bool):
 
 def activation_reference(activation: str, up, gate, alpha=None, limit=None):
     """``SwitchGLU``'s ``self.activation(x_up, x_gate)`` for the MoE activations, with mlx-lm's
-    own functions: ``swiglu`` (``SwiGLU``), ``gelu_approx(gate) * up`` (gemma4's ``GeGLU``),
-    ``swiglu_oai`` (``SwigluOAI(alpha, limit)``)."""
+    own functions: ``swiglu`` (``SwiGLU``), gemma4's ``geglu`` (``GeGLU``: ``gelu_approx(gate) *
+    up``), ``swiglu_oai`` (``SwigluOAI(alpha, limit)``)."""
     from mlx_lm.models import activations
 
     if activation == "silu":
         return activations.swiglu(gate, up)
     if activation == "gelu_tanh":
-        import mlx.nn as nn
+        from mlx_lm.models.gemma4_text import geglu
 
-        return nn.gelu_approx(gate) * up
+        return geglu(gate, up)
     return activations.swiglu_oai(gate, up, alpha=alpha, limit=limit)
 
 
