@@ -618,3 +618,34 @@ def test_metal_source_rules(filename):
 
     rules.test_register_array_loops_are_unrolled(filename)
     rules.test_no_const_method_reads_thread_elements(filename)
+
+
+# ---- the benchmark cases --------------------------------------------------------------------
+
+
+def test_bench_cases_are_registered():
+    from mlx_bricks.bench import core, moe as bench_moe
+
+    names = core.GROUPS["moe"]
+    assert len(names) == len(bench_moe.SHAPES) * len(bench_moe.FORMATS) * len(bench_moe.M_SIZES)
+    assert "moe_qwen3_30b_a3b_q4g64_m2048" in names and "moe_gpt_oss_20b_bf16_m512" in names
+    assert all(core.BENCHMARKS[n].backend == core.KERNEL for n in names)
+
+
+@pytest.mark.parametrize("fmt", [None, (4, 32)])
+@pytest.mark.parametrize("act,bias", [("silu", False), ("swiglu_oai", True)])
+def test_bench_case_brick_matches_stock(fmt, act, bias):
+    """A benchmark case at a tiny shape on the emulator: brick and stock agree, info is filled."""
+    from mlx_bricks.bench import moe as bench_moe
+
+    require_backend("emulator")
+    shape = bench_moe.MoeShape("tiny", hidden=64, intermediate=64, experts=8, top_k=2,
+                               activation=act, bias=bias)
+    brick, stock, info = bench_moe.build(shape, 40, fmt, dtype_name="float32",
+                                         backend="emulator")
+    b, s = brick(), stock()
+    assert b.shape == s.shape == (40, 2, 64)
+    assert mx.abs(b - s).max().item() <= 1e-4 * max(1.0, mx.abs(s).max().item())
+    facts = info()
+    assert facts["flop"] == 6.0 * 40 * 2 * 64 * 64 and "stock_error" not in facts
+    assert facts["tile"] in moe_msl.TILES

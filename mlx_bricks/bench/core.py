@@ -134,9 +134,20 @@ def _cuda_kernel_benchmarks() -> dict[str, Benchmark]:
 
 BENCHMARKS.update(_cuda_kernel_benchmarks())
 
+
+def _moe_benchmarks() -> dict[str, Benchmark]:
+    """The MoE MLP, stock SwitchGLU vs the MoE brick: ``mlx_bricks.bench.moe``."""
+    from mlx_bricks.bench.moe import benchmarks
+
+    return benchmarks()
+
+
+BENCHMARKS.update(_moe_benchmarks())
+
 #: Names that stand for several benchmarks (``--only GROUP``).
 GROUPS: dict[str, list[str]] = {
     "cuda_kernels": [n for n in BENCHMARKS if n.startswith("cuda_")],
+    "moe": [n for n in BENCHMARKS if n.startswith("moe_")],
     "e2e_llama8b_4layer": [n for n in BENCHMARKS if n.startswith("e2e_llama8b_4layer_")],
     "e2e_llama8b_4layer_float": [n for n in BENCHMARKS if n.startswith("e2e_llama8b_4layer_")
                                  and "_q" not in n],
