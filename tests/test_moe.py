@@ -232,6 +232,9 @@ def test_tile_rules():
     assert moe_cuda.select_tile(8192, 128, cc) == "wg64"
     assert moe_cuda.select_tile(8192, 128, (8, 0)) == "bm64"
     assert not any(moe_cuda.TILES[n].wgmma for n in moe_cuda.tile_names((8, 0)))
+    # 8-bit gate and up fused would spill on bm64; split (two widths) they do not
+    assert "bm64" not in moe_cuda.tile_names(cc, (8, 8, 0))
+    assert "bm64" in moe_cuda.tile_names(cc, (8, 4, 8))
 
 
 @pytest.mark.parametrize("R,E,bm", [(1, 1, 32), (7, 128, 64), (64, 8, 64), (8000, 8, 64),
@@ -497,14 +500,19 @@ def _cuda_records(tile, fmts, act=0, bias=False, T=64, k=8, E=4, N=256, D=512):
     return rec
 
 
+#: Compile-only weight formats (no sweep): 8-bit everywhere, the register maximum.
+CUDA_COMPILE_FORMATS = {**{f: fmts for f, (fmts, _) in FORMATS.items()},
+                        "q8": ((8, 32), (8, 32), (8, 64))}
 CUDA_COMPILE_CASES = [
     # (tile, formats, act, bias, arch)
+    ("wg64", "q8", 0, False, "sm_90a"),
+    ("bm64", "q8", 0, False, "sm_90a"),       # refused: fused 8-bit gate/up would spill
     ("wg64", "float", 0, False, "sm_90a"),
     ("wg128", "q4", 0, False, "sm_90a"),
     ("bm64", "mixed", 2, True, "sm_90a"),      # split pair (MODE 1, 2), gpt-oss activation
     ("bm32", "q3q6", 1, False, "sm_80"),
 ]
-CUDA_COMPILE_SLOW = [(t, f, a, b, arch) for t in moe_cuda.TILES for f in FORMATS
+CUDA_COMPILE_SLOW = [(t, f, a, b, arch) for t in moe_cuda.TILES for f in CUDA_COMPILE_FORMATS
                      for a, b in ((0, False), (2, True)) for arch in ("sm_90a", "sm_80")
                      if not (arch == "sm_80" and moe_cuda.TILES[t].wgmma)
                      and (t, f, a, b, arch) not in CUDA_COMPILE_CASES]
@@ -519,7 +527,12 @@ def test_cuda_twins_compile(monkeypatch, tile, fmt, act, bias, arch):
     if cudacheck.find_nvcc() is None:
         pytest.skip("nvcc not found")
     monkeypatch.setattr(gemm_cuda, "device_capability", lambda: (int(arch[3]), 0))
-    fmts = FORMATS[fmt][0]
+    fmts = CUDA_COMPILE_FORMATS[fmt]
+    bits = tuple(f[0] if f else 0 for f in fmts)
+    if tile not in moe_cuda.tile_names(bits=bits):
+        with pytest.raises(ValueError, match="tile must be None or, on this GPU"):
+            _cuda_records(tile, fmts, act, bias)
+        return
     rec = _cuda_records(tile, fmts, act, bias)
     names = [r.name for r in rec]
     split = fmts[0] != fmts[1]
@@ -642,10 +655,11 @@ def test_bench_case_brick_matches_stock(fmt, act, bias):
     shape = bench_moe.MoeShape("tiny", hidden=64, intermediate=64, experts=8, top_k=2,
                                activation=act, bias=bias)
     brick, stock, info = bench_moe.build(shape, 40, fmt, dtype_name="float32",
-                                         backend="emulator")
+                                         backend="emulator", timed_tiles=False)
     b, s = brick(), stock()
     assert b.shape == s.shape == (40, 2, 64)
     assert mx.abs(b - s).max().item() <= 1e-4 * max(1.0, mx.abs(s).max().item())
     facts = info()
     assert facts["flop"] == 6.0 * 40 * 2 * 64 * 64 and "stock_error" not in facts
     assert facts["tile"] in moe_msl.TILES
+    assert mx.array_equal(brick("bm32_sb"), b)  # a forced tile computes the same rows

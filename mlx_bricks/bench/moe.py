@@ -10,7 +10,8 @@ rows per expert on average); real routers are skewed, which the brick's tiles ab
 numbers here do not show.
 
 The brick runs with ``check_indices=False`` (no host sync), as the patch will call it; the
-result reports the tile and the mean rows per expert. Where stock raises (no implementation on
+result reports the rule's tile, the mean rows per expert, and ``tile_s``: seconds per call of
+every tile the device runs (timed after the main rounds), for the tile rule / tuner. Where stock raises (no implementation on
 this backend for the shape), ``stock_error`` says so and the stock side is the brick's own
 call (ratio 1): the brick runs where stock does not.
 
@@ -79,10 +80,13 @@ def _stock_module(shape: MoeShape, fmt, dtype, seed: int = 0):
     return glu
 
 
-def build(shape: MoeShape, M: int, fmt, *, dtype_name: str = "bfloat16", backend=None):
-    """``(brick, stock, info)`` for one case: zero-argument callables returning the lazy
-    (M, top_k, hidden) result of the brick and of stock ``SwitchGLU`` on the same inputs, and
-    ``info() -> dict`` (flop, tile, rows per expert, stock_error when stock cannot run)."""
+def build(shape: MoeShape, M: int, fmt, *, dtype_name: str = "bfloat16", backend=None,
+          timed_tiles: bool = True):
+    """``(brick, stock, info)`` for one case: callables returning the lazy (M, top_k, hidden)
+    result of the brick (with the tile rule; ``brick(tile)`` forces one) and of stock
+    ``SwitchGLU`` on the same inputs, and ``info() -> dict``: flop, rows per expert, the rule's
+    tile, ``tile_s`` (seconds per call of every tile this device runs, when ``timed_tiles``)
+    and ``stock_error`` when stock cannot run."""
     import mlx.core as mx
 
     from mlx_bricks.backends import resolve_backend
@@ -100,25 +104,41 @@ def build(shape: MoeShape, M: int, fmt, *, dtype_name: str = "bfloat16", backend
     projs = (glu.gate_proj, glu.up_proj, glu.down_proj)
     biases = [p.bias if shape.bias else None for p in projs]
 
-    def brick():
+    def brick(tile=None):
         return moe_mlp(x, indices, *projs, b_gate=biases[0], b_up=biases[1], b_down=biases[2],
-                       activation=shape.activation, check_indices=False, backend=backend)
+                       activation=shape.activation, tile=tile, check_indices=False,
+                       backend=backend)
 
     def stock():
         return glu(x, indices)
 
-    info = {"flop": shape.flops(M), "rows_per_expert": M * k / shape.experts,
-            "weights": "bf16" if fmt is None else f"affine {fmt[0]}-bit gs{fmt[1]}"}
+    facts = {"flop": shape.flops(M), "rows_per_expert": M * k / shape.experts,
+             "weights": "bf16" if fmt is None else f"affine {fmt[0]}-bit gs{fmt[1]}"}
     name = resolve_backend(backend)
     R = M * k
-    info["tile"] = (moe_cuda.select_tile(R, shape.experts, bits=(fmt[0] if fmt else 0,))
-                    if name == "cuda" else moe_msl.select_tile(R, shape.experts))
+    bits = (fmt[0] if fmt else 0,) * 3
+    if name == "cuda":
+        facts["tile"] = moe_cuda.select_tile(R, shape.experts, bits=bits)
+        tiles = moe_cuda.tile_names(bits=bits)
+    else:
+        facts["tile"] = moe_msl.select_tile(R, shape.experts)
+        tiles = tuple(moe_msl.TILES)
     try:
         mx.eval(stock())
     except RuntimeError as e:  # stock has no implementation for this shape on this backend
-        info["stock_error"] = str(e)[:500]
+        facts["stock_error"] = str(e)[:500]
         stock = brick
-    return brick, stock, lambda: info
+
+    def info():
+        """The facts, and seconds per call of every tile this device runs (after the timed
+        rounds, so the rule's choice can be compared with the others in the same process)."""
+        from mlx_bricks.bench.gpu import time_op
+
+        if timed_tiles:
+            facts["tile_s"] = {t: time_op(lambda t=t: brick(t)) for t in tiles}
+        return facts
+
+    return brick, stock, info
 
 
 def benchmarks() -> dict:

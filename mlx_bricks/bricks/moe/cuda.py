@@ -49,22 +49,32 @@ def _wg(bm: int, bn: int) -> CudaTile:
 TILES = {
     "wg128": MoeCudaTile(_wg(128, 64), _wg(128, 128)),
     "wg64": MoeCudaTile(_wg(64, 64), _wg(64, 128)),
-    "bm64": MoeCudaTile(CudaTile(64, 64, 2, 2, 4), CudaTile(64, 64, 2, 2, 4)),
+    # 8-bit gate and up fused: 64 bytes of spills on sm_90a (ptxas -v), so at most 6 bits.
+    "bm64": MoeCudaTile(CudaTile(64, 64, 2, 2, 4, max_bits=6), CudaTile(64, 64, 2, 2, 4)),
     "bm32": MoeCudaTile(CudaTile(32, 64, 2, 2, 4), CudaTile(32, 64, 2, 2, 4)),
 }
 
 
-def tile_names(cc: tuple[int, int] | None = None, bits=(0,)) -> tuple[str, ...]:
+def _fits(t: MoeCudaTile, bits) -> bool:
+    """Whether tile ``t`` takes weights of ``bits`` = (gate, up, down) (0: float) without
+    spilling: gate and up of one width run fused (``gate_up.max_bits``), of two widths split
+    (one operand per launch, fewer registers); down within ``down.max_bits``."""
+    g, u, d = bits
+    return (g != u or g <= t.gate_up.max_bits) and d <= t.down.max_bits
+
+
+def tile_names(cc: tuple[int, int] | None = None, bits=(0, 0, 0)) -> tuple[str, ...]:
     """The tiles a GPU of capability ``cc`` (default: this one) runs for weights of ``bits``
-    (0: float): wgmma tiles need sm_90, and every kernel's shared memory must fit."""
+    = (gate, up, down) (0: float): wgmma tiles need sm_90, every kernel's shared memory must
+    fit and no kernel may spill (:func:`_fits`)."""
     cc = gemm_cuda.device_capability() if cc is None else cc
     limit = gemm_cuda.max_shared_memory(cc)
     return tuple(n for n, t in TILES.items()
-                 if (not t.wgmma or cc[0] == 9)
+                 if (not t.wgmma or cc[0] == 9) and _fits(t, bits)
                  and max(_smem(t, b) for b in bits) <= limit)
 
 
-def select_tile(R: int, E: int, cc: tuple[int, int] | None = None, bits=(0,)) -> str:
+def select_tile(R: int, E: int, cc: tuple[int, int] | None = None, bits=(0, 0, 0)) -> str:
     """The tile rule (until the tuner decides): by the mean rows per expert m = R / min(E, R),
     ``wg128`` above 96, ``wg64`` above 32, else ``bm32`` on sm_90; ``bm64`` above 32, else
     ``bm32`` elsewhere. A heuristic, not a measurement."""
