@@ -131,26 +131,35 @@ void moe_gate_up_combine(thread MMA& mma, GPtr b_gate, UPtr b_up, int n0, int N,
 // ---------------------------------------------------------------------------------------------
 
 // Two weight loaders staged as one B tile: L0's rows first, L1's rows at L0::TILE (gate then up
-// for GateUpMMA, which reads up at row BN). Same load/store interface as the loaders of gemm.h,
-// so gemm_k_loop runs unchanged; both loaders use all NTHREADS threads.
-template <typename T, typename L0, typename L1>
+// for GateUpMMA, which reads up at row BN). Threads [0, HALF) stage L0's tile, [HALF, 2 HALF)
+// L1's (each loader is built for HALF threads: a 16-row float tile has chunks for 64 threads
+// only). Same load/store interface as the loaders of gemm.h, so gemm_k_loop runs unchanged.
+template <typename T, typename L0, typename L1, short HALF>
 struct StackedLoader {
   static constant constexpr int TILE = L0::TILE + L1::TILE;
   static constant constexpr short VW = 16 / sizeof(T);
   L0 first;
   L1 second;
+  bool in_first;  // this thread stages L0's tile (else L1's)
 
-  StackedLoader(ushort tid, int K) : first(tid, K), second(tid, K) {}
+  StackedLoader(ushort tid, int K)
+      : first(ushort(tid % HALF), K), second(ushort(tid % HALF), K), in_first(tid < HALF) {}
 
   void load(int k0, bool check_k) {
-    first.load(k0, check_k);
-    second.load(k0, check_k);
+    if (in_first) {
+      first.load(k0, check_k);
+    } else {
+      second.load(k0, check_k);
+    }
   }
 
   template <typename Op>
   void store(threadgroup T* dst, thread const Op& op) {
-    first.store(dst, op);
-    second.store(dst + L0::TILE, op);
+    if (in_first) {
+      first.store(dst, op);
+    } else {
+      second.store(dst + L0::TILE, op);
+    }
   }
 
   void store(threadgroup T* dst) { store(dst, NoTransform()); }
@@ -158,7 +167,7 @@ struct StackedLoader {
 
 // The gate/up weight loader of 2 * BN rows: weights of one format (same operand type) share one
 // loader as in the fused SwiGLU (bind_gate_up_rows); otherwise each has its own loader of BN
-// rows in a StackedLoader.
+// rows for half the threads, in a StackedLoader.
 template <bool SAME, typename T, short BN, short BK, short LD, short NT, typename WG, typename WU>
 struct GateUpLoaderOf {
   typedef typename WG::template Loader<T, 2 * BN, BK, LD, NT> type;
@@ -168,8 +177,8 @@ struct GateUpLoaderOf {
 };
 template <typename T, short BN, short BK, short LD, short NT, typename WG, typename WU>
 struct GateUpLoaderOf<false, T, BN, BK, LD, NT, WG, WU> {
-  typedef StackedLoader<T, typename WG::template Loader<T, BN, BK, LD, NT>,
-                        typename WU::template Loader<T, BN, BK, LD, NT>>
+  typedef StackedLoader<T, typename WG::template Loader<T, BN, BK, LD, NT / 2>,
+                        typename WU::template Loader<T, BN, BK, LD, NT / 2>, NT / 2>
       type;
   static void bind(thread type& lb, WG g, WU u, int n0, int N, int K, bool vec) {
     bind_weight_rows(lb.first, g, n0, N, K, vec);

@@ -48,6 +48,8 @@ FORMATS = {
     "q4": (((4, 64), (4, 64), (4, 64)), (8, 192, 128)),
     # gate and up in different formats (the MSL stacked loader, the CUDA split pair), down float
     "mixed": (((4, 64), (8, 32), None), (8, 72, 128)),
+    # a float gate beside an affine up (stacked float + affine loaders; the CUDA split pair)
+    "float_q": ((None, (4, 32), (8, 32)), (8, 64, 96)),
     "q3q6": (((3, 32), (3, 32), (6, 64)), (8, 64, 96)),
     "q2q5": (((2, 128), (2, 128), (5, 32)), (8, 96, 128)),
 }
@@ -176,6 +178,7 @@ RAGGED = [
     (1000, 8, "float", "float32", "swiglu_oai", True, "random"),  # gpt-oss activation, biases
     (1000, 1, "q3q6", "float16", "silu", False, "one"),        # 1000 rows in one expert
     (200, 2, "q2q5", "bfloat16", "gelu_tanh", True, "half"),
+    (63, 8, "float_q", "float32", "swiglu_oai", True, "one"),
     (1000, 2, "float", "bfloat16", "silu", False, "half"),     # bm64 tiles, empty experts
 ]
 
@@ -220,6 +223,7 @@ def test_leading_dims_and_views(kernel_backend):
 def test_msl_tiles(msl_backend, tile):
     run_case(msl_backend, 100, 2, "float", "float16", "silu", True, "half", tile=tile)
     run_case(msl_backend, 33, 1, "q4", "float32", "gelu_tanh", False, "one", tile=tile)
+    run_case(msl_backend, 50, 2, "float_q", "bfloat16", "swiglu_oai", True, "random", tile=tile)
 
 
 def test_tile_rules():
@@ -577,6 +581,7 @@ CUDA_EMU_CASES = [
     ("bm64", 70, 2, "q4", "float16", "swiglu_oai", True, "half"),
     ("bm64", 20, 8, "mixed", "bfloat16", "silu", True, "one"),
     ("bm32", 64, 1, "q3q6", "float16", "gelu_tanh", False, "one"),
+    ("bm32", 40, 4, "float_q", "float16", "swiglu_oai", True, "random"),  # split: float gate
 ]
 
 
