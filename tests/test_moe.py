@@ -203,6 +203,22 @@ def test_empty_input(kernel_backend):
     assert out.shape == (0, x.shape[-1])
 
 
+def test_tiny_operands_in_the_constant_address_space(kernel_backend):
+    """Inputs of fewer than 8 elements reach MSL kernels as constant pointers (x, biases, order,
+    act, act_params here); K = 4 is below one K step."""
+    E, N, D = 2, 3, 4
+    x = _randn((1, D), mx.float32, 1)
+    ws = (_randn((E, N, D), mx.float32, 2), _randn((E, N, D), mx.float32, 3),
+          _randn((E, D, N), mx.float32, 4))
+    biases = (_randn((E, N), mx.float32, 5), _randn((E, N), mx.float32, 6),
+              _randn((E, D), mx.float32, 7))
+    idx = mx.array([[1, 0]], dtype=mx.int32)
+    kw = dict(b_gate=biases[0], b_up=biases[1], b_down=biases[2], activation="swiglu_oai")
+    out = moe_mlp(x, idx, *ws, backend=kernel_backend, **kw)
+    assert_dtype_close(out, _moe64(x, idx, ws, biases, "swiglu_oai"),
+                       moe_mlp_reference(x, idx, *ws, **kw), dtype=mx.float32, what="tiny")
+
+
 def test_leading_dims_and_views(kernel_backend):
     """x (B, L, D) as SwitchGLU gets it, and a strided view of x (copied to rows)."""
     x, idx, ws, _ = _operands(70, 2, "float", "float32", False)

@@ -126,6 +126,12 @@ def route_threads(R: int, E: int, max_threads: int = ROUTE_MAX_THREADS) -> int:
     return min(max_threads, 1 << (n - 1).bit_length())
 
 
+def route_threadgroup_bytes(E: int, threads: int) -> int:
+    """Threadgroup memory of the route kernel: offsets and tile starts (E + 2 ints each) and one
+    int per simdgroup."""
+    return (2 * (E + 2) + threads // 32) * 4
+
+
 @dataclass(frozen=True)
 class MoePlan:
     """Launch values of one MoE call (see :func:`plan_moe`)."""
@@ -142,7 +148,7 @@ class MoePlan:
 
 def plan_moe(R: int, E: int, N: int, D: int, dtype, *, tile: str | None = None,
              group_sizes=()) -> MoePlan:
-    """Tile pair, template values and geometry for R rows over E experts of (N, D) experts.
+    """Tile pair, template values and geometry for R rows over E experts, each (N, D).
 
     Args:
         R, E, N, D: rows (tokens * k), experts, expert intermediate size, hidden size.
@@ -151,7 +157,8 @@ def plan_moe(R: int, E: int, N: int, D: int, dtype, *, tile: str | None = None,
         group_sizes: the affine weights' group sizes (BK must divide each).
 
     Raises:
-        ValueError: an unknown ``tile``.
+        ValueError: an unknown ``tile``; more experts than the route kernel's threadgroup memory
+            holds (about 4000).
         RuntimeError: a tile over the threadgroup-memory limit or a BK that does not divide a
             group size (bugs in the table, checked at every launch).
     """
@@ -172,8 +179,13 @@ def plan_moe(R: int, E: int, N: int, D: int, dtype, *, tile: str | None = None,
     for gs in group_sizes:
         if gs % bk:
             raise RuntimeError(f"MoE tile {tile}: BK={bk} does not divide group_size {gs}")
+    threads = route_threads(R, E)
+    if route_threadgroup_bytes(E, threads) > THREADGROUP_MEMORY_LIMIT:
+        raise ValueError(f"E={E} experts: the route kernel would need "
+                         f"{route_threadgroup_bytes(E, threads)} bytes of threadgroup memory, "
+                         f"over the {THREADGROUP_MEMORY_LIMIT}-byte limit (about 4000 experts)")
     return MoePlan(tile=t, bk=bk, pad=pad, vec_k=D % vw == 0, vec_n=N % vw == 0,
-                   tiles=tiles_max(R, E, t.bm), route_threads=route_threads(R, E),
+                   tiles=tiles_max(R, E, t.bm), route_threads=threads,
                    threadgroup_bytes=tg)
 
 

@@ -44,12 +44,14 @@ from mlx_bricks.ops._checks import (
     dtype_name,
 )
 from mlx_bricks.ops.quant import MODE, QuantizedWeight, is_quantized
+from mlx_bricks.ops.swiglu_variants import ACTIVATIONS as SWIGLU_ACTIVATIONS
 
-#: The experts' activations by name, and the kernels' ``ACT`` template value: ``"silu"``
-#: (SwiGLU, ``SwitchGLU``'s default: qwen, mixtral, olmoe, deepseek), ``"gelu_tanh"`` (GeGLU with
-#: GELU's tanh approximation: gemma4's ``GeGLU``) and ``"swiglu_oai"`` (gpt-oss's clamped
-#: SwiGLU, ``mlx_lm.models.activations.swiglu_oai``, with ``alpha`` and ``limit``).
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}
+#: The experts' activations by name, and the kernels' ``ACT`` template value: the SwiGLU brick's
+#: ``"silu"`` (SwiGLU, ``SwitchGLU``'s default: qwen, mixtral, olmoe, deepseek) and
+#: ``"gelu_tanh"`` (GeGLU with GELU's tanh approximation: gemma4's ``GeGLU``), and
+#: ``"swiglu_oai"`` (gpt-oss's clamped SwiGLU, ``mlx_lm.models.activations.swiglu_oai``, with
+#: ``alpha`` and ``limit``; ``ACT_SWIGLU_OAI`` in moe.h / moe.cuh).
+ACTIVATIONS = {**SWIGLU_ACTIVATIONS, "swiglu_oai": 2}
 #: ``swiglu_oai``'s defaults (gpt-oss; mlx-lm's ``SwigluOAI``).
 SWIGLU_OAI_ALPHA = 1.702
 SWIGLU_OAI_LIMIT = 7.0
