@@ -18,8 +18,10 @@ const int tid = int(threadIdx.x);
 // 1. Offsets: each e in (expert of row r - 1, expert of row r] starts at row r (experts clamped
 // to E are nondecreasing in sorted order; r = R stands for E + 1).
 for (int r = tid; r <= R; r += NT) {
-  const int prev = r == 0 ? -1 : int(min(indices[order[r - 1]], unsigned(E)));
-  const int cur = r == R ? E + 1 : int(min(indices[order[r]], unsigned(E)));
+  const unsigned vp = r == 0 ? 0u : unsigned(indices[order[r - 1]]);
+  const int prev = r == 0 ? -1 : (vp < unsigned(E) ? int(vp) : E);
+  const unsigned vc = r == R ? 0u : unsigned(indices[order[r]]);
+  const int cur = r == R ? E + 1 : (vc < unsigned(E) ? int(vc) : E);
   for (int e = prev + 1; e <= cur; ++e) offs[e] = r;
 }
 __syncthreads();

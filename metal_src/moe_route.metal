@@ -24,8 +24,10 @@ const int sg = int(simdgroup_index_in_threadgroup);
 // starts at the first row whose expert is >= e; each e in (expert of row r - 1, expert of r] is
 // set by row r alone (r = R stands for an expert past all, E + 1).
 for (int r = tid; r <= R; r += NT) {
-  const int prev = r == 0 ? -1 : int(min(uint(indices[order[r - 1]]), uint(E)));
-  const int cur = r == R ? E + 1 : int(min(uint(indices[order[r]]), uint(E)));
+  const uint vp = r == 0 ? 0u : uint(indices[order[r - 1]]);
+  const int prev = r == 0 ? -1 : (vp < uint(E) ? int(vp) : E);
+  const uint vc = r == R ? 0u : uint(indices[order[r]]);
+  const int cur = r == R ? E + 1 : (vc < uint(E) ? int(vc) : E);
   for (int e = prev + 1; e <= cur; ++e) offs[e] = r;
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);

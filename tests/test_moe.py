@@ -235,6 +235,17 @@ def test_leading_dims_and_views(kernel_backend):
 # ---- tiles ----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("tile", sorted(moe_cuda.TILES))
+def test_cuda_tiles(tile):
+    """Every CUDA tile forced (the wgmma ones run on sm_90 only; not emulated)."""
+    require_backend("cuda")
+    if tile not in moe_cuda.tile_names(bits=(4, 4, 4)):
+        pytest.skip(f"this GPU does not run tile {tile}")
+    run_case("cuda", 100, 2, "float", "bfloat16", "silu", True, "half", tile=tile)
+    run_case("cuda", 300, 8, "q4", "float16", "swiglu_oai", True, "one", tile=tile)
+    run_case("cuda", 70, 4, "mixed", "bfloat16", "gelu_tanh", False, "random", tile=tile)
+
+
 @pytest.mark.parametrize("tile", sorted(moe_msl.TILES))
 def test_msl_tiles(msl_backend, tile):
     run_case(msl_backend, 100, 2, "float", "float16", "silu", True, "half", tile=tile)
@@ -294,10 +305,15 @@ ROUTE_CASES = [(1, 1, 32, "random"), (9, 4, 32, "random"), (300, 16, 64, "skewed
 
 
 @pytest.mark.parametrize("R,E,bm,kind", ROUTE_CASES)
-def test_route_kernel(msl_backend, R, E, bm, kind):
+def test_route_kernel(kernel_backend, R, E, bm, kind):
+    if kernel_backend == "reference":
+        pytest.skip("the route is a kernel (reference runs SwitchGLU's own sort)")
     idx = _route_indices(R, E, kind)
     idx_u, order = moe_op.sort_rows(mx.array(idx))
-    got = moe_msl.route(idx_u, order, E, bm, msl_backend, moe_msl.route_threads(R, E))
+    if kernel_backend == "cuda":
+        got = moe_cuda.route(idx_u, order, E, bm)
+    else:
+        got = moe_msl.route(idx_u, order, E, bm, kernel_backend, moe_msl.route_threads(R, E))
     assert np.array_equal(np.array(got), _route64(idx, E, bm)), (R, E, bm, kind)
 
 
@@ -324,18 +340,20 @@ def test_out_of_range_indices_raise(kernel_backend):
                     backend=kernel_backend)
 
 
-def test_out_of_range_rows_are_nan_without_the_check(msl_backend):
+def test_out_of_range_rows_are_nan_without_the_check(kernel_backend):
     """check_indices=False evaluates nothing; the kernels never read out of bounds (the emulator
     checks) and give NaN exactly in the rows of the bad indices."""
+    if kernel_backend == "reference":
+        pytest.skip("stock gather_mm with out-of-range indices is undefined")
     x, idx, ws, _ = _operands(100, 2, "q4", "float16", False)
     bad = np.array(idx)
     bad[3, 1], bad[50, 0], bad[99, 1] = 8, -1, 1000
     out = np.array(moe_mlp(x, mx.array(bad), *ws, check_indices=False,
-                           backend=msl_backend).astype(mx.float32))
+                           backend=kernel_backend).astype(mx.float32))
     nan_rows = np.isnan(out).any(axis=-1)
     assert np.array_equal(np.argwhere(nan_rows), [[3, 1], [50, 0], [99, 1]])
     assert np.isnan(out[nan_rows]).all()
-    good = moe_mlp(x, idx, *ws, backend=msl_backend)
+    good = moe_mlp(x, idx, *ws, backend=kernel_backend)
     ok = ~nan_rows
     assert np.array_equal(out[ok], np.array(good.astype(mx.float32))[ok])
 
@@ -624,6 +642,35 @@ def test_cuda_twins_in_the_cpu_emulation(monkeypatch, tile, T, k, fmt, dtype, ac
     assert_dtype_close(out, _moe64(x, idx, ws, biases, act),
                        moe_mlp_reference(x, idx, *ws, **kw), dtype=dt,
                        what=f"cuda emu {tile} {fmt} {dtype} {act}")
+
+
+@pytest.mark.parametrize("R,E,bm,kind", ROUTE_CASES)
+def test_cuda_route_in_the_cpu_emulation(R, E, bm, kind):
+    emu = _cuda_emu()
+    idx = _route_indices(R, E, kind)
+    idx_u, order = moe_op.sort_rows(mx.array(idx))
+    with emu.emulated_launches(moe_cuda):
+        got = moe_cuda.route(idx_u, order, E, bm)
+        mx.eval(got)
+    assert np.array_equal(np.array(got), _route64(idx, E, bm)), (R, E, bm, kind)
+
+
+def test_cuda_out_of_range_rows_in_the_cpu_emulation(monkeypatch):
+    """The twins' NaN rows for out-of-range indices (their fill path) on the CPU."""
+    from mlx_bricks.ops import gemm_cuda
+
+    emu = _cuda_emu()
+    monkeypatch.setattr(gemm_cuda, "device_capability", lambda: (8, 0))
+    x, idx, ws, biases = _operands(20, 2, "float", "bfloat16", False)
+    bad = np.array(idx)
+    bad[3, 1], bad[7, 0] = 16, -1
+    idx_u, order = moe_op.sort_rows(mx.array(bad))
+    with emu.emulated_launches(moe_cuda):
+        y = moe_cuda.moe_rows(x, idx_u, order, *(moe_op.expert_inputs(w) for w in ws), biases,
+                              16, 0, (0.0, 0.0), tile="bm32")
+        mx.eval(y)
+    nan_rows = np.isnan(np.array(y.astype(mx.float32))).any(axis=-1)
+    assert np.array_equal(np.nonzero(nan_rows)[0], [7 * 2 + 0, 3 * 2 + 1][::-1])
 
 
 def test_cuda_combine_in_the_cpu_emulation():
