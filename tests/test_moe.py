@@ -195,8 +195,13 @@ def test_combine(kernel_backend, T, k, fmt, dtype):
     run_case(kernel_backend, T, k, fmt, dtype, bias=True, combine=True)
 
 
+def _dtype_for(backend: str) -> str:
+    """float32, or bfloat16 on cuda (its twins take 16-bit activations only)."""
+    return "bfloat16" if backend == "cuda" else "float32"
+
+
 def test_empty_input(kernel_backend):
-    x, idx, ws, _ = _operands(1, 2, "float", "float32", False)
+    x, idx, ws, _ = _operands(1, 2, "float", _dtype_for(kernel_backend), False)
     out = moe_mlp(x[:0], idx[:0], *ws, backend=kernel_backend)
     assert out.shape == (0, 2, x.shape[-1])
     out = moe_mlp_combine(x[:0], idx[:0], mx.zeros((0, 2)), *ws, backend=kernel_backend)
@@ -207,21 +212,20 @@ def test_tiny_operands_in_the_constant_address_space(kernel_backend):
     """Inputs of fewer than 8 elements reach MSL kernels as constant pointers (x, biases, order,
     act, act_params here); K = 4 is below one K step."""
     E, N, D = 2, 3, 4
-    x = _randn((1, D), mx.float32, 1)
-    ws = (_randn((E, N, D), mx.float32, 2), _randn((E, N, D), mx.float32, 3),
-          _randn((E, D, N), mx.float32, 4))
-    biases = (_randn((E, N), mx.float32, 5), _randn((E, N), mx.float32, 6),
-              _randn((E, D), mx.float32, 7))
+    dt = DTYPES[_dtype_for(kernel_backend)]
+    x = _randn((1, D), dt, 1)
+    ws = (_randn((E, N, D), dt, 2), _randn((E, N, D), dt, 3), _randn((E, D, N), dt, 4))
+    biases = (_randn((E, N), dt, 5), _randn((E, N), dt, 6), _randn((E, D), dt, 7))
     idx = mx.array([[1, 0]], dtype=mx.int32)
     kw = dict(b_gate=biases[0], b_up=biases[1], b_down=biases[2], activation="swiglu_oai")
     out = moe_mlp(x, idx, *ws, backend=kernel_backend, **kw)
     assert_dtype_close(out, _moe64(x, idx, ws, biases, "swiglu_oai"),
-                       moe_mlp_reference(x, idx, *ws, **kw), dtype=mx.float32, what="tiny")
+                       moe_mlp_reference(x, idx, *ws, **kw), dtype=dt, what="tiny")
 
 
 def test_leading_dims_and_views(kernel_backend):
     """x (B, L, D) as SwitchGLU gets it, and a strided view of x (copied to rows)."""
-    x, idx, ws, _ = _operands(70, 2, "float", "float32", False)
+    x, idx, ws, _ = _operands(70, 2, "float", _dtype_for(kernel_backend), False)
     x3 = x.reshape(2, 35, -1)
     out = moe_mlp(x3, idx.reshape(2, 35, 2), *ws, backend=kernel_backend)
     flat = moe_mlp(x, idx, *ws, backend=kernel_backend)
@@ -332,7 +336,7 @@ def _route_indices(R, E, kind):
 
 
 def test_out_of_range_indices_raise(kernel_backend):
-    x, idx, ws, _ = _operands(9, 2, "float", "float32", False)
+    x, idx, ws, _ = _operands(9, 2, "float", _dtype_for(kernel_backend), False)
     E = ws[0].shape[0]
     for bad in (E, -1):
         with pytest.raises(ValueError, match=r"indices must be expert numbers in \[0, E=16\)"):
