@@ -152,16 +152,20 @@ def run_case(backend, T, k, fmt_name, dtype, activation="silu", bias=False, kind
     what = (f"{backend} T={T} k={k} {fmt_name} {dtype} {activation} bias={bias} {kind} "
             f"tile={tile} combine={combine}")
     ref64 = _moe64(x, idx, ws, biases, activation)
-    naive = moe_mlp_reference(x, idx, *ws, **kw)
     if combine:
         scores = mx.softmax(_randn(idx.shape, mx.float32, T + 3), axis=-1).astype(dt)
         out = moe_mlp_combine(x, idx, scores, *ws, tile=tile, backend=backend, **kw)
         ref64 = (ref64 * to_f64(scores)[..., None]).sum(axis=-2)
-        naive = moe_op.combine_reference(naive, scores, dt)
         shape = x.shape
     else:
         out = moe_mlp(x, idx, *ws, tile=tile, backend=backend, **kw)
         shape = (*x.shape[:-1], k, x.shape[-1])
+    if backend == "reference":  # the op is the same-dtype computation itself
+        naive = out
+    else:
+        naive = moe_mlp_reference(x, idx, *ws, **kw)
+        if combine:
+            naive = moe_op.combine_reference(naive, scores, dt)
     assert out.dtype == dt and tuple(out.shape) == tuple(shape), what
     assert_dtype_close(out, ref64, naive, dtype=dt, what=what)
 
@@ -423,17 +427,21 @@ SWEEP_K = (1, 2, 8)
 #: Emulator cases of the default suite: about one in EMULATOR_ONE_IN, reference one in
 #: REFERENCE_ONE_IN (fixed hash-chosen samples); `-m slow` runs the rest.
 EMULATOR_ONE_IN = 60
-REFERENCE_ONE_IN = 20
+REFERENCE_ONE_IN = 30
 
 
 def _sweep_params():
     for case in itertools.product(SWEEP_T, SWEEP_K, FORMATS, DTYPES, ACTIVATIONS,
                                   (False, True)):
         ident = "-".join(map(str, case))
+        T, k, fmt = case[:3]
+        # stock's gather_qmm on the CPU takes tens of seconds at 1600+ rows: slow only
+        cpu_heavy = T * k >= 1600 and fmt != "float"
         for backend, one_in in (("reference", REFERENCE_ONE_IN), ("emulator", EMULATOR_ONE_IN),
                                 ("metal", 1), ("cuda", 1)):
             pid = f"{backend}-{ident}"
-            fast = sampled(pid, one_in)
+            fast = sampled(pid, one_in) and not (cpu_heavy and backend in ("reference",
+                                                                           "emulator"))
             yield pytest.param(backend, *case, id=pid, marks=[] if fast else [pytest.mark.slow])
 
 
@@ -546,11 +554,9 @@ def _cuda_records(tile, fmts, act=0, bias=False, T=64, k=8, E=4, N=256, D=512):
 CUDA_COMPILE_FORMATS = {**{f: fmts for f, (fmts, _) in FORMATS.items()},
                         "q8": ((8, 32), (8, 32), (8, 64))}
 CUDA_COMPILE_CASES = [
-    # (tile, formats, act, bias, arch)
+    # (tile, formats, act, bias, arch): the register maximum, a refusal, the split pair, sm_80
     ("wg64", "q8", 0, False, "sm_90a"),
     ("bm64", "q8", 0, False, "sm_90a"),       # refused: fused 8-bit gate/up would spill
-    ("wg64", "float", 0, False, "sm_90a"),
-    ("wg128", "q4", 0, False, "sm_90a"),
     ("bm64", "mixed", 2, True, "sm_90a"),      # split pair (MODE 1, 2), gpt-oss activation
     ("bm32", "q3q6", 1, False, "sm_80"),
 ]
