@@ -176,7 +176,7 @@ RAGGED = [
     # (tokens, k, formats, dtype, activation, bias, kind): what it covers
     (1, 1, "float", "float32", "silu", False, "random"),       # one row, one tile
     (1, 8, "q4", "bfloat16", "silu", False, "random"),         # top-8: one token on 8 experts
-    (63, 2, "float", "float16", "gelu_tanh", True, "half"),    # experts with no rows, unsorted stock
+    (63, 2, "float", "float16", "gelu_tanh", True, "half"),    # empty experts, unsorted stock
     (64, 1, "float", "bfloat16", "silu", False, "one"),        # one expert takes every token
     (64, 8, "mixed", "float16", "silu", True, "one"),          # expert 7 in every token, mixed
     (1000, 8, "float", "float32", "swiglu_oai", True, "random"),  # gpt-oss activation, biases
@@ -467,7 +467,8 @@ def _error_cases():
     yield "top-k > E", dict(indices=mx.zeros((5, E + 1), mx.int32)), ValueError, \
         f"top-k = {E + 1} experts per token, more than the E = {E}"
     yield "2-D w_gate", dict(w_gate=wg[0]), ValueError, "w_gate must have 3 dimensions"
-    yield "w_gate K", dict(w_gate=wg[..., :-1]), ValueError, r"w_gate must have shape \(E, N, D=100\)"
+    yield "w_gate K", dict(w_gate=wg[..., :-1]), ValueError, \
+        r"w_gate must have shape \(E, N, D=100\)"
     yield "w_up experts", dict(w_up=wu[:-1]), ValueError, "w_up must have w_gate's shape"
     yield "w_up N", dict(w_up=wu[:, :-1]), ValueError, "w_up must have w_gate's shape"
     yield "w_down layout", dict(w_down=wu), ValueError, r"w_down must have shape \(E, D, N\)"

@@ -91,8 +91,10 @@ def select_tile(R: int, E: int, cc: tuple[int, int] | None = None, bits=(0, 0, 0
     return names[0]
 
 
-def _smem(t: MoeCudaTile, bits: int, fused: bool = True) -> int:
-    return max(shared_memory_bytes(t.gate_up, 2 if fused else 1, bits or None),
+def _smem(t: MoeCudaTile, bits: int) -> int:
+    """Shared memory of the larger kernel of ``t`` for weights of ``bits`` (gate/up fused: an
+    upper bound of the split pair's)."""
+    return max(shared_memory_bytes(t.gate_up, 2, bits or None),
                shared_memory_bytes(t.down, 1, bits or None))
 
 
@@ -140,8 +142,8 @@ def moe_rows(x2, idx, order, gate, up, down, biases, E: int, act: int, act_param
     if tile is None:
         tile = select_tile(R, E, bits=bits)
     elif tile not in tile_names(bits=bits):
-        raise ValueError(f"tile must be None or, on this GPU, one of {list(tile_names(bits=bits))},"
-                         f" got {tile!r}")
+        raise ValueError(f"tile must be None or, on this GPU, one of "
+                         f"{list(tile_names(bits=bits))}, got {tile!r}")
     t = TILES[tile]
     rt = route(idx, order, E, t.bm)
     tiles = tiles_max(R, E, t.bm)

@@ -389,9 +389,9 @@ def _kernel_rows(x, indices, a, biases, tile, name):
     """The grouped GEMMs on the kernel backend ``name``: y (R, D) in (token, slot) order."""
     x2 = mx.contiguous(x.reshape(-1, a["D"]))
     idx, order = sort_rows(indices)
-    return _backend_module(name).moe_rows(x2, idx, order, expert_inputs(a["w_gate"]), expert_inputs(a["w_up"]),
-               expert_inputs(a["w_down"]), biases, a["E"], a["act"], (a["alpha"], a["limit"]),
-               tile=tile, backend=name)
+    weights = [expert_inputs(a[w]) for w in ("w_gate", "w_up", "w_down")]
+    return _backend_module(name).moe_rows(x2, idx, order, *weights, biases, a["E"], a["act"],
+                                          (a["alpha"], a["limit"]), tile=tile, backend=name)
 
 
 def moe_mlp(x, indices, w_gate, w_up, w_down, *, b_gate=None, b_up=None, b_down=None,
@@ -499,4 +499,5 @@ def moe_mlp_combine(x, indices, scores, w_gate, w_up, w_down, *, b_gate=None, b_
     if indices.size == 0:
         return mx.zeros(x.shape, dtype=x.dtype)
     y = _kernel_rows(x, indices, a, (b_gate, b_up, b_down), tile, name)
-    return _backend_module(name).combine(y, mx.contiguous(scores.reshape(-1, a["k"])), name).reshape(x.shape)
+    scores2 = mx.contiguous(scores.reshape(-1, a["k"]))
+    return _backend_module(name).combine(y, scores2, name).reshape(x.shape)
