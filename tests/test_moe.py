@@ -24,7 +24,6 @@ import itertools
 import math
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 
