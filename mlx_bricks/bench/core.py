@@ -158,9 +158,20 @@ CUDA_GROUPS = _cuda_case_benchmarks()
 for _members in CUDA_GROUPS.values():
     BENCHMARKS.update(_members)
 
+
+def _moe_benchmarks() -> dict[str, Benchmark]:
+    """The MoE MLP, stock SwitchGLU vs the MoE brick: ``mlx_bricks.bench.moe``."""
+    from mlx_bricks.bench.moe import benchmarks
+
+    return benchmarks()
+
+
+BENCHMARKS.update(_moe_benchmarks())
+
 #: Names that stand for several benchmarks (``--only GROUP``).
 GROUPS: dict[str, list[str]] = {
     **{group: list(members) for group, members in CUDA_GROUPS.items()},
+    "moe": [n for n in BENCHMARKS if n.startswith("moe_")],
     "e2e_llama8b_4layer": [n for n in BENCHMARKS if n.startswith("e2e_llama8b_4layer_")],
     "e2e_llama8b_4layer_float": [n for n in BENCHMARKS if n.startswith("e2e_llama8b_4layer_")
                                  and "_q" not in n],
