@@ -113,6 +113,22 @@ inline int __float_as_int(float f) {
   std::memcpy(&i, &f, 4);
   return i;
 }
+inline float __uint_as_float(uint32_t u) { return emu::bitsf(u); }
+inline uint32_t __float_as_uint(float f) { return emu::fbits(f); }
+// prmt.b32 default mode with selectors 0..7 (the only ones the twins use).
+inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+  const uint64_t v = uint64_t(x) | (uint64_t(y) << 32);
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t sel = (s >> (4 * i)) & 0xf;
+    if (sel & 8) {
+      std::fprintf(stderr, "emu: prmt sign-replicate selectors are not emulated\n");
+      std::abort();
+    }
+    r |= uint32_t((v >> (8 * sel)) & 0xff) << (8 * i);
+  }
+  return r;
+}
 
 namespace bricks {
 
@@ -153,6 +169,18 @@ inline float2 unpack2(uint32_t r) {
   std::memcpy(&l, &a, 2);
   std::memcpy(&h, &b, 2);
   return make_float2(Num<T>::to_float(l), Num<T>::to_float(h));
+}
+
+// mma.cuh's i8x4_to_float4, the same instructions (byte permute into the 2^23 magic, one FADD).
+inline float4 i8x4_to_float4(uint32_t w) {
+  const uint32_t u = w ^ 0x80808080u;
+  const float bias = 8388736.0f;  // 2^23 + 128
+  float4 r;
+  r.x = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7540)) - bias;
+  r.y = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7541)) - bias;
+  r.z = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7542)) - bias;
+  r.w = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7543)) - bias;
+  return r;
 }
 
 inline uint32_t smem_addr(const void* p) {
