@@ -34,7 +34,7 @@ from mlx_bricks.nn import (
     is_patched,
 )
 from mlx_bricks.nn.structure import attention_sharding_reason, linears
-from mlx_bricks.runtime.dispatch import NO_KERNEL_BACKEND, TUNE_MODES, Dispatch
+from mlx_bricks.runtime.dispatch import NO_KERNEL_BACKEND, TUNE_MODES, Dispatch, no_kernel_backend
 from mlx_bricks.patch.report import (
     DISABLED,
     FALLBACK,
@@ -342,7 +342,7 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
             "dequant_cap": f"{cap / MIB:g} MiB ({cap_source})"}
     # No kernel backend: only the composites of quantized weights can beat stock (reference
     # is the same math as stock), and only by measurement.
-    no_kernels = choice.name == "reference" and choice.source == "auto"
+    no_kernels = no_kernel_backend(choice)
     if no_kernels and tune == "off":
         dispatch = None
     else:

@@ -38,15 +38,20 @@ TUNE_MODES = ("auto", "off", "force")
 NO_KERNEL_BACKEND = "no kernel backend on this machine (reference is the same math as stock)"
 
 
+def no_kernel_backend(backend: BackendChoice) -> bool:
+    """Whether ``backend`` is ``reference`` chosen automatically: no kernel backend here, so
+    the only candidates are the kinds' composites of stock ops."""
+    return backend.name == "reference" and backend.source == "auto"
+
+
 def tunes(backend: BackendChoice, tune: str) -> bool:
     """Whether tuning applies to a patch on ``backend`` with ``tune``: on a kernel backend, and
-    on ``reference`` chosen automatically (no kernel backend: the composites are weighed
-    against stock); not with ``tune="off"`` nor on a backend the caller named for its own
-    sake (``emulator``, ``reference``: the bricks run as asked)."""
+    where there is none (:func:`no_kernel_backend`: the composites are weighed against stock);
+    not with ``tune="off"`` nor on a backend the caller named for its own sake (``emulator``,
+    ``reference``: the bricks run as asked)."""
     if tune == "off":
         return False
-    return backend.name in TUNED_BACKENDS or (backend.name == "reference"
-                                              and backend.source == "auto")
+    return backend.name in TUNED_BACKENDS or no_kernel_backend(backend)
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,7 @@ class Dispatch:
         self.backend = backend.name
         self.mode = tune
         self.tuning = tunes(backend, tune)
+        self.composites_only = no_kernel_backend(backend)
         self.guarded = backend.name in GUARDED_BACKENDS
         self.settings = dict(settings or {})
         self.common = dict(common or {})
@@ -104,7 +110,7 @@ class Dispatch:
         self.failures: list[str] = []
         self._cache = None
         if self.tuning:
-            what = ("composites of stock ops (no kernel backend)" if backend.name == "reference"
+            what = ("composites of stock ops (no kernel backend)" if self.composites_only
                     else "brick variants")
             self.why = (f"{tune}: each piece's {what} timed against stock on this "
                         "device" + (" (cached decisions reused)" if tune == "auto" else
@@ -192,7 +198,7 @@ class Dispatch:
             reason = "rule"
         elif not cands:
             what = ("no kernel backend on this machine and no composite" if
-                    self.backend == "reference" else f"no {self.backend} kernel")
+                    self.composites_only else f"no {self.backend} kernel")
             return Choice(None, f"{what} for {k.name} ({key.dtype}, w={key.weights})", key)
         else:
             d = self.decision(k, args, cands)

@@ -125,7 +125,8 @@ class SwigluMLP(TokenRowsKind):
 
     def restrict(self, variants, settings):
         if settings.get("fixed"):  # kernel variants and composites of the asked style
-            return [v for v in variants if v.kwargs.get("variant") == settings.get("variant")]
+            return [v for v in variants
+                    if v.kwargs.get("variant", v.name) == settings.get("variant")]
         return variants
 
     def settings_suffix(self, settings):
