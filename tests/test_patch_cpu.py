@@ -7,8 +7,8 @@ patched and tuned on ``reference``-auto: its pieces' composites win (MLX 0.32.4'
 ``quantized_matmul`` is 17-57x slower than the dequantized float GEMM at these activation
 dtypes, a margin no load on the machine closes); its logits meet the tolerance rule against
 float64 of the dequantized weights and its greedy continuation is stock's (a difference
-accepted only at a float64 tie, tests/test_patch.py's rule). Modules with float weights only stay stock with the no-kernel-backend reason;
-``tune="off"`` patches nothing. The default model quantized to 4 bits gives stock's 16 greedy
+accepted only at a float64 tie, tests/test_patch.py's rule). Modules with float weights only
+stay stock with the no-kernel-backend reason; ``tune="off"`` patches nothing. The default model quantized to 4 bits gives stock's 16 greedy
 tokens exactly (slow: the stock side's float16 ``quantized_matmul`` takes minutes on 2
 cores).
 """

@@ -18,13 +18,13 @@ import math
 
 import mlx.core as mx
 
+from mlx_bricks import kernels
 from mlx_bricks.bricks.attention.op import (
     DEFAULT_VARIANT,
     flash_attention_reference,
     run_flash_attention,
     variant_names,
 )
-from mlx_bricks import kernels
 from mlx_bricks.bricks.q8_0.op import dequantize_q8_0, quantize_q8_0
 from mlx_bricks.checks import dtype_name
 from mlx_bricks.formats.q8_0 import kv_dense
