@@ -282,8 +282,8 @@ def test_tuner_with_no_variant_and_decision_round_trip():
     d = tune_op(KINDS["linear"], args, "reference", variants=[Variant("slow", fn=_slow)],
                 guard=Guard(), repeats=2)
     back = Decision.from_dict(d.key, json.loads(json.dumps(d.to_dict())))
-    assert (back.winner, back.ratio, back.variants, back.source) == (
-        d.winner, d.ratio, d.variants, "cache")
+    assert (back.winner, back.ratio, back.variants, back.source, back.stock_rounds) == (
+        d.winner, d.ratio, d.variants, "cache", 2)
     with pytest.raises(ValueError, match="not a tuning decision"):
         Decision.from_dict("k", {"ratio": 1.0})
 

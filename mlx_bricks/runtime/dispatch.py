@@ -242,7 +242,7 @@ class Dispatch:
             "settings": dict(self.common),
             "decisions": [
                 {"key": key, "winner": d.winner, "ratio": d.ratio, "reason": d.reason,
-                 "source": d.source, "measured": d.measured}
+                 "source": d.source, "measured": d.measured, "stock_rounds": d.stock_rounds}
                 for key, d in self.decisions.items()],
             "disabled": list(self.failures),
         }

@@ -49,6 +49,8 @@ class Decision:
         measured: the shapes the timing ran at (``{"M": ...}`` or ``{"q_len", "kv_len"}``).
         source: ``"measured"`` in this process, or ``"cache"``.
         note: why nothing was measured (no variant on this backend), else empty.
+        stock_rounds: timed rounds of stock (fewer than ``REPEATS`` for a slow stock under
+            :data:`ROUND_BUDGET_S`), None when nothing was timed.
     """
 
     key: str
@@ -60,6 +62,7 @@ class Decision:
     measured: dict = field(default_factory=dict)
     source: str = "measured"
     note: str = ""
+    stock_rounds: int | None = None
 
     @property
     def brick(self) -> bool:
@@ -84,8 +87,8 @@ class Decision:
     def to_dict(self) -> dict:
         """JSON-serialisable form (what the cache stores; ``source`` is not stored)."""
         return {"winner": self.winner, "kwargs": dict(self.kwargs), "ratio": self.ratio,
-                "stock_s": self.stock_s, "variants": self.variants, "measured": self.measured,
-                "note": self.note}
+                "stock_s": self.stock_s, "stock_rounds": self.stock_rounds,
+                "variants": self.variants, "measured": self.measured, "note": self.note}
 
     @classmethod
     def from_dict(cls, key: str, data: dict, source: str = "cache") -> "Decision":
@@ -102,7 +105,7 @@ class Decision:
                 raise TypeError("mistyped field")
             return cls(key, winner, dict(kwargs), ratio, data.get("stock_s"),
                        dict(data.get("variants", {})), dict(data.get("measured", {})),
-                       source, str(data.get("note", "")))
+                       source, str(data.get("note", "")), data.get("stock_rounds"))
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"not a tuning decision: {e}") from None
 
@@ -188,12 +191,13 @@ def tune_op(kind, args: dict, backend: str, *, variants: list | None = None,
         bar.update(1)
     finally:
         bar.close()
-    stock_s = timing.median(STOCK)
+    stock_s, stock_rounds = timing.median(STOCK), len(timing.runs[STOCK])
     for name in passing:
         results[name].update(s=timing.median(name), calls=timing.calls[name],
                              rounds=len(timing.runs[name]))
     best = min(passing, key=timing.median)
     ratio = stock_s / timing.median(best)
     if ratio >= MIN_SPEEDUP:
-        return Decision(key, best, dict(passing[best].kwargs), ratio, stock_s, results, measured)
-    return Decision(key, STOCK, {}, ratio, stock_s, results, measured)
+        return Decision(key, best, dict(passing[best].kwargs), ratio, stock_s, results, measured,
+                        stock_rounds=stock_rounds)
+    return Decision(key, STOCK, {}, ratio, stock_s, results, measured, stock_rounds=stock_rounds)
