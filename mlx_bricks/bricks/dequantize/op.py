@@ -51,10 +51,10 @@ def dequantize_backend(backend=None) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _rounds_once(device: str, dtype_name_: str) -> bool:
+def _rounds_once(device: str, name: str) -> bool:
     """Measured once per device and scales dtype on a fixed probe (4,096 8-bit codes with
     random scales and biases, where one and two roundings differ on many values)."""
-    dtype = getattr(mx, dtype_name_)
+    dtype = getattr(mx, name)
     rng = np.random.default_rng(0)
     N, K, gs = 16, 256, 32
     codes = rng.integers(0, 256, (N, K), dtype=np.uint64)
