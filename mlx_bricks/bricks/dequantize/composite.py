@@ -155,6 +155,15 @@ def _stack(parts: list):
     return mx.concatenate(parts)
 
 
+def _stacked_bias(biases: tuple, n0: int, n1: int, dtype):
+    """Rows ``n0:n1`` of each weight's bias side by side (zeros for a weight without one), or
+    None when no weight has a bias."""
+    if all(b is None for b in biases):
+        return None
+    rows = [mx.zeros((n1 - n0,), dtype) if b is None else b[n0:n1] for b in biases]
+    return rows[0] if len(rows) == 1 else mx.concatenate(rows)
+
+
 class DenseTiles:
     """The float row tiles of one composite call (module docstring): each weight handed to
     :meth:`linear` is dequantized in tiles of at most ``cap`` bytes, one after the other.
@@ -207,8 +216,7 @@ class DenseTiles:
             w = _stack(parts)
             if isinstance(w, QuantizedWeight):
                 w = self.dequantizer.fn(w, dtype, self.backend)
-            b = [bias[n0:n1] for bias in biases if bias is not None]
-            y = FLOAT.linear(x, w, mx.concatenate(b) if len(b) > 1 else (b[0] if b else None))
+            y = FLOAT.linear(x, w, _stacked_bias(biases, n0, n1, dtype))
             parts = mx.split(y, len(weights), axis=-1) if len(weights) > 1 else [y]
             out = finish(*parts) if finish is not None else parts[0]
             outs.append(out)
