@@ -23,6 +23,7 @@ from mlx_bricks.bricks.norm_qkv.kind import RMS_NORM_QKV
 from mlx_bricks.bricks.swiglu.kind import SWIGLU_MLP
 from mlx_bricks.formats.affine import QuantizedWeight
 from tests.quant_support import DTYPES, dequant64, product, randn, weight
+from tests.support import require_backend
 from tests.tolerance import assert_dtype_close, to_f64
 
 Q4, Q8, Q3 = (4, 64), (8, 32), (3, 32)
@@ -217,8 +218,6 @@ def _record_tiles(monkeypatch, how="mx"):
 
 @pytest.mark.parametrize("how,backend", [("mx", "reference"), ("brick", "emulator")])
 def test_tiles_never_exceed_the_cap(monkeypatch, how, backend):
-    from tests.support import require_backend
-
     require_backend(backend)
     tiles, peak = _record_tiles(monkeypatch, how)
     dt = mx.float16
