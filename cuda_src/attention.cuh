@@ -242,23 +242,34 @@ struct Q8Scales {
   }
 };
 
-// 16 Q8_0 codes at src (16-byte aligned shared) times d, rounded once to T, stored at dst.
+// 16 Q8_0 codes at src (16-byte aligned shared) times d, rounded once to T, stored at dst. The
+// codes become floats four at a time with i8x4_to_float4 (byte permute into the 2^23 magic and
+// one FADD: exact, no I2F, a quarter-rate instruction on sm_80/sm_90).
 template <typename T>
 __device__ __forceinline__ void dequant16(const int8_t* src, float d, T* dst) {
-  const int4 raw = *reinterpret_cast<const int4*>(src);
-  const int8_t* c = reinterpret_cast<const int8_t*>(&raw);
+  const uint4 raw = *reinterpret_cast<const uint4*>(src);
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+  float c[16];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float4 f = bricks::i8x4_to_float4(words[j]);
+    c[4 * j] = f.x;
+    c[4 * j + 1] = f.y;
+    c[4 * j + 2] = f.z;
+    c[4 * j + 3] = f.w;
+  }
   if constexpr (sizeof(T) == 4) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      float4 f = make_float4(float(c[4 * j]) * d, float(c[4 * j + 1]) * d,
-                             float(c[4 * j + 2]) * d, float(c[4 * j + 3]) * d);
+      float4 f = make_float4(c[4 * j] * d, c[4 * j + 1] * d, c[4 * j + 2] * d,
+                             c[4 * j + 3] * d);
       reinterpret_cast<float4*>(dst)[j] = f;
     }
   } else {
     uint32_t w[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      w[j] = pack2<T>(float(c[2 * j]) * d, float(c[2 * j + 1]) * d);
+      w[j] = pack2<T>(c[2 * j] * d, c[2 * j + 1] * d);
     }
     reinterpret_cast<uint4*>(dst)[0] = make_uint4(w[0], w[1], w[2], w[3]);
     reinterpret_cast<uint4*>(dst)[1] = make_uint4(w[4], w[5], w[6], w[7]);

@@ -120,6 +120,40 @@ def test_e2e_benchmark_on_a_tiny_llama():
         setup(tiny, "fp32", 8)
 
 
+def test_cpu_group_runs_only_without_a_kernel_backend(monkeypatch):
+    from mlx_bricks.bench.core import CPU, GROUPS
+
+    names = GROUPS["e2e_small_llama_cpu"]
+    assert names == [f"e2e_small_llama_cpu_{d}_{q}_m{m}" for q in ("q4g64", "q8g64")
+                     for d in ("fp16", "bf16") for m in (128, 512)]
+    assert {BENCHMARKS[n].backend for n in names} == {CPU}
+    monkeypatch.setattr("mlx_bricks.backends.backend_status",
+                        lambda name: (name == "cuda", f"{name} status"))
+    results = run_benchmarks(names[:1], 1)["results"]
+    assert results[0]["skipped"] == ("backend cpu unavailable: a kernel backend is available "
+                                     "(cuda status): the patch would not run on the CPU")
+
+
+def test_cpu_e2e_case_reports_peak_memory_and_load():
+    """A CPU e2e case on a tiny quantized llama (where no kernel backend exists): the
+    composites run, the peaks and the load are in the result."""
+    from mlx_bricks.backends import active_backend
+    from mlx_bricks.bench.core import CPU, run_one
+    from mlx_bricks.bench.e2e import LlamaShape, setup
+
+    if active_backend().name != "reference":
+        pytest.skip("this machine has a kernel backend")
+    tiny = LlamaShape(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, head_dim=64,
+                      vocab=64)
+    r = run_one(Benchmark("tiny", CPU, "tiny", lambda: setup(tiny, "bf16", 32, fmt=(4, 64))), 1)
+    assert r["patch"]["n_patched"] == 2 and r["patch"]["calls"]["swiglu_mlp"] > 0
+    assert r["patch"]["dequant_cap"] == "256 MiB (default)"
+    mem = r["peak_memory"]
+    assert mem["case"] >= max(mem["brick"]["peak"], mem["stock"]["peak"]) > 0
+    assert mem["brick"]["peak"] >= mem["brick"]["before"] > 0
+    assert json.loads(json.dumps(r)) == r
+
+
 def test_e2e_quantized_model_shares_the_quantized_weights():
     # Both sides hold the same nn.quantize'd arrays: the decoder linears are QuantizedLinear
     # (embedding and LM head float), and the forwards agree exactly when nothing is patched.

@@ -218,7 +218,7 @@ def test_cuda_sources_avoid_builtins_nvrtc_lacks():
 def test_gemm_family_compiles_under_nvrtc():
     """NVRTC (what MLX compiles with) on one launch of each GEMM-family body and the dequantize
     brick: nvcc accepts builtins NVRTC lacks."""
-    from mlx_bricks.ops import dequantize_cuda as dqc
+    from mlx_bricks.bricks.dequantize import cuda as dqc
 
     x = mx.zeros((300, 256), dtype=mx.bfloat16)
     with cudacheck.recorded_launches(gemm_cuda, swiglu_cuda, qkv_cuda, dqc) as rec:

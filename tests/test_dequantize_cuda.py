@@ -1,4 +1,4 @@
-"""The dequantize brick's CUDA twin (``mlx_bricks.ops.dequantize_cuda``): bit-exact values.
+"""The dequantize brick's CUDA twin (``mlx_bricks.bricks.dequantize.cuda``): bit-exact values.
 
 1. On the CPU (tests/cuda_emu: the kernel body compiled against warp_emu.h, the paired-half and
    integer instructions emulated bit-exactly): every bits x group_size x scales dtype, ragged N
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from mlx_bricks import cudacheck
-from mlx_bricks.ops import dequantize_cuda as dqc
+from mlx_bricks.bricks.dequantize import cuda as dqc
 from tests import cuda_emu
 from tests.cuda_emu.affine import dequantize_model
 from tests.gpu_support import gpu

@@ -69,7 +69,8 @@ def slow_variants(monkeypatch, names=("slow",)):
         vs = [Variant(n, fn=lambda a, backend=None, k=k: _maximum([k.stock(a) for _ in range(4)]))
               for n in names]
         monkeypatch.setattr(k, "variants",
-                            lambda backend, dtype=None, args=None, names=None, vs=vs: list(vs))
+                            lambda backend, dtype=None, args=None, names=None, settings=None,
+                            vs=vs: list(vs))
 
 
 def count_tune_calls(monkeypatch) -> list:
@@ -171,7 +172,7 @@ def test_cached_decisions_mix_brick_and_stock_pieces(tuned_reference, monkeypatc
     (measured slower) run mlx-lm's own code."""
     slow_variants(monkeypatch)
     monkeypatch.setattr(KINDS["linear"], "variants",
-                        lambda backend, dtype=None, args=None, names=None: [
+                        lambda backend, dtype=None, args=None, names=None, settings=None: [
                             Variant("64x64", {"tile": "64x64"})])
     model = build_model("llama", mx.float32, num_hidden_layers=2)
     attn = model.layers[0].self_attn
@@ -212,7 +213,7 @@ def test_a_kind_without_variants_on_the_backend_runs_stock(tuned_reference, monk
     its pieces run stock, counted as a fallback with the reason."""
     slow_variants(monkeypatch)
     monkeypatch.setattr(KINDS["swiglu_mlp"], "variants",
-                        lambda backend, dtype=None, args=None, names=None: [])
+                        lambda backend, dtype=None, args=None, names=None, settings=None: [])
     tuned = count_tune_calls(monkeypatch)
     model = build_model("llama", mx.float32, num_hidden_layers=1)
     report = patch_model(model, backend="reference")

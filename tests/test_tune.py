@@ -283,8 +283,8 @@ def test_tuner_with_no_variant_and_decision_round_trip():
     d = tune_op(KINDS["linear"], args, "reference", variants=[Variant("slow", fn=_slow)],
                 guard=Guard(), repeats=2)
     back = Decision.from_dict(d.key, json.loads(json.dumps(d.to_dict())))
-    assert (back.winner, back.ratio, back.variants, back.source) == (
-        d.winner, d.ratio, d.variants, "cache")
+    assert (back.winner, back.ratio, back.variants, back.source, back.stock_rounds) == (
+        d.winner, d.ratio, d.variants, "cache", 2)
     with pytest.raises(ValueError, match="not a tuning decision"):
         Decision.from_dict("k", {"ratio": 1.0})
 
@@ -301,6 +301,34 @@ def test_time_interleaved_calls_per_eval_and_errors():
         time_interleaved({"x": lambda: a}, repeats=0)
     with pytest.raises(TypeError, match="must return mx.array"):
         time_interleaved({"x": lambda: 3}, repeats=1)
+
+
+def test_time_interleaved_bounds_a_slow_candidate():
+    """A call that takes a whole round gets the rounds that fit the budget, its calibration
+    call counted as the first; warm candidates skip the warm-up; fast ones keep every round."""
+    import time
+
+    a = mx.random.normal((8, 8))
+    calls = {"slow": 0, "fast": 0}
+
+    def slow():
+        calls["slow"] += 1
+        time.sleep(0.2)
+        return a + 1
+
+    def fast():
+        calls["fast"] += 1
+        return a + 2
+
+    t = time_interleaved({"slow": slow, "fast": fast}, repeats=5, warm={"slow"}, budget_s=0.5)
+    assert len(t.runs["slow"]) == 2 and all(r >= 0.2 for r in t.runs["slow"])
+    assert calls["slow"] == 2  # no warm-up, the calibration call, one more round
+    assert len(t.runs["fast"]) == 5 and t.calls["fast"] > 1
+    calls["slow"] = 0
+    t = time_interleaved({"slow": slow}, repeats=3, budget_s=0.1)
+    assert len(t.runs["slow"]) == 1 and calls["slow"] == 2  # warm-up and calibration
+    t = time_interleaved({"slow": slow}, repeats=2)
+    assert len(t.runs["slow"]) == 2  # no budget: every round
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """The benchmark table, the timer and the runner behind ``python -m mlx_bricks.bench``."""
 from __future__ import annotations
 
+import datetime
+import os
 import platform
 import statistics
 from dataclasses import dataclass
@@ -10,6 +12,9 @@ from typing import Callable
 #: runs on whichever the patch selects: without one the patch leaves the model stock, and a
 #: comparison of stock with itself would mean nothing.
 KERNEL = "metal|cuda"
+#: ``Benchmark.backend`` of a benchmark of the CPU path: it runs where no kernel backend exists
+#: (auto selection gives ``reference``; the patch tunes the composites there).
+CPU = "cpu"
 
 
 def _kernel_status() -> tuple[bool, str]:
@@ -22,6 +27,23 @@ def _kernel_status() -> tuple[bool, str]:
             return True, reason
         why.append(f"{name}: {reason}")
     return False, "; ".join(why)
+
+
+def _cpu_status() -> tuple[bool, str]:
+    ok, why = _kernel_status()
+    if ok:
+        return False, f"a kernel backend is available ({why}): the patch would not run on the CPU"
+    return True, why
+
+
+def _status(backend: str) -> tuple[bool, str]:
+    from mlx_bricks.backends import backend_status
+
+    if backend == KERNEL:
+        return _kernel_status()
+    if backend == CPU:
+        return _cpu_status()
+    return backend_status(backend)
 
 
 @dataclass(frozen=True)
@@ -87,7 +109,17 @@ E2E_MIN_CALLS = 8
 
 
 def _e2e_benchmarks() -> dict[str, Benchmark]:
-    from mlx_bricks.bench.e2e import DTYPES, FORMATS, LLAMA_8B_4LAYER, M_VALUES, setup
+    from mlx_bricks.bench.e2e import (
+        CPU_DTYPES,
+        CPU_FORMATS,
+        CPU_M_VALUES,
+        DTYPES,
+        FORMATS,
+        LLAMA_8B_4LAYER,
+        M_VALUES,
+        SMALL_LLAMA,
+        setup,
+    )
 
     table = {}
     for suffix, fmt in FORMATS.items():
@@ -103,6 +135,17 @@ def _e2e_benchmarks() -> dict[str, Benchmark]:
                     "patch_model(tune='auto') on the same weights",
                     lambda dtype=dtype, M=M, fmt=fmt: setup(LLAMA_8B_4LAYER, dtype, M, fmt=fmt),
                     min_calls=E2E_MIN_CALLS)
+    for suffix, fmt in CPU_FORMATS.items():
+        for dtype in CPU_DTYPES:
+            for M in CPU_M_VALUES:
+                name = f"e2e_small_llama_cpu_{dtype}{suffix}_m{M}"
+                table[name] = Benchmark(
+                    name, CPU,
+                    f"full-model prefill on the CPU, M={M} tokens, {dtype}, linears quantized "
+                    f"{fmt[0]}-bit gs{fmt[1]} (nn.quantize): small llama ({SMALL_LLAMA.layers} "
+                    f"layers, {SMALL_LLAMA.describe()}), random weights; stock mlx-lm vs "
+                    "patch_model(tune='auto') with no kernel backend (the composites)",
+                    lambda dtype=dtype, M=M, fmt=fmt: setup(SMALL_LLAMA, dtype, M, fmt=fmt))
     return table
 
 
@@ -177,6 +220,7 @@ GROUPS: dict[str, list[str]] = {
                                  and "_q" not in n],
     "e2e_llama8b_4layer_quantized": [n for n in BENCHMARKS
                                      if n.startswith("e2e_llama8b_4layer_") and "_q" in n],
+    "e2e_small_llama_cpu": [n for n in BENCHMARKS if n.startswith("e2e_small_llama_cpu_")],
 }
 
 
@@ -201,12 +245,28 @@ def expand(names) -> list[str]:
     return out
 
 
+def _peak_of(fn) -> dict:
+    """Bytes of one evaluated call of ``fn`` (warm: after the timing): the peak of MLX's
+    memory during it (``mx.get_peak_memory``, reset first) and the active memory before it
+    (the inputs and weights), so ``peak - before`` is what the call itself allocated."""
+    import mlx.core as mx
+
+    mx.synchronize()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    out = fn()
+    mx.eval(out)
+    mx.synchronize()
+    return {"peak": mx.get_peak_memory(), "before": before}
+
+
 def run_one(b: Benchmark, repeats: int) -> dict:
     """Run benchmark ``b`` (its backend is available) and return its result entry."""
     import mlx.core as mx
 
     from mlx_bricks.tune.timing import time_interleaved
 
+    mx.reset_peak_memory()
     made = b.setup()
     brick, stock = made[0], made[1]
     info = made[2] if len(made) > 2 else None
@@ -216,6 +276,9 @@ def run_one(b: Benchmark, repeats: int) -> dict:
     entry["max_abs_diff"] = diff.item()
     timing = time_interleaved({"brick": brick, "stock": stock}, repeats=repeats,
                               min_calls=b.min_calls)
+    entry["peak_memory"] = {"case": mx.get_peak_memory(),
+                            **{side: _peak_of(fn) for side, fn in (("brick", brick),
+                                                                   ("stock", stock))}}
     brick_runs, stock_runs = timing.runs["brick"], timing.runs["stock"]
     entry.update(brick_s=statistics.median(brick_runs), stock_s=statistics.median(stock_runs),
                  brick_runs_s=brick_runs, stock_runs_s=stock_runs,
@@ -238,28 +301,53 @@ def run_benchmarks(names=None, repeats: int = 3) -> dict:
         ``backend``, ``what`` and either ``max_abs_diff`` (brick vs stock output),
         ``brick_s``/``stock_s`` (median seconds per call), ``brick_runs_s``/``stock_runs_s``
         (every round), ``calls_per_eval`` and ``ratio`` (stock_s / brick_s: above 1 the brick is
-        faster), plus the benchmark's own facts, or ``skipped`` with the reason.
+        faster), ``peak_memory`` (bytes: ``case``, the peak since the benchmark's setup began,
+        tuning included; ``brick`` / ``stock``, ``peak`` and ``before`` of one warm call each)
+        and ``load_average`` (before and after), plus the benchmark's own facts, or
+        ``skipped`` with the reason. At the top: ``date`` and ``finished`` (UTC), the MLX,
+        mlx-lm and mlx-bricks versions.
 
     Raises:
         ValueError: an unknown name (listing the known ones), ``repeats`` < 1.
     """
     import mlx.core as mx
 
-    from mlx_bricks.backends import backend_status
-
     _check_repeats(repeats)  # before any setup: a kernel build is not free
     names = list(BENCHMARKS) if names is None else expand(names)
     results = []
+    started = _now()
     for name in names:
         b = BENCHMARKS[name]
         entry = {"name": b.name, "backend": b.backend, "what": b.what}
-        ok, why = _kernel_status() if b.backend == KERNEL else backend_status(b.backend)
+        ok, why = _status(b.backend)
         if not ok:
             entry["skipped"] = f"backend {b.backend} unavailable: {why}"
         else:
+            entry["load_average"] = {"before": _load()}
             entry.update(run_one(b, repeats))
+            entry["load_average"]["after"] = _load()
         results.append(entry)
-    return {"machine": {"platform": platform.platform(), "processor": platform.machine(),
-                        "device": str(mx.default_device()),
+    return {"date": started, "finished": _now(),
+            "machine": {"platform": platform.platform(), "processor": platform.machine(),
+                        "cpus": os.cpu_count(), "device": str(mx.default_device()),
                         "device_info": {k: str(v) for k, v in mx.device_info().items()}},
-            "mlx": mx.__version__, "repeats": repeats, "results": results}
+            "mlx": mx.__version__, "mlx_lm": _version("mlx-lm"),
+            "mlx_bricks": _version("mlx-bricks"), "repeats": repeats, "results": results}
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _load() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (the CPU may be shared), where the OS has them."""
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None

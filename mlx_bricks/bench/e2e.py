@@ -11,6 +11,9 @@ The lead's H200 command (bf16 and fp16, M = 512 / 2048 / 8192, one process)::
 
     mkdir -p bench/results && python -m mlx_bricks.bench --only e2e_llama8b_4layer --repeats 10 \
         --out bench/results/h200-e2e.json
+
+The CPU cases (group ``e2e_small_llama_cpu``) run :data:`SMALL_LLAMA` where no kernel backend
+exists: the patch tunes the composites of the quantized kinds against stock there.
 """
 from __future__ import annotations
 
@@ -55,6 +58,16 @@ class LlamaShape:
 #: which is stock on both sides, from dominating).
 LLAMA_8B_4LAYER = LlamaShape(hidden=4096, intermediate=14336, layers=4, heads=32, kv_heads=8,
                              head_dim=128, vocab=32000)
+
+#: A small llama for the CPU cases: MLX 0.32.4's CPU ``quantized_matmul`` with float16
+#: activations takes seconds per call at SmolLM-135M's layer shapes, so stock's side of a
+#: 512-token prefill of this model already takes about a minute on 2 cores.
+SMALL_LLAMA = LlamaShape(hidden=256, intermediate=768, layers=2, heads=4, kv_heads=2,
+                         head_dim=64, vocab=8192)
+#: The CPU cases' dtypes, weight formats and prompt lengths.
+CPU_DTYPES = ("fp16", "bf16")
+CPU_FORMATS = {"_q4g64": (4, 64), "_q8g64": (8, 64)}
+CPU_M_VALUES = (128, 512)
 
 _MODELS: dict = {}
 
@@ -126,6 +139,7 @@ def setup(shape: LlamaShape, dtype: str, M: int, *, tune: str = "auto", fmt=None
                           "weights": "float" if fmt is None else
                           f"affine {fmt[0]}-bit, group_size {fmt[1]}"},
                 "patch": {"backend": report.backend.name, "n_patched": report.n_patched,
+                          "dequant_cap": report.options["dequant_cap"],
                           "all_stock": report.all_stock, "calls": dict(report.calls()),
                           "tuned_stock_calls": dict(report.tuned_stock_calls()),
                           "stock_calls": dict(report.stock_calls())},

@@ -201,12 +201,12 @@ def rms_norm_qkv_cases(backend: str, dtype_name: str = "bfloat16", tiles=(None,)
 
 def dequantize_cases(backend: str = "cuda", dtype_name: str = "bfloat16",
                      bits_list=(4, 8), group_size: int = 64):
-    """The dequantize twin (``ops.dequantize_cuda``) vs ``mx.dequantize`` on each 8B
+    """The dequantize twin (``bricks.dequantize.cuda``) vs ``mx.dequantize`` on each 8B
     projection's weight; ``bytes`` (packed words, scales, biases read, output written) in the
     result, so GB/s follow from the times."""
     import mlx.core as mx
 
-    from mlx_bricks.ops.dequantize_cuda import dequantize_cuda
+    from mlx_bricks.bricks.dequantize.cuda import dequantize_cuda
 
     dtype = getattr(mx, dtype_name)
     for bits in bits_list:

@@ -91,20 +91,25 @@ def structure_reason(module, state, dtype) -> str | None:
     return reason
 
 
-def weight_formats(module, role: str, layout, piece=None) -> dict[str, str]:
-    """``{projection name: format_name(...)}`` of the linear layers a module of ``role``
-    (``"block"``, ``"self_attn"``, or a single ``piece``'s role) feeds its bricks from,
-    attention ones first."""
+def linears(module, role: str, layout, piece=None) -> dict:
+    """``{projection name: layer}`` of the linear layers a module of ``role`` (``"block"``,
+    ``"self_attn"``, or a single ``piece``'s role) feeds its bricks from, attention ones first
+    (None for a missing one)."""
     def child(parent, n):  # nn.Module is a dict of its children
         return parent.get(n) if isinstance(parent, dict) else None
 
     out = {}
     if role in ("block", "self_attn"):
         attn = child(module, layout.attention) if role == "block" else module
-        out.update({n: format_name(child(attn, n)) for n in layout.attention_linears})
+        out.update({n: child(attn, n) for n in layout.attention_linears})
     if role == "block":
         mlp = child(module, layout.mlp)
-        out.update({n: format_name(child(mlp, n)) for n in layout.mlp_linears})
+        out.update({n: child(mlp, n) for n in layout.mlp_linears})
     elif piece is not None:
-        out.update({n: format_name(child(module, n)) for n in piece.linears(layout)})
+        out.update({n: child(module, n) for n in piece.linears(layout)})
     return out
+
+
+def weight_formats(module, role: str, layout, piece=None) -> dict[str, str]:
+    """``{projection name: format_name(...)}`` of :func:`linears`."""
+    return {n: format_name(m) for n, m in linears(module, role, layout, piece).items()}

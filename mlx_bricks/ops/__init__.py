@@ -25,6 +25,8 @@ _LAZY = {
     "quantize_q8_0_reference": "mlx_bricks.bricks.q8_0.op",
     "dequantize_q8_0": "mlx_bricks.bricks.q8_0.op",
     "dequantize_q8_0_reference": "mlx_bricks.bricks.q8_0.op",
+    "dequantize": "mlx_bricks.bricks.dequantize.op",
+    "dequantize_reference": "mlx_bricks.bricks.dequantize.op",
     "rms_norm_qkv": "mlx_bricks.bricks.norm_qkv.op",
     "rms_norm_qkv_reference": "mlx_bricks.bricks.norm_qkv.op",
 }

@@ -16,12 +16,14 @@ from mlx_bricks.backends import active_backend
 from mlx_bricks.options import KV_CACHES
 from mlx_bricks.bricks.attention.msl import SUPPORTED_HEAD_DIMS
 from mlx_bricks.bricks.attention.piece import KIND as ATTENTION
+from mlx_bricks.bricks.dequantize.composite import CAP_SETTING, MIB, resolve_cap
 from mlx_bricks.bricks.gemm.piece import KIND as LINEAR
 from mlx_bricks.bricks.norm_qkv.piece import KIND as RMS_NORM_QKV
 from mlx_bricks.bricks.norm_qkv.piece import rms_norm_reason
 from mlx_bricks.bricks.swiglu.piece import MLP_PIECE
 from mlx_bricks.bricks.swiglu.variants import VARIANT_ENV_VAR, resolve_variant
-from mlx_bricks.formats.layers import linear_reason
+from mlx_bricks.formats import format_of
+from mlx_bricks.formats.layers import linear_reason, weight_of
 from mlx_bricks.formats.q8_0 import KV_QUANTS, QK8_0
 from mlx_bricks.nn import (
     BricksAttention,
@@ -32,8 +34,8 @@ from mlx_bricks.nn import (
     detach,
     is_patched,
 )
-from mlx_bricks.nn.structure import attention_sharding_reason
-from mlx_bricks.runtime.dispatch import NO_KERNEL_BACKEND, TUNE_MODES, Dispatch
+from mlx_bricks.nn.structure import attention_sharding_reason, linears
+from mlx_bricks.runtime.dispatch import NO_KERNEL_BACKEND, TUNE_MODES, Dispatch, no_kernel_backend
 from mlx_bricks.patch.report import (
     DISABLED,
     FALLBACK,
@@ -157,10 +159,17 @@ def _block_structure(layer, layout) -> str | None:
     return _signature_reason(layer, ("mask", "cache"))
 
 
+def _reads_affine(module, role, layout, piece=None) -> bool:
+    """Whether a linear layer the module's bricks read holds an affine-quantized weight."""
+    return any(m is not None and format_of(weight_of(m)).quantized
+               for m in linears(module, role, layout, piece).values())
+
+
 def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend: str,
-                 dispatch: Dispatch | None) -> None:
+                 dispatch: Dispatch | None, quantized_only: bool = False) -> None:
     """Patch layer ``i`` (or, with ``dispatch`` None, only report what would be patched: the
-    modules are then left stock with :data:`NO_KERNEL_BACKEND`)."""
+    modules are then left stock with :data:`NO_KERNEL_BACKEND`; with ``quantized_only``, so
+    are the modules whose linears are all float)."""
     attention, mlp, fuse_block, kv_quant = (
         opts["attention"], opts["mlp"], opts["fuse_block"], opts["kv_quant"])
     attn_mod = getattr(layer, layout.attention, None)
@@ -188,7 +197,8 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
         mlp_variant = f"swiglu={opts['mlp_variant']}"
 
     def patch(module, mixin, role, bricks, variant, rope="", piece=None):
-        if dispatch is None:
+        if dispatch is None or (quantized_only and not _reads_affine(module, role, layout,
+                                                                      piece)):
             add(ModuleReport(i, role, STOCK, reason=NO_KERNEL_BACKEND, rope=rope))
             return
         st = BricksState(backend=backend, layer=i, role=role, layout=layout,
@@ -230,7 +240,7 @@ def _check_flag(name, value):
 
 def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=None,
                 kv_cache="fp16", mlp_variant=None, backend=None, tune="auto",
-                progress=None) -> PatchReport:
+                dequant_cap=None, progress=None) -> PatchReport:
     """Run prefill of a loaded mlx-lm model through the bricks, in place, where they are
     faster than stock on this device.
 
@@ -247,9 +257,15 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
     disagrees with stock, is disabled for the process and its pieces run stock (the report
     says which and why).
 
-    On a machine without a kernel backend (auto selection gave ``reference``, which is the same
-    math as stock), no module is patched: each is reported ``stock`` with that reason. Naming a
-    backend (argument or ``MLX_BRICKS_BACKEND``), ``reference`` included, patches as asked.
+    On a machine without a kernel backend (auto selection gave ``reference``), the modules
+    that read an MLX affine-quantized weight are patched and each of their pieces is tuned:
+    the kinds' composites ("dequantize the weight, then the stock float computation", in row
+    tiles under ``dequant_cap``) are timed against stock, and whichever is faster runs (MLX
+    0.32.4's CPU ``quantized_matmul`` with float16 activations is 17-57x slower than the
+    dequantized float GEMM); modules with float weights only are reported ``stock`` with
+    :data:`NO_KERNEL_BACKEND` (reference is the same math as stock), and so is every module
+    with ``tune="off"``. Naming a backend (argument or ``MLX_BRICKS_BACKEND``), ``reference``
+    included, patches as asked.
     Calling it again re-patches from scratch with the new options. The API follows
     Liger-Kernel's instance patching (``apply_liger_kernel_to_llama(..., model=...)``): one
     flag per brick, a live model, weights left where they are.
@@ -280,6 +296,10 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
             prefill); ``"force"`` measures again and overwrites the cache; ``"off"`` runs the
             bricks by the ops' rules, unmeasured. Tuning does not apply to ``emulator`` or
             ``reference`` (they run as asked). See docs/tuning.md.
+        dequant_cap: the most memory, in MiB (a number > 0, fractions allowed), one row tile
+            of a composite's dequantized weight may hold while it is made (the float tile and
+            the dequantizer's temporaries); None: ``MLX_BRICKS_DEQUANT_CAP``, else 256. The
+            report shows it (``options``). See ``bricks/dequantize/composite.py``.
         progress: show the tuner's progress bar on stderr (None: when stderr is a terminal).
 
     Returns:
@@ -289,7 +309,9 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
         TypeError: ``model`` is not an ``nn.Module``; a flag is not a bool.
         ValueError: ``kv_quant`` is not None or ``"q8_0"``; ``kv_cache`` is not ``"fp16"`` or
             ``"q8_0"``, or ``"q8_0"`` together with ``kv_quant``; an unknown ``mlp_variant`` or
-            ``tune``; ``kv_cache="q8_0"`` on a model whose attention cannot be routed.
+            ``tune``; ``kv_cache="q8_0"`` on a model whose attention cannot be routed;
+            ``dequant_cap`` (or ``MLX_BRICKS_DEQUANT_CAP``) zero or below, or not a number
+            (a ``TypeError`` for an argument of another type).
         mlx_bricks.backends.BackendError: unknown or unavailable backend.
     """
     if not isinstance(model, nn.Module):
@@ -306,6 +328,7 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
     if tune not in TUNE_MODES:
         raise ValueError(f"tune must be one of {', '.join(map(repr, TUNE_MODES))}, "
                          f"got {tune!r}")
+    cap, cap_source = resolve_cap(dequant_cap)
     choice = active_backend(backend)
     fixed = mlp_variant is not None or bool(os.environ.get(VARIANT_ENV_VAR, "").strip())
     mlp_variant = resolve_variant(mlp_variant, "mlp_variant")
@@ -314,12 +337,17 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
     model_type = _model_type(model)
     arch, layout = lookup(model_type, model)
     opts = {"attention": attention, "mlp": mlp, "fuse_block": fuse_block, "kv_quant": kv_quant,
-            "kv_cache": kv_cache, "mlp_variant": mlp_variant, "tune": tune}
-    if choice.name == "reference" and choice.source == "auto":
-        dispatch = None  # honest CPU: reference would run the same math as stock, slower
+            "kv_cache": kv_cache, "mlp_variant": mlp_variant, "tune": tune,
+            "dequant_cap": f"{cap / MIB:g} MiB ({cap_source})"}
+    # No kernel backend: only the composites of quantized weights can beat stock (reference
+    # is the same math as stock), and only by measurement.
+    no_kernels = no_kernel_backend(choice)
+    if no_kernels and tune == "off":
+        dispatch = None
     else:
         dispatch = Dispatch(choice, tune, progress=progress, settings={
-            MLP_PIECE.kind.name: {"variant": mlp_variant, "fixed": fixed}})
+            MLP_PIECE.kind.name: {"variant": mlp_variant, "fixed": fixed}},
+            common={CAP_SETTING: cap})
     report = PatchReport(model_type=model_type, architecture=arch, backend=choice,
                          options=opts, dispatch=dispatch)
     layers = getattr(model, "layers", None)
@@ -334,8 +362,10 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
     else:
         report.n_layers = len(layers)
         for i, layer in enumerate(layers):
-            _patch_layer(report, i, layer, layout, opts, choice.name, dispatch)
+            _patch_layer(report, i, layer, layout, opts, choice.name, dispatch, no_kernels)
         record_weight_formats(report, layers, layout)
+        if no_kernels and report.n_patched == 0:
+            report.dispatch = None  # a float model: nothing to tune, exactly stock
     if kv_cache == "q8_0" and layout is not None:
         _route_q8_0_cache(model, report, choice.name)
     object.__setattr__(model, "_bricks_report", report)

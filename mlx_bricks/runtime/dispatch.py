@@ -7,11 +7,13 @@ modules (``mlx_bricks.nn``) describe each piece of their prefill (op kind and ar
 
 How a piece is decided:
 
-* tuning applies (``tune="auto"`` or ``"force"`` on a kernel backend, ``metal`` or ``cuda``):
-  the decision for the piece's key (op kind, shape parameters, shape bucket, dtype, weight
-  format) comes from this dispatch's memory, else (``auto``) the decision cache, else it is
-  measured now (``mlx_bricks.tune.tuner.tune_op``) and written to the cache. A stock winner
-  keeps the stock path, counted as ``"<piece>: tuned: stock faster (x0.93)"``.
+* tuning applies (``tune="auto"`` or ``"force"`` on a kernel backend, ``metal`` or ``cuda``,
+  and on ``reference`` when auto selection gave it, i.e. no kernel backend exists: there the
+  candidates are the kinds' composites of stock ops): the decision for the piece's key (op
+  kind, shape parameters, shape bucket, dtype, weight format) comes from this dispatch's
+  memory, else (``auto``) the decision cache, else it is measured now
+  (``mlx_bricks.tune.tuner.tune_op``) and written to the cache. A stock winner keeps the
+  stock path, counted as ``"<piece>: tuned: stock faster (x0.93)"``.
 * otherwise (``tune="off"``, or ``emulator`` / ``reference`` named by the caller): the bricks
   run as asked, tile and variant chosen by the ops' rules, as before the tuner existed.
 * either way, a brick variant the guard disabled (build error, wrong first output) runs stock.
@@ -33,6 +35,22 @@ TUNED_BACKENDS = ("metal", "cuda")
 GUARDED_BACKENDS = ("metal", "cuda", "emulator")
 #: Why a model on a machine without a kernel backend stays stock.
 NO_KERNEL_BACKEND = "no kernel backend on this machine (reference is the same math as stock)"
+
+
+def no_kernel_backend(backend: BackendChoice) -> bool:
+    """Whether ``backend`` is ``reference`` chosen automatically: no kernel backend here, so
+    the only candidates are the kinds' composites of stock ops."""
+    return backend.name == "reference" and backend.source == "auto"
+
+
+def tunes(backend: BackendChoice, tune: str) -> bool:
+    """Whether tuning applies to a patch on ``backend`` with ``tune``: on a kernel backend, and
+    where there is none (:func:`no_kernel_backend`: the composites are weighed against stock);
+    not with ``tune="off"`` nor on a backend the caller named for its own sake (``emulator``,
+    ``reference``: the bricks run as asked)."""
+    if tune == "off":
+        return False
+    return backend.name in TUNED_BACKENDS or no_kernel_backend(backend)
 
 
 @dataclass(frozen=True)
@@ -65,20 +83,25 @@ class Dispatch:
         tune: ``"auto"``, ``"off"`` or ``"force"``.
         settings: per op kind name, the patch's settings for that kind (e.g. the SwiGLU
             variant asked for); the kind interprets them (``OpKind.rule_kwargs``,
-            ``restrict``, ``settings_suffix``), the dispatch only hands them over.
+            ``restrict``, ``settings_suffix``, its composites), the dispatch only hands them
+            over.
+        common: settings every kind receives (under its own, which win on a clash), e.g.
+            the dequantize cap of the composites.
         progress: show the tuner's progress bar (None: when stderr is a terminal).
     """
 
     def __init__(self, backend: BackendChoice, tune: str, *, settings: dict | None = None,
-                 progress: bool | None = None):
+                 common: dict | None = None, progress: bool | None = None):
         if tune not in TUNE_MODES:
             raise ValueError(f"tune must be one of {', '.join(map(repr, TUNE_MODES))}, "
                              f"got {tune!r}")
         self.backend = backend.name
         self.mode = tune
-        self.tuning = tune != "off" and backend.name in TUNED_BACKENDS
+        self.tuning = tunes(backend, tune)
+        self.composites_only = no_kernel_backend(backend)
         self.guarded = backend.name in GUARDED_BACKENDS
         self.settings = dict(settings or {})
+        self.common = dict(common or {})
         #: Why kernel variants are no candidates on this device (MLX's own kernels use its
         #: neural accelerators), or None.
         self.accelerated = neural_accelerators() if backend.name == "metal" else None
@@ -89,7 +112,9 @@ class Dispatch:
         self.failures: list[str] = []
         self._cache = None
         if self.tuning:
-            self.why = (f"{tune}: each piece's brick variants timed against stock on this "
+            what = ("composites of stock ops (no kernel backend)" if self.composites_only
+                    else "brick variants")
+            self.why = (f"{tune}: each piece's {what} timed against stock on this "
                         "device" + (" (cached decisions reused)" if tune == "auto" else
                                     " (re-measured, cache overwritten)"))
         elif tune == "off":
@@ -113,12 +138,13 @@ class Dispatch:
         return self._cache
 
     def _settings(self, k) -> dict:
-        return self.settings.get(k.name, {})
+        return {**self.common, **self.settings.get(k.name, {})}
 
     def _candidates(self, k, names: tuple[str, ...], args) -> list[Variant]:
         """The kind's candidates for the kernel variants ``names`` of its listing (and its
         composites), as the patch's settings allow."""
-        return k.restrict(k.variants(self.backend, args=args, names=names), self._settings(k))
+        s = self._settings(k)
+        return k.restrict(k.variants(self.backend, args=args, names=names, settings=s), s)
 
     def _rule(self, k, names: tuple[str, ...], args) -> Variant | None:
         """The untuned choice: the brick by its own rules (``reference``: its MLX ops), or None
@@ -177,8 +203,9 @@ class Dispatch:
         elif not cands:
             if self.accelerated is not None:
                 return Choice(None, f"stock kept: {self.accelerated}", key, tuned=True)
-            return Choice(None, f"no {self.backend} kernel for {k.name} ({key.dtype}, "
-                          f"w={key.weights})", key)
+            what = ("no kernel backend on this machine and no composite" if
+                    self.composites_only else f"no {self.backend} kernel")
+            return Choice(None, f"{what} for {k.name} ({key.dtype}, w={key.weights})", key)
         else:
             d = self.decision(k, args, cands)
             if not d.brick:
@@ -218,9 +245,10 @@ class Dispatch:
             "mode": self.mode,
             "applies": self.tuning,
             "why": self.why,
+            "settings": dict(self.common),
             "decisions": [
                 {"key": key, "winner": d.winner, "ratio": d.ratio, "reason": d.reason,
-                 "source": d.source, "measured": d.measured}
+                 "source": d.source, "measured": d.measured, "stock_rounds": d.stock_rounds}
                 for key, d in self.decisions.items()],
             "disabled": list(self.failures),
         }

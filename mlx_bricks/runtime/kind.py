@@ -106,19 +106,33 @@ class Variant:
 @dataclass(frozen=True)
 class Composite:
     """A variant made of stock MLX ops that a brick registers beside its kernels (e.g.
-    "dequantize the weight, then the stock float GEMM"): it runs on every backend, the CPU
-    included, and the tuner weighs it against stock like any kernel variant.
+    "dequantize the weight, then the stock float GEMM"): it runs on every backend it applies
+    to, the CPU included, and the tuner weighs it against stock like any kernel variant.
 
     Attributes:
         name: the variant name.
-        fn: ``fn(args, backend) -> output``.
-        applies: ``applies(args) -> bool``: whether it computes these arguments (e.g. only
-            quantized weights); default always.
+        fn: ``fn(args, backend, settings) -> output``; ``settings``: the kind's settings from
+            the dispatch (the patch's per-kind settings and its common ones, e.g. the
+            dequantize cap; ``{}`` outside a patch).
+        applies: ``applies(args, backend) -> bool``: whether it computes these arguments on
+            this backend (e.g. only quantized weights); default always.
+        kwargs: what it records in a decision and what ``OpKind.restrict`` may select on,
+            as a kernel variant's keyword arguments (e.g. the SwiGLU style it computes).
     """
 
     name: str
     fn: Callable
-    applies: Callable = field(default=lambda args: True, compare=False)
+    applies: Callable = field(default=lambda args, backend: True, compare=False)
+    kwargs: dict = field(default_factory=dict, compare=False)
+
+    def bind(self, settings: dict) -> Variant:
+        """The composite as a :class:`Variant` computing with ``settings``."""
+        return Variant(self.name, dict(self.kwargs),
+                       functools.partial(_run_composite, self.fn, dict(settings)))
+
+
+def _run_composite(fn, settings, args, backend):
+    return fn(args, backend, settings)
 
 
 @contextlib.contextmanager
@@ -233,17 +247,17 @@ class OpKind:
         return self.brick(args, backend, **kwargs)
 
     def variants(self, backend: str, dtype=None, args: dict | None = None, *,
-                 names: tuple[str, ...] | None = None) -> list[Variant]:
+                 names: tuple[str, ...] | None = None,
+                 settings: dict | None = None) -> list[Variant]:
         """The candidates on ``backend`` for ``dtype`` (and, given ``args``, for their weight
         formats): the kernel variants of the brick's listing (``names`` if the caller has
-        it), then the composites that apply to ``args`` (composites of stock ops run on every
-        backend)."""
+        it), then the composites that apply to ``args`` on ``backend``, bound to
+        ``settings`` (the dispatch's for this kind)."""
         if names is None:
             names = self.listing(backend, dtype, args)
         out = [self.variant(n) for n in names]
-        for c in self.composites:
-            if args is not None and c.applies(args):
-                out.append(Variant(c.name, {}, c.fn))
+        if args is not None:
+            out += [c.bind(settings or {}) for c in self.composites if c.applies(args, backend)]
         return out
 
     def run(self, variant: Variant, args: dict, backend: str):

@@ -4,9 +4,10 @@
 ones), runs stock once, runs every candidate variant once eagerly (a build error disables it, as
 the guard does) and checks it against a high-precision reference with the dtype-scaled rule (a
 variant that fails can never win), times stock and the passing variants interleaved
-(``timing.time_interleaved``: warm-up, several calls per evaluation, ``mx.synchronize``,
-median), and picks the winner: the fastest variant when it beats stock by at least
-:data:`MIN_SPEEDUP`, else stock.
+(``timing.time_interleaved``: several calls per evaluation, ``mx.synchronize``, median; the
+check's calls are the warm-up, and a slow candidate's rounds are bounded by
+:data:`ROUND_BUDGET_S`), and picks the winner: the fastest variant when it beats stock by at
+least :data:`MIN_SPEEDUP`, else stock.
 """
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ STOCK = "stock"
 MIN_SPEEDUP = 1.02
 #: Timed rounds per candidate.
 REPEATS = 5
+#: Seconds of timed rounds one candidate may take (``timing.time_interleaved(budget_s=)``): a
+#: call slower than ``ROUND_BUDGET_S / REPEATS`` gets fewer rounds, a call over it one, its
+#: calibration call (e.g. MLX 0.32.4's float16 ``quantized_matmul`` on the CPU, seconds per
+#: call, against tens of milliseconds for a composite: the decision is not close).
+ROUND_BUDGET_S = 2.0
 
 
 @dataclass
@@ -39,10 +45,12 @@ class Decision:
             faster); None when no variant passed or none exists.
         stock_s: median seconds per call of stock (None when nothing was timed).
         variants: name -> ``{"s": median seconds or None, "ok": passed the check,
-            "error": why not, "calls": calls per evaluation}``.
+            "error": why not, "calls": calls per evaluation, "rounds": timed rounds}``.
         measured: the shapes the timing ran at (``{"M": ...}`` or ``{"q_len", "kv_len"}``).
         source: ``"measured"`` in this process, or ``"cache"``.
         note: why nothing was measured (no variant on this backend), else empty.
+        stock_rounds: timed rounds of stock (fewer than ``REPEATS`` for a slow stock under
+            :data:`ROUND_BUDGET_S`), None when nothing was timed.
     """
 
     key: str
@@ -54,6 +62,7 @@ class Decision:
     measured: dict = field(default_factory=dict)
     source: str = "measured"
     note: str = ""
+    stock_rounds: int | None = None
 
     @property
     def brick(self) -> bool:
@@ -78,8 +87,8 @@ class Decision:
     def to_dict(self) -> dict:
         """JSON-serialisable form (what the cache stores; ``source`` is not stored)."""
         return {"winner": self.winner, "kwargs": dict(self.kwargs), "ratio": self.ratio,
-                "stock_s": self.stock_s, "variants": self.variants, "measured": self.measured,
-                "note": self.note}
+                "stock_s": self.stock_s, "stock_rounds": self.stock_rounds,
+                "variants": self.variants, "measured": self.measured, "note": self.note}
 
     @classmethod
     def from_dict(cls, key: str, data: dict, source: str = "cache") -> "Decision":
@@ -96,7 +105,7 @@ class Decision:
                 raise TypeError("mistyped field")
             return cls(key, winner, dict(kwargs), ratio, data.get("stock_s"),
                        dict(data.get("variants", {})), dict(data.get("measured", {})),
-                       source, str(data.get("note", "")))
+                       source, str(data.get("note", "")), data.get("stock_rounds"))
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"not a tuning decision: {e}") from None
 
@@ -111,7 +120,7 @@ def _progress_bar(total: int, desc: str, progress: bool | None):
 
 def tune_op(kind, args: dict, backend: str, *, variants: list | None = None,
             repeats: int = REPEATS, seed: int = 0, guard=None,
-            progress: bool | None = None) -> Decision:
+            progress: bool | None = None, budget_s: float | None = ROUND_BUDGET_S) -> Decision:
     """Time every variant of ``kind`` against stock for the shapes of ``args``.
 
     Args:
@@ -128,6 +137,8 @@ def tune_op(kind, args: dict, backend: str, *, variants: list | None = None,
             process (a ``runtime.guard.Guard``; the dispatch passes the process's), or None
             (recorded in the decision only).
         progress: show a tqdm bar on stderr (None: when stderr is a terminal).
+        budget_s: seconds of timed rounds per candidate (``timing.time_interleaved``); None:
+            ``repeats`` rounds whatever a call costs.
 
     Returns:
         The :class:`Decision` (``source="measured"``).
@@ -175,15 +186,18 @@ def tune_op(kind, args: dict, backend: str, *, variants: list | None = None,
         fns = {STOCK: lambda: kind.stock(synth)}
         for name, v in passing.items():
             fns[name] = lambda v=v: kind.run(v, synth, backend)
-        timing = time_interleaved(fns, repeats=repeats)
+        # every candidate ran once just now (stock's output, the checks): they are warm
+        timing = time_interleaved(fns, repeats=repeats, warm=set(fns), budget_s=budget_s)
         bar.update(1)
     finally:
         bar.close()
-    stock_s = timing.median(STOCK)
+    stock_s, stock_rounds = timing.median(STOCK), len(timing.runs[STOCK])
     for name in passing:
-        results[name].update(s=timing.median(name), calls=timing.calls[name])
+        results[name].update(s=timing.median(name), calls=timing.calls[name],
+                             rounds=len(timing.runs[name]))
     best = min(passing, key=timing.median)
     ratio = stock_s / timing.median(best)
     if ratio >= MIN_SPEEDUP:
-        return Decision(key, best, dict(passing[best].kwargs), ratio, stock_s, results, measured)
-    return Decision(key, STOCK, {}, ratio, stock_s, results, measured)
+        return Decision(key, best, dict(passing[best].kwargs), ratio, stock_s, results, measured,
+                        stock_rounds=stock_rounds)
+    return Decision(key, STOCK, {}, ratio, stock_s, results, measured, stock_rounds=stock_rounds)

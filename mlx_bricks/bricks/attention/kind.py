@@ -3,27 +3,61 @@
 for a ``KVCache``). Arguments as ``ops.flash_attention`` takes them: ``q, k, v, scale, mask,
 kv_quant`` and optionally ``window``, ``softcap`` (mask None or ``"causal"``, bottom-right
 aligned; window None or a sliding-window length; softcap None or > 0; kv_quant None or
-``"q8_0"``)."""
+``"q8_0"``).
+
+With ``kv_quant="q8_0"`` the values are attention over the K/V's Q8_0 round trip in q's dtype,
+whichever candidate runs: stock is the brick's MLX reference (the round trip in MLX ops, then
+the float attention), the kernel ``default`` reads the Q8_0 blocks in its tiles,
+``dequant_kv`` makes the round trip once with the q8_0 brick's kernels and runs the float
+attention kernel, and the composite ``dequant_kv_sdpa`` makes the same round trip, then the
+stock float attention (``mx.fast.scaled_dot_product_attention``, through the reference's
+masking and soft-cap); the tuner picks by measurement, as for float K/V."""
 from __future__ import annotations
 
 import math
 
 import mlx.core as mx
 
+from mlx_bricks import kernels
 from mlx_bricks.bricks.attention.op import (
     DEFAULT_VARIANT,
     flash_attention_reference,
     run_flash_attention,
     variant_names,
 )
+from mlx_bricks.bricks.q8_0.op import dequantize_q8_0, quantize_q8_0
 from mlx_bricks.checks import dtype_name
 from mlx_bricks.formats.q8_0 import kv_dense
-from mlx_bricks.runtime.kind import Key, OpKind, flags, high_precision, register_kind
+from mlx_bricks.runtime.kind import Composite, Key, OpKind, flags, high_precision, register_kind
 from mlx_bricks.tune.buckets import attention_bucket
 
 #: Options that change the values and have no stock fast path (their stock is the brick's
 #: MLX-ops reference, what mlx-lm's gemma-style attention computes).
 _OPTIONS = ("window", "softcap")
+#: The kernel variant that attends over K/V dequantized once (``kv_quant="q8_0"`` only).
+DEQUANT_KV = "dequant_kv"
+
+
+def _has_q8_0_kernels(backend: str) -> bool:
+    return kernels.has_kernel("q8_0_quantize", backend)
+
+
+def dense_kv(x, dtype, backend: str):
+    """K or V of a ``kv_quant="q8_0"`` call as the values attended over, once, in ``dtype``:
+    a ``(qs, d)`` pair dequantized, a float array quantized then dequantized, with the q8_0
+    brick's kernels where ``backend`` has them (else MLX ops): bit for bit
+    ``formats.q8_0.kv_dense``."""
+    b = backend if _has_q8_0_kernels(backend) else "reference"
+    qs, d = x if isinstance(x, tuple) else quantize_q8_0(x, backend=b)
+    return dequantize_q8_0(qs, d, dtype=dtype, backend=b)
+
+
+def _dequant_kv_sdpa(args, backend, settings):
+    q = args["q"]
+    return flash_attention_reference(q, dense_kv(args["k"], q.dtype, backend),
+                                     dense_kv(args["v"], q.dtype, backend),
+                                     scale=args["scale"], mask=args.get("mask"),
+                                     **{o: args.get(o) for o in _OPTIONS})
 
 
 class Attention(OpKind):
@@ -32,6 +66,11 @@ class Attention(OpKind):
     name = "attention"
     op_name = "flash_attention"
     activations = ("q", "k", "v")
+    # On reference the round trip is MLX ops, the same graph as stock: offered where the
+    # backend has the q8_0 kernels.
+    composites = (Composite("dequant_kv_sdpa", _dequant_kv_sdpa,
+                            lambda args, backend: bool(args.get("kv_quant"))
+                            and _has_q8_0_kernels(backend)),)
 
     def key(self, args):
         q, k = args["q"], args["k"]
@@ -47,10 +86,12 @@ class Attention(OpKind):
     def _options(args) -> dict:
         return {o: args.get(o) for o in _OPTIONS}
 
-    def brick(self, args, backend, **kwargs):
-        return run_flash_attention(args["q"], args["k"], args["v"], scale=args["scale"],
-                                   mask=args.get("mask"), kv_quant=args.get("kv_quant"),
-                                   backend=backend, **self._options(args), **kwargs)
+    def brick(self, args, backend, kv=None):
+        q, k, v, kv_quant = args["q"], args["k"], args["v"], args.get("kv_quant")
+        if kv == "dequant":  # DEQUANT_KV: the round trip once, then the float kernel
+            k, v, kv_quant = dense_kv(k, q.dtype, backend), dense_kv(v, q.dtype, backend), None
+        return run_flash_attention(q, k, v, scale=args["scale"], mask=args.get("mask"),
+                                   kv_quant=kv_quant, backend=backend, **self._options(args))
 
     def stock(self, args):
         if args.get("kv_quant") is not None or any(self._options(args).values()):
@@ -63,17 +104,17 @@ class Attention(OpKind):
                                                     scale=args["scale"], mask=args.get("mask"))
 
     def listing(self, backend, dtype, args):
-        return variant_names(backend, dtype)
+        names = variant_names(backend, dtype)
+        if names and args is not None and args.get("kv_quant"):
+            names = (*names, DEQUANT_KV)
+        return names
 
     def variant_kwargs(self, name):
+        if name == DEQUANT_KV:
+            return {"kv": "dequant"}
         if name != DEFAULT_VARIANT:
             raise ValueError(f"unknown attention variant {name!r}")
-        return {}  # one kernel so far, selected by no argument
-
-    def untuned_reason(self, args):
-        if args.get("kv_quant"):
-            return "Q8_0 K/V is a requested change of the values: no stock op computes it"
-        return None
+        return {}  # the kernel, selected by no argument
 
     def n_rows(self, args):
         return args["q"].shape[2]

@@ -1,16 +1,27 @@
 """The GEMM brick's tuner kind ``linear``: ``y = x @ W.T (+ bias) (+ residual)`` against what
 ``nn.Linear`` / ``nn.QuantizedLinear`` compute (``mx.addmm`` with a bias,
 ``mx.quantized_matmul(..., transpose=True)`` for an affine weight), plus the block's residual
-add. Arguments: ``x, weight, bias, residual`` (weight an array or a ``QuantizedWeight``)."""
+add. Arguments: ``x, weight, bias, residual`` (weight an array or a ``QuantizedWeight``).
+
+Composites (affine weights): ``dequant`` / ``dequant_brick``, the weight dequantized in row
+tiles (``mx.dequantize`` / the dequantize brick), then ``nn.Linear``'s float computation
+(``bricks/dequantize/composite.py``)."""
 from __future__ import annotations
 
 import math
 
+from mlx_bricks.bricks.dequantize.composite import dequant_composites, quantized
 from mlx_bricks.bricks.gemm.op import run_linear, tile_names
 from mlx_bricks.checks import dtype_name
 from mlx_bricks.formats import dense, format_of, formats_key
 from mlx_bricks.runtime.kind import Key, TokenRowsKind, flags, high_precision, register_kind
 from mlx_bricks.tune.buckets import m_bucket
+
+
+def _dequant_linear(args, tiles):
+    y = tiles.linear(args["x"], (args["weight"],), (args.get("bias"),))
+    res = args.get("residual")
+    return y if res is None else res + y
 
 
 class Linear(TokenRowsKind):
@@ -19,6 +30,7 @@ class Linear(TokenRowsKind):
     name = "linear"
     op_name = "linear"
     activations = ("x", "residual")
+    composites = dequant_composites(_dequant_linear, lambda a: quantized(a["weight"]))
 
     def key(self, args):
         x, w = args["x"], args["weight"]

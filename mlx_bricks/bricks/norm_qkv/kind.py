@@ -1,11 +1,16 @@
 """The RMSNorm + QKV brick's tuner kind: ``q, k, v = proj(rms_norm(x))`` in head layout against
 ``nn.RMSNorm`` then the q/k/v ``nn.Linear`` / ``nn.QuantizedLinear`` layers, reshaped to heads
 as mlx-lm's ``Attention`` does. Arguments: ``x, norm_weight, eps, wq, wk, wv, bq, bk, bv,
-n_heads, n_kv_heads, head_dim``."""
+n_heads, n_kv_heads, head_dim``.
+
+Composites (any of q/k/v affine): ``dequant`` / ``dequant_brick``: ``mx.fast.rms_norm``, then
+each projection's weight dequantized in row tiles and multiplied in float
+(``bricks/dequantize/composite.py``)."""
 from __future__ import annotations
 
 import mlx.core as mx
 
+from mlx_bricks.bricks.dequantize.composite import dequant_composites, quantized
 from mlx_bricks.bricks.norm_qkv.msl import QKV_SPEC
 from mlx_bricks.bricks.norm_qkv.op import run_rms_norm_qkv, tile_names
 from mlx_bricks.checks import dtype_name
@@ -16,12 +21,22 @@ from mlx_bricks.tune.buckets import m_bucket
 _PROJECTIONS = (("wq", "bq", "n_heads"), ("wk", "bk", "n_kv_heads"), ("wv", "bv", "n_kv_heads"))
 
 
+def _dequant_qkv(args, tiles):
+    x = args["x"]
+    B, L, _ = x.shape
+    h = mx.fast.rms_norm(x, args["norm_weight"], args["eps"])  # nn.RMSNorm
+    return tuple(tiles.linear(h, (args[w],), (args.get(b),)).reshape(B, L, args[n], -1)
+                 .transpose(0, 2, 1, 3) for w, b, n in _PROJECTIONS)
+
+
 class RmsNormQKV(OpKind):
     """The RMSNorm + QKV kind (module docstring)."""
 
     name = QKV_SPEC.name
     op_name = name
     activations = ("x",)
+    composites = dequant_composites(_dequant_qkv,
+                                    lambda a: quantized(a["wq"], a["wk"], a["wv"]))
 
     def key(self, args):
         x = args["x"]

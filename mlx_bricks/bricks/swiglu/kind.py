@@ -6,6 +6,13 @@ Arguments: ``x, w_gate, w_up, w_down, b_gate, b_up, b_down, residual`` and optio
 Settings (``patch_model(mlp_variant=...)``): ``{"variant": "fused" | "split", "fixed": bool}``:
 the variant the untuned rules run, and whether the caller asked for it (tuning then weighs only
 that variant against stock).
+
+Composites (any of gate/up/down affine; ``bricks/dequantize/composite.py``), each on
+``mx.dequantize`` and on the dequantize brick: ``dequant_fused`` / ``dequant_brick_fused``, one
+float GEMM per row tile on gate and up dequantized side by side (gate and up of one format),
+and ``dequant_split`` / ``dequant_brick_split``, a GEMM per projection; then the activation and
+the down projection the same way. They record ``{"variant": style}``, so a fixed
+``mlp_variant`` keeps its style's composites.
 """
 from __future__ import annotations
 
@@ -14,11 +21,47 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_bricks.bricks.dequantize.composite import dequant_composites, quantized
 from mlx_bricks.bricks.swiglu.op import run_swiglu_mlp, variant_for, variant_names
 from mlx_bricks.checks import dtype_name
 from mlx_bricks.formats import dense, format_of, formats_key, same_format
 from mlx_bricks.runtime.kind import Key, TokenRowsKind, flags, high_precision, register_kind
 from mlx_bricks.tune.buckets import m_bucket
+
+
+def _activation(gate, up, activation):
+    """mlx-lm's gated activation: ``swiglu(gate, up)``, or gemma's ``gelu_approx(gate) * up``
+    (``mlx_lm.models.gemma3_text.MLP``)."""
+    from mlx_lm.models.activations import swiglu
+
+    if activation == "gelu_tanh":
+        return nn.gelu_approx(gate) * up
+    return swiglu(gate, up)
+
+
+def _down(args, tiles, act):
+    y = tiles.linear(act, (args["w_down"],), (args.get("b_down"),))
+    res = args.get("residual")
+    return y if res is None else res + y
+
+
+def _dequant_fused(args, tiles):
+    activation = args.get("activation", "silu")
+    act = tiles.linear(args["x"], (args["w_gate"], args["w_up"]),
+                       (args.get("b_gate"), args.get("b_up")),
+                       finish=lambda g, u: _activation(g, u, activation))
+    return _down(args, tiles, act)
+
+
+def _dequant_split(args, tiles):
+    x = args["x"]
+    gate = tiles.linear(x, (args["w_gate"],), (args.get("b_gate"),))
+    up = tiles.linear(x, (args["w_up"],), (args.get("b_up"),))
+    return _down(args, tiles, _activation(gate, up, args.get("activation", "silu")))
+
+
+def _mlp_quantized(args) -> bool:
+    return quantized(args["w_gate"], args["w_up"], args["w_down"])
 
 
 class SwigluMLP(TokenRowsKind):
@@ -27,6 +70,11 @@ class SwigluMLP(TokenRowsKind):
     name = "swiglu_mlp"
     op_name = name
     activations = ("x", "residual")
+    composites = (
+        *dequant_composites(_dequant_fused, lambda a: _mlp_quantized(a) and same_format(
+            a["w_gate"], a["w_up"]), suffix="_fused", kwargs={"variant": "fused"}),
+        *dequant_composites(_dequant_split, _mlp_quantized, suffix="_split",
+                            kwargs={"variant": "split"}))
 
     def key(self, args):
         x, wg = args["x"], args["w_gate"]
@@ -47,8 +95,6 @@ class SwigluMLP(TokenRowsKind):
                               backend=backend, **kwargs)
 
     def stock(self, args):
-        from mlx_lm.models.activations import swiglu
-
         x = args["x"]
 
         def lin(a, w, b):
@@ -56,10 +102,7 @@ class SwigluMLP(TokenRowsKind):
 
         gate = lin(x, args["w_gate"], args.get("b_gate"))
         up = lin(x, args["w_up"], args.get("b_up"))
-        if args.get("activation", "silu") == "gelu_tanh":
-            act = nn.gelu_approx(gate) * up  # mlx_lm.models.gemma3_text.MLP
-        else:
-            act = swiglu(gate, up)
+        act = _activation(gate, up, args.get("activation", "silu"))
         y = lin(act, args["w_down"], args.get("b_down"))
         res = args.get("residual")
         return y if res is None else res + y
@@ -81,8 +124,9 @@ class SwigluMLP(TokenRowsKind):
         return {"variant": variant if same_format(args["w_gate"], args["w_up"]) else "split"}
 
     def restrict(self, variants, settings):
-        if settings.get("fixed"):
-            return [v for v in variants if v.name == settings.get("variant")]
+        if settings.get("fixed"):  # kernel variants and composites of the asked style
+            return [v for v in variants
+                    if v.kwargs.get("variant", v.name) == settings.get("variant")]
         return variants
 
     def settings_suffix(self, settings):

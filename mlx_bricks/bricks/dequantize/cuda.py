@@ -1,11 +1,10 @@
 """The CUDA twin of the dequantize brick: MLX affine weights to float, bit-exact.
 
-``cuda_src/dequantize.cu`` on ``cuda_src/dequant.cuh``: one thread per run of 128 values of a
+``cuda_src/dequantize.cu`` on ``cuda_src/dequant.cuh`` (the spec is the brick's, ``msl.py``): one thread per run of 128 values of a
 row (32 when K % 128 != 0), 16-byte loads of the packed words, the values built with integer
 and paired-half instructions (LOP3 with the exponent magic, PRMT, one HFMA2 per pair; float32:
-the 2^23 magic and one FFMA per value), 16-byte stores. The lead's public dequantize op (MSL
-twin and composites) builds on :func:`dequantize_cuda`; this module registers the CUDA-only
-kernel spec (no MSL body yet).
+the 2^23 magic and one FFMA per value), 16-byte stores. The public op (``op.dequantize``) and
+the composites call :func:`run`.
 
 Rounding: the values are those of ``mx.dequantize`` on the same device. MLX's CUDA kernel
 computes ``scale * T(q) + bias`` in the scales' dtype T, which ptxas contracts into one fma on
@@ -20,18 +19,9 @@ import math
 
 import mlx.core as mx
 
-from mlx_bricks.kernels import KernelSpec, launch, register
+from mlx_bricks.kernels import launch
 from mlx_bricks.checks import dtype_name
 from mlx_bricks.formats.affine import FLOAT_DTYPES, QuantizedWeight
-
-register(KernelSpec(
-    name="dequantize",
-    body=None,  # CUDA-only until the MSL twin lands
-    input_names=("w", "scales", "biases"),
-    output_names=("out",),
-    cuda_body="dequantize.cu",
-    cuda_headers=("mma.cuh", "dequant.cuh"),
-))
 
 #: Threads per block of the launch (any size works: the grid is a flat list of runs).
 THREADS = 256
@@ -97,3 +87,10 @@ def dequantize_cuda(w, scales, biases, *, bits: int, group_size: int, dtype=None
         output_shapes=[(N, K)], output_dtypes=[out_dtype],
     )
     return out
+
+
+def run(weight, dtype, fused: bool | None):
+    """The twin's ``(N, K)`` values of ``weight`` (a checked ``QuantizedWeight``) in ``dtype``;
+    ``fused`` None: ``mx.dequantize``'s rounding on this GPU (:func:`fused_rounding`)."""
+    return dequantize_cuda(weight.w, weight.scales, weight.biases, bits=weight.bits,
+                           group_size=weight.group_size, dtype=dtype, fused=fused)

@@ -1,0 +1,243 @@
+"""Composite variants of the quantized kinds: dequantize the weight, then the stock float
+computation, tiled over N so the transient float weight never exceeds a cap.
+
+At prefill sizes dequantizing a weight costs O(N K) against the GEMM's O(M N K), so
+``x @ dequantize(W).T`` runs at the float GEMM's speed where MLX's ``quantized_matmul`` does not
+(e.g. MLX 0.32.4's CPU with float16 activations; vLLM's AWQ path dequantizes from 256 tokens
+on for the same reason). Each quantized kind (``linear``, ``rms_norm_qkv``, ``swiglu_mlp``)
+registers two such composites beside its kernels (:func:`dequant_composites`): one on
+``mx.dequantize`` (every backend, the CPU included) and one on the dequantize brick (where the
+backend has its kernel); the tuner weighs them against stock like any other variant.
+
+The cap (:func:`resolve_cap`): ``patch_model(dequant_cap=...)``, else ``MLX_BRICKS_DEQUANT_CAP``,
+else :data:`DEFAULT_CAP_MIB`, in MiB (any number > 0; fractions allowed). A call's weights are
+dequantized in row tiles whose making holds at most the cap's bytes: the float tile and what
+the dequantizer allocates besides it (:data:`MX_CPU_BYTES`: the tiled ``mx.dequantize`` on the
+CPU holds 7 to 57 times a float16 tile), gate and up side by side counted together. The tiles
+are made one after the other: each tile's packed rows wait, through ``mx.depends``, for the
+product of the tile before. A tile has at least one row: a cap below one row's bytes is
+rounded up to one row.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+
+from mlx_bricks.bricks.dequantize.op import has_kernel, run_dequantize
+from mlx_bricks.formats import FLOAT, format_of
+from mlx_bricks.formats.affine import QuantizedWeight
+from mlx_bricks.runtime.kind import Composite
+
+#: Environment variable of the cap, in MiB.
+CAP_ENV_VAR = "MLX_BRICKS_DEQUANT_CAP"
+#: The cap when neither the argument nor the environment sets one, in MiB.
+DEFAULT_CAP_MIB = 256
+#: The dispatch setting (``Dispatch(common=...)``) that carries the cap, in bytes.
+CAP_SETTING = "dequant_cap"
+MIB = 1 << 20
+
+
+def parse_cap(value, name: str) -> int:
+    """``value`` MiB (a number, or its text) in bytes (at least 1).
+
+    Raises:
+        TypeError: ``value`` is neither a number nor a str (``name`` in the message).
+        ValueError: not a number, not finite, or zero or below.
+    """
+    what = f"{name} must be a number of MiB above 0"
+    if isinstance(value, str):
+        try:
+            mib = float(value.strip())
+        except ValueError:
+            raise ValueError(f"{what}, got {value!r}") from None
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        mib = float(value)
+    else:
+        raise TypeError(f"{what}, got {type(value).__name__}")
+    if not math.isfinite(mib) or mib <= 0:
+        raise ValueError(f"{what}, got {value!r}")
+    return max(1, int(mib * MIB))
+
+
+def resolve_cap(value=None) -> tuple[int, str]:
+    """``(bytes, source)`` of the cap: the argument ``value`` (MiB; ``source`` ``"argument"``),
+    else ``MLX_BRICKS_DEQUANT_CAP`` (``"env"``; empty counts as unset), else the default.
+
+    Raises:
+        TypeError, ValueError: a bad value (:func:`parse_cap`), naming ``dequant_cap`` or the
+            environment variable.
+    """
+    if value is not None:
+        return parse_cap(value, "dequant_cap"), "argument"
+    env = os.environ.get(CAP_ENV_VAR, "")
+    if env.strip():
+        return parse_cap(env, CAP_ENV_VAR), "env"
+    return DEFAULT_CAP_MIB * MIB, "default"
+
+
+def cap_of(settings: dict) -> int:
+    """The cap in bytes from a kind's settings (the patch puts it there), else
+    :func:`resolve_cap`'s."""
+    cap = settings.get(CAP_SETTING)
+    return cap if cap is not None else resolve_cap()[0]
+
+
+#: Bytes per value of a row tile that the tiled ``mx.dequantize`` + GEMM holds at its peak on
+#: MLX 0.32.4's CPU (the float tile included), by output size (2: float16 / bfloat16, 4:
+#: float32) and bits: the CPU evaluates ``mx.dequantize`` as a graph of unpacking ops with
+#: integer and float32 temporaries, and its scheduler issues the next tile's first operations
+#: before the last ones' memory is released. Measured with ``mx.get_peak_memory`` (the
+#: output's bytes taken off) on an 8192 x 1024 weight in 4 MiB tiles, the largest of 3 runs,
+#: plus 10% (other shapes measured up to 7% above the 4 MiB figures). On a GPU
+#: ``mx.dequantize`` is one kernel: its output only.
+MX_CPU_BYTES = {2: {2: 16, 3: 73, 4: 22, 5: 108, 6: 126, 8: 31},
+                4: {2: 13, 3: 66, 4: 18, 5: 101, 6: 119, 8: 26}}
+
+
+@dataclass(frozen=True)
+class Dequantizer:
+    """How a composite dequantizes a tile: ``fn(QuantizedWeight, dtype, backend) -> (n, K)``
+    and ``peak(bits, dtype) -> bytes per value`` alive while it runs (its output included):
+    what a tile's rows are counted at against the cap."""
+
+    fn: Callable
+    peak: Callable
+
+
+def _mx_peak(bits: int, dtype) -> int:
+    if mx.default_device() == mx.cpu:
+        return MX_CPU_BYTES[4 if dtype.size == 4 else 2][bits]
+    return dtype.size
+
+
+#: The dequantizers of the composites: ``mx.dequantize`` and the dequantize brick (one
+#: kernel writing its output).
+DEQUANTIZERS = {
+    "mx": Dequantizer(lambda q, dtype, backend: mx.dequantize(
+        q.w, q.scales, q.biases, group_size=q.group_size, bits=q.bits, dtype=dtype), _mx_peak),
+    "brick": Dequantizer(run_dequantize, lambda bits, dtype: dtype.size),
+}
+
+
+def quantized(*weights) -> bool:
+    """Whether any of ``weights`` is affine-quantized (where the composites apply)."""
+    return any(format_of(w).quantized for w in weights)
+
+
+def _rows(weight, n0: int, n1: int):
+    if isinstance(weight, QuantizedWeight):
+        return QuantizedWeight(weight.w[n0:n1], weight.scales[n0:n1], weight.biases[n0:n1],
+                               weight.group_size, weight.bits, weight.mode)
+    return weight[n0:n1]
+
+
+def _after(weight, dep):
+    """``weight`` (its arrays) evaluated only after ``dep``."""
+    if isinstance(weight, QuantizedWeight):
+        return QuantizedWeight(*mx.depends([weight.w, weight.scales, weight.biases], [dep]),
+                               weight.group_size, weight.bits, weight.mode)
+    return mx.depends([weight], [dep])[0]
+
+
+def _stack(parts: list):
+    """Row blocks of one format stacked into one weight (gate and up side by side)."""
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], QuantizedWeight):
+        p = parts[0]
+        return QuantizedWeight(*(mx.concatenate([getattr(q, f) for q in parts])
+                                 for f in ("w", "scales", "biases")), p.group_size, p.bits, p.mode)
+    return mx.concatenate(parts)
+
+
+def _stacked_bias(biases: tuple, n0: int, n1: int, dtype):
+    """Rows ``n0:n1`` of each weight's bias side by side (zeros for a weight without one), or
+    None when no weight has a bias."""
+    if all(b is None for b in biases):
+        return None
+    rows = [mx.zeros((n1 - n0,), dtype) if b is None else b[n0:n1] for b in biases]
+    return rows[0] if len(rows) == 1 else mx.concatenate(rows)
+
+
+class DenseTiles:
+    """The float row tiles of one composite call (module docstring): each weight handed to
+    :meth:`linear` is dequantized in tiles of at most ``cap`` bytes, one after the other.
+
+    Args:
+        cap: bytes of float weight one tile may hold.
+        how: a key of :data:`DEQUANTIZERS`.
+        backend: the resolved backend (the brick's dequantize runs on it).
+    """
+
+    def __init__(self, cap: int, how: str, backend: str):
+        self.cap = cap
+        self.dequantizer = DEQUANTIZERS[how]
+        self.backend = backend
+        self.last = None  # the output of the last tile (the next one waits for it)
+
+    def _value_bytes(self, weights: tuple, dtype) -> float:
+        """Bytes alive per value of a tile row while it is made: the dequantizer's peak, and
+        the copy that stacks several weights' rows (a single float weight's rows are a view)."""
+        total = 0.0
+        for w in weights:
+            f = format_of(w)
+            if f.quantized:
+                total += self.dequantizer.peak(f.bits, dtype)
+                if len(weights) > 1:  # the stacked packed rows, scales and biases
+                    total += f.bits / 8 + 2 * w.scales.dtype.size / f.group_size
+            elif len(weights) > 1:
+                total += dtype.size
+        return total
+
+    def linear(self, x, weights: tuple, biases: tuple, finish=None):
+        """``x @ W.T + b`` for ``weights`` of one shape ``(N, K)`` and format, side by side:
+        per tile of rows ``n0:n1`` of each, one float GEMM (``mx.addmm`` with the biases, as
+        ``nn.Linear`` computes) on the stacked dequantized rows, its output split back per
+        weight and passed to ``finish`` (default: the single weight's product); the tiles'
+        results concatenated along the last axis.
+
+        Returns:
+            ``(..., N)`` of x's dtype.
+        """
+        dtype = x.dtype
+        N, K = weights[0].shape
+        rows = max(1, min(N, int(self.cap // max(1.0, K * self._value_bytes(weights, dtype)))))
+        outs = []
+        for n0 in range(0, N, rows):
+            n1 = min(N, n0 + rows)
+            parts = [_rows(wt, n0, n1) for wt in weights]
+            if self.last is not None:  # wait for the tile before: one tile alive at a time
+                parts = [_after(p, self.last) for p in parts]
+            w = _stack(parts)
+            if isinstance(w, QuantizedWeight):
+                w = self.dequantizer.fn(w, dtype, self.backend)
+            y = FLOAT.linear(x, w, _stacked_bias(biases, n0, n1, dtype))
+            parts = mx.split(y, len(weights), axis=-1) if len(weights) > 1 else [y]
+            out = finish(*parts) if finish is not None else parts[0]
+            outs.append(out)
+            self.last = out
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
+
+
+def dequant_composites(fn, applies, *, suffix: str = "", kwargs: dict | None = None
+                       ) -> tuple[Composite, Composite]:
+    """The two composites of a quantized kind computing ``fn(args, tiles)`` (``tiles`` a
+    :class:`DenseTiles`): ``"dequant" + suffix`` on ``mx.dequantize``, applying wherever
+    ``applies(args)`` (every backend), and ``"dequant_brick" + suffix`` on the dequantize
+    brick, applying where the backend also has its kernel. ``kwargs``: what the composites
+    record (e.g. the SwiGLU style, ``{"variant": "fused"}``)."""
+    def run(how):
+        def composite(args, backend, settings):
+            return fn(args, DenseTiles(cap_of(settings), how, backend))
+        return composite
+
+    kw = dict(kwargs or {})
+    return (Composite(f"dequant{suffix}", run("mx"), lambda args, backend: applies(args), kw),
+            Composite(f"dequant_brick{suffix}", run("brick"),
+                      lambda args, backend: has_kernel(backend) and applies(args), kw))
+

@@ -1,0 +1,326 @@
+"""The composite variants of the quantized kinds (``bricks/dequantize/composite.py``):
+"dequantize the weight, then the stock float computation", tiled over N under the cap.
+
+Every composite a kind offers on a backend (``mx.dequantize`` everywhere, the dequantize brick
+where the backend has its kernel) against float64 numpy of the weights decoded from their
+packed bits, with the tolerance rule (the same-dtype computation is stock MLX's:
+``mx.quantized_matmul`` for every quantized projection), with the default cap and with a cap
+small enough for several tiles; the tiles counted and sized against the cap; the CPU's peak
+memory under the cap; bad cap values.
+"""
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlx_bricks.bricks.dequantize import composite
+from mlx_bricks.bricks.gemm.kind import LINEAR
+from mlx_bricks.bricks.norm_qkv.kind import RMS_NORM_QKV
+from mlx_bricks.bricks.swiglu.kind import SWIGLU_MLP
+from mlx_bricks.formats.affine import QuantizedWeight
+from tests.quant_support import DTYPES, dequant64, product, randn, weight
+from tests.support import require_backend
+from tests.tolerance import assert_dtype_close, to_f64
+
+Q4, Q8, Q3 = (4, 64), (8, 32), (3, 32)
+EPS = 1e-5
+#: Small enough for several row tiles in every case below.
+SMALL_CAP = 48 << 10
+
+
+def _silu64(g):
+    e = np.exp(-np.abs(g))
+    return np.where(g >= 0, g / (1.0 + e), g * e / (1.0 + e))
+
+
+def _gelu64(g):
+    return 0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3)))
+
+
+def _composites(kind, args, backend, cap):
+    settings = {} if cap is None else {composite.CAP_SETTING: cap}
+    return kind.variants(backend, args=args, names=(), settings=settings)
+
+
+def _expected_names(backend, names):
+    from mlx_bricks.bricks.dequantize.op import has_kernel
+
+    return [n for n in names if has_kernel(backend) or "brick" not in n]
+
+
+def _check_all(kind, args, backend, cap, ref64, naive, dt, names, what):
+    cands = _composites(kind, args, backend, cap)
+    assert [v.name for v in cands] == _expected_names(backend, names), what
+    for v in cands:
+        out = v.run(args, backend)
+        outs, refs, naives = (out, ref64, naive) if isinstance(out, tuple) else (
+            (out,), (ref64,), (naive,))
+        for o, r, n in zip(outs, refs, naives):
+            assert o.dtype == dt and tuple(o.shape) == r.shape, f"{what} {v.name}"
+            assert_dtype_close(o, r, n, dtype=dt, what=f"{what} {v.name} cap={cap}")
+
+
+# ---- linear ---------------------------------------------------------------------------------
+
+LINEAR_CASES = [  # B, L, K, N, format, dtype, bias, residual
+    (1, 7, 128, 96, Q4, "float16", True, True),
+    (2, 5, 256, 160, Q3, "bfloat16", False, True),
+    (1, 9, 128, 200, (8, 128), "float32", True, False),
+    (1, 3, 64, 72, (6, 64), "float16", False, False),
+]
+
+
+@pytest.mark.parametrize("cap", [None, SMALL_CAP])
+@pytest.mark.parametrize("B,L,K,N,fmt,dtype,bias,residual", LINEAR_CASES)
+def test_linear_composites(kernel_backend, cap, B, L, K, N, fmt, dtype, bias, residual):
+    dt = DTYPES[dtype]
+    s = B + L + K + N
+    x = randn((B, L, K), dt, s)
+    w = weight(N, K, fmt, dt, s + 1)
+    b = randn((N,), dt, s + 2) if bias else None
+    r = randn((B, L, N), dt, s + 3) if residual else None
+    ref = to_f64(x) @ dequant64(w).T
+    naive = product(x, w)
+    if bias:
+        ref, naive = ref + to_f64(b), naive + b
+    if residual:
+        ref, naive = ref + to_f64(r), r + naive
+    args = {"x": x, "weight": w, "bias": b, "residual": r}
+    _check_all(LINEAR, args, kernel_backend, cap, ref, naive, dt, ["dequant", "dequant_brick"],
+               f"{kernel_backend} linear {fmt} {dtype}")
+
+
+def test_no_composite_for_float_weights():
+    x = randn((1, 4, 64), mx.float16, 0)
+    args = {"x": x, "weight": randn((32, 64), mx.float16, 1), "bias": None, "residual": None}
+    assert _composites(LINEAR, args, "reference", None) == []
+    mlp = {"x": x, "w_gate": randn((48, 64), mx.float16, 2), "w_up": randn((48, 64), mx.float16,
+                                                                           3),
+           "w_down": randn((64, 48), mx.float16, 4), "b_gate": None, "b_up": None,
+           "b_down": None, "residual": None}
+    assert _composites(SWIGLU_MLP, mlp, "emulator", None) == []
+
+
+# ---- RMSNorm + QKV --------------------------------------------------------------------------
+
+QKV_CASES = [  # B, L, K, (heads, kv heads), head_dim, (q, k, v formats), dtype, bias
+    (1, 7, 128, (4, 2), 32, (Q4, Q4, Q8), "float16", False),
+    (2, 5, 128, (2, 1), 64, (Q8, None, (4, 32)), "bfloat16", True),
+    (1, 6, 64, (2, 2), 32, (None, None, Q3), "float32", True),
+]
+
+
+@pytest.mark.parametrize("cap", [None, SMALL_CAP])
+@pytest.mark.parametrize("B,L,K,heads,head_dim,fmts,dtype,bias", QKV_CASES)
+def test_rms_norm_qkv_composites(kernel_backend, cap, B, L, K, heads, head_dim, fmts, dtype,
+                                 bias):
+    dt = DTYPES[dtype]
+    s = B * L + K + head_dim
+    H, Hkv = heads
+    x = randn((B, L, K), dt, s)
+    nw = randn((K,), dt, s + 1, scale=0.3) + 1.0
+    ws = [weight(n * head_dim, K, f, dt, s + 2 + i) for i, (n, f) in enumerate(
+        zip((H, Hkv, Hkv), fmts))]
+    bs = [randn((w.shape[0],), dt, s + 5 + i) if bias else None for i, w in enumerate(ws)]
+    x64 = to_f64(x)
+    h64 = x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + EPS) * to_f64(nw)
+    h = mx.fast.rms_norm(x, nw, EPS)
+    refs, naives = [], []
+    for w, b, n in zip(ws, bs, (H, Hkv, Hkv)):
+        y64, y = h64 @ dequant64(w).T, product(h, w)
+        if b is not None:
+            y64, y = y64 + to_f64(b), y + b
+        refs.append(y64.reshape(B, L, n, head_dim).transpose(0, 2, 1, 3))
+        naives.append(y.reshape(B, L, n, head_dim).transpose(0, 2, 1, 3))
+    args = {"x": x, "norm_weight": nw, "eps": EPS, "wq": ws[0], "wk": ws[1], "wv": ws[2],
+            "bq": bs[0], "bk": bs[1], "bv": bs[2], "n_heads": H, "n_kv_heads": Hkv,
+            "head_dim": head_dim}
+    _check_all(RMS_NORM_QKV, args, kernel_backend, cap, tuple(refs), tuple(naives), dt,
+               ["dequant", "dequant_brick"], f"{kernel_backend} qkv {fmts} {dtype}")
+
+
+# ---- SwiGLU MLP -----------------------------------------------------------------------------
+
+MLP_CASES = [  # M, K, F, (gate, up, down formats), dtype, bias, residual, activation
+    (7, 128, 96, (Q4, Q4, Q8), "float16", True, True, "silu"),
+    (9, 64, 160, (Q3, Q3, (6, 32)), "bfloat16", False, True, "silu"),
+    (5, 128, 64, (None, Q4, Q4), "float32", True, False, "silu"),  # gate and up differ: split
+    (6, 64, 96, (Q8, Q8, None), "float16", False, False, "gelu_tanh"),
+]
+
+
+@pytest.mark.parametrize("cap", [None, SMALL_CAP])
+@pytest.mark.parametrize("M,K,F,fmts,dtype,bias,residual,activation", MLP_CASES)
+def test_swiglu_mlp_composites(kernel_backend, cap, M, K, F, fmts, dtype, bias, residual,
+                               activation):
+    dt = DTYPES[dtype]
+    s = M + K + F
+    x = randn((M, K), dt, s)
+    wg, wu, wd = (weight(F, K, fmts[0], dt, s + 1), weight(F, K, fmts[1], dt, s + 2),
+                  weight(K, F, fmts[2], dt, s + 3))
+    bg, bu, bd = ((randn((F,), dt, s + 4), randn((F,), dt, s + 5), randn((K,), dt, s + 6))
+                  if bias else (None, None, None))
+    r = randn((M, K), dt, s + 7) if residual else None
+    x64 = to_f64(x)
+    g64, u64, g, u = x64 @ dequant64(wg).T, x64 @ dequant64(wu).T, product(x, wg), product(x, wu)
+    if bias:
+        g64, u64, g, u = g64 + to_f64(bg), u64 + to_f64(bu), g + bg, u + bu
+    if activation == "gelu_tanh":
+        a64, a = _gelu64(g64) * u64, nn.gelu_approx(g) * u
+    else:
+        a64, a = _silu64(g64) * u64, nn.silu(g) * u
+    ref, naive = a64 @ dequant64(wd).T, product(a, wd)
+    if bias:
+        ref, naive = ref + to_f64(bd), naive + bd
+    if residual:
+        ref, naive = ref + to_f64(r), r + naive
+    args = {"x": x, "w_gate": wg, "w_up": wu, "w_down": wd, "b_gate": bg, "b_up": bu,
+            "b_down": bd, "residual": r}
+    if activation != "silu":
+        args["activation"] = activation
+    names = (["dequant_split", "dequant_brick_split"] if fmts[0] != fmts[1] else
+             ["dequant_fused", "dequant_brick_fused", "dequant_split", "dequant_brick_split"])
+    _check_all(SWIGLU_MLP, args, kernel_backend, cap, ref, naive, dt, names,
+               f"{kernel_backend} mlp {fmts} {dtype} {activation}")
+
+
+def test_a_fixed_mlp_variant_keeps_its_styles_composites():
+    x = randn((3, 64), mx.float16, 0)
+    args = {"x": x, "w_gate": weight(32, 64, Q4, mx.float16, 1),
+            "w_up": weight(32, 64, Q4, mx.float16, 2), "w_down": weight(64, 32, Q8, mx.float16, 3),
+            "b_gate": None, "b_up": None, "b_down": None, "residual": None}
+    for style in ("fused", "split"):
+        settings = {"variant": style, "fixed": True}
+        kept = SWIGLU_MLP.restrict(SWIGLU_MLP.variants("emulator", args=args, settings=settings),
+                                   settings)
+        assert [v.name for v in kept] == [style, f"dequant_{style}", f"dequant_brick_{style}"]
+
+
+# ---- the cap --------------------------------------------------------------------------------
+
+def _record_tiles(monkeypatch, how="mx"):
+    """Wrap the dequantizer ``how``: every tile it makes is recorded as (rows, K, bits)."""
+    tiles = []
+    d = composite.DEQUANTIZERS[how]
+
+    def fn(q, dtype, backend):
+        tiles.append((q.shape[0], q.shape[1], q.bits))
+        return d.fn(q, dtype, backend)
+
+    monkeypatch.setitem(composite.DEQUANTIZERS, how,
+                        composite.Dequantizer(fn, d.peak))
+    return tiles, d.peak
+
+
+@pytest.mark.parametrize("how,backend", [("mx", "reference"), ("brick", "emulator")])
+def test_tiles_never_exceed_the_cap(monkeypatch, how, backend):
+    require_backend(backend)
+    tiles, peak = _record_tiles(monkeypatch, how)
+    dt = mx.float16
+    F = 224
+    x = randn((1, 5, 128), dt, 0)
+    wg, wu, wd = (weight(F, 128, Q4, dt, 1), weight(F, 128, Q4, dt, 2), weight(128, F, Q8, dt, 3))
+    args = {"x": x, "w_gate": wg, "w_up": wu, "w_down": wd, "b_gate": None, "b_up": None,
+            "b_down": None, "residual": None}
+    cap = 20 << 10
+    v = {c.name: c for c in _composites(SWIGLU_MLP, args, backend, cap)}
+    name = "dequant" if how == "mx" else "dequant_brick"
+    mx.eval(v[f"{name}_fused"].run(args, backend))
+    # gate and up side by side: 2 * rows per tile, each counted at the dequantizer's peak
+    # plus the stacked packed copy; then the down projection's own tiles
+    per_row_gu = 128 * (2 * peak(4, dt) + 2 * (4 / 8 + 2 * 2 / 64))
+    rows_gu = int(cap // per_row_gu)
+    rows_d = int(cap // (F * peak(8, dt)))
+    assert tiles == ([(2 * rows_gu, 128, 4)] * (F // rows_gu)
+                     + ([(2 * (F % rows_gu), 128, 4)] if F % rows_gu else [])
+                     + [(rows_d, F, 8)] * (128 // rows_d)
+                     + ([(128 % rows_d, F, 8)] if 128 % rows_d else []))
+    assert len(tiles) > 4
+    for rows, K, bits in tiles:
+        assert rows * K * peak(bits, dt) <= cap
+    tiles.clear()
+    mx.eval(v[f"{name}_split"].run(args, backend))
+    rows_1 = int(cap // (128 * peak(4, dt)))
+    assert sum(r for r, K, _ in tiles if K == 128) == 2 * F
+    assert max(r for r, K, _ in tiles if K == 128) == rows_1
+
+
+def test_a_cap_below_one_row_is_one_row(monkeypatch):
+    tiles, _ = _record_tiles(monkeypatch)
+    x = randn((1, 3, 256), mx.float32, 0)
+    args = {"x": x, "weight": weight(6, 256, Q4, mx.float32, 1), "bias": None, "residual": None}
+    (v, *_) = _composites(LINEAR, args, "reference", 1)
+    mx.eval(v.run(args, "reference"))
+    assert tiles == [(1, 256, 4)] * 6
+
+
+@pytest.mark.parametrize("fmt", [Q4, Q3])
+def test_cpu_peak_memory_stays_under_the_cap(fmt):
+    """On the CPU the tiled mx.dequantize + GEMM holds at most the cap (the output aside)."""
+    dt = mx.float16
+    x = randn((16, 1024), dt, 0)
+    w = weight(4096, 1024, fmt, dt, 1)
+    args = {"x": x, "weight": w, "bias": None, "residual": None}
+    mx.eval(x, w.w, w.scales, w.biases)
+    cap = 1 << 20
+    with mx.stream(mx.cpu):
+        (v,) = [c for c in _composites(LINEAR, args, "reference", cap) if c.name == "dequant"]
+        mx.eval(v.run(args, "reference"))
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        y = v.run(args, "reference")
+        mx.eval(y)
+        peak = mx.get_peak_memory() - base
+    assert peak <= cap + 2 * y.nbytes, peak / cap
+    # all in one tile, the same computation holds many times more
+    assert cap < 4096 * 1024 * 2
+
+
+@pytest.mark.parametrize("value,message", [
+    (0, "dequant_cap must be a number of MiB above 0, got 0"),
+    (-3, "dequant_cap must be a number of MiB above 0, got -3"),
+    (float("nan"), "dequant_cap must be a number of MiB above 0, got nan"),
+    (float("inf"), "dequant_cap must be a number of MiB above 0, got inf"),
+    ("256MB", "dequant_cap must be a number of MiB above 0, got '256MB'"),
+])
+def test_bad_cap_argument(value, message):
+    with pytest.raises(ValueError) as e:
+        composite.resolve_cap(value)
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("value", [True, [1], object()])
+def test_cap_argument_of_another_type(value):
+    with pytest.raises(TypeError, match="dequant_cap must be a number of MiB above 0"):
+        composite.resolve_cap(value)
+
+
+@pytest.mark.parametrize("env", ["abc", "0", "-1", "nan", "1e400"])
+def test_bad_cap_environment(monkeypatch, env):
+    monkeypatch.setenv(composite.CAP_ENV_VAR, env)
+    with pytest.raises(ValueError) as e:
+        composite.resolve_cap()
+    assert str(e.value) == (f"MLX_BRICKS_DEQUANT_CAP must be a number of MiB above 0, got "
+                            f"{env!r}")
+    assert "\n" not in str(e.value)
+
+
+def test_cap_sources(monkeypatch):
+    monkeypatch.delenv(composite.CAP_ENV_VAR, raising=False)
+    assert composite.resolve_cap() == (256 << 20, "default")
+    monkeypatch.setenv(composite.CAP_ENV_VAR, " 0.5 ")
+    assert composite.resolve_cap() == (1 << 19, "env")
+    assert composite.resolve_cap(64) == (64 << 20, "argument")
+    monkeypatch.setenv(composite.CAP_ENV_VAR, "")
+    assert composite.resolve_cap() == (256 << 20, "default")
+
+
+def test_tile_rows_are_the_weights_rows():
+    w = weight(64, 128, Q4, mx.float16, 0)
+    rows = composite._rows(w, 8, 24)
+    assert isinstance(rows, QuantizedWeight) and rows.shape == (16, 128)
+    assert mx.array_equal(rows.dequantize(), w.dequantize()[8:24]).item()
