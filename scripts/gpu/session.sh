@@ -15,6 +15,9 @@
 #   bench-attn     attention and decode twins vs SDPA (cuda_attention, cuda_decode)
 #   bench-kv       16k-token prefill into the Q8_0 vs float16 cache, peak memory (cuda_kv_cache)
 #   e2e e2e-quant  whole 8B-shaped 4-layer model prefill, float and 4/8-bit (patched vs stock)
+#   quant-tests    the quantized-prefill tests on cuda (dequantize, composites, Q8_0 K/V variants)
+#   moe-tests      the MoE brick's cuda tests (every tile; the sweep with moe-sweep)
+#   bench-moe      MoE MLP at Qwen3-30B-A3B / gpt-oss-20b shapes, stock SwitchGLU vs the brick
 #   shard          2 NCCL ranks (needs kind nvidia-h200-x2; NVLink multicast off)
 #   all-tests      the whole default suite on the GPU machine
 set -uo pipefail
@@ -48,6 +51,13 @@ for s in "$@"; do
         e2e) step e2e 300 $BENCH --only e2e_llama8b_4layer_float --repeats 5 --out "$OUT/e2e.json" ;;
         e2e-quant) step e2e-quant 300 $BENCH --only e2e_llama8b_4layer_quantized --repeats 5 \
             --out "$OUT/e2e_quant.json" ;;
+        quant-tests) step quant-tests 420 $PYT -n 8 -m "not slow" -k "cuda" \
+            tests/test_dequantize.py tests/test_dequantize_cuda.py tests/test_composites.py \
+            tests/test_attention_kv_variants.py ;;
+        moe-tests) step moe-tests 300 $PYT -n 8 -m "not slow" \
+            -k "cuda and not compile and not emulation" tests/test_moe.py ;;
+        moe-sweep) step moe-sweep 420 $PYT -n 8 -m slow -k "sweep and cuda" tests/test_moe.py ;;
+        bench-moe) step bench-moe 420 $BENCH --only moe --repeats 10 --out "$OUT/moe.json" ;;
         shard) step shard 560 $PYT -m gpu tests/test_shard_gpu.py ;;
         all-tests) step all-tests 500 $PYT -n 8 -m "not slow" tests ;;
         *) echo "unknown step $s"; exit 2 ;;
