@@ -49,15 +49,21 @@ def main(argv=None) -> int:
             if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
                 raise _cli.CliError(f"--out {args.out!r}: {parent} is not a writable directory")
 
-        text = json.dumps(run_benchmarks(args.only, args.repeats), indent=2)
-        if args.out:
+        def write(doc):
             try:
-                with open(args.out, "w") as f:
-                    f.write(text + "\n")
+                with open(args.out + ".tmp", "w") as f:
+                    f.write(json.dumps(doc, indent=2) + "\n")
+                os.replace(args.out + ".tmp", args.out)
             except OSError as e:
                 raise _cli.CliError(f"--out {args.out!r}: {_cli.one_line(e)}") from None
+
+        # With --out the file is rewritten after each benchmark: a run stopped by a time limit
+        # keeps what it measured.
+        doc = run_benchmarks(args.only, args.repeats, on_result=write if args.out else None)
+        if args.out:
+            write(doc)
         else:
-            print(text)
+            print(json.dumps(doc, indent=2))
         return 0
 
     return _cli.run_cli(PROG, body)

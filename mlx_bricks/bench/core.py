@@ -292,9 +292,10 @@ def run_one(b: Benchmark, repeats: int) -> dict:
     return entry
 
 
-def run_benchmarks(names=None, repeats: int = 3) -> dict:
+def run_benchmarks(names=None, repeats: int = 3, on_result=None) -> dict:
     """Run the benchmarks ``names`` (default: all; group names expand) and return the
-    JSON-ready result.
+    JSON-ready result; ``on_result(partial)``, if given, gets the result so far after each
+    benchmark (the CLI writes it, so a run stopped by a time limit keeps what it measured).
 
     Returns:
         ``{"machine": ..., "mlx": version, "results": [...]}``; each result has ``name``,
@@ -316,6 +317,15 @@ def run_benchmarks(names=None, repeats: int = 3) -> dict:
     names = list(BENCHMARKS) if names is None else expand(names)
     results = []
     started = _now()
+
+    def document():
+        return {"date": started, "finished": _now(),
+                "machine": {"platform": platform.platform(), "processor": platform.machine(),
+                            "cpus": os.cpu_count(), "device": str(mx.default_device()),
+                            "device_info": {k: str(v) for k, v in mx.device_info().items()}},
+                "mlx": mx.__version__, "mlx_lm": _version("mlx-lm"),
+                "mlx_bricks": _version("mlx-bricks"), "repeats": repeats, "results": results}
+
     for name in names:
         b = BENCHMARKS[name]
         entry = {"name": b.name, "backend": b.backend, "what": b.what}
@@ -327,12 +337,9 @@ def run_benchmarks(names=None, repeats: int = 3) -> dict:
             entry.update(run_one(b, repeats))
             entry["load_average"]["after"] = _load()
         results.append(entry)
-    return {"date": started, "finished": _now(),
-            "machine": {"platform": platform.platform(), "processor": platform.machine(),
-                        "cpus": os.cpu_count(), "device": str(mx.default_device()),
-                        "device_info": {k: str(v) for k, v in mx.device_info().items()}},
-            "mlx": mx.__version__, "mlx_lm": _version("mlx-lm"),
-            "mlx_bricks": _version("mlx-bricks"), "repeats": repeats, "results": results}
+        if on_result is not None:
+            on_result(document())
+    return document()
 
 
 def _now() -> str:
