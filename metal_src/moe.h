@@ -31,6 +31,11 @@
 #ifndef MLX_BRICKS_MOE_H
 #define MLX_BRICKS_MOE_H
 
+#include <metal_stdlib>
+#include <metal_simdgroup_matrix>
+
+using namespace metal;
+
 namespace bricks {
 
 // ---------------------------------------------------------------------------------------------

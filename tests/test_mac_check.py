@@ -8,9 +8,12 @@ from functools import lru_cache
 import mlx.core as mx
 from mlx_bricks import kernels
 from mlx_bricks.bricks.attention import msl as attention
-from mlx_bricks.bricks.norm_qkv import msl as norm_qkv
-from mlx_bricks.bricks.swiglu import msl as mlp
-from mlx_bricks.bricks.gemm import msl as gemm
+from mlx_bricks.bricks.gemm import msl as gemm_msl
+from mlx_bricks.bricks.gemm import op as gemm
+from mlx_bricks.bricks.moe import msl as moe_msl
+from mlx_bricks.bricks.norm_qkv import op as norm_qkv
+from mlx_bricks.bricks.swiglu import msl as mlp_msl
+from mlx_bricks.bricks.swiglu import op as mlp
 from mlx_bricks.tools import mac_check
 from tests.support import require_backend
 
@@ -25,6 +28,7 @@ def test_every_msl_kernel_and_variant_is_instantiated():
     insts = _insts()
     kernels_seen = {i.kernel for i in insts}
     assert kernels_seen == {n for n in kernels.registered() if kernels.has_kernel(n, "metal")}
+    assert {"dequantize", "moe_route", "moe_gate_up", "moe_down", "moe_combine"} <= kernels_seen
     cases = "\n".join(i.case for i in insts)
     for dt in (mx.float16, mx.bfloat16, mx.float32):
         dn = str(dt).split(".")[-1]
@@ -36,6 +40,8 @@ def test_every_msl_kernel_and_variant_is_instantiated():
                 assert f"{dn} swiglu {variant} tile={tile} " in cases
         for D in attention.SUPPORTED_HEAD_DIMS:
             assert f"{dn} attention D={D} " in cases and f"{dn} decode D={D} " in cases
+        for tile in moe_msl.TILES:
+            assert f"{dn} moe tile={tile} activation=swiglu_oai" in cases
     # distinct functions, each within Metal's launch limits as the bricks account them
     assert len({i.function for i in insts}) == len(insts)
     assert all(1 <= i.threads <= 1024 and 0 <= i.threadgroup_bytes <= 32768 for i in insts)
@@ -129,10 +135,10 @@ def test_cli_lists(capsys):
 
 def test_threadgroup_accounting_matches_the_plans():
     # the report compares the pipelines' static threadgroup memory with this figure
-    plan = gemm.plan_gemm(100, 100, 100, mx.bfloat16, tile="64x64_bk16_sb")
+    plan = gemm_msl.plan_gemm(100, 100, 100, mx.bfloat16, tile="64x64_bk16_sb")
     t = dict(plan.template(mx.bfloat16))
     assert mac_check.expected_threadgroup_bytes("gemm", t, 2) == plan.threadgroup_bytes == 6144
-    fused = mlp.plan_fused(100, 100, 100, mx.float16, tile="64x32")
+    fused = mlp_msl.plan_fused(100, 100, 100, mx.float16, tile="64x32")
     assert mac_check.expected_threadgroup_bytes(
         "swiglu_fused", dict(fused.template(mx.float16)), 2) == fused.threadgroup_bytes
     tiles = attention.attention_tile_config(512, mx.float16)

@@ -169,6 +169,8 @@ def test_every_source_file_feeds_the_tuners_cache_key(monkeypatch):
 
     import mlx_bricks.ops  # noqa: F401  (registers the kernels)
 
+    # another test of this worker may have hashed while it had a kernel of its own registered
+    cache.kernel_source_hash.cache_clear()
     cache.kernel_source_hash()  # imports every op module, registering every kernel
     used = set()
     for name in kernels.registered():

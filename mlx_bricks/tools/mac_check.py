@@ -60,8 +60,9 @@ class Instantiation:
 def expected_threadgroup_bytes(kernel: str, template: dict, dtype_size: int) -> int:
     """The threadgroup memory the bricks' tile rules account for one instantiation (the
     figure the launch code checks against 32 KB), from its template arguments."""
-    if kernel in ("gemm", "swiglu_fused", "swiglu_split", "rms_norm_qkv"):
-        weight_rows = 2 if kernel == "swiglu_fused" else 1
+    if kernel in ("gemm", "swiglu_fused", "swiglu_split", "rms_norm_qkv", "moe_gate_up",
+                  "moe_down"):
+        weight_rows = 2 if kernel in ("swiglu_fused", "moe_gate_up") else 1
         return (template["STAGES"] * (template["BM"] + weight_rows * template["BN"])
                 * (template["BK"] + template["PAD"]) * dtype_size)
     if kernel == "flash_attention":
@@ -70,6 +71,10 @@ def expected_threadgroup_bytes(kernel: str, template: dict, dtype_size: int) -> 
         return attention_threadgroup_bytes(template["D"], dtype_size, template["BK"],
                                            template["WQ"], template["WD"],
                                            template["KV_SHARED"])
+    if kernel == "moe_route":
+        from mlx_bricks.bricks.moe.msl import route_threadgroup_bytes
+
+        return route_threadgroup_bytes(template["E"], template["NT"])
     if kernel == "decode_attention":
         from mlx_bricks.bricks.decode.op import msl_threadgroup_bytes
 
@@ -113,17 +118,16 @@ def _drive_ops(backend: str) -> list[tuple[str, tuple]]:
     produce, on small operands; returns (case, record) for each recorded launch."""
     import mlx.core as mx
 
-    from mlx_bricks.bricks.q8_0 import op as q8_0
-
+    from mlx_bricks.bricks.attention import msl as attention_msl
+    from mlx_bricks.bricks.attention import op as attention
     from mlx_bricks.bricks.decode import op as decode
-
-    from mlx_bricks.bricks.attention import msl as attention
-
-    from mlx_bricks.bricks.norm_qkv import msl as norm_qkv
-
-    from mlx_bricks.bricks.swiglu import msl as mlp
-
-    from mlx_bricks.bricks.gemm import msl as gemm
+    from mlx_bricks.bricks.dequantize import op as dequantize
+    from mlx_bricks.bricks.gemm import op as gemm
+    from mlx_bricks.bricks.moe import msl as moe_msl
+    from mlx_bricks.bricks.moe import op as moe
+    from mlx_bricks.bricks.norm_qkv import op as norm_qkv
+    from mlx_bricks.bricks.q8_0 import op as q8_0
+    from mlx_bricks.bricks.swiglu import op as mlp
     from mlx_bricks.formats.affine import QuantizedWeight
 
     dtypes = (mx.float16, mx.bfloat16, mx.float32)
@@ -198,7 +202,7 @@ def _drive_ops(backend: str) -> list[tuple[str, tuple]]:
                     weight(128, 256, dt, (8, 32)), arr((128, 256), dt), n_heads=4,
                     n_kv_heads=2, head_dim=64, backend=backend))
             # Attention: every head_dim (its tile config), masks, soft-cap, Q8_0 K/V.
-            for D in attention.SUPPORTED_HEAD_DIMS:
+            for D in attention_msl.SUPPORTED_HEAD_DIMS:
                 q, kv = arr((1, 4, 40, D), dt), arr((1, 2, 70, D), dt)
                 for mask, window, cap in ((None, None, None), ("causal", None, None),
                                           ("causal", 33, 50.0)):
@@ -216,6 +220,36 @@ def _drive_ops(backend: str) -> list[tuple[str, tuple]]:
                                 arr((1, heads[0], Lq, D), dt), arr((1, heads[1], 70, D), dt),
                                 arr((1, heads[1], 70, D), dt), scale=0.1, mask="causal",
                                 kv_quant=q8, backend=backend))
+            # Dequantize: every affine format to this dtype, an aligned and a ragged row.
+            for fmt in formats:
+                for n, k in ((64, 256), (5, 96 if fmt[1] == 32 else 128 * 3)):
+                    q = weight(n, k, dt, fmt)
+                    run(f"{dn} dequantize weight={fmt_name(fmt)} n={n} k={k}",
+                        lambda: dequantize.dequantize(q.w, q.scales, q.biases,
+                                                      group_size=q.group_size, bits=q.bits,
+                                                      dtype=dt, backend=backend))
+            # MoE: every tile with the three activations and biases; quantized experts, mixed
+            # formats; the combine.
+            E, idx = 8, mx.array([[0, 3], [3, 7], [1, 0]], dtype=mx.int32)
+            for tile in moe_msl.TILES:
+                for act in ("silu", "gelu_tanh", "swiglu_oai"):
+                    run(f"{dn} moe tile={tile} activation={act}",
+                        lambda: moe.moe_mlp(arr((3, 64), dt), idx, arr((E, 96, 64), dt),
+                                            arr((E, 96, 64), dt), arr((E, 64, 96), dt),
+                                            b_gate=arr((E, 96), dt), b_up=arr((E, 96), dt),
+                                            b_down=arr((E, 64), dt), activation=act, tile=tile,
+                                            check_indices=False, backend=backend))
+            for fmt in formats:
+                def experts(n, k, fmt=fmt):
+                    w, sc, b = mx.quantize(mx.ones((E, n, k), dt), group_size=fmt[1],
+                                           bits=fmt[0])
+                    return QuantizedWeight(w, sc, b, fmt[1], fmt[0])
+
+                run(f"{dn} moe weight={fmt_name(fmt)}/float",
+                    lambda: moe.moe_mlp_combine(arr((3, 256), dt), idx, arr((3, 2), dt),
+                                                experts(128, 256), arr((E, 128, 256), dt),
+                                                experts(256, 128), check_indices=False,
+                                                backend=backend))
             run(f"{dn} q8_0",
                 lambda: q8_0.dequantize_q8_0(*q8_0.quantize_q8_0(arr((4, 64), dt),
                                                                  backend=backend),
