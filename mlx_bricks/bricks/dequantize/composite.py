@@ -211,8 +211,10 @@ class DenseTiles:
         for n0 in range(0, N, rows):
             n1 = min(N, n0 + rows)
             parts = [_rows(wt, n0, n1) for wt in weights]
-            if self.last is not None:  # wait for the tile before: one tile alive at a time
-                parts = [_after(p, self.last) for p in parts]
+            # Wait for the tile before (one tile alive at a time); the first tile waits for x,
+            # so no layer's weights are dequantized before the layers ahead of it have run.
+            dep = x if self.last is None else self.last
+            parts = [_after(p, dep) for p in parts]
             w = _stack(parts)
             if isinstance(w, QuantizedWeight):
                 w = self.dequantizer.fn(w, dtype, self.backend)
