@@ -174,3 +174,24 @@ def test_e2e_quantized_model_shares_the_quantized_weights():
     assert info()["model"]["weights"] == "affine 4-bit, group_size 64"
     if info()["patch"]["all_stock"]:
         assert mx.array_equal(patched_fwd(), stock_fwd())
+
+
+def test_a_case_whose_stock_cannot_run_reports_no_stock_figure():
+    """Where stock raises (the MoE bench: ``gather_qmm`` at 65,536 rows on MLX 0.32.4 CUDA), the
+    stock side is the brick's own call: the entry must not report a ratio against stock."""
+    import mlx.core as mx
+
+    from mlx_bricks.bench.core import CPU, run_one
+
+    a = mx.arange(16, dtype=mx.float32)
+
+    def brick():
+        return a * 2
+
+    b = Benchmark("stockless", CPU, "x * 2", lambda: (brick, brick, lambda: {
+        "flop": 16.0, "stock_error": "no implementation"}))
+    r = run_one(b, 1)
+    assert r["ratio"] is None and r["stock_s"] is None and r["stock_tflops"] is None
+    assert r["max_abs_diff"] is None and "stock" not in r["peak_memory"]
+    assert r["brick_s"] > 0 and r["brick_tflops"] > 0 and r["stock_error"] == "no implementation"
+    assert json.loads(json.dumps(r)) == r

@@ -289,6 +289,11 @@ def run_one(b: Benchmark, repeats: int) -> dict:
     if "flop" in entry:
         entry["brick_tflops"] = entry["flop"] / entry["brick_s"] / 1e12
         entry["stock_tflops"] = entry["flop"] / entry["stock_s"] / 1e12
+    if "stock_error" in entry:  # the "stock" side ran the brick: no stock figure exists
+        for key in ("ratio", "stock_s", "stock_runs_s", "stock_tflops"):
+            entry[key] = None
+        entry["max_abs_diff"] = None
+        entry["peak_memory"].pop("stock", None)
     return entry
 
 

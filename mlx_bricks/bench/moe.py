@@ -13,7 +13,9 @@ The brick runs with ``check_indices=False`` (no host sync), as the patch will ca
 result reports the rule's tile, the mean rows per expert, and ``tile_s``: seconds per call of
 every tile the device runs (timed after the main rounds), for the tile rule / tuner. Where
 stock raises (no implementation on this backend for the shape), ``stock_error`` says so and the
-stock side is the brick's own call (ratio 1): the brick runs where stock does not.
+stock side is the brick's own call, and the result holds no stock figure (``ratio``, ``stock_s``,
+its runs, ``stock_tflops``, ``max_abs_diff`` null; ``bench.core.run_one``): the brick runs where
+stock does not.
 
 On the H200 (bf16 activations, the lead's GPU session)::
 
