@@ -53,6 +53,17 @@ def test_missing_source_is_a_clear_error():
         kernels.read_source("no_such_file.metal")
 
 
+
+@pytest.fixture(autouse=True)
+def _registry_kept_clean():
+    """The throwaway specs these tests register (named ``test_*``) leave the process's registry
+    afterwards (other tests of the same worker compare the registry with every kernel the
+    bricks drive); kernels that imports registered meanwhile stay."""
+    before = set(kernels._SPECS)
+    yield
+    for name in [n for n in kernels._SPECS if n.startswith("test_") and n not in before]:
+        del kernels._SPECS[name]
+
 def test_unknown_kernel_lists_registered():
     with pytest.raises(ValueError, match="unknown kernel"):
         kernels.spec("no-such-kernel")

@@ -289,15 +289,46 @@ class Session:
         for m in dict.fromkeys((module, importlib.import_module(GENERATE_MODULE))):
             if hasattr(m, "make_prompt_cache"):
                 self._swap(m, "make_prompt_cache", _BricksPromptCache(m.make_prompt_cache))
+        reported = []
+        restore = self._report_on_interrupt(reported)
         try:
             stock_main()
         finally:
+            restore()
             while self._swapped:
                 m, name, value = self._swapped.pop()
                 setattr(m, name, value)
-        if self.args is not None and self.args.use_bricks and self.args.bricks_report:
+        if self._reporting() and not reported:
             self.final_report()
         return _cli.EXIT_OK
+
+    def _reporting(self) -> bool:
+        return self.args is not None and self.args.use_bricks and self.args.bricks_report
+
+    def _report_on_interrupt(self, reported: list):
+        """With ``--bricks-report``, the final report is logged when Ctrl-C / SIGINT arrives,
+        before the command's own shutdown (a server joins its generation thread then, which can
+        take long or end in an abort inside MLX); returns the function that restores the
+        previous handler."""
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = signal.getsignal(signal.SIGINT)
+
+        def on_interrupt(signum, frame):
+            if self._reporting() and not reported:
+                reported.append(True)
+                self.final_report()
+            if previous is signal.SIG_IGN:
+                return None
+            if callable(previous):
+                return previous(signum, frame)
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGINT, on_interrupt)
+        return lambda: signal.signal(signal.SIGINT, previous)
 
 
 def run_command(command: str, argv: list[str] | None = None, *, use_bricks_default=False,
