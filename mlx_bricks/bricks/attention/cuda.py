@@ -144,7 +144,7 @@ def attention_params(scale: float, softcap: float | None,
 
 
 def launch_attention_cuda(q, k, v, k_scale, v_scale, *, scale, causal, window=None,
-                          softcap=None, variant=None):
+                          softcap=None, variant=None, kv_start=None):
     """Run the CUDA attention kernel; returns (B, Hq, Lq, D) as a transposed view of a
     row-contiguous (B, Lq, Hq, D) buffer (as MLX's SDPA and the MSL brick return it).
 
@@ -161,6 +161,7 @@ def launch_attention_cuda(q, k, v, k_scale, v_scale, *, scale, causal, window=No
             (implies causal).
         softcap: None or a float > 0: scores become ``softcap * tanh(scale * q.k / softcap)``.
         variant: a :func:`variants` name, or None for the default that fits the device.
+        kv_start: must be None: the twin has no padded-batch (per-row first key) path yet.
 
     Shapes and dtypes are the caller's to check (``flash_attention`` validates them); rows that
     see no key (only reachable with Lq > Lk) come out 0.
@@ -168,7 +169,11 @@ def launch_attention_cuda(q, k, v, k_scale, v_scale, *, scale, causal, window=No
     Raises:
         ValueError: window < 1, softcap <= 0, an unknown variant, or no variant fits the
             device's shared memory.
+        NotImplementedError: ``kv_start`` given (no CUDA padded-batch path yet).
     """
+    if kv_start is not None:
+        raise NotImplementedError("flash_attention with kv_start (a padded batch) has no CUDA "
+                                  "twin yet")
     if window is not None and window < 1:
         raise ValueError(f"window must be an int >= 1, got {window!r}")
     if softcap is not None and not softcap > 0:
