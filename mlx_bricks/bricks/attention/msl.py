@@ -25,8 +25,6 @@ kernels.register(kernels.KernelSpec(
     ensure_row_contiguous=False,
     cuda_body="attention.cu",
     cuda_headers=("mma.cuh", "attention.cuh"),
-    # the CUDA twin does not take kv_start (padded batches) yet
-    cuda_input_names=("q", "k", "v", "k_scale", "v_scale", "fparams", "iparams"),
 ))
 
 
