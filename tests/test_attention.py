@@ -673,6 +673,7 @@ PADDED = [
     (4, 9, 50, (4, 1), 128, F16, (0, 12, 49, 70), "window8", SOFTCAP, False),
     (2, 5, 37, (2, 1), 64, F32, (16, 36), "none", SOFTCAP, False),
     (2, 8, 40, (4, 2), 64, F16, (0, 9), "causal", None, True),
+    (2, 3, 20, (2, 1), 512, BF16, (0, 17), "causal", None, False),  # WD 4, shared K/V buffer
 ]
 PADDED_SLOW = [
     (B, Lq, Lk, heads, D, dtype, tuple(int(x) for x in np.linspace(0, Lk - 1, B)[::-1]),
@@ -798,3 +799,20 @@ def test_kv_start_bad_arguments_raise_clear_errors(kv_start, exc, match):
     with pytest.raises(exc, match=match):
         flash_attention(Q, KV, KV, scale=0.125, mask="causal", kv_start=kv_start,
                         backend="reference")
+
+
+def test_kv_start_tuner_kind_keys_checks_and_stock():
+    # A padded batch is its own decision key; its stock is the reference with the same mask,
+    # and the guard's check (reference tail: rows that see no key are 0) accepts the kernel.
+    from mlx_bricks.bricks.attention.kind import ATTENTION
+
+    q, k, v = make_qkv(2, 6, 30, 4, 2, 64, F32, seed=25)
+    args = dict(q=q, k=k, v=v, scale=0.125, mask="causal", kv_quant=None)
+    padded = dict(args, kv_start=mx.array([0, 27], mx.int32))  # row 1: queries 24..26 see none
+    assert ATTENTION.key(args) != ATTENTION.key(padded)
+    stock = ATTENTION.stock(padded)
+    want = batch_attention64(q, k, v, 0.125, (0, 27), True)
+    np.testing.assert_allclose(to_f64(stock), want, atol=1e-5)
+    out = ATTENTION.brick(padded, "reference")
+    assert ATTENTION.check(out, stock, padded).ok
+    assert not ATTENTION.check(mx.zeros_like(out) + 1.0, stock, padded).ok
