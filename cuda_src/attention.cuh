@@ -110,7 +110,7 @@ __host__ __device__ __forceinline__ TileRange block_tiles(int row0, int row_last
                                                           int kv_lo = 0) {
   const int hi = upper ? clamp_int(row_last + diag + 1, 0, Lk) : Lk;
   int lo = has_window ? clamp_int(row0 + diag - window + 1, 0, hi) : 0;
-  lo = lo > kv_lo ? lo : (kv_lo < hi ? kv_lo : hi);
+  if (kv_lo > lo) lo = kv_lo < hi ? kv_lo : hi;
   const int tb = lo / BK;
   return TileRange{tb, hi > lo ? (hi + BK - 1) / BK : tb};
 }
@@ -182,13 +182,14 @@ struct ChunkMap {
 };
 
 // Copy rows row0 .. row0 + ROWS - 1 (COLS elements each) of a strided global matrix into a
-// shared tile with row stride LDS; rows >= nvalid become zeros. `fast` (uniform): unit column
+// shared tile with row stride LDS; rows >= nvalid, and rows < nlo (a padded batch row's
+// padding keys: never read), become zeros. `fast` (uniform): unit column
 // stride and 16-byte aligned rows, so 16-byte cp.async chunks; otherwise element-wise loads
 // (bit copies: the values are not touched). Caller commits the cp.async group.
 template <typename E, int ROWS, int COLS, int LDS, int NT>
 __device__ __forceinline__ void copy_tile(E* dst, const E* src, int64_t row_stride,
                                           int64_t col_stride, int row0, int nvalid, bool fast,
-                                          int tid) {
+                                          int tid, int nlo = 0) {
   constexpr int CH = 16 / int(sizeof(E));
   using M = ChunkMap<ROWS, COLS, CH, NT>;
   using Bits = typename BitsOf<sizeof(E)>::type;
@@ -201,7 +202,8 @@ __device__ __forceinline__ void copy_tile(E* dst, const E* src, int64_t row_stri
 #pragma unroll
     for (int i = 0; i < M::ITERS; ++i) {
       if (M::has(tid, i)) {
-        const bool ok = row0 + r + i * M::RPI < nvalid;
+        const int row = row0 + r + i * M::RPI;
+        const bool ok = row < nvalid && row >= nlo;
         cp_async16(smem_addr(d + i * M::RPI * LDS), ok ? s : src, ok);
       }
       s += step;
@@ -214,7 +216,7 @@ __device__ __forceinline__ void copy_tile(E* dst, const E* src, int64_t row_stri
     for (int i = 0; i < M::ITERS; ++i) {
       if (M::has(tid, i)) {
         const int row = row0 + r + i * M::RPI;
-        const bool ok = row < nvalid;
+        const bool ok = row < nvalid && row >= nlo;
         Bits* db = reinterpret_cast<Bits*>(d + i * M::RPI * LDS);
 #pragma unroll
         for (int e = 0; e < CH; ++e) {
@@ -226,21 +228,22 @@ __device__ __forceinline__ void copy_tile(E* dst, const E* src, int64_t row_stri
 }
 
 // Q8_0 scales of the 16-code chunks this thread dequantizes (ChunkMap<BK, D, 16, NT>: the same
-// chunks copy_tile stages for the codes), as float; 0 past nvalid.
+// chunks copy_tile stages for the codes), as float; 0 past nvalid and below nlo.
 template <int BK, int D, int NT>
 struct Q8Scales {
   using M = ChunkMap<BK, D, 16, NT>;
   float v[M::ITERS];
 
   __device__ __forceinline__ void load(const __half* s, int64_t row_stride, int64_t col_stride,
-                                       int row0, int nvalid, int tid) {
+                                       int row0, int nvalid, int tid, int nlo = 0) {
     const int r = tid / M::CPR;
     const int blk = ((tid % M::CPR) * 16) / 32;  // Q8_0 block of the chunk's 16 codes
     const __half* p = s + int64_t(row0 + r) * row_stride + int64_t(blk) * col_stride;
     const int64_t step = int64_t(M::RPI) * row_stride;
 #pragma unroll
     for (int i = 0; i < M::ITERS; ++i) {
-      const bool ok = M::has(tid, i) && row0 + r + i * M::RPI < nvalid;
+      const int row = row0 + r + i * M::RPI;
+      const bool ok = M::has(tid, i) && row < nvalid && row >= nlo;
       v[i] = ok ? __half2float(*p) : 0.0f;
       p += step;
     }
@@ -583,8 +586,8 @@ __device__ __forceinline__ void store_rows(T* out, const float (&o)[MT][ND][4],
 // given (T, or int8_t codes). fparams = (scale, softcap, 1 / softcap), iparams = (window,)
 // (the MSL brick's parameter inputs; 1 / softcap is not used here). KV_START: kv_start (B,)
 // int32 (element stride kv_start_stride) holds batch row b's first valid key, clamped to
-// 0 .. Lk: tiles below it are never loaded, the partial tile is masked (its padding keys are
-// read but weigh exactly 0: finite padding adds nothing). Without KV_START it is not read.
+// 0 .. Lk: tiles below it are never loaded, the partial tile is masked and its padding keys are
+// staged as zeros (never read: NaN there cannot reach O). Without KV_START it is not read.
 template <typename T, int D, int BK, int MT, bool QREG, bool CAUSAL, bool WINDOW,
           bool SOFTCAP, bool KV_Q8, bool KV_START, typename KT>
 __device__ __forceinline__ void flash_attention_fwd(
@@ -662,21 +665,21 @@ __device__ __forceinline__ void flash_attention_fwd(
   auto issue_k = [&](int t) {
     if constexpr (KV_Q8) {
       copy_tile<int8_t, BK, D, D, NT>(sKr, reinterpret_cast<const int8_t*>(kg), ks.l, ks.d,
-                                      t * BK, Lk, k_fast, tid);
-      k_sc.load(ksg, kss.l, kss.d, t * BK, Lk, tid);
+                                      t * BK, Lk, k_fast, tid, kv_lo);
+      k_sc.load(ksg, kss.l, kss.d, t * BK, Lk, tid, kv_lo);
     } else {
       copy_tile<T, BK, D, LDS, NT>(sK, reinterpret_cast<const T*>(kg), ks.l, ks.d, t * BK, Lk,
-                                   k_fast, tid);
+                                   k_fast, tid, kv_lo);
     }
   };
   auto issue_v = [&](int t) {
     if constexpr (KV_Q8) {
       copy_tile<int8_t, BK, D, D, NT>(sVr, reinterpret_cast<const int8_t*>(vg), vs.l, vs.d,
-                                      t * BK, Lk, v_fast, tid);
-      v_sc.load(vsg, vss.l, vss.d, t * BK, Lk, tid);
+                                      t * BK, Lk, v_fast, tid, kv_lo);
+      v_sc.load(vsg, vss.l, vss.d, t * BK, Lk, tid, kv_lo);
     } else {
       copy_tile<T, BK, D, LDS, NT>(sV, reinterpret_cast<const T*>(vg), vs.l, vs.d, t * BK, Lk,
-                                   v_fast, tid);
+                                   v_fast, tid, kv_lo);
     }
   };
 

@@ -359,14 +359,19 @@ def quantize_q8(x: np.ndarray):
     return qs.astype(np.int8).reshape(*lead, D), d.astype(np.float16)
 
 
-def run_emulated(case, views=("contiguous",) * 3, variant=None, with_tile=False, kv_start=None):
+def run_emulated(case, views=("contiguous",) * 3, variant=None, with_tile=False, kv_start=None,
+                 nan_padding=False):
     """Run one case on the emulated kernel; returns (out64 (B, Hq, Lq, D), q64, k64, v64).
-    ``kv_start``: None, or B ints (the KV_START instantiation)."""
+    ``kv_start``: None, or B ints (the KV_START instantiation); ``nan_padding``: K/V of the keys
+    below ``kv_start[b]`` are NaN (float K/V only)."""
     dtype, D, (B, Hq, Hkv, Lq, Lk), causal, window, softcap, q8 = case
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
     qx = rng.standard_normal((B, Hq, Lq, D))
     kx = rng.standard_normal((B, Hkv, Lk, D))
     vx = rng.standard_normal((B, Hkv, Lk, D))
+    if nan_padding:
+        pad = np.arange(Lk)[None, None, :, None] < np.asarray(kv_start)[:, None, None, None]
+        kx, vx = np.where(pad, np.nan, kx), np.where(pad, np.nan, vx)
     name = NAME[dtype]
     qb = to_bits(qx, dtype)
     tile = pick_tile(D, dtype, q8, variant, smem_limit=HOPPER_SMEM_LIMIT)
@@ -549,3 +554,15 @@ def test_emulated_kv_start_zero_equals_no_kv_start():
     want, *_ = run_emulated(case)
     got, *_ = run_emulated(case, kv_start=(0, 0))
     np.testing.assert_array_equal(got, want)
+
+
+@needs_emu
+def test_emulated_kv_start_padding_is_never_read():
+    # NaN in every padding key and value (partial tile included): every row stays finite and
+    # equals attention over the valid keys.
+    case = (F16, 64, (2, 2, 1, 8, 45), True, None, None, False)
+    starts = (21, 3)
+    out, q, k, v = run_emulated(case, kv_start=starts, nan_padding=True)
+    assert np.isfinite(out).all()
+    ref = reference64(q, np.nan_to_num(k), np.nan_to_num(v), 64**-0.5, True, None, None, starts)
+    np.testing.assert_allclose(out, ref, atol=8 * EPS[F16] * max(1.0, np.abs(ref).max()))

@@ -163,7 +163,7 @@ def launch_attention_cuda(q, k, v, k_scale, v_scale, *, scale, causal, window=No
         variant: a :func:`variants` name, or None for the default that fits the device.
         kv_start: None, or an int32 (B,) array: batch row b's first valid key (the kernel's
             ``KV_START`` instantiation; clamped to 0 .. Lk in the kernel). Tiles below it are
-            never loaded; the partial tile's padding keys are read and weigh exactly 0.
+            never loaded; the partial tile's padding keys are staged as zeros (never read).
 
     Shapes and dtypes are the caller's to check (``flash_attention`` validates them); rows that
     see no key (only reachable with Lq > Lk) come out 0.
