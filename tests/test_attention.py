@@ -816,3 +816,25 @@ def test_kv_start_tuner_kind_keys_checks_and_stock():
     out = ATTENTION.brick(padded, "reference")
     assert ATTENTION.check(out, stock, padded).ok
     assert not ATTENTION.check(mx.zeros_like(out) + 1.0, stock, padded).ok
+
+
+@pytest.mark.parametrize("mask, window, cap", [("causal", None, None), ("causal", 9, 30.0),
+                                               (None, None, None)])
+def test_kv_start_reference_in_query_blocks_matches_float64(on_cpu, monkeypatch, mask, window,
+                                                            cap):
+    # The CPU reference's query blocks slice keys per block: each row's first valid key moves
+    # with them (kv_start - k_start), including rows whose block starts past it.
+    import mlx_bricks.bricks.attention.op as attn
+
+    q, k, v = make_qkv(3, 100, 137, 4, 2, 64, BF16, seed=26)
+    starts = (0, 45, 120)
+    kw = dict(scale=0.125, mask=mask, window=window, softcap=cap,
+              kv_start=mx.array(starts, mx.int32))
+    whole = flash_attention_reference(q, k, v, **kw)
+    monkeypatch.setattr(attn, "REFERENCE_SCORE_BLOCK_BYTES", 1)
+    got = flash_attention_reference(q, k, v, **kw)
+    causal = mask == "causal"
+    ref = batch_attention64(q, k, v, 0.125, starts, causal, window, cap)
+    assert_dtype_close(got, ref, batch_naive(q, k, v, 0.125, starts, causal, window, cap),
+                       dtype=BF16)
+    np.testing.assert_allclose(to_f64(got), to_f64(whole), rtol=0, atol=2 * EPS[BF16])
