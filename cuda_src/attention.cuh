@@ -84,11 +84,14 @@ struct BitsOf<4> {
 
 // ---- Which keys a row sees, which tiles a block loads, which tiles a warp computes/masks ----
 // (__host__ too: tests/test_attention_cuda.py checks them exhaustively on the CPU.)
-// A query row at key position pos = row + Lk - Lq sees key j iff j < Lk, and j <= pos when
-// `upper` (causal; a window implies it), and j > pos - window when has_window.
+// A query row at key position pos = row + Lk - Lq sees key j iff kv_lo <= j < Lk, and j <= pos
+// when `upper` (causal; a window implies it), and j > pos - window when has_window. kv_lo: the
+// batch row's first valid key (KV_START, a left-padded batch; 0 otherwise), in 0 .. Lk.
 __host__ __device__ __forceinline__ bool key_visible(int key, int pos, int Lk, bool upper,
-                                                     bool has_window, int window) {
-  return key >= 0 && key < Lk && (!upper || key <= pos) && (!has_window || key > pos - window);
+                                                     bool has_window, int window,
+                                                     int kv_lo = 0) {
+  return key >= kv_lo && key >= 0 && key < Lk && (!upper || key <= pos) &&
+         (!has_window || key > pos - window);
 }
 
 __host__ __device__ __forceinline__ int clamp_int(int x, int lo, int hi) {
@@ -96,16 +99,18 @@ __host__ __device__ __forceinline__ int clamp_int(int x, int lo, int hi) {
 }
 
 // K/V tiles [t_begin, t_end) of BK keys that rows row0 .. row_last may see; later and (with a
-// window) earlier tiles are never loaded.
+// window or kv_lo) earlier tiles are never loaded.
 struct TileRange {
   int t_begin, t_end;
 };
 
 __host__ __device__ __forceinline__ TileRange block_tiles(int row0, int row_last, int diag,
                                                           int Lk, int BK, bool upper,
-                                                          bool has_window, int window) {
+                                                          bool has_window, int window,
+                                                          int kv_lo = 0) {
   const int hi = upper ? clamp_int(row_last + diag + 1, 0, Lk) : Lk;
-  const int lo = has_window ? clamp_int(row0 + diag - window + 1, 0, hi) : 0;
+  int lo = has_window ? clamp_int(row0 + diag - window + 1, 0, hi) : 0;
+  if (kv_lo > lo) lo = kv_lo < hi ? kv_lo : hi;
   const int tb = lo / BK;
   return TileRange{tb, hi > lo ? (hi + BK - 1) / BK : tb};
 }
@@ -113,18 +118,18 @@ __host__ __device__ __forceinline__ TileRange block_tiles(int row0, int row_last
 // Whether rows row0 .. row_last see any key of tile [kv0, kv0 + BK) (else the warp skips it).
 __host__ __device__ __forceinline__ bool tile_active(int kv0, int BK, int row0, int row_last,
                                                      int diag, bool upper, bool has_window,
-                                                     int window) {
+                                                     int window, int kv_lo = 0) {
   return !(upper && kv0 > row_last + diag) &&
-         !(has_window && kv0 + BK - 1 <= row0 + diag - window);
+         !(has_window && kv0 + BK - 1 <= row0 + diag - window) && kv0 + BK > kv_lo;
 }
 
 // Whether some row of row0 .. row_last does not see some key of the tile (else no mask).
 __host__ __device__ __forceinline__ bool tile_needs_mask(int kv0, int BK, int row0,
                                                          int row_last, int diag, int Lk,
                                                          bool upper, bool has_window,
-                                                         int window) {
+                                                         int window, int kv_lo = 0) {
   return kv0 + BK > Lk || (upper && kv0 + BK - 1 > row0 + diag) ||
-         (has_window && kv0 <= row_last + diag - window);
+         (has_window && kv0 <= row_last + diag - window) || kv0 < kv_lo;
 }
 
 // The compile-time shape of one kernel variant. mlx_bricks/ops/attention_cuda.py mirrors the
@@ -177,13 +182,14 @@ struct ChunkMap {
 };
 
 // Copy rows row0 .. row0 + ROWS - 1 (COLS elements each) of a strided global matrix into a
-// shared tile with row stride LDS; rows >= nvalid become zeros. `fast` (uniform): unit column
+// shared tile with row stride LDS; rows >= nvalid, and rows < nlo (a padded batch row's
+// padding keys: never read), become zeros. `fast` (uniform): unit column
 // stride and 16-byte aligned rows, so 16-byte cp.async chunks; otherwise element-wise loads
 // (bit copies: the values are not touched). Caller commits the cp.async group.
 template <typename E, int ROWS, int COLS, int LDS, int NT>
 __device__ __forceinline__ void copy_tile(E* dst, const E* src, int64_t row_stride,
                                           int64_t col_stride, int row0, int nvalid, bool fast,
-                                          int tid) {
+                                          int tid, int nlo = 0) {
   constexpr int CH = 16 / int(sizeof(E));
   using M = ChunkMap<ROWS, COLS, CH, NT>;
   using Bits = typename BitsOf<sizeof(E)>::type;
@@ -196,7 +202,8 @@ __device__ __forceinline__ void copy_tile(E* dst, const E* src, int64_t row_stri
 #pragma unroll
     for (int i = 0; i < M::ITERS; ++i) {
       if (M::has(tid, i)) {
-        const bool ok = row0 + r + i * M::RPI < nvalid;
+        const int row = row0 + r + i * M::RPI;
+        const bool ok = row < nvalid && row >= nlo;
         cp_async16(smem_addr(d + i * M::RPI * LDS), ok ? s : src, ok);
       }
       s += step;
@@ -209,7 +216,7 @@ __device__ __forceinline__ void copy_tile(E* dst, const E* src, int64_t row_stri
     for (int i = 0; i < M::ITERS; ++i) {
       if (M::has(tid, i)) {
         const int row = row0 + r + i * M::RPI;
-        const bool ok = row < nvalid;
+        const bool ok = row < nvalid && row >= nlo;
         Bits* db = reinterpret_cast<Bits*>(d + i * M::RPI * LDS);
 #pragma unroll
         for (int e = 0; e < CH; ++e) {
@@ -221,21 +228,22 @@ __device__ __forceinline__ void copy_tile(E* dst, const E* src, int64_t row_stri
 }
 
 // Q8_0 scales of the 16-code chunks this thread dequantizes (ChunkMap<BK, D, 16, NT>: the same
-// chunks copy_tile stages for the codes), as float; 0 past nvalid.
+// chunks copy_tile stages for the codes), as float; 0 past nvalid and below nlo.
 template <int BK, int D, int NT>
 struct Q8Scales {
   using M = ChunkMap<BK, D, 16, NT>;
   float v[M::ITERS];
 
   __device__ __forceinline__ void load(const __half* s, int64_t row_stride, int64_t col_stride,
-                                       int row0, int nvalid, int tid) {
+                                       int row0, int nvalid, int tid, int nlo = 0) {
     const int r = tid / M::CPR;
     const int blk = ((tid % M::CPR) * 16) / 32;  // Q8_0 block of the chunk's 16 codes
     const __half* p = s + int64_t(row0 + r) * row_stride + int64_t(blk) * col_stride;
     const int64_t step = int64_t(M::RPI) * row_stride;
 #pragma unroll
     for (int i = 0; i < M::ITERS; ++i) {
-      const bool ok = M::has(tid, i) && row0 + r + i * M::RPI < nvalid;
+      const int row = row0 + r + i * M::RPI;
+      const bool ok = M::has(tid, i) && row < nvalid && row >= nlo;
       v[i] = ok ? __half2float(*p) : 0.0f;
       p += step;
     }
@@ -430,8 +438,8 @@ template <bool F32, bool SOFTCAP, bool UPPER, bool WINDOW, int BK, int MT, int N
 __device__ __forceinline__ void softmax_tile(float (&s)[MT][BK / 8][4], float (&m_run)[MT][2],
                                              float (&l_run)[MT][2], float (&o)[MT][ND][4],
                                              float pre, float post, bool need_mask, int wrow0,
-                                             int diag, int kv0, int Lk, int window, int g,
-                                             int tq) {
+                                             int diag, int kv0, int Lk, int window, int kv_lo,
+                                             int g, int tq) {
   constexpr int NB = BK / 8;
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
@@ -444,7 +452,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[MT][BK / 8][4], float (&
         if (need_mask) {
           const int pos = wrow0 + m * 16 + g + (e / 2) * 8 + diag;  // key position of the row
           const int key = kv0 + j * 8 + 2 * tq + (e % 2);
-          x = key_visible(key, pos, Lk, UPPER, WINDOW, window) ? x : kMasked;
+          x = key_visible(key, pos, Lk, UPPER, WINDOW, window, kv_lo) ? x : kMasked;
         }
         s[m][j][e] = x;
         mx[e / 2] = fmaxf(mx[e / 2], x);
@@ -576,13 +584,17 @@ __device__ __forceinline__ void store_rows(T* out, const float (&o)[MT][ND][4],
 
 // The whole kernel. T: dtype of q/out (and k/v unless KV_Q8); KT: element type of k/v as
 // given (T, or int8_t codes). fparams = (scale, softcap, 1 / softcap), iparams = (window,)
-// (the MSL brick's parameter inputs; 1 / softcap is not used here).
+// (the MSL brick's parameter inputs; 1 / softcap is not used here). KV_START: kv_start (B,)
+// int32 (element stride kv_start_stride) holds batch row b's first valid key, clamped to
+// 0 .. Lk: tiles below it are never loaded, the partial tile is masked and its padding keys are
+// staged as zeros (never read: NaN there cannot reach O). Without KV_START it is not read.
 template <typename T, int D, int BK, int MT, bool QREG, bool CAUSAL, bool WINDOW,
-          bool SOFTCAP, bool KV_Q8, typename KT>
+          bool SOFTCAP, bool KV_Q8, bool KV_START, typename KT>
 __device__ __forceinline__ void flash_attention_fwd(
     const T* __restrict__ q, const KT* __restrict__ k, const KT* __restrict__ v,
     const __half* __restrict__ k_scale, const __half* __restrict__ v_scale,
     const float* __restrict__ fparams, const int32_t* __restrict__ iparams,
+    const int32_t* __restrict__ kv_start, int64_t kv_start_stride,
     T* __restrict__ out, Dims dims, Strides4 qs, Strides4 ks,
     Strides4 vs, Strides4 kss, Strides4 vss, unsigned char* smem) {
   using C = Config<T, D, BK, MT, KV_Q8>;
@@ -625,13 +637,14 @@ __device__ __forceinline__ void flash_attention_fwd(
   const float scale = fparams[0];
   const float softcap = SOFTCAP ? fparams[1] : 1.0f;
   const int window = WINDOW ? iparams[0] : 0;
+  const int kv_lo = KV_START ? clamp_int(kv_start[int64_t(b) * kv_start_stride], 0, Lk) : 0;
   // Score in the log2 domain: s * scale * log2 e, or softcap * tanh(s * scale / softcap) * log2 e.
   const float pre = SOFTCAP ? scale / softcap : scale * kLog2e;
   const float post = softcap * kLog2e;
 
   // Keys any row of the block may see: tiles outside are never loaded.
   const TileRange tiles =
-      block_tiles(q0, min(q0 + C::BQ, Lq) - 1, diag, Lk, BK, UPPER, WINDOW, window);
+      block_tiles(q0, min(q0 + C::BQ, Lq) - 1, diag, Lk, BK, UPPER, WINDOW, window, kv_lo);
   const int t_begin = tiles.t_begin;
   const int t_end = tiles.t_end;
 
@@ -652,21 +665,21 @@ __device__ __forceinline__ void flash_attention_fwd(
   auto issue_k = [&](int t) {
     if constexpr (KV_Q8) {
       copy_tile<int8_t, BK, D, D, NT>(sKr, reinterpret_cast<const int8_t*>(kg), ks.l, ks.d,
-                                      t * BK, Lk, k_fast, tid);
-      k_sc.load(ksg, kss.l, kss.d, t * BK, Lk, tid);
+                                      t * BK, Lk, k_fast, tid, kv_lo);
+      k_sc.load(ksg, kss.l, kss.d, t * BK, Lk, tid, kv_lo);
     } else {
       copy_tile<T, BK, D, LDS, NT>(sK, reinterpret_cast<const T*>(kg), ks.l, ks.d, t * BK, Lk,
-                                   k_fast, tid);
+                                   k_fast, tid, kv_lo);
     }
   };
   auto issue_v = [&](int t) {
     if constexpr (KV_Q8) {
       copy_tile<int8_t, BK, D, D, NT>(sVr, reinterpret_cast<const int8_t*>(vg), vs.l, vs.d,
-                                      t * BK, Lk, v_fast, tid);
-      v_sc.load(vsg, vss.l, vss.d, t * BK, Lk, tid);
+                                      t * BK, Lk, v_fast, tid, kv_lo);
+      v_sc.load(vsg, vss.l, vss.d, t * BK, Lk, tid, kv_lo);
     } else {
       copy_tile<T, BK, D, LDS, NT>(sV, reinterpret_cast<const T*>(vg), vs.l, vs.d, t * BK, Lk,
-                                   v_fast, tid);
+                                   v_fast, tid, kv_lo);
     }
   };
 
@@ -746,10 +759,11 @@ __device__ __forceinline__ void flash_attention_fwd(
 
     // A warp whose rows see no key of this tile skips it (uniform in the warp and the pair).
     const bool active =
-        warp_live && tile_active(kv0, BK, wrow0, wlast, diag, UPPER, WINDOW, window);
-    // Only tiles that cross Lk, the diagonal or the window edge need the per-element mask.
+        warp_live && tile_active(kv0, BK, wrow0, wlast, diag, UPPER, WINDOW, window, kv_lo);
+    // Only tiles that cross Lk, the diagonal, the window edge or kv_lo need the per-element
+    // mask.
     const bool need_mask =
-        tile_needs_mask(kv0, BK, wrow0, wlast, diag, Lk, UPPER, WINDOW, window);
+        tile_needs_mask(kv0, BK, wrow0, wlast, diag, Lk, UPPER, WINDOW, window, kv_lo);
 
     float s[MT][NB][4];
     if (active) {
@@ -758,7 +772,7 @@ __device__ __forceinline__ void flash_attention_fwd(
         add_partner_scores<C, BK, MT>(s, smem, warp, rg, lane);
       }
       softmax_tile<C::F32, SOFTCAP, UPPER, WINDOW, BK, MT, ND>(
-          s, m_run, l_run, o, pre, post, need_mask, wrow0, diag, kv0, Lk, window, g, tq);
+          s, m_run, l_run, o, pre, post, need_mask, wrow0, diag, kv0, Lk, window, kv_lo, g, tq);
     }
 
     // V_t landed and every warp is done reading sK: start K_{t+1} behind P V_t.

@@ -146,12 +146,14 @@ struct AttnSourceOf<true, T, Ptr, SPtr> {
   typedef AttnQ8Source<T, Ptr, SPtr> type;
 };
 
-// Stage keys kv0 .. kv0 + BK - 1 into tile[BK][LD] (zeros past Lk). The tile is BK * D / VW
+// Stage keys kv0 .. kv0 + BK - 1 into tile[BK][LD] (zeros past Lk and below kv_lo, the
+// batch row's first valid key: padding is never read, so NaN there cannot reach O through
+// 0 * NaN). The tile is BK * D / VW
 // chunks; thread tid takes chunks tid, tid + NT, ...: consecutive threads read consecutive
 // 16-byte pieces of one key row. All loads of a thread are issued before its stores.
 template <typename T, int D, int BK, int LD, int NT, typename Source>
-inline void attn_stage_tile(threadgroup T* tile, thread const Source& src, int kv0, int Lk,
-                            int tid) {
+inline void attn_stage_tile(threadgroup T* tile, thread const Source& src, int kv0, int kv_lo,
+                            int Lk, int tid) {
   constexpr int VW = 16 / int(sizeof(T));
   constexpr int CPR = D / VW;  // chunks per key row
   constexpr int NCH = BK * CPR;
@@ -162,7 +164,7 @@ inline void attn_stage_tile(threadgroup T* tile, thread const Source& src, int k
   for (int i = 0; i < PER; ++i) {
     const int c = tid + i * NT;
     const int key = kv0 + c / CPR;
-    if (c < NCH && key < Lk) {
+    if (c < NCH && key >= kv_lo && key < Lk) {
       src.load(regs[i], key, (c % CPR) * VW);
     } else {
       ATTN_UNROLL

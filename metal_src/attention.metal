@@ -6,13 +6,16 @@
 // BK (keys per K/V tile, multiple of 8), WQ (8-row query blocks per threadgroup), WD (SIMD-groups
 // splitting D: each owns D / WD columns of Q and O), KV_SHARED (K and V take turns in one
 // threadgroup buffer), CAUSAL (bottom-right aligned), WINDOW (sliding window, needs CAUSAL),
-// SOFTCAP (s = cap * tanh(s / cap)), KV_Q8 (k/v are Q8_0).
+// SOFTCAP (s = cap * tanh(s / cap)), KV_Q8 (k/v are Q8_0), KV_START (per-batch-row first valid
+// key: a left-padded batch).
 // Inputs (any strides):
 //   q (B, Hq, Lq, D) T
 //   k, v (B, Hkv, Lk, D): T, or int8 quants when KV_Q8
 //   k_scale, v_scale (B, Hkv, Lk, D / 32) half Q8_0 scales when KV_Q8, else (1, 1, 1, 1) dummies
 //   fparams (3,) float: scale (multiplier of q . k), softcap, 1 / softcap
 //   iparams (1,) int: window (query at position p sees keys p - window + 1 .. p)
+//   kv_start (B,) int, any stride, when KV_START (else a (1,) dummy, never read): keys
+//     j < kv_start[b] are masked for every head and query of batch row b (clamped to 0 .. Lk)
 // Output: out (B, Lq, Hq, D) T, every element written.
 // Grid: (32 * WQ * WD * ceil(Lq / (8 * WQ)), Hq, B) threads; threadgroup (32 * WQ * WD, 1, 1).
 //
@@ -59,6 +62,8 @@ const float scale = fparams[0];
 const float softcap = fparams[1];
 const float inv_softcap = fparams[2];
 const int window = iparams[0];
+// First valid key of this batch row (left padding); 0 without KV_START.
+const int kv_lo = KV_START ? clamp(int(kv_start[b * kv_start_strides[0]]), 0, Lk) : 0;
 
 const uint lane = thread_index_in_simdgroup;
 const int tid = int(thread_index_in_threadgroup);
@@ -72,15 +77,16 @@ const int qrow = row0 + fr;
 const bool sg_live = row0 < Lq;
 
 // Keys [kv_begin, kv_end) are all any row of this threadgroup can see; [sg_begin, sg_end) those
-// of this SIMD-group's rows. Row at position p sees keys <= p (CAUSAL) and > p - window (WINDOW).
-int kv_begin = 0, kv_end = Lk, sg_begin = 0, sg_end = Lk;
+// of this SIMD-group's rows. Row at position p sees keys <= p (CAUSAL), > p - window (WINDOW)
+// and >= kv_lo (KV_START): whole tiles below kv_lo are skipped as those past the diagonal.
+int kv_begin = kv_lo, kv_end = Lk, sg_begin = kv_lo, sg_end = Lk;
 if (CAUSAL) {
   kv_end = clamp(min(qblock * BQ + BQ, Lq) + diag, 0, Lk);
   sg_end = clamp(min(row0 + 8, Lq) + diag, 0, Lk);
 }
 if (WINDOW) {
-  kv_begin = clamp(qblock * BQ + diag + 1 - window, 0, Lk);
-  sg_begin = clamp(row0 + diag + 1 - window, 0, Lk);
+  kv_begin = max(kv_lo, clamp(qblock * BQ + diag + 1 - window, 0, Lk));
+  sg_begin = max(kv_lo, clamp(row0 + diag + 1 - window, 0, Lk));
 }
 const int t_begin = kv_begin / BK;
 const int t_end = (kv_end + BK - 1) / BK;
@@ -145,8 +151,8 @@ float l_run = 0.0f;         // running row sum of exp(s - m_run)
 for (int t = t_begin; t < t_end; ++t) {
   const int kv0 = t * BK;
 
-  attn_stage_tile<T, D, BK, LD, NT>(k_tile, ksrc, kv0, Lk, tid);
-  if (!KV_SHARED) attn_stage_tile<T, D, BK, LD, NT>(v_tile, vsrc, kv0, Lk, tid);
+  attn_stage_tile<T, D, BK, LD, NT>(k_tile, ksrc, kv0, kv_lo, Lk, tid);
+  if (!KV_SHARED) attn_stage_tile<T, D, BK, LD, NT>(v_tile, vsrc, kv0, kv_lo, Lk, tid);
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
   // A row block whose rows see no key of this tile skips it (uniform within the row block,
@@ -197,15 +203,16 @@ for (int t = t_begin; t < t_end; ++t) {
   if (KV_SHARED) {
     // V takes K's place once every SIMD-group is done reading K.
     if (WD == 1) threadgroup_barrier(mem_flags::mem_threadgroup);
-    attn_stage_tile<T, D, BK, LD, NT>(v_tile, vsrc, kv0, Lk, tid);
+    attn_stage_tile<T, D, BK, LD, NT>(v_tile, vsrc, kv0, kv_lo, Lk, tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 
   if (active) {
     // s = scale * q.k (then cap * tanh(s / cap)); keys outside the mask get ATTN_MASKED. Only
-    // tiles that cross Lk, the diagonal or the window edge test keys one by one.
+    // tiles that cross Lk, the diagonal, the window edge or kv_lo test keys one by one.
     const bool need_mask = (kv0 + BK > Lk) || (CAUSAL && kv0 + BK - 1 > row0 + diag) ||
-                           (WINDOW && kv0 <= row0 + 7 + diag - window);
+                           (WINDOW && kv0 <= row0 + 7 + diag - window) ||
+                           (KV_START && kv0 < kv_lo);
     const int pos = qrow + diag;
     float m_new = m_run;
     ATTN_UNROLL
@@ -217,7 +224,7 @@ for (int t = t_begin; t < t_end; ++t) {
         if (need_mask) {
           const int key = kv0 + j * 8 + fc + e;
           const bool visible = key < Lk && (!CAUSAL || key <= pos) &&
-                               (!WINDOW || key > pos - window);
+                               (!WINDOW || key > pos - window) && (!KV_START || key >= kv_lo);
           if (!visible) s = ATTN_MASKED;
         }
         sf[j].thread_elements()[e] = s;

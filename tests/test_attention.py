@@ -565,12 +565,12 @@ def test_kernel_refuses_tiles_over_32kb():
         kernels.launch(
             "flash_attention", "emulator",
             inputs=[q, k, v, mx.zeros((1, 1, 1, 1), F16), mx.zeros((1, 1, 1, 1), F16),
-                    mx.array([0.1, 0.0, 0.0]), mx.array([0], mx.int32)],
+                    mx.array([0.1, 0.0, 0.0]), mx.array([0], mx.int32), mx.zeros((1,), mx.int32)],
             grid=(256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(1, 8, 1, 512)],
             output_dtypes=[F32],
             template=[("T", F32), ("D", 512), ("BK", 8), ("WQ", 2), ("WD", 4),
                       ("KV_SHARED", False), ("CAUSAL", False), ("WINDOW", False),
-                      ("SOFTCAP", False), ("KV_Q8", False)])
+                      ("SOFTCAP", False), ("KV_Q8", False), ("KV_START", False)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -621,3 +621,220 @@ def test_bad_arguments_raise_clear_errors(kwargs, exc, match):
     args.update(kwargs)
     with pytest.raises(exc, match=match):
         flash_attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+# ---------------------------------------------------------------------------------------------
+# kv_start: a left-padded batch (mlx-lm 0.32's BatchKVCache), keys j < kv_start[b] hidden
+
+
+def batch_attention64(q, k, v, scale, kv_start, causal, window=None, softcap=None):
+    """:func:`attention64` with batch row b's keys ``j < kv_start[b]`` hidden (float64 numpy,
+    independent of the brick's reference); a row with no visible key is 0."""
+    q, k, v = to_f64(q), to_f64(k), to_f64(v)
+    rep = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
+    if softcap is not None:
+        s = softcap * np.tanh(s / softcap)
+    Lq, Lk = q.shape[2], k.shape[2]
+    vis = visible64(Lq, Lk, causal, window)[None, None] & (
+        np.arange(Lk)[None, None, None, :] >= np.asarray(kv_start)[:, None, None, None])
+    s = np.where(vis, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    return np.matmul(p, v) / np.where(l > 0, l, 1.0)
+
+
+def batch_naive(q, k, v, scale, kv_start, causal, window=None, softcap=None):
+    """Same-dtype MLX ops with the padded-batch mask (rows with no visible key 0)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
+    s = (q @ k.swapaxes(-1, -2)) * scale
+    if softcap is not None:
+        s = mx.tanh(s / softcap) * softcap
+    Lq, Lk = q.shape[2], k.shape[2]
+    vis = mx.array(visible64(Lq, Lk, causal, window)[None, None] & (
+        np.arange(Lk)[None, None, None, :] >= np.asarray(kv_start)[:, None, None, None]))
+    s = s + mx.where(vis, 0.0, -float("inf")).astype(q.dtype)
+    out = mx.softmax(s, axis=-1) @ v
+    return mx.where(vis.any(axis=-1, keepdims=True), out, mx.array(0, q.dtype))
+
+
+# (B, Lq, Lk, (Hq, Hkv), D, dtype, kv_start, mask, softcap, q8). Paddings 0, partial tiles,
+# whole skipped tiles, a row padded to all but its last key, a row whose first queries see no
+# key, kv_start past Lk (clamped), one-row chunks and multi-row blocks, key counts that are not
+# a multiple of the tile.
+PADDED = [
+    (3, 7, 33, (4, 2), 64, F16, (0, 5, 30), "causal", None, False),
+    (2, 1, 20, (2, 2), 128, BF16, (0, 19), "causal", None, False),
+    (2, 40, 40, (8, 1), 256, F32, (3, 17), "causal", None, False),
+    (4, 9, 50, (4, 1), 128, F16, (0, 12, 49, 70), "window8", SOFTCAP, False),
+    (2, 5, 37, (2, 1), 64, F32, (16, 36), "none", SOFTCAP, False),
+    (2, 8, 40, (4, 2), 64, F16, (0, 9), "causal", None, True),
+    (2, 3, 20, (2, 1), 512, BF16, (0, 17), "causal", None, False),  # WD 4, shared K/V buffer
+]
+PADDED_SLOW = [
+    (B, Lq, Lk, heads, D, dtype, tuple(int(x) for x in np.linspace(0, Lk - 1, B)[::-1]),
+     mask, cap, q8)
+    for B, (Lq, Lk), heads, D, dtype, mask, cap, q8 in itertools.product(
+        (1, 3), ((1, 17), (16, 33), (33, 129)), ((2, 2), (8, 2)), (64, 128, 256), DTYPES,
+        ("causal", "window33", "none"), (None, SOFTCAP), (False, True))
+    if not (q8 and cap)
+]
+
+
+def padded_id(case):
+    B, Lq, Lk, (Hq, Hkv), D, dtype, starts, mask, cap, q8 = case
+    return (f"B{B}-Lq{Lq}-Lk{Lk}-h{Hq}x{Hkv}-D{D}-{dt_name(dtype)}-{mask}-start"
+            f"{'_'.join(map(str, starts))}{'-cap' if cap else ''}{'-q8' if q8 else ''}")
+
+
+def check_padded(backend, case):
+    B, Lq, Lk, (Hq, Hkv), D, dtype, starts, mask, cap, q8 = case
+    causal, window = MASKS[mask]
+    q, k, v = make_qkv(B, Lq, Lk, Hq, Hkv, D, dtype, seed=zlib.crc32(padded_id(case).encode()))
+    scale = D**-0.5
+    kv_start = mx.array(starts, mx.int32)
+    before = kernels.LAUNCH_COUNTS[("flash_attention", backend)]
+    out = flash_attention(q, k, v, scale=scale, mask="causal" if causal else None, window=window,
+                          softcap=cap, kv_quant="q8_0" if q8 else None, kv_start=kv_start,
+                          backend=backend)
+    assert out.shape == q.shape and out.dtype == dtype
+    if backend != "reference":
+        assert kernels.LAUNCH_COUNTS[("flash_attention", backend)] == before + 1
+    kd, vd = (q8_round_trip(k), q8_round_trip(v)) if q8 else (k, v)
+    ref = batch_attention64(q, kd, vd, scale, starts, causal, window, cap)
+    assert_dtype_close(out, ref, batch_naive(q, kd, vd, scale, starts, causal, window, cap),
+                       dtype=dtype, what=padded_id(case),
+                       factor=4.0 if backend == "reference" else 2.0)
+    # rows that see no key are exactly 0
+    got = to_f64(out)
+    pos = np.arange(Lk - Lq, Lk)
+    for b, s in enumerate(starts):
+        empty = (pos < s) if causal else np.full(Lq, s >= Lk)
+        assert not got[b][:, empty].any(), (b, s)
+
+
+@pytest.mark.parametrize("case", PADDED, ids=padded_id)
+def test_kv_start_padded_batch_matches_float64(kernel_backend, case):
+    check_padded(kernel_backend, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_kv_start_padded_batch_sweep(kernel_backend, D):
+    for case in PADDED_SLOW:
+        if case[4] == D:
+            check_padded(kernel_backend, case)
+
+
+def test_kv_start_mask_is_mlx_lm_batch_mask():
+    from mlx_lm.models.base import create_causal_mask
+
+    from mlx_bricks.bricks.attention.op import batch_visible_mask
+
+    for N, offset, lp in ((5, 0, [0, 3]), (1, 12, [4, 0, 12]), (7, 9, [2, 16])):
+        lp = mx.array(lp)
+        want = create_causal_mask(N, offset=offset, left_padding=lp)
+        got = batch_visible_mask(N, offset + N, lp, True)
+        assert got.shape == want.shape and mx.array_equal(got, want)
+
+
+def test_kv_start_reference_equals_sdpa_with_mlx_lm_batch_mask():
+    from mlx_lm.models.base import create_causal_mask
+
+    q, k, v = make_qkv(3, 6, 20, 4, 2, 64, F32, seed=21)
+    lp = mx.array([0, 7, 13])
+    out = flash_attention(q, k, v, scale=0.125, mask="causal", kv_start=lp, backend="reference")
+    want = mx.fast.scaled_dot_product_attention(
+        q, k, v, scale=0.125, mask=create_causal_mask(6, offset=14, left_padding=lp))
+    np.testing.assert_allclose(np.array(out), np.array(want), atol=1e-6)
+
+
+def test_kv_start_zero_equals_no_kv_start_bit_for_bit(msl_backend):
+    q, k, v = make_qkv(2, 9, 41, 4, 2, 64, F16, seed=22)
+    a = flash_attention(q, k, v, scale=0.125, mask="causal", backend=msl_backend)
+    b = flash_attention(q, k, v, scale=0.125, mask="causal", kv_start=mx.zeros((2,), mx.int32),
+                        backend=msl_backend)
+    assert mx.array_equal(a, b)
+
+
+def test_kv_start_padding_keys_are_never_read(msl_backend):
+    # NaN in every key and value below kv_start[b]: a row's output stays finite and exact,
+    # so the padding (even in the partial tile) never reaches O through 0 * NaN.
+    q, k, v = make_qkv(2, 8, 45, 2, 2, 64, F32, seed=23)
+    starts = [21, 3]
+    pad = mx.arange(45)[None, None, :, None] < mx.array(starts)[:, None, None, None]
+    k = mx.where(pad, float("nan"), k)
+    v = mx.where(pad, float("nan"), v)
+    out = to_f64(flash_attention(q, k, v, scale=0.125, mask="causal",
+                                 kv_start=mx.array(starts, mx.int32), backend=msl_backend))
+    ref = batch_attention64(q, mx.where(pad, 0.0, k), mx.where(pad, 0.0, v), 0.125, starts,
+                            True)
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [mx.int64, mx.uint32, mx.int16])
+def test_kv_start_other_integer_dtypes(dtype):
+    q, k, v = make_qkv(2, 3, 10, 2, 2, 64, F32, seed=24)
+    want = flash_attention(q, k, v, scale=0.125, mask="causal",
+                           kv_start=mx.array([2, 10], mx.int32), backend="reference")
+    got = flash_attention(q, k, v, scale=0.125, mask="causal",
+                          kv_start=mx.array([2, 4000], dtype) if dtype != mx.int16
+                          else mx.array([2, 10], dtype), backend="reference")
+    assert mx.array_equal(want, got)
+
+
+@pytest.mark.parametrize("kv_start, exc, match", [
+    ([0], TypeError, "kv_start must be None or an mx.array"),
+    (mx.zeros((1,), F32), TypeError, "kv_start must have an integer dtype"),
+    (mx.zeros((1,), mx.bool_), TypeError, "kv_start must have an integer dtype"),
+    (mx.zeros((2,), mx.int32), ValueError, r"kv_start must have shape \(B,\) = \(1,\)"),
+    (mx.zeros((1, 1), mx.int32), ValueError, r"kv_start must have shape \(B,\)"),
+])
+def test_kv_start_bad_arguments_raise_clear_errors(kv_start, exc, match):
+    with pytest.raises(exc, match=match):
+        flash_attention(Q, KV, KV, scale=0.125, mask="causal", kv_start=kv_start,
+                        backend="reference")
+
+
+def test_kv_start_tuner_kind_keys_checks_and_stock():
+    # A padded batch is its own decision key; its stock is the reference with the same mask,
+    # and the guard's check (reference tail: rows that see no key are 0) accepts the kernel.
+    from mlx_bricks.bricks.attention.kind import ATTENTION
+
+    q, k, v = make_qkv(2, 6, 30, 4, 2, 64, F32, seed=25)
+    args = dict(q=q, k=k, v=v, scale=0.125, mask="causal", kv_quant=None)
+    padded = dict(args, kv_start=mx.array([0, 27], mx.int32))  # row 1: queries 24..26 see none
+    assert ATTENTION.key(args) != ATTENTION.key(padded)
+    stock = ATTENTION.stock(padded)
+    want = batch_attention64(q, k, v, 0.125, (0, 27), True)
+    np.testing.assert_allclose(to_f64(stock), want, atol=1e-5)
+    out = ATTENTION.brick(padded, "reference")
+    assert ATTENTION.check(out, stock, padded).ok
+    assert not ATTENTION.check(mx.zeros_like(out) + 1.0, stock, padded).ok
+
+
+@pytest.mark.parametrize("mask, window, cap", [("causal", None, None), ("causal", 9, 30.0),
+                                               (None, None, None)])
+def test_kv_start_reference_in_query_blocks_matches_float64(on_cpu, monkeypatch, mask, window,
+                                                            cap):
+    # The CPU reference's query blocks slice keys per block: each row's first valid key moves
+    # with them (kv_start - k_start), including rows whose block starts past it.
+    import mlx_bricks.bricks.attention.op as attn
+
+    q, k, v = make_qkv(3, 100, 137, 4, 2, 64, BF16, seed=26)
+    starts = (0, 45, 120)
+    kw = dict(scale=0.125, mask=mask, window=window, softcap=cap,
+              kv_start=mx.array(starts, mx.int32))
+    whole = flash_attention_reference(q, k, v, **kw)
+    monkeypatch.setattr(attn, "REFERENCE_SCORE_BLOCK_BYTES", 1)
+    got = flash_attention_reference(q, k, v, **kw)
+    causal = mask == "causal"
+    ref = batch_attention64(q, k, v, 0.125, starts, causal, window, cap)
+    assert_dtype_close(got, ref, batch_naive(q, k, v, 0.125, starts, causal, window, cap),
+                       dtype=BF16)
+    np.testing.assert_allclose(to_f64(got), to_f64(whole), rtol=0, atol=2 * EPS[BF16])

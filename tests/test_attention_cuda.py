@@ -46,28 +46,32 @@ needs_nvcc = pytest.mark.skipif(cudacheck.find_nvcc() is None, reason="nvcc not 
 needs_emu = pytest.mark.skipif(cuda_emu.toolchain() is None,
                                reason="no host C++ compiler or CUDA headers")
 
-# (CAUSAL, WINDOW, SOFTCAP, KV_Q8) flag sets of the compile checks; the last one has the
-# most live registers.
+# (CAUSAL, WINDOW, SOFTCAP, KV_Q8[, KV_START]) flag sets of the compile checks; the last one
+# has the most live registers.
 FLAG_SETS = {
     "plain": (False, False, False, False),
     "causal_q8": (True, False, False, True),
+    "causal_start": (True, False, False, False, True),
     "window_softcap": (True, True, True, False),
     "window_softcap_q8": (True, True, True, True),
+    "window_softcap_q8_start": (True, True, True, True, True),
 }
 
 
-def template(dtype, D, tile: CudaTile, causal, window, softcap, q8):
+def template(dtype, D, tile: CudaTile, causal, window, softcap, q8, kv_start=False):
     return [("T", dtype), ("D", D), ("BK", tile.bk), ("MT", tile.mt), ("QREG", tile.qreg),
             ("CAUSAL", causal or window), ("WINDOW", window), ("SOFTCAP", softcap),
-            ("KV_Q8", q8)]
+            ("KV_Q8", q8), ("KV_START", kv_start)]
 
 
 def compile_variant(dtype, D, tile, flags, arch):
-    causal, window, softcap, q8 = flags
+    causal, window, softcap, q8, *start = flags
     kt = mx.int8 if q8 else dtype
-    inputs = [(dtype, 4), (kt, 4), (kt, 4), (F16, 4), (F16, 4), (F32, 1), (mx.int32, 1)]
+    inputs = [(dtype, 4), (kt, 4), (kt, 4), (F16, 4), (F16, 4), (F32, 1), (mx.int32, 1),
+              (mx.int32, 1)]
     return cudacheck.compile_twin("flash_attention", inputs, [dtype],
-                                  template(dtype, D, tile, causal, window, softcap, q8), arch=arch)
+                                  template(dtype, D, tile, causal, window, softcap, q8,
+                                           bool(start and start[0])), arch=arch)
 
 
 def assert_no_local_memory(res, what):
@@ -99,7 +103,7 @@ def test_launcher_compiles_without_local_memory(dtype, D, arch):
     ks = mx.zeros((B, Hkv, Lk, D // 32), F16)
     with cudacheck.recorded_launches(kernels) as records:
         out = launch_attention_cuda(q, kq, kq, ks, ks, scale=0.1, causal=True, window=64,
-                                    softcap=30.0)
+                                    softcap=30.0, kv_start=mx.zeros((B,), mx.int32))
     assert out.shape == (B, Hq, Lq, D) and len(records) == 1
     rec = records[0]
     tile = variants(D, dtype)[0]
@@ -177,21 +181,25 @@ int main() {
     if (Lk < 0) continue;
     const int diag = Lk - Lq;
     for (int mode = 0; mode < 3; ++mode)    // none, causal, window (implies causal)
-    for (int window : windows) {
+    for (int window : windows)
+    for (int lo_i = 0; lo_i < 4; ++lo_i) {  // kv_lo (KV_START, clamped to 0 .. Lk)
       if (mode < 2 && window != 1) continue;
+      const int los[] = {0, 3, 33, Lk};
+      const int kv_lo = los[lo_i] < Lk ? los[lo_i] : Lk;
+      if (lo_i > 0 && window > 8) continue;  // keep the run short: windows 1, 2, 7, 8 only
       const bool upper = mode >= 1, hw = mode == 2;
       for (int bi = 0; bi < 2; ++bi) for (int BK : BKs) {
         const int BQ = BQs[bi], WR = WRs[bi];
         for (int q0 = 0; q0 < Lq; q0 += BQ) {
           const int qlast = (q0 + BQ < Lq ? q0 + BQ : Lq) - 1;
-          const TileRange tr = block_tiles(q0, qlast, diag, Lk, BK, upper, hw, window);
+          const TileRange tr = block_tiles(q0, qlast, diag, Lk, BK, upper, hw, window, kv_lo);
           if (tr.t_begin < 0 || tr.t_begin > tr.t_end || tr.t_end > (Lk + BK - 1) / BK) {
             printf("FAIL bounds Lq=%d Lk=%d mode=%d w=%d BK=%d\n", Lq, Lk, mode, window, BK);
             return 1;
           }
           for (int row = q0; row <= qlast; ++row)
             for (int key = 0; key < Lk; ++key)
-              if (key_visible(key, row + diag, Lk, upper, hw, window) &&
+              if (key_visible(key, row + diag, Lk, upper, hw, window, kv_lo) &&
                   (key < tr.t_begin * BK || key >= tr.t_end * BK)) {
                 printf("FAIL range Lq=%d Lk=%d mode=%d w=%d BK=%d row=%d key=%d\n", Lq, Lk,
                        mode, window, BK, row, key);
@@ -201,11 +209,12 @@ int main() {
             const int wl = (w0 + WR < Lq ? w0 + WR : Lq) - 1;
             for (int t = tr.t_begin; t < tr.t_end; ++t) {
               const int kv0 = t * BK;
-              const bool act = tile_active(kv0, BK, w0, wl, diag, upper, hw, window);
-              const bool nm = tile_needs_mask(kv0, BK, w0, wl, diag, Lk, upper, hw, window);
+              const bool act = tile_active(kv0, BK, w0, wl, diag, upper, hw, window, kv_lo);
+              const bool nm =
+                  tile_needs_mask(kv0, BK, w0, wl, diag, Lk, upper, hw, window, kv_lo);
               for (int row = w0; row <= wl; ++row)
                 for (int key = kv0; key < kv0 + BK; ++key, ++checked) {
-                  const bool vis = key_visible(key, row + diag, Lk, upper, hw, window);
+                  const bool vis = key_visible(key, row + diag, Lk, upper, hw, window, kv_lo);
                   if ((act && (nm ? vis : true)) != vis) {
                     printf("FAIL tile Lq=%d Lk=%d mode=%d w=%d BK=%d row=%d key=%d\n", Lq, Lk,
                            mode, window, BK, row, key);
@@ -228,7 +237,8 @@ int main() {
 def test_tile_range_skip_and_mask_logic_is_exact():
     # Every visible (row, key) pair lies in a loaded tile, every computed pair is either
     # visible or masked, and unmasked tiles hold only visible pairs: Lq 1..134, Lk - Lq in
-    # -5..150, no mask / causal / 7 windows, BQ 64 and 128, BK 16/32/64.
+    # -5..150, no mask / causal / 7 windows, BQ 64 and 128, BK 16/32/64, first valid key
+    # (kv_lo, KV_START) 0, 3, 33 and Lk (clamped).
     src_dir = Path(cuda_emu.CUDA_SRC)
     with tempfile.TemporaryDirectory() as tmp:
         cu = Path(tmp) / "tiles.cu"
@@ -255,9 +265,10 @@ def from_bits(b: np.ndarray, dtype) -> np.ndarray:
     return np.array(mx.array(b).view(dtype).astype(F32)).astype(np.float64)
 
 
-def reference64(q, k, v, scale, causal, window, softcap):
+def reference64(q, k, v, scale, causal, window, softcap, kv_start=None):
     """float64 attention with the twin's semantics: GQA, bottom-right causal, window
-    (``p - window < j <= p``), soft-capping of the scaled score; a row with no key is 0."""
+    (``p - window < j <= p``), soft-capping of the scaled score, batch row b's keys
+    ``j < kv_start[b]`` hidden; a row with no key is 0."""
     Lq, Lk = q.shape[2], k.shape[2]
     rep = q.shape[1] // k.shape[1]
     k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
@@ -271,6 +282,9 @@ def reference64(q, k, v, scale, causal, window, softcap):
         visible &= j <= pos
     if window is not None:
         visible &= j > pos - window
+    visible = visible[None, None]
+    if kv_start is not None:
+        visible = visible & (j[None, None] >= np.asarray(kv_start)[:, None, None, None])
     s = np.where(visible, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
@@ -279,8 +293,9 @@ def reference64(q, k, v, scale, causal, window, softcap):
     return np.matmul(p, v) / np.where(l > 0, l, 1.0)
 
 
-def naive(q, k, v, scale, causal, window, softcap, dtype):
-    """The same-dtype MLX computation (CPU) the tolerance rule compares with."""
+def naive(q, k, v, scale, causal, window, softcap, dtype, kv_start=None):
+    """The same-dtype MLX computation (CPU) the tolerance rule compares with (rows that see
+    no key 0)."""
     q, k, v = (mx.array(a.astype(np.float32)).astype(dtype) for a in (q, k, v))
     rep = q.shape[1] // k.shape[1]
     k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
@@ -295,8 +310,13 @@ def naive(q, k, v, scale, causal, window, softcap, dtype):
         visible = visible & (j <= pos)
     if window is not None:
         visible = visible & (j > pos - window)
+    visible = visible[None, None]
+    if kv_start is not None:
+        visible = visible & (j[None, None] >= mx.array(kv_start)[:, None, None, None])
     s = mx.where(visible, s, mx.array(-float("inf"), dtype))
-    return np.array((mx.softmax(s, axis=-1) @ v).astype(F32)).astype(np.float64)
+    out = mx.softmax(s, axis=-1) @ v
+    out = mx.where(visible.any(axis=-1, keepdims=True), out, mx.array(0, dtype))
+    return np.array(out.astype(F32)).astype(np.float64)
 
 
 def tensor(x: np.ndarray, dtype_name: str, view="contiguous") -> cuda_emu.Tensor:
@@ -339,13 +359,19 @@ def quantize_q8(x: np.ndarray):
     return qs.astype(np.int8).reshape(*lead, D), d.astype(np.float16)
 
 
-def run_emulated(case, views=("contiguous",) * 3, variant=None, with_tile=False):
-    """Run one case on the emulated kernel; returns (out64 (B, Hq, Lq, D), q64, k64, v64)."""
+def run_emulated(case, views=("contiguous",) * 3, variant=None, with_tile=False, kv_start=None,
+                 nan_padding=False):
+    """Run one case on the emulated kernel; returns (out64 (B, Hq, Lq, D), q64, k64, v64).
+    ``kv_start``: None, or B ints (the KV_START instantiation); ``nan_padding``: K/V of the keys
+    below ``kv_start[b]`` are NaN (float K/V only)."""
     dtype, D, (B, Hq, Hkv, Lq, Lk), causal, window, softcap, q8 = case
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
     qx = rng.standard_normal((B, Hq, Lq, D))
     kx = rng.standard_normal((B, Hkv, Lk, D))
     vx = rng.standard_normal((B, Hkv, Lk, D))
+    if nan_padding:
+        pad = np.arange(Lk)[None, None, :, None] < np.asarray(kv_start)[:, None, None, None]
+        kx, vx = np.where(pad, np.nan, kx), np.where(pad, np.nan, vx)
     name = NAME[dtype]
     qb = to_bits(qx, dtype)
     tile = pick_tile(D, dtype, q8, variant, smem_limit=HOPPER_SMEM_LIMIT)
@@ -372,25 +398,26 @@ def run_emulated(case, views=("contiguous",) * 3, variant=None, with_tile=False)
     fparams, iparams = (np.array(a) for a in attention_params(
         scale, softcap, window if has_window else None))
     tmpl = [(n, NAME[v] if isinstance(v, mx.Dtype) else v) for n, v in template(
-        dtype, D, tile, causal, has_window, softcap is not None, q8)]
+        dtype, D, tile, causal, has_window, softcap is not None, q8, kv_start is not None)]
     tmpl[5] = ("CAUSAL", bool(causal) or window is not None)
     nt = threads(D)
     raw = cuda_emu.run_attention(q_t, k_t, v_t, ks_t, vs_t, fparams, iparams, tmpl,
                                  (-(-Lq // (64 * tile.mt)), Hq, B), nt,
-                                 smem_bytes(D, dtype, tile, q8), B * Lq * Hq * D)
+                                 smem_bytes(D, dtype, tile, q8), B * Lq * Hq * D,
+                                 kv_start=kv_start)
     out = from_bits(raw, dtype).reshape(B, Lq, Hq, D).transpose(0, 2, 1, 3)
     result = (out, from_bits(qb, dtype), k64, v64)
     return (result, tile) if with_tile else result
 
 
-def check_emulated(case, **kw):
+def check_emulated(case, kv_start=None, **kw):
     dtype, D, _, causal, window, softcap, _ = case
-    out, q, k, v = run_emulated(case, **kw)
+    out, q, k, v = run_emulated(case, kv_start=kv_start, **kw)
     assert not np.isnan(out).any(), "unwritten (NaN-poisoned) output elements"
     scale = D**-0.5
-    ref = reference64(q, k, v, scale, causal, window, softcap)
-    assert_dtype_close(out, ref, naive(q, k, v, scale, causal, window, softcap, dtype),
-                       dtype=dtype, what=repr(case))
+    ref = reference64(q, k, v, scale, causal, window, softcap, kv_start)
+    assert_dtype_close(out, ref, naive(q, k, v, scale, causal, window, softcap, dtype, kv_start),
+                       dtype=dtype, what=f"{case!r} kv_start={kv_start}")
     return out
 
 
@@ -483,3 +510,59 @@ def test_emulated_rows_without_visible_key_are_zero():
     assert not out[:, :, :25].any()
     ref = reference64(q, k, v, 64**-0.5, True, None, None)
     np.testing.assert_allclose(out, ref, atol=4 * EPS[F16])
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. kv_start: a left-padded batch (KV_START)
+
+# (case, kv_start): paddings 0, partial and whole tiles, a row padded to all but its last key,
+# a row whose first queries see no key, kv_start past Lk (clamped); one-row and multi-row.
+EMU_PADDED = [
+    ((F16, 64, (3, 4, 2, 7, 70), True, None, None, False), (0, 37, 66)),
+    ((BF16, 128, (2, 2, 1, 1, 40), True, None, None, False), (39, 0)),
+]
+EMU_PADDED_SLOW = [
+    ((F32, 64, (2, 2, 2, 40, 90), True, 16, 5.0, False), (5, 200)),
+    ((BF16, 256, (2, 2, 1, 70, 100), True, None, None, True), (33, 64)),
+    ((F16, 128, (2, 4, 1, 33, 33), False, None, None, False), (0, 20)),
+    ((F16, 512, (2, 2, 1, 20, 40), True, None, None, False), (17, 3)),
+]
+
+
+@needs_emu
+@pytest.mark.parametrize("case, kv_start", EMU_PADDED,
+                         ids=lambda x: emu_id(x) if len(x) == 7 else "start" + "_".join(map(str, x)))
+def test_emulated_kv_start_matches_float64(case, kv_start):
+    out = check_emulated(case, kv_start=kv_start)
+    _, _, (B, _, _, Lq, Lk), causal, *_ = case
+    pos = np.arange(Lk - Lq, Lk)
+    for b, s in enumerate(kv_start):  # rows that see no key are exactly 0
+        assert not out[b][:, pos < s].any()
+
+
+@needs_emu
+@pytest.mark.slow
+@pytest.mark.parametrize("case, kv_start", EMU_PADDED_SLOW,
+                         ids=lambda x: emu_id(x) if len(x) == 7 else "start" + "_".join(map(str, x)))
+def test_emulated_kv_start_matches_float64_sweep(case, kv_start):
+    check_emulated(case, kv_start=kv_start)
+
+
+@needs_emu
+def test_emulated_kv_start_zero_equals_no_kv_start():
+    case = (F16, 64, (2, 2, 1, 20, 40), True, None, None, False)
+    want, *_ = run_emulated(case)
+    got, *_ = run_emulated(case, kv_start=(0, 0))
+    np.testing.assert_array_equal(got, want)
+
+
+@needs_emu
+def test_emulated_kv_start_padding_is_never_read():
+    # NaN in every padding key and value (partial tile included): every row stays finite and
+    # equals attention over the valid keys.
+    case = (F16, 64, (2, 2, 1, 8, 45), True, None, None, False)
+    starts = (21, 3)
+    out, q, k, v = run_emulated(case, kv_start=starts, nan_padding=True)
+    assert np.isfinite(out).all()
+    ref = reference64(q, np.nan_to_num(k), np.nan_to_num(v), 64**-0.5, True, None, None, starts)
+    np.testing.assert_allclose(out, ref, atol=8 * EPS[F16] * max(1.0, np.abs(ref).max()))

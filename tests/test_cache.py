@@ -528,8 +528,9 @@ def _alone(model, prompt, cache, n):
 @pytest.mark.parametrize("kv_cache", ["fp16", "q8_0"])
 def test_batched_generation_of_a_patched_model_equals_each_prompt_alone(kv_cache):
     """8 prompts of different lengths batched by BatchGenerator through a patched model give
-    each prompt's own greedy tokens; the padded batch runs the stock attention (the brick takes
-    no padding mask yet), and the report says so."""
+    each prompt's own greedy tokens. With fp16 caches (``BatchKVCache``) the padded batch runs
+    the attention brick (``kv_start = left_padding``); the Q8_0 cache's batch runs the stock
+    attention, and the report says so."""
     from mlx_bricks.patch import patch_model
     from tests.models import build_model
 
@@ -543,4 +544,102 @@ def test_batched_generation_of_a_patched_model_equals_each_prompt_alone(kv_cache
     alone = [_alone(model, p, make_prompt_cache(model, kv_cache), n) for p in prompts]
     assert batched == alone
     reasons = report.runtime_fallbacks()
-    assert any("mask is an array" in r for r in reasons), reasons
+    if kv_cache == "q8_0":
+        assert any("mask is an array" in r for r in reasons), reasons
+    else:
+        assert not any("mask" in r for r in reasons), reasons
+        assert report.calls()["flash_attention"] > 0
+
+
+def _batch_generate_logprobs(model, prompts, caches, n):
+    """:func:`_batch_generate` with each step's log-probabilities (float64 numpy)."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=n, prefill_batch_size=8, completion_batch_size=8)
+    uids = gen.insert(prompts, max_tokens=[n] * len(prompts), caches=caches)
+    out = {u: [] for u in uids}
+    while any(len(t) < n for t in out.values()):
+        for r in gen.next_generated():
+            out[r.uid].append((r.token, np.array(r.logprobs.astype(mx.float32), np.float64)))
+    gen.close()
+    return [out[u] for u in uids]
+
+
+def _alone_logprobs(model, prompt, cache, n):
+    from mlx_lm.sample_utils import greedy_sampler
+
+    return [(int(t), np.array(lp.astype(mx.float32), np.float64))
+            for t, lp in generate_step(mx.array(prompt), model, max_tokens=n,
+                                       sampler=greedy_sampler, prompt_cache=cache)]
+
+
+def test_padded_batch_prefill_runs_the_attention_brick(kernel_backend, monkeypatch):
+    """8 prompts whose cached prefixes differ in length (the server's prompt-cache reuse):
+    BatchGenerator merges the caches into a left-padded ``BatchKVCache`` and prefills the
+    rest of every prompt in one padded batch. The patched model's attention brick runs it with
+    ``kv_start = left_padding`` (nonzero rows seen by the launcher, launch counter and report),
+    nothing falls back for the mask, and each sequence's greedy tokens and log-probabilities
+    equal that prompt run alone (float32 model: within 1e-4 of the log-probabilities' scale;
+    the batch changes only the order of the reductions)."""
+    from mlx_bricks import kernels
+    from mlx_bricks.bricks.attention import cuda as attention_cuda
+    from mlx_bricks.bricks.attention import msl as attention_msl
+    from mlx_bricks.patch import patch_model
+    from tests.models import build_model
+
+    starts = []
+    for mod, name in ((attention_msl, "launch_attention"),
+                      (attention_cuda, "launch_attention_cuda")):
+        def spy(*a, _orig=getattr(mod, name), **kw):
+            if kw.get("kv_start") is not None:
+                starts.append(kw["kv_start"].tolist())
+            return _orig(*a, **kw)
+        monkeypatch.setattr(mod, name, spy)
+    model = build_model("llama", F32, num_hidden_layers=2)
+    report = patch_model(model, backend=kernel_backend)
+    rng = np.random.default_rng(1)
+    rest = (3, 17, 2, 9, 30, 5, 12, 2)
+    prefix = (2, 20, 1, 5, 9, 33, 1, 4)
+    prompts = [rng.integers(0, 64, size=n + p).tolist() for n, p in zip(rest, prefix)]
+    caches = []
+    for p, n in zip(prompts, prefix):
+        c = make_prompt_cache(model, "fp16")
+        model(mx.array(p[:n])[None], cache=c)
+        mx.eval([x.state for x in c])
+        caches.append(c)
+    n = 4
+    before = report.calls()["flash_attention"]
+    launches = kernels.LAUNCH_COUNTS[("flash_attention", kernel_backend)]
+    batched = _batch_generate_logprobs(model, [p[k:] for p, k in zip(prompts, prefix)], caches,
+                                       n)
+    assert report.calls()["flash_attention"] == before + 2  # one padded chunk, 2 layers
+    if kernel_backend != "reference":
+        assert kernels.LAUNCH_COUNTS[("flash_attention", kernel_backend)] == launches + 2
+        assert len(starts) == 2 and max(starts[0]) > 0 and min(starts[0]) == 0, starts
+    reasons = report.runtime_fallbacks()
+    assert not any("mask" in r for r in reasons), reasons
+    for p, got in zip(prompts, batched):
+        want = _alone_logprobs(model, p, make_prompt_cache(model, "fp16"), n)
+        assert [t for t, _ in got] == [t for t, _ in want]
+        for (_, a), (_, b) in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * max(1.0, np.abs(b).max()))
+
+
+def test_padded_batch_admission_reasons():
+    """A ``BatchKVCache`` call is taken when its mask has ``make_mask``'s type and shape
+    (decided without reading values), and keyed as its own mask kind; other masks, a sliding
+    window and a cache without left padding stay stock with their reason."""
+    from mlx_bricks.nn.calls import cache_offset, call_reason, mask_key
+
+    cache = mlx_cache.BatchKVCache([2, 0, 5])
+    cache.update_and_fetch(mx.zeros((3, 2, 6, 8)), mx.zeros((3, 2, 6, 8)))
+    x = mx.zeros((3, 4, 16))
+    mask = cache.make_mask(4)
+    assert mask.shape == (3, 1, 4, 10)
+    assert call_reason(x, mask, cache, (), {}) is None
+    assert mask_key(mask, cache, 4) == ("padded", 10) and cache_offset(cache) == 6
+    assert "sliding-window" in call_reason(x, mask, cache, (), {}, window=4)
+    assert "not BatchKVCache.make_mask" in call_reason(x, mask[:, :, :, 1:], cache, (), {})
+    assert "not BatchKVCache.make_mask" in call_reason(x, "causal", cache, (), {})
+    assert "not BatchKVCache.make_mask" in call_reason(x, mask.astype(mx.float32), cache, (),
+                                                       {})

@@ -53,6 +53,9 @@ def test_every_msl_kernel_and_variant_is_instantiated():
     att = [dict(i.template) for i in insts if i.kernel == "flash_attention"]
     assert {(t["D"], t["BK"], t["KV_SHARED"]) for t in att if t["T"] != "float"} >= {
         ("512", "16", "1")}
+    # the padded-batch path (kv_start) at every head_dim
+    assert {t["D"] for t in att if t["KV_START"] == "1"} == {
+        str(D) for D in attention.SUPPORTED_HEAD_DIMS}
 
 
 def test_sources_are_what_mlx_compiles(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from mlx_bricks.bricks.attention import piece as attention_piece
 from mlx_bricks.bricks.gemm import piece as linear_piece
 from mlx_bricks.bricks.norm_qkv.piece import heads
-from mlx_bricks.nn.calls import call_reason, is_q8_cache, layer_window, mask_key
+from mlx_bricks.nn.calls import cache_offset, call_reason, is_q8_cache, layer_window, mask_key
 from mlx_bricks.nn.runner import BricksState, all_stock, choose, run_piece, stock_fast
 from mlx_bricks.nn.structure import structure_reason
 from mlx_bricks.runtime.kind import Act
@@ -26,7 +26,7 @@ def admit(module, state: BricksState, attn, x, mask, cache, args, kwargs):
                                    state.layout.causal_array)
     shape_key = q8 = None
     if reason is None:
-        offset = cache.offset if cache is not None else 0
+        offset = cache_offset(cache)
         q8 = cache is not None and is_q8_cache(cache)
         shape_key = (x.shape, x.dtype, offset, mask_key(mask, cache, x.shape[1]), q8)
         if stock_fast(state, shape_key):

@@ -4,7 +4,7 @@ are remembered under. The structure of the module is checked apart (``nn.structu
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 from mlx_bricks.bricks.attention.piece import kv_length
 from mlx_bricks.checks import FLOAT_DTYPES, dtype_name
@@ -63,9 +63,41 @@ def _array_mask_reason(mask, cache, L: int, window) -> str | None:
     return f"mask is {what}: not mlx-lm's (L, keys) {kind} mask"
 
 
+def _batch_mask_reason(x, mask, cache, window) -> str | None:
+    """A ``BatchKVCache`` call (mlx-lm's ``BatchGenerator``, a padded batch): None when the
+    mask is the one ``cache.make_mask(L)`` builds, decided from types and shapes (no host
+    sync): boolean, shape (B, 1, L, ``_idx + L``). The brick then takes it as causal plus
+    ``kv_start = cache.left_padding`` (``bricks.attention.piece.masking``). Sliding-window
+    layers (``BatchRotatingKVCache``, or a window over a ``BatchKVCache``) stay stock."""
+    B, L = x.shape[0], x.shape[1]
+    if window is not None:
+        return (f"cache is BatchKVCache on a sliding-window layer (window {window}): the "
+                "padded batch with a window runs stock")
+    want = (B, 1, L, kv_length(cache, L))
+    lp = getattr(cache, "left_padding", None)
+    if not isinstance(lp, mx.array) or tuple(lp.shape) != (B,):
+        return "BatchKVCache without a (B,) left_padding array: padded batch runs stock"
+    if (isinstance(mask, mx.array) and mask.dtype == mx.bool_
+            and tuple(mask.shape) == want):
+        return None
+    what = f"an array {tuple(mask.shape)}" if isinstance(mask, mx.array) else repr(mask)
+    return f"mask is {what}: not BatchKVCache.make_mask's {want} padded-batch mask"
+
+
 def mask_key(mask, cache, L: int):
-    """The mask as a call-shape key: an accepted array mask by its key count."""
+    """The mask as a call-shape key: an accepted array mask by its key count, a padded batch's
+    (``BatchKVCache``) as its own flag."""
+    if type(cache) is BatchKVCache and isinstance(mask, mx.array):
+        return ("padded", kv_length(cache, L))
     return ("array", kv_length(cache, L)) if isinstance(mask, mx.array) else mask
+
+
+def cache_offset(cache) -> int:
+    """The cache's position as a call-shape key part: ``offset`` (an int), ``_idx`` for a
+    ``BatchKVCache`` (whose ``offset`` is a per-row array), 0 without a cache."""
+    if cache is None:
+        return 0
+    return cache._idx if type(cache) is BatchKVCache else cache.offset
 
 
 def call_reason(x, mask, cache, args, kwargs, window=None, causal_array=False) -> str | None:
@@ -82,6 +114,8 @@ def call_reason(x, mask, cache, args, kwargs, window=None, causal_array=False) -
         return DECODE
     if x.dtype not in FLOAT_DTYPES:
         return f"input dtype {dtype_name(x.dtype)} is not float16/bfloat16/float32"
+    if type(cache) is BatchKVCache:
+        return _batch_mask_reason(x, mask, cache, window)
     if window is not None or causal_array:
         return _array_mask_reason(mask, cache, x.shape[1], window)
     if mask is not None and not (isinstance(mask, str) and mask == "causal"):

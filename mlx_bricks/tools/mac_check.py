@@ -212,6 +212,12 @@ def _drive_ops(backend: str) -> list[tuple[str, tuple]]:
                             lambda: attention.flash_attention(
                                 q, kv, kv, scale=0.1, mask=mask, window=window, softcap=cap,
                                 kv_quant=q8, backend=backend))
+                # A left-padded batch (kv_start, KV_START): causal, window and soft-cap.
+                qb, kvb = arr((2, 4, 40, D), dt), arr((2, 2, 70, D), dt)
+                run(f"{dn} attention D={D} mask=causal window=33 cap=50.0 kv=None kv_start",
+                    lambda: attention.flash_attention(
+                        qb, kvb, kvb, scale=0.1, mask="causal", window=33, softcap=50.0,
+                        kv_start=mx.array([0, 37], mx.int32), backend=backend))
                 # Decode: one row and the largest row tile, causal, Q8_0 K/V.
                 for Lq, heads in ((1, (4, 4)), (8, (8, 1))):
                     for q8 in ((None, "q8_0") if D % 32 == 0 else (None,)):

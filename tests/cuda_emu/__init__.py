@@ -81,7 +81,8 @@ def _source(template) -> str:
                      ("v_scale", "__half")):
         params += [f"const {ct}* {name}", f"const Shape {name}_shape",
                    f"const Strides {name}_strides"]
-    params += ["const float* fparams", "const int32_t* iparams", f"{T}* out"]
+    params += ["const float* fparams", "const int32_t* iparams", "const int32_t* kv_start",
+               "const Strides kv_start_strides", f"{T}* out"]
     return "\n".join([
         '#include "warp_emu.h"',
         header,
@@ -120,6 +121,9 @@ int main(int argc, char** argv) {
   read_geom(f, vss, vsst, vso, vsn); auto vsb = read_buf<__half>(f, vsn);
   float prm[3]; if (std::fread(prm, 4, 3, f) != 3) std::abort();
   int32_t iprm[1]; if (std::fread(iprm, 4, 1, f) != 1) std::abort();
+  int64_t nstart; if (std::fread(&nstart, 8, 1, f) != 1) std::abort();
+  auto startb = read_buf<int32_t>(f, nstart);
+  Strides startst; startst.fill(0); startst[0] = 1;
   int64_t g[6]; if (std::fread(g, 8, 6, f) != 6) std::abort();
   std::fclose(f);
   const int64_t nout = g[5];
@@ -128,7 +132,8 @@ int main(int argc, char** argv) {
   emu::launch(emu::Dim3{unsigned(g[0]), unsigned(g[1]), unsigned(g[2])}, int(g[3]),
               uint32_t(g[4]), 4, 64, [&] {
     kernel_fn(qb.data() + qo, qs, qst, kb.data() + ko, ks, kst, vb.data() + vo, vs, vst,
-              ksb.data() + kso, kss, ksst, vsb.data() + vso, vss, vsst, prm, iprm, out);
+              ksb.data() + kso, kss, ksst, vsb.data() + vso, vss, vsst, prm, iprm,
+              startb.data(), startst, out);
   });
   FILE* o = std::fopen(argv[2], "wb");
   std::fwrite(ob.data(), 1, ob.size(), o);
@@ -154,14 +159,18 @@ def _geom(t: Tensor | None) -> bytes:
 
 def run_attention(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
                   v_scale: Tensor | None, fparams: np.ndarray, iparams: np.ndarray, template,
-                  grid, threads: int, smem: int, out_elems: int) -> np.ndarray:
-    """Run one launch; returns the raw output buffer (uint16 bits or float32)."""
+                  grid, threads: int, smem: int, out_elems: int,
+                  kv_start: np.ndarray | None = None) -> np.ndarray:
+    """Run one launch; returns the raw output buffer (uint16 bits or float32). ``kv_start``:
+    the (B,) int32 first valid key per batch row (template ``KV_START``), else a (1,) dummy."""
+    starts = np.zeros(1, np.int32) if kv_start is None else np.asarray(kv_start, np.int32)
     exe = build(template)
     with tempfile.TemporaryDirectory() as tmp:
         fin, fout = Path(tmp) / "in.bin", Path(tmp) / "out.bin"
         blob = b"".join([_geom(q), _geom(k), _geom(v), _geom(k_scale), _geom(v_scale),
                          np.asarray(fparams, np.float32).tobytes(),
                          np.asarray(iparams, np.int32).tobytes(),
+                         struct.pack("<q", starts.size), starts.tobytes(),
                          struct.pack("<6q", grid[0], grid[1], grid[2], threads, smem,
                                      out_elems)])
         fin.write_bytes(blob)

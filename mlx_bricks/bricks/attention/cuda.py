@@ -144,7 +144,7 @@ def attention_params(scale: float, softcap: float | None,
 
 
 def launch_attention_cuda(q, k, v, k_scale, v_scale, *, scale, causal, window=None,
-                          softcap=None, variant=None):
+                          softcap=None, variant=None, kv_start=None):
     """Run the CUDA attention kernel; returns (B, Hq, Lq, D) as a transposed view of a
     row-contiguous (B, Lq, Hq, D) buffer (as MLX's SDPA and the MSL brick return it).
 
@@ -161,6 +161,9 @@ def launch_attention_cuda(q, k, v, k_scale, v_scale, *, scale, causal, window=No
             (implies causal).
         softcap: None or a float > 0: scores become ``softcap * tanh(scale * q.k / softcap)``.
         variant: a :func:`variants` name, or None for the default that fits the device.
+        kv_start: None, or an int32 (B,) array: batch row b's first valid key (the kernel's
+            ``KV_START`` instantiation; clamped to 0 .. Lk in the kernel). Tiles below it are
+            never loaded; the partial tile's padding keys are staged as zeros (never read).
 
     Shapes and dtypes are the caller's to check (``flash_attention`` validates them); rows that
     see no key (only reachable with Lq > Lk) come out 0.
@@ -184,9 +187,12 @@ def launch_attention_cuda(q, k, v, k_scale, v_scale, *, scale, causal, window=No
     has_window = window is not None and window < k.shape[2]
     fparams, iparams = attention_params(scale, softcap, window if has_window else None)
     nt = threads(D)
+    has_start = kv_start is not None
+    if not has_start:
+        kv_start = mx.zeros((1,), mx.int32)  # never read
     (out,) = kernels.launch(
         "flash_attention", "cuda",
-        inputs=[q, k, v, k_scale, v_scale, fparams, iparams],
+        inputs=[q, k, v, k_scale, v_scale, fparams, iparams, kv_start],
         grid=(nt * -(-Lq // (64 * tile.mt)), Hq, B),
         threadgroup=(nt, 1, 1),
         output_shapes=[(B, Lq, Hq, D)],
@@ -194,7 +200,7 @@ def launch_attention_cuda(q, k, v, k_scale, v_scale, *, scale, causal, window=No
         template=[("T", q.dtype), ("D", D), ("BK", tile.bk), ("MT", tile.mt),
                   ("QREG", tile.qreg), ("CAUSAL", bool(causal) or window is not None),
                   ("WINDOW", has_window), ("SOFTCAP", softcap is not None),
-                  ("KV_Q8", kv_q8)],
+                  ("KV_Q8", kv_q8), ("KV_START", has_start)],
         shared_memory=smem_bytes(D, q.dtype, tile, kv_q8),
     )
     return out.transpose(0, 2, 1, 3)

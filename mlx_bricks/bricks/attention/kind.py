@@ -3,7 +3,8 @@
 for a ``KVCache``). Arguments as ``ops.flash_attention`` takes them: ``q, k, v, scale, mask,
 kv_quant`` and optionally ``window``, ``softcap`` (mask None or ``"causal"``, bottom-right
 aligned; window None or a sliding-window length; softcap None or > 0; kv_quant None or
-``"q8_0"``).
+``"q8_0"``), and optionally ``kv_start`` (a padded batch: (B,) int32 first valid key per row,
+``BatchKVCache.left_padding``; its stock is the brick's MLX reference with the same mask).
 
 With ``kv_quant="q8_0"`` the values are attention over the K/V's Q8_0 round trip in q's dtype,
 whichever candidate runs: stock is the brick's MLX reference (the round trip in MLX ops, then
@@ -57,6 +58,7 @@ def _dequant_kv_sdpa(args, backend, settings):
     return flash_attention_reference(q, dense_kv(args["k"], q.dtype, backend),
                                      dense_kv(args["v"], q.dtype, backend),
                                      scale=args["scale"], mask=args.get("mask"),
+                                     kv_start=args.get("kv_start"),
                                      **{o: args.get(o) for o in _OPTIONS})
 
 
@@ -79,6 +81,8 @@ class Attention(OpKind):
         values = dict(head_dim=D, gqa=Hq // Hkv, kv_quant=args.get("kv_quant") or "none",
                       mask=args.get("mask") or "none")
         values.update({o: args[o] for o in _OPTIONS if args.get(o) is not None})
+        if args.get("kv_start") is not None:
+            values["padded"] = True  # a left-padded batch: its own decisions
         return Key(self.name, flags(**values), attention_bucket(Lq, Lk), dtype_name(q.dtype),
                    "-")
 
@@ -91,19 +95,27 @@ class Attention(OpKind):
         if kv == "dequant":  # DEQUANT_KV: the round trip once, then the float kernel
             k, v, kv_quant = dense_kv(k, q.dtype, backend), dense_kv(v, q.dtype, backend), None
         return run_flash_attention(q, k, v, scale=args["scale"], mask=args.get("mask"),
-                                   kv_quant=kv_quant, backend=backend, **self._options(args))
+                                   kv_quant=kv_quant, kv_start=args.get("kv_start"),
+                                   backend=backend, **self._options(args))
 
     def stock(self, args):
-        if args.get("kv_quant") is not None or any(self._options(args).values()):
-            # Q8_0 K/V, a window or a soft-cap: no stock fast op; the brick's MLX-ops reference.
+        if (args.get("kv_quant") is not None or any(self._options(args).values())
+                or args.get("kv_start") is not None):
+            # Q8_0 K/V, a window, a soft-cap or a padded batch: no stock fast op with these
+            # arguments; the brick's MLX-ops reference (for a padded batch: SDPA with the
+            # boolean mask mlx-lm's BatchKVCache.make_mask builds).
             return flash_attention_reference(args["q"], args["k"], args["v"],
                                              scale=args["scale"], mask=args.get("mask"),
                                              kv_quant=args.get("kv_quant"),
+                                             kv_start=args.get("kv_start"),
                                              **self._options(args))
         return mx.fast.scaled_dot_product_attention(args["q"], args["k"], args["v"],
                                                     scale=args["scale"], mask=args.get("mask"))
 
     def listing(self, backend, dtype, args):
+        if (args is not None and args.get("kv_start") is not None
+                and "kv_start" not in kernels.spec(self.op_name).inputs_for(backend)):
+            return ()  # this backend's kernel has no padded-batch path: stock
         names = variant_names(backend, dtype)
         if names and args is not None and args.get("kv_quant"):
             names = (*names, DEQUANT_KV)
@@ -148,9 +160,19 @@ class Attention(OpKind):
                 if args.get("window") is not None:
                     visible = visible & (j > pos - args["window"])
                 s = mx.where(visible, s, mx.array(-math.inf, hp))
+            if args.get("kv_start") is not None:
+                # a padded batch: row b's keys j < kv_start[b] hidden; rows that see no key
+                # are 0 (the brick's definition)
+                first = args["kv_start"].astype(mx.int32)[:, None, None, None]
+                s = mx.where(mx.arange(Lk)[None, None, None, :] >= first, s,
+                             mx.array(-math.inf, hp))
+                seen = mx.max(s, axis=-1, keepdims=True) != -math.inf
+                s = mx.where(seen, s, mx.array(0, hp))
             s = s - mx.max(s, axis=-1, keepdims=True)
             p = mx.exp(s)
             out = (p / mx.sum(p, axis=-1, keepdims=True)) @ vh
+            if args.get("kv_start") is not None:
+                out = mx.where(seen, out, mx.array(0, hp))
         return out
 
 

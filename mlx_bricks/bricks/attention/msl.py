@@ -19,7 +19,7 @@ MAX_HEAD_DIM_PER_SIMDGROUP = 128
 kernels.register(kernels.KernelSpec(
     name="flash_attention",
     body="attention.metal",
-    input_names=("q", "k", "v", "k_scale", "v_scale", "fparams", "iparams"),
+    input_names=("q", "k", "v", "k_scale", "v_scale", "fparams", "iparams", "kv_start"),
     output_names=("out",),
     headers=("q8_0.h", "gemm.h", "attention.h"),
     ensure_row_contiguous=False,
@@ -103,11 +103,14 @@ def attention_tile_config(head_dim: int, dtype) -> AttentionTiles:
     return AttentionTiles(8 * wq, bk, wq, wd, shared, size)
 
 
-def launch_attention(q, k, v, k_scale, v_scale, *, scale, causal, window, softcap, backend):
+def launch_attention(q, k, v, k_scale, v_scale, *, scale, causal, window, softcap, backend,
+                     kv_start=None):
     """Run the MSL attention kernel on ``backend`` (metal or emulator); returns (B, Hq, Lq, D)
     as a transposed view of a (B, Lq, Hq, D) buffer. k/v are T arrays, or int8 quants with
-    their float16 scales k_scale/v_scale (else None). No argument checks: the caller has done
-    them (tests reach the kernel's no-visible-key guard through here with Lq > Lk)."""
+    their float16 scales k_scale/v_scale (else None). ``kv_start``: None, or an int32 (B,)
+    array, batch row b's first valid key (the kernel's ``KV_START`` instantiation; the kernel
+    clamps it to 0 .. Lk). No argument checks: the caller has done them (tests reach the
+    kernel's no-visible-key guard through here with Lq > Lk)."""
     B, Hq, Lq, D = q.shape
     Lk = k.shape[2]
     tiles = attention_tile_config(D, q.dtype)
@@ -120,16 +123,20 @@ def launch_attention(q, k, v, k_scale, v_scale, *, scale, causal, window, softca
     fparams = mx.array([scale, cap, 1.0 / cap if cap else 0.0], mx.float32)
     iparams = mx.array([window if windowed else 0], mx.int32)
     n_qblocks = -(-Lq // tiles.bq)
+    has_start = kv_start is not None
+    if not has_start:
+        kv_start = mx.zeros((1,), mx.int32)  # never read
     (out,) = kernels.launch(
         "flash_attention", backend,
-        inputs=[q, k, v, k_scale, v_scale, fparams, iparams],
+        inputs=[q, k, v, k_scale, v_scale, fparams, iparams, kv_start],
         grid=(tiles.threads * n_qblocks, Hq, B),
         threadgroup=(tiles.threads, 1, 1),
         output_shapes=[(B, Lq, Hq, D)],
         output_dtypes=[q.dtype],
         template=[("T", q.dtype), ("D", D), ("BK", tiles.bk), ("WQ", tiles.wq),
                   ("WD", tiles.wd), ("KV_SHARED", tiles.kv_shared), ("CAUSAL", bool(causal)),
-                  ("WINDOW", windowed), ("SOFTCAP", softcap is not None), ("KV_Q8", kv_q8)],
+                  ("WINDOW", windowed), ("SOFTCAP", softcap is not None), ("KV_Q8", kv_q8),
+                  ("KV_START", has_start)],
     )
     return out.transpose(0, 2, 1, 3)
 

@@ -60,7 +60,7 @@ REFERENCE_SCORE_BLOCK_BYTES = 16 << 20
 
 
 def flash_attention_reference(q, k, v, *, scale, mask=None, window=None, softcap=None,
-                              kv_quant=None):
+                              kv_quant=None, kv_start=None):
     """Reference of :func:`flash_attention` in MLX ops.
 
     Without ``softcap``: ``mx.fast.scaled_dot_product_attention`` (``mask="causal"``, or with
@@ -70,6 +70,10 @@ def flash_attention_reference(q, k, v, *, scale, mask=None, window=None, softcap
     ``softmax(precise=True) @ v`` (GQA by broadcasting, no copies of k/v). With
     ``kv_quant="q8_0"`` the K/V go through Q8_0 first (quantized and dequantized to q's dtype,
     or dequantized if given as ``(qs, d)``), exactly the values the kernel attends over.
+    With ``kv_start`` ((B,) integer) the mask is the boolean (B, 1, Lq, Lk) array of
+    :func:`batch_visible_mask` (keys ``j < kv_start[b]`` hidden on top of the causal / window
+    mask) and rows that see no key give 0 (as the kernel; MLX's SDPA would give NaN or the
+    mean of V there).
 
     On the CPU, where the score matrix is materialised, when it would exceed
     :data:`REFERENCE_SCORE_BLOCK_BYTES` the query rows go in blocks, each over only the keys
@@ -85,10 +89,10 @@ def flash_attention_reference(q, k, v, *, scale, mask=None, window=None, softcap
     # measured (docs/kv_cache.md); a GPU's unfused cases (some head_dims and dtypes) would gain
     # memory too, at a launch cost per block not yet measured there.
     if mx.default_device() != mx.cpu or B * Hq * Lq * Lk == 0 or Lk < Lq:
-        return _reference_attention(q, k, v, scale, mask, window, softcap)
+        return _reference_attention(q, k, v, scale, mask, window, softcap, kv_start)
     rows = max(16, REFERENCE_SCORE_BLOCK_BYTES // (4 * B * Hq * Lk))
     if Lq <= rows:
-        return _reference_attention(q, k, v, scale, mask, window, softcap)
+        return _reference_attention(q, k, v, scale, mask, window, softcap, kv_start)
     causal = mask == "causal"
     blocks = []
     for lo in range(0, Lq, rows):
@@ -99,13 +103,33 @@ def flash_attention_reference(q, k, v, *, scale, mask=None, window=None, softcap
         qb = q[:, :, lo:hi]
         if blocks:  # a block starts once the one before is done: none runs ahead
             qb = mx.depends(qb, blocks[-1])
+        # keys are sliced from k_start: a row's first valid key moves with them
+        ks = None if kv_start is None else kv_start - k_start
         blocks.append(_reference_attention(qb, k[:, :, k_start:k_end], v[:, :, k_start:k_end],
-                                           scale, mask, window, softcap))
+                                           scale, mask, window, softcap, ks))
     return mx.concatenate(blocks, axis=2)
 
 
-def _reference_attention(q, k, v, scale, mask, window, softcap):
+def batch_visible_mask(Lq: int, Lk: int, kv_start, causal: bool, window=None) -> mx.array:
+    """Boolean (B, 1, Lq, Lk) mask of a left-padded batch: query i of row b (position
+    ``p = Lk - Lq + i``) sees key j iff ``j >= kv_start[b]``, and ``j <= p`` when ``causal``,
+    and ``j > p - window`` with a ``window``. With ``kv_start = cache.left_padding`` and
+    ``causal`` it is mlx-lm 0.32's ``BatchKVCache.make_mask(Lq)`` (``create_causal_mask(Lq,
+    offset=Lk - Lq, left_padding=kv_start)``). ``kv_start``: (B,) integer mx.array."""
+    keys = mx.arange(Lk)
+    vis = keys[None, None, None, :] >= kv_start.astype(mx.int32)[:, None, None, None]
+    if causal:
+        vis = vis & causal_window_mask(Lq, Lk, Lk if window is None else window)
+    return vis
+
+
+def _reference_attention(q, k, v, scale, mask, window, softcap, kv_start=None):
     Lq, Lk = q.shape[2], k.shape[2]
+    if kv_start is not None:
+        vis = batch_visible_mask(Lq, Lk, kv_start, mask == "causal", window)
+        out = _reference_attention(q, k, v, scale, vis, None, softcap)
+        # a row with no visible key is 0 (the kernel's guard)
+        return mx.where(vis.any(axis=-1, keepdims=True), out, mx.array(0, out.dtype))
     if window is not None and mask == "causal":
         mask = causal_window_mask(Lq, Lk, window)
     if softcap is None:
@@ -118,6 +142,8 @@ def _reference_attention(q, k, v, scale, mask, window, softcap):
     if isinstance(mask, str):
         mask = causal_window_mask(Lq, Lk, Lk)
     if mask is not None:
+        if mask.ndim == 4:  # (B, 1, Lq, Lk): broadcast over the KV heads' query groups
+            mask = mx.expand_dims(mask, 2)
         s = mx.where(mask, s, mx.array(mx.finfo(s.dtype).min, s.dtype))
     p = mx.softmax(s, axis=-1, precise=True)
     return (p @ mx.expand_dims(v, 2)).reshape(B, Hq, Lq, D)
@@ -153,7 +179,21 @@ def _check_masking(mask, window, softcap):
             raise ValueError(f"softcap must be > 0, got {softcap!r}")
 
 
-def _check_attention(q, k, v, scale, mask, window, softcap, kv_quant):
+def _check_kv_start(kv_start, B: int):
+    if kv_start is None:
+        return
+    if not isinstance(kv_start, mx.array):
+        raise TypeError(f"kv_start must be None or an mx.array of shape (B,), got "
+                        f"{type(kv_start).__name__}")
+    if kv_start.dtype == mx.bool_ or not mx.issubdtype(kv_start.dtype, mx.integer):
+        raise TypeError(f"kv_start must have an integer dtype (int32: a batch row's first "
+                        f"valid key), got {kv_start.dtype}")
+    if tuple(kv_start.shape) != (B,):
+        raise ValueError(f"kv_start must have shape (B,) = ({B},) (one first valid key per "
+                         f"batch row), got {tuple(kv_start.shape)}")
+
+
+def _check_attention(q, k, v, scale, mask, window, softcap, kv_quant, kv_start=None):
     check_array("q", q, ndim=4)
     check_float_dtype("q", q)
     quantized = check_kv_quant(kv_quant)
@@ -183,10 +223,11 @@ def _check_attention(q, k, v, scale, mask, window, softcap, kv_quant):
         )
     if quantized and D % QK8_0:
         raise ValueError(f"kv_quant='q8_0' needs head_dim % {QK8_0} == 0, got {D}")
+    _check_kv_start(kv_start, B)
 
 
 def flash_attention(q, k, v, *, scale, mask=None, window=None, softcap=None, kv_quant=None,
-                    backend=None):
+                    kv_start=None, backend=None):
     """Softmax attention ``softmax(mask(softcap(q @ k.T * scale))) @ v`` on the attention brick.
 
     Args:
@@ -213,6 +254,13 @@ def flash_attention(q, k, v, *, scale, mask=None, window=None, softcap=None, kv_
             quantized first (:func:`quantize_q8_0`, ggml semantics); tuples are used as given.
             The kernel dequantizes into threadgroup memory (in q's dtype), so the result is
             attention over ``dequantize_q8_0(quantize_q8_0(k))`` etc. Needs ``D % 32 == 0``.
+        kv_start: None, or a (B,) integer mx.array (int32; other integer dtypes are clipped
+            to ``0 .. Lk`` and cast): batch row b's first valid key. Keys ``j < kv_start[b]``
+            are masked for every head and query of row b, on top of ``mask``/``window``/
+            ``softcap`` (a left-padded batch: ``kv_start = BatchKVCache.left_padding``, the
+            mask mlx-lm's ``make_mask`` builds; see :func:`batch_visible_mask`). Values past
+            Lk hide every key (clamped, never read). Whole K/V tiles below it are never
+            loaded; a row that sees no key gives 0. Read on the device (no host sync).
         backend: ``None`` (auto), ``"metal"``, ``"cuda"``, ``"emulator"`` or ``"reference"``.
 
     Returns:
@@ -232,29 +280,35 @@ def flash_attention(q, k, v, *, scale, mask=None, window=None, softcap=None, kv_
 
     Raises:
         TypeError: non-array inputs, non-float q, k/v dtype different from q's, malformed Q8_0
-            tuples, tuples without kv_quant, a non-real scale or softcap, a non-int window.
+            tuples, tuples without kv_quant, a non-real scale or softcap, a non-int window, a
+            kv_start that is not an integer mx.array.
         ValueError: shapes that do not match, Hq % Hkv != 0, Lk < Lq, unsupported head_dim,
             an array mask or unknown mask string, window < 1 or without mask="causal",
-            softcap <= 0, a non-finite scale or softcap, unknown kv_quant, or a bad backend.
+            softcap <= 0, a non-finite scale or softcap, unknown kv_quant, a kv_start not of
+            shape (B,), or a bad backend.
         NotImplementedError: ``backend="cuda"`` while the brick has no CUDA twin.
     """
-    _check_attention(q, k, v, scale, mask, window, softcap, kv_quant)
+    _check_attention(q, k, v, scale, mask, window, softcap, kv_quant, kv_start)
     return run_flash_attention(q, k, v, scale=scale, mask=mask, window=window, softcap=softcap,
-                               kv_quant=kv_quant,
+                               kv_quant=kv_quant, kv_start=kv_start,
                                backend=op_backend("flash_attention", backend))
 
 
 def run_flash_attention(q, k, v, *, scale, mask=None, window=None, softcap=None, kv_quant=None,
-                        backend: str):
+                        kv_start=None, backend: str):
     """:func:`flash_attention` after its checks, on the resolved ``backend`` (what the tuner
     and the Q8_0 cache call)."""
     name = backend
     scale = float(scale)
     softcap = None if softcap is None else float(softcap)
     window = None if window is None else int(window)
+    if kv_start is not None and kv_start.dtype != mx.int32:
+        # clipped first: a wide or unsigned value must not wrap to a small int32
+        kv_start = mx.clip(kv_start, 0, k[0].shape[2] if isinstance(k, tuple) else k.shape[2])
+        kv_start = kv_start.astype(mx.int32)
     if name == "reference":
         return flash_attention_reference(q, k, v, scale=scale, mask=mask, window=window,
-                                         softcap=softcap, kv_quant=kv_quant)
+                                         softcap=softcap, kv_quant=kv_quant, kv_start=kv_start)
     B, Hq, Lq, D = q.shape
     if B == 0 or Hq == 0 or Lq == 0:
         return mx.zeros(q.shape, q.dtype)
@@ -267,6 +321,6 @@ def run_flash_attention(q, k, v, *, scale, mask=None, window=None, softcap=None,
     if name == "cuda":
         return cuda.launch_attention_cuda(q, k, v, k_scale, v_scale, scale=scale,
                                           causal=mask == "causal", window=window,
-                                          softcap=softcap)
+                                          softcap=softcap, kv_start=kv_start)
     return msl.launch_attention(q, k, v, k_scale, v_scale, scale=scale, causal=mask == "causal",
-                                window=window, softcap=softcap, backend=name)
+                                window=window, softcap=softcap, backend=name, kv_start=kv_start)

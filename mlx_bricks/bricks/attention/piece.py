@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention
-from mlx_lm.models.cache import RotatingKVCache
+from mlx_lm.models.cache import BatchKVCache, RotatingKVCache
 
 from mlx_bricks.bricks.attention.kind import ATTENTION
 from mlx_bricks.bricks.attention.op import flash_attention_reference
@@ -18,12 +18,22 @@ KIND = ATTENTION
 
 def kv_length(cache, L: int) -> int:
     """Keys ``cache.update_and_fetch`` returns for L new tokens (``RotatingKVCache`` with
-    ``keep == 0``: at most ``max_size - 1`` earlier ones, in temporal order)."""
+    ``keep == 0``: at most ``max_size - 1`` earlier ones, in temporal order; ``BatchKVCache``:
+    every row's ``_idx`` positions, left padding included)."""
     if cache is None:
         return L
     if type(cache) is RotatingKVCache:
         return min(cache.offset, cache.max_size - 1) + L
+    if type(cache) is BatchKVCache:
+        return cache._idx + L
     return cache.offset + L
+
+
+def is_padded_batch(cache, mask) -> bool:
+    """True when the call is a left-padded batch the brick takes with ``kv_start``: the cache
+    is mlx-lm's ``BatchKVCache`` and the mask an array (its ``make_mask``, checked by shape in
+    ``nn.calls``; its values are never read)."""
+    return type(cache) is BatchKVCache and isinstance(mask, mx.array)
 
 
 def softcap_of(attn, layout):
@@ -31,11 +41,16 @@ def softcap_of(attn, layout):
     return getattr(attn, layout.softcap) if layout.softcap is not None else None
 
 
-def masking(attn, layout, mask, window) -> dict:
+def masking(attn, layout, mask, window, cache=None) -> dict:
     """The brick's masking arguments for mlx-lm's ``mask`` (already accepted by the module's
     call checks): an array mask is causal (with the layer's ``window``, if any), plus the
-    layout's soft-cap."""
+    layout's soft-cap. A padded batch (:func:`is_padded_batch`) adds ``kv_start =
+    cache.left_padding`` ((B,) int32, read on the device: ``make_mask`` is
+    ``create_causal_mask(L, offset=_idx, left_padding=left_padding)``, bottom-right causal
+    over the ``_idx + L`` keys with row b's keys below ``left_padding[b]`` hidden)."""
     out = {"mask": "causal" if isinstance(mask, mx.array) else mask}
+    if is_padded_batch(cache, mask):
+        out["kv_start"] = cache.left_padding
     if window is not None:
         out["window"] = window
     softcap = softcap_of(attn, layout)
@@ -51,7 +66,7 @@ def attention_args(attn, layout, B, L, cache, dtype, mask, *, head_dim, kv_quant
     kv = Act((B, attn.n_kv_heads, kv_length(cache, L), head_dim), dtype)
     args = {"q": Act((B, attn.n_heads, L, head_dim), dtype), "k": kv, "v": kv,
             "scale": attn.scale, "kv_quant": kv_quant}
-    args.update(masking(attn, layout, mask, window))
+    args.update(masking(attn, layout, mask, window, cache))
     return args
 
 
@@ -61,5 +76,5 @@ def attention_stock(attn, layout, q, k, v, mask, cache, *, kv_quant, window=None
     the brick's MLX-ops reference."""
     if kv_quant is not None or layout.softcap is not None:
         return flash_attention_reference(q, k, v, scale=attn.scale, kv_quant=kv_quant,
-                                         **masking(attn, layout, mask, window))
+                                         **masking(attn, layout, mask, window, cache))
     return scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
