@@ -1,5 +1,5 @@
 """Patching the MoE experts: every ``SwitchGLU`` of a model (by module, whatever the model_type)
-runs its prefill through the ``moe_mlp`` piece (``bricks/moe/piece.py``, ``bricks/moe/kind.py``).
+runs its prefill through the MoE piece (``bricks/moe/piece.py``, ``bricks/moe/kind.py``).
 
 Tiny random models of mlx-lm's own classes (qwen3_moe, qwen2_moe, mixtral, olmoe, gpt_oss,
 deepseek_v3; hidden 64, 4-8 experts, 2 layers) patched on ``reference`` (SwitchGLU itself in MLX
@@ -225,7 +225,7 @@ def test_gpt_oss_report():
         assert m.weights == {"gate_proj": "float32", "up_proj": "float32",
                              "down_proj": "float32"}
     text = str(report)
-    assert "moe_mlp:2" in text and "sinks" in text
+    assert f"{MOE_MLP.op_name}:2" in text and "sinks" in text
     assert report.to_dict()["modules"][1]["module"] == MOE_PIECE.role
     assert unpatch_model(model) == 2
     assert not any(is_patched(m) for m in model.modules())

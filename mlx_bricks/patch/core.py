@@ -255,8 +255,9 @@ def has_experts(layer) -> bool:
 def _patch_experts(report: PatchReport, i: int, layer, opts: dict, backend: str,
                    dispatch: Dispatch | None, layout) -> None:
     """Patch every ``SwitchGLU`` inside layer ``i`` by module, whatever the architecture (its
-    call ``(x, indices)`` runs the ``moe_mlp`` piece; the model's router, combine and shared
-    experts stay its own), and report every ``SwitchMLP`` stock with the reason. With
+    call ``(x, indices)`` runs the MoE piece, ``bricks.moe.piece.MOE_PIECE``; the model's
+    router, combine and shared experts stay its own), and report every ``SwitchMLP`` stock
+    with the reason. With
     ``dispatch`` None or composites only (no kernel backend: the MoE kind has no composites)
     they are reported stock with :data:`NO_KERNEL_BACKEND`."""
     glu, switch_mlp = switch_classes()[:2]
@@ -344,7 +345,7 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
         attention: patch the attention modules.
         mlp: patch the MLP modules: the dense MLPs, and every MoE expert module
             (``SwitchGLU``, by module whatever the model_type: its ``(x, indices)`` call runs
-            the ``moe_mlp`` piece; docs/moe.md, "Patching").
+            the MoE piece; docs/moe.md, "Patching").
         fuse_block: use the unified block where both can be patched.
         kv_quant: None or ``"q8_0"``: K/V rounded to Q8_0 inside the attention brick (needs
             head_dim % 32 == 0). The mlx-lm cache keeps full precision: no memory is saved and

@@ -1,7 +1,8 @@
 """The MoE brick's piece in a patched mlx-lm model: a ``SwitchGLU`` module
 (``mlx_lm/models/switch_layers.py``: ``gate_proj``, ``up_proj``, ``down_proj`` ``SwitchLinear`` /
-``QuantizedSwitchLinear`` layers and an ``activation`` module) as one ``moe_mlp`` piece, with its
-arguments, its stock path and its structure check.
+``QuantizedSwitchLinear`` layers and an ``activation`` module) as one MoE piece (the kind
+:data:`~mlx_bricks.bricks.moe.kind.MOE_MLP`), with its arguments, its stock path and its
+structure check.
 
 :data:`MOE_PIECE` is what the generic single-piece module (``mlx_bricks.nn.piece.BricksPiece``)
 runs for a ``SwitchGLU``, whatever model holds it: the call ``SwitchGLU(x, indices)`` (the
@@ -139,7 +140,7 @@ class MoEPiece:
 
     Attributes:
         role: the module's role in reports (``"moe"``).
-        kind: the op kind (``moe_mlp``).
+        kind: the op kind (:data:`~mlx_bricks.bricks.moe.kind.MOE_MLP`).
         bricks: the brick ops the module runs in prefill (for the report).
     """
 
