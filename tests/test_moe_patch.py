@@ -171,12 +171,13 @@ def _clean(tmp_path, monkeypatch):
     GUARD.reset()
 
 
-def check_patched(model_type, backend, n_tokens=20, dtype=mx.float32, quantize=None, **kw):
+def check_patched(model_type, backend, n_tokens=20, dtype=mx.float32, quantize=None,
+                  tune="off", **kw):
     """Patch a tiny ``model_type`` model on ``backend``: every SwitchGLU patched and run, the
     logits within the rule of the float64 clone (bit-equal to stock on reference), greedy
     tokens as stock's, decode stock."""
-    if backend == "emulator":
-        require_backend("emulator")
+    if backend != "reference":
+        require_backend(backend)
     model = build(model_type, **kw)
     if quantize is not None:
         nn.quantize(model, group_size=quantize[1], bits=quantize[0])
@@ -184,18 +185,21 @@ def check_patched(model_type, backend, n_tokens=20, dtype=mx.float32, quantize=N
     toks = tokens(n_tokens)
     stock = run(model, toks)
     stock_tokens = greedy(model, toks)
-    report = patch_model(model, backend=backend, tune="off")
+    report = patch_model(model, backend=backend, tune=tune)
     layers = expected_moe_layers(model)
     entries = moe_entries(report)
     assert [m.layer for m in entries] == layers and layers
     assert all(m.status == "patched" and m.bricks == (MOE_MLP.op_name,) for m in entries)
     out = run(model, toks)
+    if tune != "off" and report.dispatch.tuning:  # the tuner may keep stock: count both
+        ran = report.calls()[MOE_MLP.op_name] + sum(report.tuned_stock_calls().values())
+        assert ran == len(layers) and len(report.tuning()["decisions"]) >= 1
+    else:
+        assert report.calls()[MOE_MLP.op_name] == (len(layers) if n_tokens > 1 else 0)
     if backend == "reference" and quantize is None:
         assert mx.array_equal(out, stock), f"{model_type}: reference is SwitchGLU itself"
     assert_dtype_close(out, float64_logits(model, toks), stock, dtype=dtype,
                        what=f"{model_type} {backend} patched logits")
-    calls = report.calls()
-    assert calls[MOE_MLP.op_name] == (len(layers) if n_tokens > 1 else 0)
     assert greedy(model, toks) == stock_tokens
     decode = sum(n for r, n in report.stock_calls().items() if r == DECODE)
     assert decode == (4 + 2 * (n_tokens == 1)) * len(layers)  # a 1-token prompt is decode too
@@ -229,6 +233,18 @@ def test_gpt_oss_report():
     assert report.to_dict()["modules"][1]["module"] == MOE_PIECE.role
     assert unpatch_model(model) == 2
     assert not any(is_patched(m) for m in model.modules())
+
+
+# the cuda twins on a GPU (skipped elsewhere): bfloat16 float and 4-bit experts, the tile rule
+# and the tuner (stock gather_mm / gather_qmm timed against every tile the GPU runs)
+@pytest.mark.parametrize("tune", ["off", "force"])
+@pytest.mark.parametrize("model_type,quantize,overrides", [
+    ("qwen3_moe", None, {}), ("qwen3_moe", (4, 64), {"moe_intermediate_size": 64}),
+    ("gpt_oss", None, {}), ("deepseek_v3", None, {}),
+    ("mixtral", (4, 64), {"intermediate_size": 64})], ids=str)
+def test_cuda_matches_stock(model_type, quantize, overrides, tune):
+    check_patched(model_type, "cuda", n_tokens=80, dtype=mx.bfloat16, quantize=quantize,
+                  tune=tune, **overrides)
 
 
 @pytest.mark.parametrize("n", [1, 63, 64, 300])
