@@ -273,6 +273,16 @@ def test_quantized_experts(backend):
 
 
 @pytest.mark.parametrize("backend", ["reference", "emulator"])
+def test_quantized_experts_with_biases(backend):
+    """gpt-oss with 4-bit gs32 experts in float16: QuantizedSwitchLinear keeps the expert
+    biases (``bias``), which the brick adds."""
+    model, report = check_patched("gpt_oss", backend, dtype=mx.float16, quantize=(4, 32))
+    glu = model.layers[0].mlp.experts
+    assert type(glu.up_proj) is switch_layers.QuantizedSwitchLinear and "bias" in glu.up_proj
+    assert all(m.weights["gate_proj"] == "q4 gs32" for m in moe_entries(report))
+
+
+@pytest.mark.parametrize("backend", ["reference", "emulator"])
 @pytest.mark.parametrize("routing", ["one_expert", "two_of_eight"])
 def test_experts_without_rows(backend, routing):
     """The patched SwitchGLU itself, called with chosen indices: every token on expert 3 (the
@@ -295,6 +305,38 @@ def test_experts_without_rows(backend, routing):
     assert_dtype_close(out.reshape(-1, 64), ref, stock.reshape(-1, 64), dtype=mx.float32,
                        what=f"{routing} {backend}")
     assert report.calls()[MOE_MLP.op_name] == 1
+
+
+@pytest.mark.parametrize("backend", ["reference", "emulator"])
+@pytest.mark.parametrize("act", ["geglu", "swiglu_oai"])
+def test_activation_modules(backend, act):
+    """gemma4's ``GeGLU`` runs as ``gelu_tanh``; a ``SwigluOAI`` with its own alpha and limit
+    passes them (the patched SwitchGLU against the stock class and the float64 rows)."""
+    if backend == "emulator":
+        require_backend("emulator")
+    from mlx_lm.models.activations import SwigluOAI
+    from mlx_lm.models.gemma4_text import GeGLU
+
+    model = build("qwen3_moe", num_experts=8, num_experts_per_tok=2)
+    glu = model.layers[0].mlp.switch_mlp
+    glu.activation = GeGLU() if act == "geglu" else SwigluOAI(alpha=1.5, limit=0.05)
+    x = mx.random.normal((1, 40, 64), key=mx.random.key(4))
+    idx = mx.random.randint(0, 8, (1, 40, 2), key=mx.random.key(5)).astype(mx.int32)
+    stock = glu(x, idx)
+    report = patch_model(model, backend=backend, tune="off")
+    entry = moe_entries(report)[0]
+    name = "gelu_tanh" if act == "geglu" else "swiglu_oai"
+    assert entry.status == "patched" and f"activation={name}" in entry.variant
+    args = moe_args(glu, x, idx)
+    assert args["activation"] == name
+    if act == "swiglu_oai":  # a limit this low clamps many gate and up values
+        assert (args["alpha"], args["limit"]) == (1.5, 0.05)
+    out = glu(x, idx)
+    if backend == "reference":
+        assert mx.array_equal(out, stock)
+    ref = MOE_MLP.reference_tail(args, 80)
+    assert_dtype_close(out.reshape(-1, 64), ref, stock.reshape(-1, 64), dtype=mx.float32,
+                       what=f"{act} {backend}")
 
 
 @pytest.mark.parametrize("tune", ["off", "force", "auto"])
