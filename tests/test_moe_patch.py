@@ -24,6 +24,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import switch_layers
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_bricks.bricks.moe import cuda as moe_cuda
+from mlx_bricks.bricks.moe import msl as moe_msl
 from mlx_bricks.bricks.moe.kind import MOE_MLP, rows_bucket
 from mlx_bricks.bricks.moe.piece import MOE_PIECE, moe_args
 from mlx_bricks.nn.calls import DECODE
@@ -389,6 +391,9 @@ def test_key_buckets_tokens_and_rows_per_expert():
     assert key.bucket == "M<=128,rpe<=32" and key.dtype == "float32" and key.weights == "float"
     assert rows_bucket(8192, 8, 128) == "rpe<=512" and rows_bucket(1, 1, 128) == "rpe<=32"
     assert MOE_MLP.listing("reference", mx.float32, None) == ()
+    assert MOE_MLP.listing("emulator", mx.float32, None) == tuple(moe_msl.TILES)
+    assert MOE_MLP.listing("cuda", mx.float32, None) == ()  # no CUDA twin for float32
+    assert set(MOE_MLP.listing("cuda", mx.bfloat16, None)) <= set(moe_cuda.TILES)
 
 
 def test_unknown_activation_and_mxfp4_stay_stock():
@@ -411,6 +416,29 @@ def test_unknown_activation_and_mxfp4_stay_stock():
     assert "activation Relu2" in e0.reason and "mxfp4" in e1.reason
     assert report.n_patched == 0
     assert mx.array_equal(run(model, toks), stock)
+
+
+def test_structure_change_after_patching_runs_stock():
+    """An activation module swapped after the patch: the call runs stock, with the reason."""
+    model = build("qwen3_moe", num_hidden_layers=1)
+    toks = tokens(12)
+    report = patch_model(model, backend="reference")
+    run(model, toks)
+    assert report.calls()[MOE_MLP.op_name] == 1
+    glu = model.layers[0].mlp.switch_mlp
+
+    class Relu2(nn.Module):
+        def __call__(self, x, gate):
+            return nn.relu(gate) ** 2 * x
+
+    glu.activation = Relu2()
+    x = mx.random.normal((1, 12, 64), key=mx.random.key(6))
+    idx = mx.zeros((1, 12, 2), mx.int32)
+    out = glu(x, idx)
+    assert mx.array_equal(out, type(glu)._bricks_base.__call__(glu, x, idx))
+    assert report.calls()[MOE_MLP.op_name] == 1
+    (reason,) = [r for r in report.stock_calls() if "Relu2" in r]
+    assert report.stock_calls()[reason] == 1
 
 
 def test_no_kernel_backend_leaves_the_experts_stock(monkeypatch):

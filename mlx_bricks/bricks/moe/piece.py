@@ -142,11 +142,15 @@ class MoEPiece:
         role: the module's role in reports (``"moe"``).
         kind: the op kind (:data:`~mlx_bricks.bricks.moe.kind.MOE_MLP`).
         bricks: the brick ops the module runs in prefill (for the report).
+        watched: children besides the switch layers the structure check depends on
+            (``nn.structure.structure_reason`` re-checks when one is replaced).
     """
 
     role = "moe"
     kind = MOE_MLP
     bricks = (MOE_MLP.op_name,)
+    #: Children besides the switch layers whose replacement the structure check notices.
+    watched = ("activation",)
 
     def linears(self, layout=None) -> tuple[str, ...]:
         """The switch layers the piece reads (structure fingerprint, weight formats)."""
