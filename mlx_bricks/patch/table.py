@@ -2,7 +2,10 @@
 
 One entry per ``model_type`` (mlx-lm's ``config.json`` field); the patch routine is the same for
 all of them. Biases are found on the modules themselves (qwen2 has q/k/v biases, llama has them
-with ``attention_bias``/``mlp_bias``), so they need no entry here.
+with ``attention_bias``/``mlp_bias``), so they need no entry here. Neither do MoE experts: every
+mlx-lm ``SwitchGLU`` is patched by module, whatever the model_type (``patch.core``
+``_patch_experts``, ``bricks/moe/piece.py``); a model_type not listed here keeps its attention
+and dense MLPs stock.
 """
 from __future__ import annotations
 
