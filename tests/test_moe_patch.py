@@ -341,6 +341,33 @@ def test_activation_modules(backend, act):
                        what=f"{act} {backend}")
 
 
+@pytest.mark.parametrize("backend", ["reference", "emulator"])
+def test_batch_and_flat_inputs(backend):
+    """x of (batch, L, D) and of (tokens, D) (a model that flattens before its experts); one
+    flat token is decode (stock, counted)."""
+    if backend == "emulator":
+        require_backend("emulator")
+    model = build("qwen3_moe", num_hidden_layers=1)
+    glu = model.layers[0].mlp.switch_mlp
+    report = patch_model(model, backend=backend, tune="off")
+    for i, shape in enumerate(((2, 33, 64), (33, 64))):
+        x = mx.random.normal(shape, key=mx.random.key(7 + i))
+        idx = mx.random.randint(0, 4, (*shape[:-1], 2), key=mx.random.key(9 + i))
+        out = glu(x, idx)
+        stock = type(glu)._bricks_base.__call__(glu, x, idx)
+        assert out.shape == stock.shape == (*shape[:-1], 2, 64)
+        if backend == "reference":
+            assert mx.array_equal(out, stock)
+        ref = MOE_MLP.reference_tail(moe_args(glu, x, idx), 8)
+        assert_dtype_close(out.reshape(-1, 64)[-8:], ref, stock.reshape(-1, 64)[-8:],
+                           dtype=mx.float32, what=f"{shape} {backend}")
+    assert report.calls()[MOE_MLP.op_name] == 2
+    x1 = mx.random.normal((1, 64), key=mx.random.key(11))
+    idx1 = mx.array([[1, 2]], mx.int32)
+    assert mx.array_equal(glu(x1, idx1), type(glu)._bricks_base.__call__(glu, x1, idx1))
+    assert report.stock_calls()[DECODE] == 1
+
+
 @pytest.mark.parametrize("tune", ["off", "force", "auto"])
 def test_tune_modes_on_the_emulator(tune):
     """Tuning does not apply to a named emulator: every mode runs the brick by its rule."""
