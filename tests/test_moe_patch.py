@@ -220,6 +220,34 @@ def test_emulator_matches_stock(model_type):
     check_patched(model_type, "emulator")
 
 
+@pytest.mark.parametrize("backend", ["reference", pytest.param("emulator",
+                                                                 marks=pytest.mark.slow)])
+def test_qwen3_moe_table_entry(backend):
+    """qwen3_moe is in the patch table (qwen3's attention): with head_dim 64 its attention runs
+    the bricks too; a MoE layer's mlp is reported stock with the reason (its experts are the
+    moe entry), a dense layer (mlp_only_layers) runs the unified block."""
+    if backend == "emulator":
+        require_backend("emulator")
+    model = build("qwen3_moe", head_dim=64, mlp_only_layers=[1])
+    toks = tokens(40)
+    stock = run(model, toks)
+    stock_tokens = greedy(model, toks)
+    report = patch_model(model, backend=backend, tune="off")
+    assert report.architecture == "qwen3_moe"
+    got = {(m.layer, m.module): m.status for m in report.modules}
+    assert got == {(0, "self_attn"): "patched", (0, "mlp"): "fallback", (0, "moe"): "patched",
+                   (1, "block"): "patched"}
+    (mlp,) = [m for m in report.modules if m.module == "mlp"]
+    assert mlp.reason.startswith("MoE block") and "patched by module" in mlp.reason
+    assert mlp.weights == {}
+    out = run(model, toks)
+    assert_dtype_close(out, float64_logits(model, toks), stock, dtype=mx.float32,
+                       what=f"qwen3_moe attention + experts {backend}")
+    calls = report.calls()
+    assert calls[MOE_MLP.op_name] == 1 and calls["flash_attention"] == 2
+    assert greedy(model, toks) == stock_tokens
+
+
 def test_gpt_oss_report():
     """gpt-oss: attention with sinks stays stock with the reason, the SwigluOAI experts (with
     biases) are patched, the report lists per layer what ran."""

@@ -153,6 +153,10 @@ def _mlp_structure(mlp, layout) -> str | None:
         return f"block has no {layout.mlp!r}"
     if is_patched(mlp):
         return "module is already patched"
+    if isinstance(mlp, nn.Module) and has_experts(mlp):
+        return ("MoE block (router and experts, not a dense MLP): its SwitchGLU experts are "
+                "patched by module (the moe entry); router, combine and shared experts stay "
+                "stock")
     return MLP_PIECE.reason(mlp, layout) or _signature_reason(mlp, ())
 
 
