@@ -220,31 +220,42 @@ def test_emulator_matches_stock(model_type):
     check_patched(model_type, "emulator")
 
 
+# (model_type, overrides, the dense layers): head_dim 64 (the attention brick's smallest)
+TABLE_MOE = {"qwen3_moe": (dict(head_dim=64, mlp_only_layers=[1]), [1]),
+             "qwen2_moe": (dict(hidden_size=128), [])}
+
+
 @pytest.mark.parametrize("backend", ["reference", pytest.param("emulator",
                                                                  marks=pytest.mark.slow)])
-def test_qwen3_moe_table_entry(backend):
-    """qwen3_moe is in the patch table (qwen3's attention): with head_dim 64 its attention runs
-    the bricks too; a MoE layer's mlp is reported stock with the reason (its experts are the
-    moe entry), a dense layer (mlp_only_layers) runs the unified block."""
+@pytest.mark.parametrize("model_type", TABLE_MOE)
+def test_table_moe_architectures(model_type, backend):
+    """qwen3_moe and qwen2_moe are in the patch table (qwen3's / qwen2's attention): their
+    attention runs the bricks too; a MoE layer's mlp is reported stock with the reason (its
+    experts are the moe entry; qwen2_moe's shared expert stays in the stock sparse block), a
+    dense layer (qwen3_moe's mlp_only_layers) runs the unified block."""
     if backend == "emulator":
         require_backend("emulator")
-    model = build("qwen3_moe", head_dim=64, mlp_only_layers=[1])
+    overrides, dense = TABLE_MOE[model_type]
+    model = build(model_type, **overrides)
     toks = tokens(40)
     stock = run(model, toks)
     stock_tokens = greedy(model, toks)
     report = patch_model(model, backend=backend, tune="off")
-    assert report.architecture == "qwen3_moe"
+    assert report.architecture == model_type
     got = {(m.layer, m.module): m.status for m in report.modules}
-    assert got == {(0, "self_attn"): "patched", (0, "mlp"): "fallback", (0, "moe"): "patched",
-                   (1, "block"): "patched"}
-    (mlp,) = [m for m in report.modules if m.module == "mlp"]
-    assert mlp.reason.startswith("MoE block") and "patched by module" in mlp.reason
-    assert mlp.weights == {}
+    want = {}
+    for i in range(2):
+        want.update({(i, "block"): "patched"} if i in dense else {
+            (i, "self_attn"): "patched", (i, "mlp"): "fallback", (i, "moe"): "patched"})
+    assert got == want
+    for mlp in (m for m in report.modules if m.module == "mlp"):
+        assert mlp.reason.startswith("MoE block") and "patched by module" in mlp.reason
+        assert mlp.weights == {}
     out = run(model, toks)
     assert_dtype_close(out, float64_logits(model, toks), stock, dtype=mx.float32,
-                       what=f"qwen3_moe attention + experts {backend}")
+                       what=f"{model_type} attention + experts {backend}")
     calls = report.calls()
-    assert calls[MOE_MLP.op_name] == 1 and calls["flash_attention"] == 2
+    assert calls[MOE_MLP.op_name] == 2 - len(dense) and calls["flash_attention"] == 2
     assert greedy(model, toks) == stock_tokens
 
 
