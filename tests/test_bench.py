@@ -195,3 +195,37 @@ def test_a_case_whose_stock_cannot_run_reports_no_stock_figure():
     assert r["max_abs_diff"] is None and "stock" not in r["peak_memory"]
     assert r["brick_s"] > 0 and r["brick_tflops"] > 0 and r["stock_error"] == "no implementation"
     assert json.loads(json.dumps(r)) == r
+
+
+def test_qwen3_moe_group_is_registered_and_builds_on_a_tiny_shape():
+    """``e2e_qwen3_moe_4layer``: bf16 float and 4-bit gs64 experts at M 512 / 2048 / 8192 on a
+    kernel backend; its setup builds a tiny qwen3_moe (quantized: stock's CPU ``gather_mm``
+    takes float32 only) whose experts are QuantizedSwitchLinear on both sides, router float."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    from mlx_bricks.bench import e2e
+    from mlx_bricks.bench.core import GROUPS, KERNEL
+
+    names = GROUPS["e2e_qwen3_moe_4layer"]
+    assert names == [f"e2e_qwen3_moe_4layer_bf16{q}_m{m}" for q in ("", "_q4g64")
+                     for m in (512, 2048, 8192)]
+    assert {BENCHMARKS[n].backend for n in names} == {KERNEL}
+    assert "Qwen3-30B-A3B" in BENCHMARKS[names[0]].what
+    assert (e2e.QWEN3_MOE_4LAYER.hidden, e2e.QWEN3_MOE_4LAYER.experts,
+            e2e.QWEN3_MOE_4LAYER.top_k, e2e.QWEN3_MOE_4LAYER.moe_intermediate) == (
+                2048, 128, 8, 768)
+    tiny = e2e.Qwen3MoeShape(hidden=64, moe_intermediate=64, experts=4, top_k=2, layers=2,
+                             heads=2, kv_heads=1, head_dim=32, vocab=64)
+    patched_fwd, stock_fwd, info = e2e.setup(tiny, "bf16", 16, fmt=(4, 64))
+    stock, patched = e2e._models(tiny, "bf16", (4, 64))
+    mlp = stock.model.layers[0].mlp
+    assert isinstance(mlp.switch_mlp.down_proj, QuantizedSwitchLinear)
+    assert type(mlp.gate) is nn.Linear
+    assert patched.model.layers[0].mlp.switch_mlp.up_proj.weight is mlp.switch_mlp.up_proj.weight
+    out, ref = patched_fwd(), stock_fwd()
+    assert out.shape == ref.shape == (1, 64)
+    if info()["patch"]["all_stock"]:
+        assert mx.array_equal(out, ref)
+    e2e._MODELS.clear()

@@ -117,6 +117,9 @@ def _e2e_benchmarks() -> dict[str, Benchmark]:
         FORMATS,
         LLAMA_8B_4LAYER,
         M_VALUES,
+        MOE_DTYPES,
+        MOE_FORMATS,
+        QWEN3_MOE_4LAYER,
         SMALL_LLAMA,
         setup,
     )
@@ -134,6 +137,21 @@ def _e2e_benchmarks() -> dict[str, Benchmark]:
                     f"layers ({LLAMA_8B_4LAYER.describe()}), random weights; stock mlx-lm vs "
                     "patch_model(tune='auto') on the same weights",
                     lambda dtype=dtype, M=M, fmt=fmt: setup(LLAMA_8B_4LAYER, dtype, M, fmt=fmt),
+                    min_calls=E2E_MIN_CALLS)
+    for suffix, fmt in MOE_FORMATS.items():
+        for dtype in MOE_DTYPES:
+            for M in M_VALUES:
+                name = f"e2e_qwen3_moe_4layer_{dtype}{suffix}_m{M}"
+                weights = ("" if fmt is None else f", layers quantized {fmt[0]}-bit gs{fmt[1]} "
+                           "(linears and experts; router float)")
+                table[name] = Benchmark(
+                    name, KERNEL,
+                    f"full-model prefill, M={M} tokens, {dtype}{weights}: Qwen3-30B-A3B-shaped "
+                    f"qwen3_moe, 4 layers ({QWEN3_MOE_4LAYER.describe()}), random weights; "
+                    "stock mlx-lm vs patch_model(tune='auto') (each SwitchGLU through the MoE "
+                    "brick where faster)",
+                    lambda dtype=dtype, M=M, fmt=fmt: setup(QWEN3_MOE_4LAYER, dtype, M,
+                                                            fmt=fmt),
                     min_calls=E2E_MIN_CALLS)
     for suffix, fmt in CPU_FORMATS.items():
         for dtype in CPU_DTYPES:
@@ -221,6 +239,7 @@ GROUPS: dict[str, list[str]] = {
     "e2e_llama8b_4layer_quantized": [n for n in BENCHMARKS
                                      if n.startswith("e2e_llama8b_4layer_") and "_q" in n],
     "e2e_small_llama_cpu": [n for n in BENCHMARKS if n.startswith("e2e_small_llama_cpu_")],
+    "e2e_qwen3_moe_4layer": [n for n in BENCHMARKS if n.startswith("e2e_qwen3_moe_4layer_")],
 }
 
 

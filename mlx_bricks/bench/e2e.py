@@ -12,6 +12,14 @@ The lead's H200 command (bf16 and fp16, M = 512 / 2048 / 8192, one process)::
     mkdir -p bench/results && python -m mlx_bricks.bench --only e2e_llama8b_4layer --repeats 10 \
         --out bench/results/h200-e2e.json
 
+The MoE cases (group ``e2e_qwen3_moe_4layer``) run :data:`QWEN3_MOE_4LAYER`, mlx-lm's
+qwen3_moe with Qwen3-30B-A3B's layer shapes: the patch runs each ``SwitchGLU`` through the MoE
+brick where the tuner measures it faster (the attention stays stock: qwen3_moe is not in the
+patch table)::
+
+    python -m mlx_bricks.bench --only e2e_qwen3_moe_4layer --repeats 10 \
+        --out bench/results/h200-e2e-moe.json
+
 The CPU cases (group ``e2e_small_llama_cpu``) run :data:`SMALL_LLAMA` where no kernel backend
 exists: the patch tunes the composites of the quantized kinds against stock there.
 """
@@ -44,6 +52,11 @@ class LlamaShape:
         return (f"hidden {self.hidden}, intermediate {self.intermediate}, {self.heads}/"
                 f"{self.kv_heads} heads of {self.head_dim}, vocab {self.vocab}")
 
+    def model_class(self):
+        from mlx_lm.models.llama import Model
+
+        return Model
+
     def model_args(self):
         from mlx_lm.models.llama import ModelArgs
 
@@ -53,6 +66,52 @@ class LlamaShape:
                          head_dim=self.head_dim, rms_norm_eps=1e-5, vocab_size=self.vocab,
                          rope_theta=500000.0, tie_word_embeddings=False)
 
+
+@dataclass(frozen=True)
+class Qwen3MoeShape:
+    """The shape of a qwen3_moe model (mlx-lm ``ModelArgs`` fields): every layer a MoE layer
+    (``SwitchGLU`` experts, the router's top-k)."""
+
+    hidden: int
+    moe_intermediate: int
+    experts: int
+    top_k: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    def describe(self) -> str:
+        return (f"hidden {self.hidden}, {self.experts} experts of {self.moe_intermediate}, "
+                f"top-{self.top_k}, {self.heads}/{self.kv_heads} heads of {self.head_dim}, "
+                f"vocab {self.vocab}")
+
+    def model_class(self):
+        from mlx_lm.models.qwen3_moe import Model
+
+        return Model
+
+    def model_args(self):
+        from mlx_lm.models.qwen3_moe import ModelArgs
+
+        return ModelArgs(model_type="qwen3_moe", hidden_size=self.hidden,
+                         num_hidden_layers=self.layers, intermediate_size=4 * self.hidden,
+                         num_attention_heads=self.heads, num_experts=self.experts,
+                         num_experts_per_tok=self.top_k, decoder_sparse_step=1,
+                         mlp_only_layers=[], moe_intermediate_size=self.moe_intermediate,
+                         rms_norm_eps=1e-6, vocab_size=self.vocab,
+                         num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
+                         rope_theta=1000000.0, tie_word_embeddings=False,
+                         max_position_embeddings=40960, norm_topk_prob=True)
+
+
+#: Qwen3-30B-A3B's layer shapes, 4 layers (the 32000-token vocabulary as for the llama case).
+QWEN3_MOE_4LAYER = Qwen3MoeShape(hidden=2048, moe_intermediate=768, experts=128, top_k=8,
+                                 layers=4, heads=32, kv_heads=4, head_dim=128, vocab=32000)
+#: The MoE cases: bf16, float or 4-bit gs64 weights (experts and attention), M as above.
+MOE_DTYPES = ("bf16",)
+MOE_FORMATS = {"": None, "_q4g64": (4, 64)}
 
 #: Llama-3-8B's layer shapes, 4 layers (llama 2's 32000-token vocabulary keeps the LM head,
 #: which is stock on both sides, from dominating).
@@ -80,12 +139,25 @@ def mx_dtype(name: str):
     return {"bf16": mx.bfloat16, "fp16": mx.float16, "fp32": mx.float32}[name]
 
 
-def _models(shape: LlamaShape, dtype: str, fmt=None):
-    """(stock, patched-to-be) instances of one random model on shared parameter arrays; one
-    shape, dtype and format is kept at a time (an 8B-shaped 4-layer model is about 2 GB)."""
+def _quantized_layer(path: str, module) -> bool:
+    """What ``nn.quantize`` quantizes in the benchmarks: the decoder layers' linears and MoE
+    experts (``SwitchLinear``), not a MoE router (``mlp.gate``, kept float as mlx-lm's 4-bit
+    MoE checkpoints keep it at higher precision)."""
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    return (isinstance(module, (nn.Linear, SwitchLinear)) and path.startswith("model.layers.")
+            and not path.endswith("mlp.gate"))
+
+
+def _models(shape, dtype: str, fmt=None):
+    """(stock, patched-to-be) instances of one random model (``shape``: a :class:`LlamaShape`
+    or :class:`Qwen3MoeShape`) on shared parameter arrays; one shape, dtype and format is kept
+    at a time (an 8B-shaped 4-layer model is about 2 GB)."""
     import mlx.core as mx
     import mlx.nn as nn
-    from mlx_lm.models.llama import Model
+
+    Model = shape.model_class()
 
     key = (shape, dtype, fmt)
     if key not in _MODELS:
@@ -96,20 +168,18 @@ def _models(shape: LlamaShape, dtype: str, fmt=None):
         stock.set_dtype(mx_dtype(dtype))
         if fmt is not None:
             for m in models:
-                nn.quantize(m, group_size=fmt[1], bits=fmt[0],
-                            class_predicate=lambda path, mod: isinstance(mod, nn.Linear)
-                            and path.startswith("model.layers."))
+                nn.quantize(m, group_size=fmt[1], bits=fmt[0], class_predicate=_quantized_layer)
         mx.eval(stock.parameters())
         patched.update(stock.parameters())  # the same arrays; its own init is never evaluated
         _MODELS[key] = (stock, patched)
     return _MODELS[key]
 
 
-def setup(shape: LlamaShape, dtype: str, M: int, *, tune: str = "auto", fmt=None):
+def setup(shape, dtype: str, M: int, *, tune: str = "auto", fmt=None):
     """``(patched forward, stock forward, info)`` for ``mlx_bricks.bench.core.Benchmark``.
 
     Args:
-        shape: the model shape.
+        shape: the model shape (:class:`LlamaShape` or :class:`Qwen3MoeShape`).
         dtype: ``"bf16"`` or ``"fp16"``.
         M: prompt tokens (one chunk).
         tune: ``patch_model(tune=...)``.

@@ -78,6 +78,8 @@ def structure_reason(module, state, dtype) -> str | None:
         _fingerprint(mlp, lay.mlp_linears, token)
     if state.piece is not None:
         _fingerprint(module, state.piece.linears(lay), token)
+        # other children the piece's check reads (a SwitchGLU's activation module)
+        token.extend(id(module.get(n)) for n in getattr(state.piece, "watched", ()))
     token = tuple(token)
     if state.structure is not None and state.structure[0] == token:
         return state.structure[1]

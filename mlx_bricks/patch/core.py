@@ -18,6 +18,7 @@ from mlx_bricks.bricks.attention.msl import SUPPORTED_HEAD_DIMS
 from mlx_bricks.bricks.attention.piece import KIND as ATTENTION
 from mlx_bricks.bricks.dequantize.composite import CAP_SETTING, MIB, resolve_cap
 from mlx_bricks.bricks.gemm.piece import KIND as LINEAR
+from mlx_bricks.bricks.moe.piece import MOE_PIECE, activation_of, switch_classes
 from mlx_bricks.bricks.norm_qkv.piece import KIND as RMS_NORM_QKV
 from mlx_bricks.bricks.norm_qkv.piece import rms_norm_reason
 from mlx_bricks.bricks.swiglu.piece import MLP_PIECE
@@ -99,6 +100,9 @@ def _attention_structure(attn, layout, kv_quant) -> tuple[str | None, int]:
         return f"block has no {layout.attention!r}", 0
     if is_patched(attn):
         return "module is already patched", 0
+    r = sinks_reason(attn)
+    if r is not None:
+        return r, 0
     for name in layout.attention_linears:
         r = linear_reason(name, getattr(attn, name, None))
         if r is not None:
@@ -135,11 +139,24 @@ def _attention_structure(attn, layout, kv_quant) -> tuple[str | None, int]:
     return _signature_reason(attn, ("mask", "cache")), head_dim
 
 
+def sinks_reason(attn) -> str | None:
+    """Why an attention module with learned attention sinks (gpt-oss's ``sinks``, one logit per
+    head in the softmax's denominator) stays stock: the attention brick has no sinks."""
+    if isinstance(attn, dict) and "sinks" in attn:  # nn.Module is a dict of its arrays
+        return ("attention sinks (sinks: a learned logit per head in the softmax): the "
+                "attention brick has none")
+    return None
+
+
 def _mlp_structure(mlp, layout) -> str | None:
     if mlp is None:
         return f"block has no {layout.mlp!r}"
     if is_patched(mlp):
         return "module is already patched"
+    if isinstance(mlp, nn.Module) and has_experts(mlp):
+        return ("MoE block (router and experts, not a dense MLP): its SwitchGLU experts are "
+                "patched by module (the moe entry); router, combine and shared experts stay "
+                "stock")
     return MLP_PIECE.reason(mlp, layout) or _signature_reason(mlp, ())
 
 
@@ -233,6 +250,63 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
               piece=MLP_PIECE)
 
 
+def has_experts(layer) -> bool:
+    """Whether ``layer`` holds a ``SwitchGLU`` or ``SwitchMLP`` (mlx-lm's MoE experts)."""
+    classes = switch_classes()[:2]
+    return any(isinstance(m, classes) for _, m in layer.named_modules())
+
+
+def _patch_experts(report: PatchReport, i: int, layer, opts: dict, backend: str,
+                   dispatch: Dispatch | None, layout) -> None:
+    """Patch every ``SwitchGLU`` inside layer ``i`` by module, whatever the architecture (its
+    call ``(x, indices)`` runs the MoE piece, ``bricks.moe.piece.MOE_PIECE``; the model's
+    router, combine and shared experts stay its own), and report every ``SwitchMLP`` stock
+    with the reason. With
+    ``dispatch`` None or composites only (no kernel backend: the MoE kind has no composites)
+    they are reported stock with :data:`NO_KERNEL_BACKEND`."""
+    glu, switch_mlp = switch_classes()[:2]
+    for path, module in layer.named_modules():
+        if not isinstance(module, (glu, switch_mlp)):
+            continue
+        where = path or "layer"
+        formats = MOE_PIECE.weight_formats(module) if isinstance(module, glu) else {}
+        add = report.modules.append
+        if not opts["mlp"]:
+            add(ModuleReport(i, MOE_PIECE.role, DISABLED, reason=f"{where}: mlp=False",
+                             weights=formats))
+            continue
+        reason = "module is already patched" if is_patched(module) else \
+            MOE_PIECE.reason(module) or _signature_reason(module, ("indices",))
+        if reason is not None:
+            add(ModuleReport(i, MOE_PIECE.role, FALLBACK, reason=f"{where}: {reason}",
+                             weights=formats))
+            continue
+        if dispatch is None or dispatch.composites_only:
+            add(ModuleReport(i, MOE_PIECE.role, STOCK, reason=NO_KERNEL_BACKEND,
+                             weights=formats))
+            continue
+        if dispatch.tuning:
+            tile = "tuned"
+        else:
+            tile = "reference" if backend == "reference" else "rule"
+        variant = f"{where}: activation={activation_of(module)[0]}, tile={tile}"
+        st = BricksState(backend=backend, layer=i, role=MOE_PIECE.role, layout=layout,
+                         piece=MOE_PIECE, dispatch=dispatch)
+        attach(module, BricksPiece, st)
+        add(ModuleReport(i, MOE_PIECE.role, PATCHED, MOE_PIECE.bricks, variant, backend,
+                         weights=formats, state=st))
+
+
+def _unlisted_layer(report: PatchReport, i: int, layer, model_type) -> None:
+    """The attention entry of layer ``i`` of a model whose ``model_type`` is not in the patch
+    table (its MoE experts are patched by module): stock, with the reason."""
+    attn = getattr(layer, "self_attn", None)
+    reason = sinks_reason(attn) or (
+        f"model_type {model_type!r} is not in the patch table: attention and dense MLPs stay "
+        "stock (its MoE experts, SwitchGLU, are patched by module)")
+    report.modules.append(ModuleReport(i, "self_attn", FALLBACK, reason=reason))
+
+
 def _check_flag(name, value):
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
@@ -273,7 +347,9 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
     Args:
         model: an mlx-lm model (``nn.Module`` with ``layers`` and ``model_type``).
         attention: patch the attention modules.
-        mlp: patch the MLP modules.
+        mlp: patch the MLP modules: the dense MLPs, and every MoE expert module
+            (``SwitchGLU``, by module whatever the model_type: its ``(x, indices)`` call runs
+            the MoE piece; docs/moe.md, "Patching").
         fuse_block: use the unified block where both can be patched.
         kv_quant: None or ``"q8_0"``: K/V rounded to Q8_0 inside the attention brick (needs
             head_dim % 32 == 0). The mlx-lm cache keeps full precision: no memory is saved and
@@ -351,7 +427,14 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
     report = PatchReport(model_type=model_type, architecture=arch, backend=choice,
                          options=opts, dispatch=dispatch)
     layers = getattr(model, "layers", None)
-    if layout is None:
+    if layout is None and isinstance(layers, (list, tuple)) and any(map(has_experts, layers)):
+        report.n_layers = len(layers)
+        for i, layer in enumerate(layers):
+            _unlisted_layer(report, i, layer, model_type)
+            _patch_experts(report, i, layer, opts, choice.name, dispatch, None)
+        if no_kernels and report.n_patched == 0:
+            report.dispatch = None
+    elif layout is None:
         report.modules.append(ModuleReport(
             None, "model", FALLBACK,
             reason=f"model_type {model_type!r} is not in the patch table "
@@ -363,6 +446,7 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
         report.n_layers = len(layers)
         for i, layer in enumerate(layers):
             _patch_layer(report, i, layer, layout, opts, choice.name, dispatch, no_kernels)
+            _patch_experts(report, i, layer, opts, choice.name, dispatch, layout)
         record_weight_formats(report, layers, layout)
         if no_kernels and report.n_patched == 0:
             report.dispatch = None  # a float model: nothing to tune, exactly stock

@@ -106,7 +106,9 @@ def record_weight_formats(report: "PatchReport", layers, layout) -> None:
                   "mlp": getattr(layer, layout.mlp, None)}[m.module]
         if module is not None:
             piece = MLP_PIECE if m.module == MLP_PIECE.role else None
-            m.weights = weight_formats(module, m.module, layout, piece)
+            formats = weight_formats(module, m.module, layout, piece)
+            # a module with none of the layout's linears (a MoE block in the mlp slot) has none
+            m.weights = {} if set(formats.values()) == {"missing"} else formats
 
 
 @dataclass(eq=False)

@@ -2,7 +2,10 @@
 
 One entry per ``model_type`` (mlx-lm's ``config.json`` field); the patch routine is the same for
 all of them. Biases are found on the modules themselves (qwen2 has q/k/v biases, llama has them
-with ``attention_bias``/``mlp_bias``), so they need no entry here.
+with ``attention_bias``/``mlp_bias``), so they need no entry here. Neither do MoE experts: every
+mlx-lm ``SwitchGLU`` is patched by module, whatever the model_type (``patch.core``
+``_patch_experts``, ``bricks/moe/piece.py``); a model_type not listed here keeps its attention
+and dense MLPs stock.
 """
 from __future__ import annotations
 
@@ -23,6 +26,11 @@ ARCHITECTURES: dict[str, BlockLayout] = {
     "qwen2": BlockLayout(source="mlx_lm/models/qwen2.py"),
     # qwen3: per-head RMSNorm of q and k (over head_dim) before RoPE.
     "qwen3": BlockLayout(source="mlx_lm/models/qwen3.py", qk_norm=("q_norm", "k_norm")),
+    # qwen3_moe / qwen2_moe: qwen3's / qwen2's attention; a MoE layer's mlp is a sparse block
+    # (router, SwitchGLU experts, qwen2_moe's shared expert): those layers are not fused, their
+    # experts are patched by module.
+    "qwen3_moe": BlockLayout(source="mlx_lm/models/qwen3_moe.py", qk_norm=("q_norm", "k_norm")),
+    "qwen2_moe": BlockLayout(source="mlx_lm/models/qwen2_moe.py"),
     # gemma3 (text): RMSNorm of 1 + w (q/k norms too), GELU-tanh MLP, scale from
     # query_pre_attn_scalar (the module's own scale), sliding-window layers (is_sliding, a
     # RotatingKVCache of sliding_window) between global ones; embedding scaling stays in the

@@ -18,6 +18,8 @@
 #   quant-tests    the quantized-prefill tests on cuda (dequantize, composites, Q8_0 K/V variants)
 #   moe-tests      the MoE brick's cuda tests (every tile; the sweep with moe-sweep)
 #   bench-moe      MoE MLP at Qwen3-30B-A3B / gpt-oss-20b shapes, stock SwitchGLU vs the brick
+#   moe-patch      tiny MoE models patched on cuda (tile rule and tuner) vs stock mlx-lm
+#   e2e-moe        4-layer Qwen3-30B-A3B-shaped prefill, bf16 and 4-bit (patched vs stock)
 #   shard          2 NCCL ranks (needs kind nvidia-h200-x2; NVLink multicast off)
 #   all-tests      the whole default suite on the GPU machine
 set -uo pipefail
@@ -58,6 +60,9 @@ for s in "$@"; do
             -k "cuda and not compile and not emulation" tests/test_moe.py ;;
         moe-sweep) step moe-sweep 420 $PYT -n 8 -m slow -k "sweep and cuda" tests/test_moe.py ;;
         bench-moe) step bench-moe 420 $BENCH --only moe --repeats 10 --out "$OUT/moe.json" ;;
+        moe-patch) step moe-patch 240 $PYT -n 8 -k cuda tests/test_moe_patch.py ;;
+        e2e-moe) step e2e-moe 420 $BENCH --only e2e_qwen3_moe_4layer --repeats 5 \
+            --out "$OUT/e2e_moe.json" ;;
         shard) step shard 560 $PYT -m gpu tests/test_shard_gpu.py ;;
         all-tests) step all-tests 500 $PYT -n 8 -m "not slow" tests ;;
         *) echo "unknown step $s"; exit 2 ;;

@@ -1,0 +1,167 @@
+"""The MoE brick's tuner kind: the experts of a MoE layer, what mlx-lm's ``SwitchGLU(x, indices)``
+returns (``mlx_lm/models/switch_layers.py``), against ``SwitchGLU`` itself in MLX ops
+(:func:`~mlx_bricks.bricks.moe.op.moe_mlp_reference`: ``gather_mm`` / ``gather_qmm``, sorted by
+expert from 64 rows on, as mlx-lm 0.32).
+
+Arguments: ``x`` (..., D), ``indices`` (..., k), ``w_gate``, ``w_up``, ``w_down`` (stacked expert
+weights, float ``(E, N, D)`` arrays or 3-D ``QuantizedWeight``), ``b_gate``, ``b_up``, ``b_down``
+(optional expert biases), and optionally ``activation`` (``"silu"`` when absent,
+``"gelu_tanh"``, ``"swiglu_oai"`` with ``alpha`` / ``limit``).
+
+The key: E, N, D, top-k, biases and the activation; the bucket of the tokens
+(``tune.buckets.m_bucket``) and of the mean rows per expert ``tokens * k / E`` (the same edges,
+``rpe``): a grouped GEMM's tile choice follows the rows per expert, stock's ``gather_mm`` the
+tokens; dtype; the three weight formats. Kernel variants: the brick's tiles (``moe.msl.TILES`` on
+metal / emulator, ``moe.cuda.tile_names`` on cuda); on ``reference`` none. No composites.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import mlx.core as mx
+
+from mlx_bricks.bricks.moe import cuda, msl
+from mlx_bricks.bricks.moe.op import (
+    SWIGLU_OAI_ALPHA,
+    SWIGLU_OAI_LIMIT,
+    expert_shape,
+    moe_mlp,
+    moe_mlp_reference,
+    weight_format,
+)
+from mlx_bricks.checks import dtype_name
+from mlx_bricks.formats import dense, format_of, formats_key
+from mlx_bricks.runtime.kind import Key, OpKind, flags, high_precision, register_kind
+from mlx_bricks.tune.buckets import M_EDGES, m_bucket
+
+_WEIGHTS = ("w_gate", "w_up", "w_down")
+_BIASES = ("b_gate", "b_up", "b_down")
+
+
+def rows_bucket(tokens: int, k: int, E: int) -> str:
+    """The bucket of the mean rows per expert ``ceil(tokens * k / E)`` (at least 1), on the M
+    edges: ``"rpe<=32"`` ... ``"rpe>2048"``."""
+    rpe = max(1, -(-tokens * k // max(1, E)))
+    for edge in M_EDGES:
+        if rpe <= edge:
+            return f"rpe<={edge}"
+    return f"rpe>{M_EDGES[-1]}"
+
+
+def _act_kwargs(args) -> dict:
+    act = args.get("activation", "silu")
+    out = {"activation": act}
+    if act == "swiglu_oai":
+        out.update(alpha=args.get("alpha"), limit=args.get("limit"))
+    return out
+
+
+def _activation_hp(act: str, g, u, alpha, limit):
+    """The activation in the reference's precision (formulas of mlx-lm's ``swiglu``, gemma4's
+    ``geglu``, ``swiglu_oai``)."""
+    if act == "gelu_tanh":
+        return 0.5 * g * (1 + mx.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3))) * u
+    if act == "swiglu_oai":
+        alpha = SWIGLU_OAI_ALPHA if alpha is None else alpha
+        limit = SWIGLU_OAI_LIMIT if limit is None else limit
+        g = mx.minimum(g, limit)
+        u = mx.clip(u, -limit, limit)
+        return (u + 1.0) * (g * mx.sigmoid(alpha * g))
+    return g * mx.sigmoid(g) * u
+
+
+def _experts_dense(weight, experts):
+    """The float ``(rows, N, K)`` weights of ``experts`` (one per row): an affine weight's fields
+    are gathered before ``mx.dequantize``, so only the experts the rows use are dequantized."""
+    if format_of(weight).quantized:
+        weight = dataclasses.replace(weight, w=weight.w[experts], scales=weight.scales[experts],
+                                     biases=None if weight.biases is None
+                                     else weight.biases[experts])
+        return dense(weight)
+    return weight[experts]
+
+
+class MoeMLP(OpKind):
+    """The MoE MLP kind (module docstring). Its rows are the (token, slot) pairs: the output
+    ``(..., k, D)`` flattened to ``(tokens * k, D)``."""
+
+    name = "moe_mlp"
+    op_name = name
+    activations = ("x",)
+
+    def key(self, args):
+        x, idx = args["x"], args["indices"]
+        E, N, D = expert_shape(args["w_gate"])
+        k = idx.shape[-1]
+        tokens = math.prod(x.shape[:-1])
+        values = dict(E=E, N=N, D=D, k=k, bias=args.get("b_gate") is not None)
+        act = args.get("activation", "silu")
+        if act != "silu":
+            values["act"] = act
+            if act == "swiglu_oai":
+                for name, default in (("alpha", SWIGLU_OAI_ALPHA), ("limit", SWIGLU_OAI_LIMIT)):
+                    v = args.get(name)
+                    values[name] = default if v is None else v
+        return Key(self.name, flags(**values),
+                   f"{m_bucket(max(1, tokens))},{rows_bucket(tokens, k, E)}",
+                   dtype_name(x.dtype), formats_key(*(args[w] for w in _WEIGHTS)))
+
+    def brick(self, args, backend, **kwargs):
+        return moe_mlp(args["x"], args["indices"], *(args[w] for w in _WEIGHTS),
+                       **{b: args.get(b) for b in _BIASES}, **_act_kwargs(args),
+                       check_indices=False, backend=backend, **kwargs)
+
+    def stock(self, args):
+        """``SwitchGLU.__call__`` in MLX ops (:func:`moe_mlp_reference`)."""
+        return moe_mlp_reference(args["x"], args["indices"], *(args[w] for w in _WEIGHTS),
+                                 **{b: args.get(b) for b in _BIASES}, **_act_kwargs(args))
+
+    def listing(self, backend, dtype, args):
+        """The brick's tiles on ``backend``: every MSL tile on metal / emulator; on cuda the
+        tiles this GPU runs for the weights' widths (none for float32: no CUDA twin); none on
+        ``reference`` or any other backend."""
+        if backend in ("metal", "emulator"):
+            return tuple(msl.TILES)
+        if backend == "cuda" and dtype != mx.float32:
+            bits = (0, 0, 0) if args is None else tuple(weight_format(args[w])[0]
+                                                        for w in _WEIGHTS)
+            return cuda.tile_names(bits=bits)
+        return ()
+
+    def variant_kwargs(self, name):
+        return {"tile": name}
+
+    def n_rows(self, args):
+        return math.prod(args["indices"].shape)
+
+    def measured(self, args):
+        return {"M": math.prod(args["x"].shape[:-1]), "R": self.n_rows(args)}
+
+    def tail(self, out, rows):
+        return out.reshape(-1, out.shape[-1])[-rows:]
+
+    def reference_tail(self, args, rows):
+        """The last ``rows`` (token, slot) rows, each expert's MLP in high precision."""
+        x, idx = args["x"], args["indices"]
+        k = idx.shape[-1]
+        flat = idx.reshape(-1)
+        R = flat.size
+        r = mx.arange(R - rows, R)
+        experts = flat[r]
+        with high_precision(x.dtype) as hp:
+            xs = x.reshape(-1, x.shape[-1])[r // k].astype(hp)[:, None, :]
+
+            def lin(a, w, b):
+                y = a @ _experts_dense(w, experts).astype(hp).swapaxes(-1, -2)
+                return y if b is None else y + b[experts].astype(hp)[:, None, :]
+
+            g = lin(xs, args["w_gate"], args.get("b_gate"))
+            u = lin(xs, args["w_up"], args.get("b_up"))
+            a = _activation_hp(args.get("activation", "silu"), g, u, args.get("alpha"),
+                               args.get("limit"))
+            y = lin(a, args["w_down"], args.get("b_down"))
+        return y[:, 0, :]
+
+
+MOE_MLP = register_kind(MoeMLP())
