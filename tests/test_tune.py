@@ -156,6 +156,10 @@ def _kind_args(dtype=mx.float32):
                       "k": mx.random.normal((2, 2, 13, 64)).astype(dtype),
                       "v": mx.random.normal((2, 2, 13, 64)).astype(dtype),
                       "scale": 64**-0.5, "mask": "causal", "kv_quant": None},
+        "moe_mlp": {"x": x, "indices": mx.random.randint(0, 4, (2, 9, 2)),
+                    "w_gate": (mx.random.normal((4, 96, 64)) * 0.125).astype(dtype),
+                    "w_up": (mx.random.normal((4, 96, 64)) * 0.125).astype(dtype),
+                    "w_down": (mx.random.normal((4, 64, 96)) * 0.1).astype(dtype)},
     }
 
 
