@@ -838,3 +838,22 @@ def test_kv_start_reference_in_query_blocks_matches_float64(on_cpu, monkeypatch,
     assert_dtype_close(got, ref, batch_naive(q, k, v, 0.125, starts, causal, window, cap),
                        dtype=BF16)
     np.testing.assert_allclose(to_f64(got), to_f64(whole), rtol=0, atol=2 * EPS[BF16])
+
+
+def test_reference_kv_start_of_any_integer_dtype_is_clipped_before_use():
+    """``flash_attention_reference`` called directly (it is exported): an int64 kv_start past
+    the keys hides every key (not wrapped to a small int32), a uint8 one works with a window
+    (whose blocked path subtracts a block start), each as the same values in int32."""
+    from mlx_bricks.bricks.attention.op import flash_attention_reference
+
+    mx.random.seed(5)
+    q, k, v = (mx.random.normal((2, 2, 5, 16)) for _ in range(3))
+    kw = dict(scale=0.25, mask="causal")
+    big = flash_attention_reference(q, k, v, kv_start=mx.array([2**33, 1], dtype=mx.int64), **kw)
+    want = flash_attention_reference(q, k, v, kv_start=mx.array([5, 1], dtype=mx.int32), **kw)
+    assert mx.array_equal(big, want)
+    small = flash_attention_reference(q, k, v, kv_start=mx.array([3, 0], dtype=mx.uint8),
+                                      window=2, **kw)
+    want = flash_attention_reference(q, k, v, kv_start=mx.array([3, 0], dtype=mx.int32),
+                                     window=2, **kw)
+    assert mx.array_equal(small, want)

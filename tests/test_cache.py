@@ -629,14 +629,21 @@ def test_padded_batch_admission_reasons():
     """A ``BatchKVCache`` call is taken when its mask has ``make_mask``'s type and shape
     (decided without reading values), and keyed as its own mask kind; other masks, a sliding
     window and a cache without left padding stay stock with their reason."""
-    from mlx_bricks.nn.calls import cache_offset, call_reason, mask_key
+    from mlx_bricks.nn.calls import cache_offset, call_reason, mask_key, track_batch_masks
 
+    track_batch_masks()  # what patch_model does
     cache = mlx_cache.BatchKVCache([2, 0, 5])
     cache.update_and_fetch(mx.zeros((3, 2, 6, 8)), mx.zeros((3, 2, 6, 8)))
     x = mx.zeros((3, 4, 16))
     mask = cache.make_mask(4)
     assert mask.shape == (3, 1, 4, 10)
     assert call_reason(x, mask, cache, (), {}) is None
+    # a mask of the same type and shape that make_mask did not make without a window: stock
+    own = mx.ones((3, 1, 4, 10), dtype=mx.bool_)
+    assert "did not make" in call_reason(x, own, cache, (), {})
+    windowed = cache.make_mask(4, window_size=3)
+    assert windowed.shape == mask.shape and "did not make" in call_reason(x, windowed, cache,
+                                                                         (), {})
     assert mask_key(mask, cache, 4) == ("padded", 10) and cache_offset(cache) == 6
     assert "sliding-window" in call_reason(x, mask, cache, (), {}, window=4)
     assert "not BatchKVCache.make_mask" in call_reason(x, mask[:, :, :, 1:], cache, (), {})

@@ -3,6 +3,9 @@ mask, cache, extra arguments) is one the bricks compute, and the call-shape key 
 are remembered under. The structure of the module is checked apart (``nn.structure``)."""
 from __future__ import annotations
 
+import functools
+import weakref
+
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
@@ -63,6 +66,37 @@ def _array_mask_reason(mask, cache, L: int, window) -> str | None:
     return f"mask is {what}: not mlx-lm's (L, keys) {kind} mask"
 
 
+#: Masks ``BatchKVCache.make_mask`` returned without a window: ``id(mask) -> weakref``. A
+#: padded batch is admitted only with one of these, so a mask of the same shape built otherwise
+#: (a caller's own, a window, a VLM's extra masking) is never read as causal + left padding.
+_BATCH_MASKS: dict[int, weakref.ref] = {}
+
+
+def track_batch_masks() -> None:
+    """Wrap ``BatchKVCache.make_mask`` (once per process) so that the masks it makes without a
+    ``window_size`` are recorded (:data:`_BATCH_MASKS`, weak references: no mask is kept
+    alive). The value it returns is unchanged. Called by ``patch_model``."""
+    original = BatchKVCache.make_mask
+    if getattr(original, "_bricks_tracked", False):
+        return
+
+    @functools.wraps(original)
+    def make_mask(self, *args, **kwargs):
+        mask = original(self, *args, **kwargs)
+        if isinstance(mask, mx.array) and kwargs.get("window_size") is None:
+            key = id(mask)
+            _BATCH_MASKS[key] = weakref.ref(mask, lambda _, key=key: _BATCH_MASKS.pop(key, None))
+        return mask
+
+    make_mask._bricks_tracked = True
+    BatchKVCache.make_mask = make_mask
+
+
+def _made_by_batch_cache(mask) -> bool:
+    ref = _BATCH_MASKS.get(id(mask))
+    return ref is not None and ref() is mask
+
+
 def _batch_mask_reason(x, mask, cache, window) -> str | None:
     """A ``BatchKVCache`` call (mlx-lm's ``BatchGenerator``, a padded batch): None when the
     mask is the one ``cache.make_mask(L)`` builds, decided from types and shapes (no host
@@ -79,7 +113,10 @@ def _batch_mask_reason(x, mask, cache, window) -> str | None:
         return "BatchKVCache without a (B,) left_padding array: padded batch runs stock"
     if (isinstance(mask, mx.array) and mask.dtype == mx.bool_
             and tuple(mask.shape) == want):
-        return None
+        if _made_by_batch_cache(mask):
+            return None
+        return (f"mask is a {want} array that BatchKVCache.make_mask did not make (without a "
+                "window): padded batch runs stock")
     what = f"an array {tuple(mask.shape)}" if isinstance(mask, mx.array) else repr(mask)
     return f"mask is {what}: not BatchKVCache.make_mask's {want} padded-batch mask"
 

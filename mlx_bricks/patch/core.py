@@ -35,6 +35,7 @@ from mlx_bricks.nn import (
     detach,
     is_patched,
 )
+from mlx_bricks.nn.calls import track_batch_masks
 from mlx_bricks.nn.structure import attention_sharding_reason, linears
 from mlx_bricks.runtime.dispatch import NO_KERNEL_BACKEND, TUNE_MODES, Dispatch, no_kernel_backend
 from mlx_bricks.patch.report import (
@@ -398,6 +399,7 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
         raise ValueError(f"kv_quant must be None or 'q8_0', got {kv_quant!r}")
     if kv_cache not in KV_CACHES:
         raise ValueError(f"kv_cache must be 'fp16' or 'q8_0', got {kv_cache!r}")
+    track_batch_masks()  # a padded batch is admitted only with BatchKVCache.make_mask's mask
     if kv_cache == "q8_0" and kv_quant is not None:
         raise ValueError("kv_quant and kv_cache='q8_0' exclude each other: the Q8_0 cache "
                          "already gives the attention Q8_0 K/V (leave kv_quant=None)")

@@ -85,6 +85,8 @@ def flash_attention_reference(q, k, v, *, scale, mask=None, window=None, softcap
         k, v = kv_dense(k, q.dtype), kv_dense(v, q.dtype)
     B, Hq, Lq, _ = q.shape
     Lk = k.shape[2]
+    if kv_start is not None:  # in int32 range before any arithmetic (uint8 wraps, int64 too)
+        kv_start = mx.clip(kv_start, 0, Lk).astype(mx.int32)
     # Only on the CPU, where MLX's attention always materialises the scores and the blocks were
     # measured (docs/kv_cache.md); a GPU's unfused cases (some head_dims and dtypes) would gain
     # memory too, at a launch cost per block not yet measured there.
