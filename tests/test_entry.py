@@ -102,7 +102,7 @@ def test_setup_py_writes_the_hook_line():
     assert namespace["PTH_LINE"] == _hook.PTH_LINE
 
 
-def test_resolve_model_rejects(tmp_path):
+def test_resolve_model_rejects(tmp_path, capsys):
     from mlx_bricks._cli import CliError
     from mlx_bricks.entry.resolve import resolve_model
     from mlx_bricks.patch import supported_model_types
@@ -120,8 +120,6 @@ def test_resolve_model_rejects(tmp_path):
         d["no_config"]: "has no config.json (not an mlx-lm model directory)",
         tmp_path / "bad_json": "cannot read '",
         tmp_path / "no_type": "config.json' has no model_type",
-        d["gemma"]: f"model_type 'gemma' of '{d['gemma']}' is not supported by mlx-bricks; "
-                    f"supported: {supported}",
         tmp_path / "no_weights": "no model*.safetensors weights in",
         d["bad_weights"]: "cannot read weights '",
     }
@@ -129,6 +127,13 @@ def test_resolve_model_rejects(tmp_path):
         with pytest.raises(CliError) as err:
             resolve_model(str(path), what="MODEL_DIR", allow_hub=False, need_patchable=True)
         assert expected in str(err.value), (path, str(err.value))
+    # a model_type outside the patch table is no error: one line says what stays stock
+    from mlx_bricks.entry.resolve import check_model_type
+
+    assert check_model_type({"model_type": "gemma"}, d["gemma"]) == "gemma"
+    err = capsys.readouterr().err
+    assert f"model_type 'gemma' of '{d['gemma']}' is not in the patch table (supported: " \
+        f"{supported}): its attention and dense MLPs stay stock" in err
     with pytest.raises(CliError, match="MODEL_DIR is empty"):
         resolve_model(" ", what="MODEL_DIR", allow_hub=False, need_patchable=True)
     # the unsupported model_type is only an error where the bricks are asked for

@@ -118,16 +118,16 @@ def check_weights(model_dir: Path) -> list[Path]:
 
 
 def check_model_type(config: dict, model_dir: Path) -> str:
-    """``config["model_type"]`` when the patch table supports it.
-
-    Raises:
-        CliError: unsupported ``model_type`` (the message lists the supported ones).
-    """
+    """``config["model_type"]``. A type outside the patch table is no error (the model runs,
+    stock where nothing applies: ``patch_model`` patches what it recognises by module, such as
+    MoE experts, and reports the rest); one line on stderr says so and lists the table's."""
     model_type = config["model_type"]
     supported = supported_model_types()
     if model_type not in supported:
-        raise CliError(f"model_type {model_type!r} of {str(model_dir)!r} is not supported by "
-                       f"mlx-bricks; supported: {', '.join(supported)}")
+        print(f"[mlx-bricks] model_type {model_type!r} of {str(model_dir)!r} is not in the patch "
+              f"table (supported: {', '.join(supported)}): its attention and dense MLPs stay "
+              "stock; MoE experts (SwitchGLU) are patched by module", file=sys.stderr,
+              flush=True)
     return model_type
 
 
@@ -166,9 +166,9 @@ def resolve_model(
                                "or a .gguf file")
             path = convert_gguf_cached(path)
     config = read_config(path, what)
-    if need_patchable:
-        check_model_type(config, path)
     check_weights(path)
+    if need_patchable:  # after the errors: its notice is no error
+        check_model_type(config, path)
     return path
 
 
