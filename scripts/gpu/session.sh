@@ -20,6 +20,9 @@
 #   bench-moe      MoE MLP at Qwen3-30B-A3B / gpt-oss-20b shapes, stock SwitchGLU vs the brick
 #   moe-patch      tiny MoE models patched on cuda (tile rule and tuner) vs stock mlx-lm
 #   e2e-moe        4-layer Qwen3-30B-A3B-shaped prefill, bf16 and 4-bit (patched vs stock)
+#   attn-tests     the attention, decode and KV-cache tests on cuda (padded-batch kv_start too)
+#   e2e-quant-rest the 8-bit M=8192 case and the bf16 float model in one process
+#   peak-probe     where the quantized composites' extra peak memory comes from (peak_probe.py)
 #   shard          2 NCCL ranks (needs kind nvidia-h200-x2; NVLink multicast off)
 #   all-tests      the whole default suite on the GPU machine
 set -uo pipefail
@@ -63,6 +66,16 @@ for s in "$@"; do
         moe-patch) step moe-patch 240 $PYT -n 8 -k cuda tests/test_moe_patch.py ;;
         e2e-moe) step e2e-moe 420 $BENCH --only e2e_qwen3_moe_4layer --repeats 5 \
             --out "$OUT/e2e_moe.json" ;;
+        attn-tests) step attn-tests 300 $PYT -n 8 -m "not slow" \
+            -k "cuda and not emu and not compile and not gpu" tests/test_attention.py \
+            tests/test_attention_cuda.py tests/test_decode_attention.py tests/test_cache.py ;;
+        e2e-quant-rest) step e2e-quant-rest 300 $BENCH --repeats 5 --only \
+            e2e_llama8b_4layer_bf16_q8g64_m8192 e2e_llama8b_4layer_bf16_q4g64_m2048 \
+            e2e_llama8b_4layer_bf16_m512 \
+            e2e_llama8b_4layer_bf16_m2048 e2e_llama8b_4layer_bf16_m8192 \
+            --out "$OUT/e2e_quant_rest.json" ;;
+        peak-probe) step peak-probe 200 python3 scripts/gpu/peak_probe.py "$OUT/peak_probe.json" \
+            512 2048 8192 ;;
         shard) step shard 560 $PYT -m gpu tests/test_shard_gpu.py ;;
         all-tests) step all-tests 500 $PYT -n 8 -m "not slow" tests ;;
         *) echo "unknown step $s"; exit 2 ;;
