@@ -214,10 +214,10 @@ def test_kind_keys_and_synthetic_inputs():
 # the tuner: real timing, injected variants
 
 
-def _linear_problem():
-    w = mx.random.normal((512, 512), key=mx.random.key(1)) * 512**-0.5
+def _linear_problem(dtype=mx.float32):
+    w = (mx.random.normal((512, 512), key=mx.random.key(1)) * 512**-0.5).astype(dtype)
     mx.eval(w)
-    return {"x": Act((1, 128, 512), mx.float32), "weight": w, "bias": None, "residual": None}
+    return {"x": Act((1, 128, 512), dtype), "weight": w, "bias": None, "residual": None}
 
 
 def _slow(args, backend=None):
@@ -278,6 +278,43 @@ def test_tuner_never_picks_a_variant_that_fails_the_check():
                 variants=[Variant("wrong", fn=_memo(args, 1.01))])
     assert d.winner == STOCK and d.ratio is None
     assert d.reason == "tuned: no brick variant passed the numeric check"
+
+
+def test_tuner_when_stock_fails_to_run(monkeypatch):
+    """Stock raising at these shapes (MLX 0.32.4 CUDA's gather_qmm at 8192 tokens, top-8) is
+    no crash: variants are checked against the reference alone (a correct one passes, a 10%
+    wrong one does not), the fastest passing one wins untimed against stock, and with none
+    passing the decision is stock with the reason."""
+    args = _linear_problem(mx.bfloat16)  # the dtypes of GPU prefill (float32: see dtype_close)
+    kind = KINDS["linear"]
+    right, wrong = _memo(args), _memo(args, 1.1)  # 10% off: beyond bfloat16's 4 ulps
+    stock = kind.stock
+
+    def slow(a, backend=None):  # stock's work four times, as _slow
+        s = [stock(a) for _ in range(4)]
+        return mx.maximum(mx.maximum(s[0], s[1]), mx.maximum(s[2], s[3]))
+
+    def failing_stock(a):
+        raise RuntimeError("cuGraphAddKernelNode(&node, graph_, NULL, 0, &params) failed")
+
+    monkeypatch.setattr(kind, "stock", failing_stock)
+    d = tune_op(kind, args, "reference", guard=Guard(), repeats=2,
+                variants=[Variant("wrong", fn=wrong), Variant("slow", fn=slow),
+                          Variant("fast", {"tile": "64x64"}, fn=right)])
+    assert (d.winner, d.kwargs, d.ratio, d.stock_s) == ("fast", {"tile": "64x64"}, None, None)
+    assert not d.variants["wrong"]["ok"] and d.variants["slow"]["ok"]
+    assert d.note.startswith("stock failed: RuntimeError") and "cuGraphAddKernelNode" in d.reason
+    assert d.variants["fast"]["s"] < d.variants["slow"]["s"]
+    d = tune_op(kind, args, "reference", guard=Guard(), variants=[Variant("wrong", fn=wrong)])
+    assert d.winner == STOCK and d.reason.startswith("tuned: stock failed: RuntimeError")
+
+
+def test_dtype_close_without_stock():
+    """naive=None: the budget is the reference rounded to the dtype (plus 4 ulps)."""
+    ref = np.linspace(-3, 3, 101)
+    rounded = np.array(mx.array(ref.astype(np.float32)).astype(mx.bfloat16).astype(mx.float32))
+    assert dtype_close(rounded, ref, None, dtype=mx.bfloat16).ok
+    assert not dtype_close(ref * 1.05, ref, None, dtype=mx.bfloat16).ok
 
 
 def test_tuner_with_no_variant_and_decision_round_trip():

@@ -64,7 +64,9 @@ def dtype_close(out, ref, naive, *, dtype, factor: float = 2.0, ulps: float = 4.
         ref: a higher-precision reference of the same values (float32 for float16/bfloat16
             results, float64 for float32 results).
         naive: the same computation in ``dtype`` by stock MLX (the error it shows is the budget's
-            scale).
+            scale), or None where stock cannot run: then ``ref`` rounded to ``dtype`` (the
+            least error a result in ``dtype`` shows; for float32 results this is stricter than
+            a float32 GEMM's accumulation error, so a float32 variant may fail it).
         dtype: ``mx.float16``, ``mx.bfloat16`` or ``mx.float32``.
         factor, ulps: the rule's constants (2 and 4 in the design note).
 
@@ -73,7 +75,8 @@ def dtype_close(out, ref, naive, *, dtype, factor: float = 2.0, ulps: float = 4.
     """
     if dtype not in EPS:
         raise ValueError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
-    o, r, n = to_f64(out), to_f64(ref), to_f64(naive)
+    o, r = to_f64(out), to_f64(ref)
+    n = to_f64(mx.array(r.astype(np.float32)).astype(dtype)) if naive is None else to_f64(naive)
     if o.shape != r.shape:
         return CloseResult(False, float("inf"), 0.0, float("nan"), shape_ok=False)
     finite = np.isfinite(r)

@@ -48,7 +48,8 @@ class Decision:
             "error": why not, "calls": calls per evaluation, "rounds": timed rounds}``.
         measured: the shapes the timing ran at (``{"M": ...}`` or ``{"q_len", "kv_len"}``).
         source: ``"measured"`` in this process, or ``"cache"``.
-        note: why nothing was measured (no variant on this backend), else empty.
+        note: why nothing was measured (no variant on this backend), or that stock failed to
+            run at these shapes (then a passing variant wins untimed against it), else empty.
         stock_rounds: timed rounds of stock (fewer than ``REPEATS`` for a slow stock under
             :data:`ROUND_BUDGET_S`), None when nothing was timed.
     """
@@ -74,6 +75,8 @@ class Decision:
         """One phrase for reports: ``"tuned: stock faster (x0.93)"``, ``"tuned: 64x64 faster
         (x1.12)"``..."""
         if self.brick:
+            if self.ratio is None:  # stock failed at this shape (note): the brick runs
+                return f"tuned: {self.winner} ({self.note})"
             return f"tuned: {self.winner} faster (x{self.ratio:.2f})"
         if self.note:
             return f"tuned: {self.note}"
@@ -156,8 +159,15 @@ def tune_op(kind, args: dict, backend: str, *, variants: list | None = None,
     passing: dict = {}
     bar = _progress_bar(len(candidates) + 1, f"mlx-bricks tune {kind.key(args)}", progress)
     try:
-        naive = kind.stock(synth)
-        mx.eval(naive)
+        # Stock can fail where a brick runs (MLX 0.32.4 CUDA's gather_qmm at 8192 tokens top-8:
+        # cuGraphAddKernelNode invalid argument): then the check is against the reference alone
+        # and a passing variant wins without a race; a generation must not die in the tuner.
+        stock_error = ""
+        try:
+            naive = kind.stock(synth)
+            mx.eval(naive)
+        except KERNEL_ERRORS as e:
+            naive, stock_error = None, f"stock failed: {one_line(e)}"
         for v in candidates:
             bar.set_postfix_str(f"check {v.name}")
             reason = (None if guard is None
@@ -181,9 +191,9 @@ def tune_op(kind, args: dict, backend: str, *, variants: list | None = None,
                 passing[v.name] = v
             bar.update(1)
         if not passing:
-            return Decision(key, STOCK, variants=results, measured=measured)
+            return Decision(key, STOCK, variants=results, measured=measured, note=stock_error)
         bar.set_postfix_str("timing")
-        fns = {STOCK: lambda: kind.stock(synth)}
+        fns = {} if stock_error else {STOCK: lambda: kind.stock(synth)}
         for name, v in passing.items():
             fns[name] = lambda v=v: kind.run(v, synth, backend)
         # every candidate ran once just now (stock's output, the checks): they are warm
@@ -191,11 +201,14 @@ def tune_op(kind, args: dict, backend: str, *, variants: list | None = None,
         bar.update(1)
     finally:
         bar.close()
-    stock_s, stock_rounds = timing.median(STOCK), len(timing.runs[STOCK])
     for name in passing:
         results[name].update(s=timing.median(name), calls=timing.calls[name],
                              rounds=len(timing.runs[name]))
     best = min(passing, key=timing.median)
+    if stock_error:  # the fastest passing variant, no race against stock
+        return Decision(key, best, dict(passing[best].kwargs), None, None, results, measured,
+                        note=stock_error)
+    stock_s, stock_rounds = timing.median(STOCK), len(timing.runs[STOCK])
     ratio = stock_s / timing.median(best)
     if ratio >= MIN_SPEEDUP:
         return Decision(key, best, dict(passing[best].kwargs), ratio, stock_s, results, measured,

@@ -19,6 +19,8 @@
 #   moe-tests      the MoE brick's cuda tests (every tile; the sweep with moe-sweep)
 #   bench-moe      MoE MLP at Qwen3-30B-A3B / gpt-oss-20b shapes, stock SwitchGLU vs the brick
 #   moe-patch      tiny MoE models patched on cuda (tile rule and tuner) vs stock mlx-lm
+#   moe-patch-off  the tile-rule half of moe-patch, failures' lines printed
+#   e2e-moe-8192   the 4-bit M=8192 case of e2e-moe (stock gather_qmm fails there)
 #   e2e-moe        4-layer Qwen3-30B-A3B-shaped prefill, bf16 and 4-bit (patched vs stock)
 #   attn-tests     the attention, decode and KV-cache tests on cuda (padded-batch kv_start too)
 #   e2e-quant-rest the 8-bit M=8192 case and the bf16 float model in one process
@@ -64,6 +66,10 @@ for s in "$@"; do
         moe-sweep) step moe-sweep 420 $PYT -n 8 -m slow -k "sweep and cuda" tests/test_moe.py ;;
         bench-moe) step bench-moe 420 $BENCH --only moe --repeats 10 --out "$OUT/moe.json" ;;
         moe-patch) step moe-patch 240 $PYT -n 8 -k cuda tests/test_moe_patch.py ;;
+        moe-patch-off) step moe-patch-off 180 $PYT -n 5 --tb=short -k "cuda and off" \
+            tests/test_moe_patch.py; grep -E "^E |^_____" "$OUT/moe-patch-off.log" | head -80 ;;
+        e2e-moe-8192) step e2e-moe-8192 240 $BENCH --repeats 5 --only \
+            e2e_qwen3_moe_4layer_bf16_q4g64_m8192 --out "$OUT/e2e_moe_8192.json" ;;
         e2e-moe) step e2e-moe 420 $BENCH --only e2e_qwen3_moe_4layer --repeats 5 \
             --out "$OUT/e2e_moe.json" ;;
         attn-tests) step attn-tests 300 $PYT -n 8 -m "not slow" \
