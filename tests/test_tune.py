@@ -309,6 +309,30 @@ def test_tuner_when_stock_fails_to_run(monkeypatch):
     assert d.winner == STOCK and d.reason.startswith("tuned: stock failed: RuntimeError")
 
 
+def test_guard_when_stock_fails_to_run():
+    """The guard's first-call check where stock raises: a correct brick's output is returned
+    (checked against the reference), a wrong one re-raises stock's error (nothing wrong is
+    returned) and is disabled."""
+    kind = KINDS["linear"]
+    args = kind.synthetic(_linear_problem(mx.bfloat16))
+    key = kind.key(args)
+    good = kind.stock(args)
+    mx.eval(good)
+
+    def failing_stock():
+        raise RuntimeError("cuGraphAddKernelNode failed: invalid argument")
+
+    guard = Guard()
+    out, reason = guard.run(kind, Variant("fast", fn=lambda *_: good), args, "reference", key,
+                            failing_stock)
+    assert reason is None and mx.array_equal(out, good)
+    with pytest.raises(RuntimeError, match="cuGraphAddKernelNode"):
+        guard.run(kind, Variant("wrong", fn=lambda *_: good * 1.1), args, "reference", key,
+                  failing_stock)
+    assert "disagrees with the reference (stock failed)" in guard.disabled_reason(
+        "reference", "linear", "wrong", key.scope)
+
+
 def test_dtype_close_without_stock():
     """naive=None: the budget is the reference rounded to the dtype (plus 4 ulps)."""
     ref = np.linspace(-3, 3, 101)
