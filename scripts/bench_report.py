@@ -64,14 +64,80 @@ def plot(rows: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+#: Whole-model targets (stock time / patched time) of the quantized-prefill and MoE issues, by
+#: (model, weights, M); a case without one has none.
+E2E_TARGETS = {("llama8b", "q4g64", 512): 1.5, ("llama8b", "q4g64", 2048): 3.3,
+               ("llama8b", "q4g64", 8192): 3.5, ("llama8b", "q8g64", 2048): 2.8,
+               **{("qwen3_moe", "q4g64", M): 2.0 for M in (512, 2048, 8192)}}
+
+
+def e2e_rows() -> dict:
+    """``{(model, weights, M): (ratio, stock ms, patched ms, file)}`` of the whole-model H200
+    benchmarks (``*-h200-e2e*.json``), the newest file's figure for each case."""
+    rows = {}
+    for f in sorted(RESULTS.glob("*-h200-e2e*.json")):
+        for r in json.loads(f.read_text())["results"]:
+            m = re.match(r"e2e_(llama8b|qwen3_moe)_4layer_bf16(?:_(q\dg\d+))?_m(\d+)$", r["name"])
+            if not m or r.get("ratio") is None:
+                continue
+            rows[(m.group(1), m.group(2) or "bf16", int(m.group(3)))] = (
+                r["ratio"], r["stock_s"] * 1e3, r["brick_s"] * 1e3, f.name)
+    return rows
+
+
+def e2e_table(rows: dict) -> str:
+    out = ["| model | weights | M | stock ms | patched ms | ratio | target | file |",
+           "|---|---|---|---|---|---|---|---|"]
+    for k in sorted(rows):
+        ratio, s, b, f = rows[k]
+        t = E2E_TARGETS.get(k)
+        verdict = "-" if t is None else f">= {t}: {'met' if ratio >= t else 'not met'}"
+        shown = f"{ratio:.2f}" if t is None or (round(ratio, 2) >= t) == (ratio >= t) \
+            else f"{ratio:.3f}"  # 1.997 is not 2.00
+        out.append(f"| {k[0]} | {k[1]} | {k[2]} | {s:.2f} | {b:.2f} | {shown} | {verdict} "
+                   f"| {f} |")
+    return "\n".join(out)
+
+
+def e2e_plot(rows: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = sorted({k[:2] for k in rows})
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.27
+    for i, M in enumerate((512, 2048, 8192)):
+        xs = [x + (i - 1) * width for x in range(len(cases))]
+        ax.bar(xs, [rows.get((*c, M), (0,))[0] for c in cases], width, label=f"M = {M}")
+        for x, c in zip(xs, cases):
+            t = E2E_TARGETS.get((*c, M))
+            if t is not None:
+                ax.plot([x - width / 2, x + width / 2], [t, t], color="k", lw=1.5)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks(range(len(cases)), [f"{m} {w}" for m, w in cases])
+    ax.set_ylabel("stock time / patched time (black: target)")
+    ax.set_title("Whole-model 4-layer prefill, patched vs stock mlx-lm, H200, MLX 0.32.4 CUDA")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--plot", default=None, help="write the ratio plot (PNG) here")
+    p.add_argument("--plot", default=None, help="write the GEMM-family ratio plot (PNG) here")
+    p.add_argument("--e2e-plot", default=None, help="write the whole-model ratio plot here")
     args = p.parse_args()
     rows = gemm_family()
     print(table(rows))
     if args.plot:
         plot(rows, args.plot)
+    e2e = e2e_rows()
+    print()
+    print(e2e_table(e2e))
+    if args.e2e_plot:
+        e2e_plot(e2e, args.e2e_plot)
     return 0
 
 
