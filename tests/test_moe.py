@@ -360,9 +360,12 @@ def test_out_of_range_rows_are_nan_without_the_check(kernel_backend):
     nan_rows = np.isnan(out).any(axis=-1)
     assert np.array_equal(np.argwhere(nan_rows), [[3, 1], [50, 0], [99, 1]])
     assert np.isnan(out[nan_rows]).all()
-    good = moe_mlp(x, idx, *ws, backend=kernel_backend)
+    good = np.array(moe_mlp(x, idx, *ws, backend=kernel_backend).astype(mx.float32))
     ok = ~nan_rows
-    assert np.array_equal(out[ok], np.array(good.astype(mx.float32))[ok])
+    # the other rows as with good indices: equal but for what Metal may vary between launches
+    # (the emulator's perturbed mode: fast:: errors), a few float16 ulps
+    np.testing.assert_allclose(out[ok], good[ok], rtol=0,
+                               atol=4 * 2.0**-10 * max(1.0, np.abs(good[ok]).max()))
 
 
 # ---- against stock mlx-lm modules -----------------------------------------------------------
