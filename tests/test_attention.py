@@ -722,6 +722,22 @@ def test_kv_start_padded_batch_matches_float64(kernel_backend, case):
     check_padded(kernel_backend, case)
 
 
+def test_kv_start_strided_and_negative(kernel_backend):
+    """A kv_start view with a stride (every other element) and a negative entry: the kernel
+    reads it by its stride and clamps below 0, bit for bit the contiguous, clipped one."""
+    q, k, v = make_qkv(3, 9, 40, 4, 2, 64, F16, seed=11)
+    full = mx.array([-3, 99, 7, 99, 33, 99], mx.int32)
+    strided = full[::2]
+    kw = dict(scale=0.125, mask="causal", backend=kernel_backend)
+    got = flash_attention(q, k, v, kv_start=strided, **kw)
+    want = flash_attention(q, k, v, kv_start=mx.array([0, 7, 33], mx.int32), **kw)
+    assert mx.array_equal(got, want)
+    ref = batch_attention64(q, k, v, 0.125, (0, 7, 33), True)
+    assert_dtype_close(got, ref, batch_naive(q, k, v, 0.125, (0, 7, 33), True), dtype=F16,
+                       what="strided kv_start", factor=4.0 if kernel_backend == "reference"
+                       else 2.0)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_kv_start_padded_batch_sweep(kernel_backend, D):
