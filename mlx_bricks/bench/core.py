@@ -5,6 +5,7 @@ import datetime
 import os
 import platform
 import statistics
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -350,7 +351,13 @@ def run_benchmarks(names=None, repeats: int = 3, on_result=None) -> dict:
                 "mlx": mx.__version__, "mlx_lm": _version("mlx-lm"),
                 "mlx_bricks": _version("mlx-bricks"), "repeats": repeats, "results": results}
 
-    for name in names:
+    from tqdm import tqdm
+
+    # progress on stderr where it is a terminal (a whole CPU run takes many minutes)
+    bar = tqdm(names, desc="mlx-bricks bench", unit="case", file=sys.stderr, leave=False,
+               disable=not sys.stderr.isatty())
+    for name in bar:
+        bar.set_postfix_str(name)
         b = BENCHMARKS[name]
         entry = {"name": b.name, "backend": b.backend, "what": b.what}
         ok, why = _status(b.backend)
