@@ -291,6 +291,7 @@ def test_generate_use_bricks_gives_the_stock_text(installed, default_model_dir):
     assert _framed_text(named.stdout) == text
     assert _framed_text(results["q8"].stdout) == text
     assert "KV cache per layer (kv_cache=q8_0): Q8KVCache x 30" in results["q8"].stderr
+    assert "; KV cache: Q8_0 in 30/30 layers" in _verbose_line(results["q8"].stderr)[3]
     # --verbose (mlx-lm's default): which backend, how many modules, mlx-lm's prompt tokens/s
     backend, patched, kept, rest = _verbose_line(bricks.stderr)
     choice = active_backend()

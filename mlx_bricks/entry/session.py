@@ -42,12 +42,16 @@ LOG = logging.getLogger("mlx_bricks")
 
 def summary_line(report) -> str:
     """One line about a patch: the backend, what was patched, why nothing was when the model
-    was left stock on purpose (no kernel backend), and the tuning mode when it applies."""
+    was left stock on purpose (no kernel backend), the Q8_0 KV cache's layers when asked for,
+    and the tuning mode when it applies."""
     line = (f"backend: {report.backend}; patched {report.n_patched} modules, "
             f"{report.n_fallback + report.n_stock} kept stock")
     stock = sorted({m.reason for m in report.modules if m.status == "stock"})
     if stock:
         line += f" ({'; '.join(stock)})"
+    if report.kv_caches:  # patch_model(kv_cache="q8_0"): the cache is a patch too
+        q8 = sum(k == "Q8KVCache" for _, k, _ in report.kv_caches)
+        line += f"; KV cache: Q8_0 in {q8}/{len(report.kv_caches)} layers"
     if report.tuning()["applies"]:
         line += f"; tuning: {report.options['tune']}"
     return line
