@@ -197,6 +197,35 @@ def test_a_case_whose_stock_cannot_run_reports_no_stock_figure():
     assert json.loads(json.dumps(r)) == r
 
 
+def test_e2e_case_whose_stock_cannot_run_times_the_patched_model_alone():
+    """The 4-bit Qwen3-MoE M = 8192 case: stock mlx-lm's forward raises on MLX 0.32.4 CUDA
+    (``gather_qmm``), the patched one runs. The entry says why and holds no stock figure; the
+    patched side is still the patched model (its patch facts and calls are there)."""
+    import mlx.nn as nn
+
+    from mlx_bricks.bench import e2e
+    from mlx_bricks.bench.core import CPU, run_one
+
+    class Fails(nn.Module):
+        def __call__(self, x):
+            raise RuntimeError("cuGraphAddKernelNode failed: invalid argument")
+
+    tiny = e2e.LlamaShape(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2,
+                          head_dim=64, vocab=64)
+    try:
+        stock, patched = e2e._models(tiny, "bf16", (4, 64))
+        stock.model.layers[1].mlp = Fails()
+        r = run_one(Benchmark("stockless e2e", CPU, "tiny",
+                              lambda: e2e.setup(tiny, "bf16", 32, fmt=(4, 64))), 1)
+    finally:
+        e2e._MODELS.clear()
+    assert r["stock_error"] == "cuGraphAddKernelNode failed: invalid argument"
+    assert r["ratio"] is None and r["stock_s"] is None and r["max_abs_diff"] is None
+    assert r["brick_s"] > 0 and "stock" not in r["peak_memory"]
+    assert r["patch"]["n_patched"] == 2 and r["patch"]["calls"]
+    assert json.loads(json.dumps(r)) == r
+
+
 def test_qwen3_moe_group_is_registered_and_builds_on_a_tiny_shape():
     """``e2e_qwen3_moe_4layer``: bf16 float and 4-bit gs64 experts at M 512 / 2048 / 8192 on a
     kernel backend; its setup builds a tiny qwen3_moe (quantized: stock's CPU ``gather_mm``
