@@ -9,7 +9,8 @@
 #   python3 -m pytest -q -n 8 -m "gpu or not slow" -k "(cuda or gpu) and not emu and not compile" tests
 # Steps:
 #   gpu-tests      tests marked gpu (~600 tests)
-#   cuda-tests     the kernel tests on cuda (~4300 tests)
+#   cuda-tests     the kernel tests on cuda (~4300 tests; more than one call: split it as below)
+#   kernel-tests   GEMM / SwiGLU / RMSNorm+QKV / quantized / K,V-variant / decode on cuda (~320 s)
 #   bench-tiles    per-tile GEMM / SwiGLU benchmarks, split-K included (cuda_tiles)
 #   bench-kernels  GEMM family with the tile rule (cuda_kernels), dequantize (cuda_dequantize)
 #   bench-attn     attention and decode twins vs SDPA (cuda_attention, cuda_decode)
@@ -49,6 +50,10 @@ for s in "$@"; do
         gpu-tests) step gpu-tests 420 $PYT -n 8 -m gpu tests ;;
         cuda-tests) step cuda-tests 420 $PYT -n 8 -m "not slow" \
             -k "cuda and not emu and not compile and not gpu" tests ;;
+        kernel-tests) step kernel-tests 480 $PYT -n 14 -m "gpu or not slow" \
+            -k "(cuda or gpu) and not emu and not compile and not emulation" tests/test_swiglu.py \
+            tests/test_norm_qkv.py tests/test_quantized_bricks.py tests/test_attention_kv_variants.py \
+            tests/test_decode_gpu.py tests/test_gemm_gpu.py tests/test_gemm.py ;;
         bench-tiles) step bench-tiles 420 $BENCH --only cuda_tiles --out "$OUT/tiles.json" ;;
         bench-kernels) step bench-kernels 300 $BENCH --only cuda_kernels cuda_dequantize \
             --out "$OUT/kernels.json" ;;
