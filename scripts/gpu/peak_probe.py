@@ -7,7 +7,8 @@ the other (``mx.depends``), and on the CPU the peak stays within it. On the H200
 uses alive until that command has run, and the host enqueues a whole forward ahead of the GPU,
 so all layers' dequantized tiles are alive at once. This measures, per M, the warm peak
 (``mx.get_peak_memory`` minus the active memory before) and the time of: stock; patched; patched
-with a host barrier (``mx.eval``) after each composite call; patched with one after each layer.
+with a host barrier (``mx.eval``) after each composite call; patched with one each time the bytes
+dequantized since the last pass 1 or 4 times the cap; patched with one after each layer.
 
 Usage: python scripts/gpu/peak_probe.py OUT.json [M ...]
 """
@@ -62,6 +63,23 @@ def main():
             pass
         return y
 
+    def budget_barrier(linear, caps):
+        """``DenseTiles.linear`` with a barrier once the float bytes dequantized since the
+        last barrier pass ``caps`` times the cap: the candidate default (docs/bench.md)."""
+        since = [0]
+
+        def run(self, x, weights, *a, **k):
+            y = linear(self, x, weights, *a, **k)
+            since[0] += sum(w.shape[0] * w.shape[1] for w in weights) * x.dtype.size
+            if since[0] >= caps * self.cap:
+                try:
+                    mx.eval(y)
+                    since[0] = 0
+                except RuntimeError:  # under a transformation (mx.compile): no barrier
+                    pass
+            return y
+        return run
+
     shape = e2e.SMALL_LLAMA if os.environ.get("PROBE_SMALL") else e2e.LLAMA_8B_4LAYER
     results = []
     for M in ms:
@@ -72,6 +90,10 @@ def main():
         row["patched"] = {"peak_mib": peak(brick), "ms": timed(brick)}
         composite.DenseTiles.linear = barrier_linear
         row["patched_barrier_per_call"] = {"peak_mib": peak(brick), "ms": timed(brick)}
+        for budget in (1, 4):  # a barrier once the bytes dequantized since the last pass
+            composite.DenseTiles.linear = budget_barrier(orig_linear, budget)
+            row[f"patched_barrier_per_{budget}_cap"] = {"peak_mib": peak(brick),
+                                                         "ms": timed(brick)}
         composite.DenseTiles.linear = orig_linear
         model = e2e._models(shape, "bf16", (4, 64))[1]
         layers = model.model.layers
