@@ -426,3 +426,86 @@ def test_with_neural_accelerators_stock_is_kept_without_measuring(monkeypatch):
     monkeypatch.setattr(dispatch_mod, "neural_accelerators", lambda: None)
     d = dispatch_mod.Dispatch(BackendChoice("metal", "argument", "test"), "off")
     assert d.choose(KINDS["linear"], {"x": Act((1, 40, 32), mx.float32), "weight": w}).brick
+
+
+# ---------------------------------------------------------------------------------------------
+# the whole-block check
+
+
+@pytest.fixture
+def block_checked(tuned_reference, monkeypatch):
+    """The whole-block check applies to ``reference`` too, and every piece's tuning answers that
+    its "slow" variant (stock computed four times: really slower) is twice as fast as stock: a
+    per-piece timing that misjudges the block, as on the H200 (docs/bench.md, 2026-12-04)."""
+    monkeypatch.setattr(dispatch_mod, "BLOCK_CHECK_BACKENDS", ("metal", "cuda", "reference"))
+    slow_variants(monkeypatch)
+    monkeypatch.setattr(dispatch_mod, "tune_op", lambda kind, args, backend, **kw: Decision(
+        f"{backend}|{kind.key(args)}", "slow", {}, 2.0, 1e-3))
+
+
+def _block_decisions(report):
+    return [d for d in report.tuning()["decisions"] if d["key"].startswith("reference|block[")]
+
+
+def test_a_block_slower_than_stock_runs_stock(block_checked, monkeypatch):
+    """Pieces that chose a brick stand only when the whole block is faster than stock: here it
+    is four times slower, so every piece runs mlx-lm's code (bit for bit stock), counted as the
+    block's tuned stock path; the check's own timed calls are not counted; the block decision
+    is cached, and a cached "bricks" decision lets the bricks run."""
+    model = build_model("llama", mx.float32, num_hidden_layers=2)
+    toks = tokens(20)
+    stock = run(model, toks)
+    report = patch_model(model, backend="reference")
+    assert mx.array_equal(run(model, toks), stock)
+    assert report.calls() == {}  # the check ran the slow bricks, uncounted
+    reasons = report.tuned_stock_calls()
+    assert sum(reasons.values()) == 4 * len(model.layers)
+    assert {r.split(":")[0] for r in reasons} == set(PIECES)
+    assert all(": tuned: block stock faster (x0." in r for r in reasons), reasons
+    (block,) = _block_decisions(report)  # the two identical layers share one decision
+    assert (block["winner"], block["source"]) == ("stock", "measured")
+    assert block["ratio"] < 1 and block["measured"] == {"L": 20}
+    assert all(f"{p}: " in block["key"] and " slow" in block["key"] for p in PIECES)
+    piece_winners = {d["winner"] for d in report.tuning()["decisions"]
+                     if d["key"] != block["key"]}
+    assert piece_winners == {"slow"}
+    assert mx.array_equal(run(model, toks), stock)  # the all-stock fast path now
+    assert sum(report.tuned_stock_calls().values()) == 2 * 4 * len(model.layers)
+    assert len(_block_decisions(report)) == 1  # measured once
+    # a cached "bricks" decision for the same block: the pieces' bricks run
+    cache = DecisionCache()
+    data = dict(cache.get(block["key"]), winner="bricks", ratio=1.2)
+    cache.put({block["key"]: data})
+    monkeypatch.setattr(dispatch_mod, "tune_op", lambda *a, **k: pytest.fail("measured"))
+    report = patch_model(model, backend="reference")
+    assert mx.array_equal(run(model, toks), stock)  # the slow variant's values are stock's
+    assert report.calls() == {"rms_norm_qkv": 2, "flash_attention": 2, "linear": 2,
+                              "swiglu_mlp": 2}
+    (block,) = _block_decisions(report)
+    assert (block["winner"], block["source"]) == ("bricks", "cache")
+
+
+def test_block_check_waits_for_a_call_it_can_repeat(block_checked):
+    """A prefill into a cache already holding tokens cannot be repeated on a scratch cache: the
+    pieces' choices run unweighed (counted as bricks) and no block decision is taken; the
+    next prompt from an empty cache takes it, and it then holds for the same pieces' keys at
+    any offset."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = build_model("llama", mx.float32, num_hidden_layers=2)
+    toks = tokens(7)
+    report = patch_model(model, backend="reference")
+    cache = make_prompt_cache(model)
+    run(model, tokens(1), cache)  # decode: stock by design; the cache now holds a token
+    run(model, toks, cache)
+    assert report.calls()["swiglu_mlp"] == len(model.layers)
+    assert _block_decisions(report) == [] and report.tuned_stock_calls() == {}
+    stock = run(build_model("llama", mx.float32, num_hidden_layers=2), toks)  # same weights
+    assert mx.array_equal(run(model, toks), stock)  # an empty cache: weighed, stock faster
+    assert len(_block_decisions(report)) == 1
+    assert report.calls()["swiglu_mlp"] == len(model.layers)  # unchanged
+    cache = make_prompt_cache(model)
+    run(model, tokens(1), cache)
+    run(model, toks, cache)  # offset 1 again: the block decision of these keys applies
+    assert report.calls()["swiglu_mlp"] == len(model.layers)
+    assert sum(report.tuned_stock_calls().values()) == 2 * 4 * len(model.layers)

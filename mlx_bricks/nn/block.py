@@ -6,7 +6,7 @@ from mlx_bricks.bricks.norm_qkv import piece as qkv_piece
 from mlx_bricks.bricks.swiglu import piece as mlp_piece
 from mlx_bricks.bricks.attention import piece as attention_piece
 from mlx_bricks.nn.attention import admit, attend, attention_args
-from mlx_bricks.nn.runner import all_stock, choose, run_piece
+from mlx_bricks.nn.runner import all_stock, check_block, choose, run_piece
 from mlx_bricks.runtime.kind import Act
 
 
@@ -26,10 +26,11 @@ class BricksBlock:
     Each piece runs its brick or the stock path as the dispatcher decides; the stock path of a
     piece is mlx-lm's: ``input_layernorm`` then ``q_proj``/``k_proj``/``v_proj``; mlx-lm's
     ``scaled_dot_product_attention``; ``x + o_proj(o)``; ``h + mlp(post_attention_layernorm(h))``.
-    When every piece is stock the block's own ``__call__`` runs. Decode, array masks, caches
-    other than ``KVCache`` and modules that are not plain ``nn.Linear`` / affine
-    ``nn.QuantizedLinear`` / ``nn.RMSNorm`` run the block's own ``__call__`` (counted with the
-    reason). A quantized projection reaches its brick as a ``QuantizedWeight`` (packed weight,
+    When every piece is stock the block's own ``__call__`` runs; where tuning applies, the
+    pieces' bricks stand only if the whole block is faster than stock
+    (``nn.runner.check_block``). Decode, array masks, caches other than ``KVCache`` and
+    modules that are not plain ``nn.Linear`` / affine ``nn.QuantizedLinear`` / ``nn.RMSNorm``
+    run the block's own ``__call__`` (counted with the reason). A quantized projection reaches its brick as a ``QuantizedWeight`` (packed weight,
     scales, biases, group_size, bits); q, k and v may each have their own format.
     Source: ``TransformerBlock``/``Attention``/``MLP`` of mlx-lm 0.32's ``models/llama.py``,
     ``qwen2.py``, ``qwen3.py``; the same math with the pieces fused into the bricks.
@@ -63,7 +64,14 @@ class BricksBlock:
                     "o_proj": (lin, linear_piece.linear_args(op, o, residual=x)),
                     "mlp": (mlp_piece.MLP_PIECE.kind, mlp_piece.mlp_args(mlp, lay, h, h))}
 
-        choices = choose(state, shape_key, pieces)
+        # a row-sharded block all-sums across ranks: timing it alone per rank could run
+        # different numbers of collectives on the ranks, so it is not weighed whole
+        sharded = linear_piece.is_row_sharded(op) or linear_piece.is_row_sharded(
+            mlp[lay.down_proj])
+        choices = check_block(state, shape_key, choose(state, shape_key, pieces),
+                              cache, lambda c: self(x, mask, c),
+                              lambda c: super(BricksBlock, self).__call__(x, mask, c), L,
+                              repeatable=not sharded)
         if all_stock(state, choices, shape_key):
             return super().__call__(x, mask, cache)
 

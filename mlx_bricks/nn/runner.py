@@ -39,6 +39,10 @@ class BricksState:
             (``nn.structure.structure_reason``).
         all_stock: call shape -> ``(guard generation, [(counter, reason)])`` for shapes whose
             pieces all run stock (:func:`stock_fast`).
+        checked: call shape -> ``(guard generation, choices)`` after the whole-block check
+            (:func:`check_block`).
+        checking: True while :func:`check_block` times this module (its own calls then run
+            the remembered choices, uncounted).
     """
 
     backend: str
@@ -55,6 +59,8 @@ class BricksState:
     memo: dict = field(default_factory=dict, repr=False)
     structure: tuple | None = field(default=None, repr=False)
     all_stock: dict = field(default_factory=dict, repr=False)
+    checked: dict = field(default_factory=dict, repr=False)
+    checking: bool = False
 
 
 def choose(state: BricksState, shape_key: tuple, pieces) -> dict:
@@ -121,3 +127,86 @@ def run_piece(state: BricksState, name: str, choice, kind, args, stock):
     else:
         state.stock[f"{name}: {failed}"] += 1
     return out
+
+
+def _scratch_cache(cache):
+    """A factory of empty caches like ``cache`` (None: no cache), or None when the call cannot
+    be repeated on a scratch cache (a cache already holding tokens, another cache type)."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    if cache is None:
+        return lambda: None
+    if getattr(cache, "offset", None) != 0:
+        return None
+    if type(cache) is KVCache:
+        return KVCache
+    if type(cache) is RotatingKVCache:
+        return lambda: RotatingKVCache(max_size=cache.max_size, keep=cache.keep)
+    return None
+
+
+def check_block(state: BricksState, shape_key, choices: dict, cache, run_patched, run_stock,
+                tokens: int, repeatable: bool = True) -> dict:
+    """The choices a block runs for ``shape_key`` once the whole block has been weighed.
+
+    The pieces are tuned one by one; leaving the block's all-stock path also costs per-call
+    Python that no piece's timing sees, so where tuning applies on a backend of
+    ``runtime.dispatch.BLOCK_CHECK_BACKENDS`` and a piece chose a brick, the block is timed
+    whole (``run_patched(cache)``: the block with these choices; ``run_stock(cache)``: its
+    mlx-lm ``__call__``; on the call's own input and mask, each call on an empty scratch
+    cache, interleaved, median) and the bricks stand only when the block is faster
+    (stock time / block time >= 1). Otherwise every piece runs stock, counted as
+    ``"<piece>: tuned: block stock faster (x0.85)"``, and the all-stock fast path takes the
+    shape. The decision is stored like a piece's (``Dispatch.block_decision``; key: the pieces'
+    keys and winners), so a model pays it once per device. A call that cannot be repeated (a
+    cache holding tokens, under ``mx.compile``) keeps the pieces' choices unweighed until one
+    can. Counters are left as they were. ``tokens``: the call's L, recorded as measured;
+    ``repeatable`` False (a row-sharded block, whose all-sums every rank must run alike):
+    never timed here, a cached decision still applies.
+    """
+    from mlx_bricks.runtime.dispatch import BLOCK_CHECK_BACKENDS, Choice
+    from mlx_bricks.tune.check import KERNEL_ERRORS
+    from mlx_bricks.tune.timing import time_interleaved
+    from mlx_bricks.tune.tuner import REPEATS, STOCK, Decision
+
+    d = state.dispatch
+    if (state.checking or not d.tuning or d.backend not in BLOCK_CHECK_BACKENDS
+            or not any(c.brick for c in choices.values())):
+        return choices
+    hit = state.checked.get(shape_key)
+    if hit is not None and hit[0] == d.generation:
+        return hit[1]
+    scratch = _scratch_cache(cache) if repeatable else None
+    key = (f"{d.backend}|block[" + "; ".join(
+        f"{name}: {c.key} {c.variant.name if c.brick else STOCK}"
+        for name, c in choices.items()) + "]")
+
+    def measure(full: str):
+        saved = (state.calls, state.stock, state.tuned)
+        state.calls, state.stock, state.tuned = Counter(), Counter(), Counter()
+        state.checking = True
+        try:
+            t = time_interleaved({"bricks": lambda: run_patched(scratch()),
+                                  STOCK: lambda: run_stock(scratch())}, repeats=REPEATS)
+        except KERNEL_ERRORS:  # under a transformation (mx.compile): not timed here
+            return None
+        finally:
+            state.checking = False
+            state.calls, state.stock, state.tuned = saved
+        b, s = t.median("bricks"), t.median(STOCK)
+        return Decision(full, "bricks" if s >= b else STOCK, ratio=s / b, stock_s=s,
+                        variants={"bricks": {"s": b, "ok": True, "calls": t.calls["bricks"],
+                                             "rounds": len(t.runs["bricks"])}},
+                        measured={"L": tokens}, stock_rounds=len(t.runs[STOCK]))
+
+    verdict = d.block_decision(key, None if scratch is None else measure)
+    if verdict is None:
+        return choices
+    if not verdict.brick:
+        why = f"tuned: block stock faster (x{verdict.ratio:.2f})"
+        choices = {name: Choice(None, why, c.key, tuned=True) for name, c in choices.items()}
+        state.memo[shape_key] = (d.generation, choices)
+    if len(state.checked) >= MEMO_SIZE:
+        state.checked.clear()
+    state.checked[shape_key] = (d.generation, choices)
+    return choices

@@ -33,6 +33,11 @@ from mlx_bricks.tune.tuner import Decision, tune_op
 TUNED_BACKENDS = ("metal", "cuda")
 #: Backends whose bricks run kernels, so the build and first-call guard applies.
 GUARDED_BACKENDS = ("metal", "cuda", "emulator")
+#: Backends where a block whose pieces chose a brick is timed whole against its stock
+#: ``__call__`` before the choice stands (``block_decision``): the pieces are timed alone, and
+#: leaving the all-stock path costs per-call Python that no piece's timing sees (H200,
+#: 2026-12-04: an 8B-shaped bf16 prefill at M = 512 ran 0.85x stock with one piece x1.68).
+BLOCK_CHECK_BACKENDS = ("metal", "cuda")
 #: Why a model on a machine without a kernel backend stays stock.
 NO_KERNEL_BACKEND = "no kernel backend on this machine (reference is the same math as stock)"
 
@@ -181,6 +186,31 @@ class Dispatch:
             if d.stock_s is not None or d.variants:
                 self.cache.put({full: d.to_dict()})
         self.decisions[full] = d
+        return d
+
+    def block_decision(self, key: str, measure) -> Decision | None:
+        """The whole-block decision stored under ``key`` (``"<backend>|block[...]"``: the
+        pieces' keys and winners): this dispatch's memory, else (``auto``) the decision cache,
+        else ``measure(key)`` (a :class:`Decision` whose winner is ``"bricks"`` or stock, or
+        None when the call cannot be timed), written to the cache. None: no decision (yet)."""
+        d = self.decisions.get(key)
+        if d is not None:
+            return d
+        if self.mode == "auto":
+            data = self.cache.get(key)
+            if data is not None:
+                try:
+                    d = Decision.from_dict(key, data)
+                except ValueError:
+                    d = None
+        if d is None:
+            if measure is None:
+                return None
+            d = measure(key)
+            if d is None:
+                return None
+            self.cache.put({key: d.to_dict()})
+        self.decisions[key] = d
         return d
 
     def choose(self, kind, args: dict) -> Choice:
