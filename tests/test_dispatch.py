@@ -501,7 +501,8 @@ def test_block_check_waits_for_a_call_it_can_repeat(block_checked):
     assert report.calls()["swiglu_mlp"] == len(model.layers)
     assert _block_decisions(report) == [] and report.tuned_stock_calls() == {}
     stock = run(build_model("llama", mx.float32, num_hidden_layers=2), toks)  # same weights
-    assert mx.array_equal(run(model, toks), stock)  # an empty cache: weighed, stock faster
+    # an empty cache: weighed (the block on scratch caches), stock faster
+    assert mx.array_equal(run(model, toks, make_prompt_cache(model)), stock)
     assert len(_block_decisions(report)) == 1
     assert report.calls()["swiglu_mlp"] == len(model.layers)  # unchanged
     cache = make_prompt_cache(model)
@@ -509,3 +510,55 @@ def test_block_check_waits_for_a_call_it_can_repeat(block_checked):
     run(model, toks, cache)  # offset 1 again: the block decision of these keys applies
     assert report.calls()["swiglu_mlp"] == len(model.layers)
     assert sum(report.tuned_stock_calls().values()) == 2 * 4 * len(model.layers)
+
+
+def test_padded_batch_prefill_runs_unweighed(block_checked):
+    """A padded batch (``BatchKVCache``: one offset per sequence, an array) cannot be repeated
+    on a scratch cache: the pieces' choices run, nothing is weighed, nothing raises."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    model = build_model("llama", mx.float32, num_hidden_layers=2)
+    report = patch_model(model, backend="reference")
+    toks = mx.concatenate([tokens(9), tokens(9)[:, ::-1]], axis=0)
+    run(model, toks, [BatchKVCache([2, 0]) for _ in model.layers])
+    assert report.calls()["swiglu_mlp"] == len(model.layers)
+    assert _block_decisions(report) == [] and report.runtime_fallbacks() == {}
+
+
+def test_guard_disabling_a_variant_while_the_block_is_timed(fresh_kernels, monkeypatch):
+    """The block's first brick run can be inside its timing: there the guard disables the
+    attention kernel (wrong first output). That timing is thrown away (not cached, nothing
+    decided), the call runs the attention stock with the reason, and the next prefill weighs
+    the block with the attention stock."""
+    require_backend("emulator")
+    monkeypatch.setattr(dispatch_mod, "TUNED_BACKENDS", ("metal", "cuda", "emulator"))
+    monkeypatch.setattr(dispatch_mod, "BLOCK_CHECK_BACKENDS", ("metal", "cuda", "emulator"))
+    monkeypatch.setattr(dispatch_mod, "tune_op", lambda kind, args, backend, variants, **kw:
+                        Decision(f"{backend}|{kind.key(args)}", variants[0].name,
+                                 dict(variants[0].kwargs), 2.0, 1e-3))
+    real = kernels.launch
+
+    def wrong(name, backend, **kw):
+        outs = real(name, backend, **kw)
+        return [o * 1.5 for o in outs] if name == "flash_attention" else outs
+
+    monkeypatch.setattr(kernels, "launch", wrong)
+    model = build_model("llama", mx.float32, num_hidden_layers=1)
+    toks = tokens(7)
+    stock = run(model, toks)
+    report = patch_model(model, backend="emulator")
+    out = run(model, toks)
+    (reason,) = report.tuning()["disabled"]
+    assert reason.startswith("attention variant ") and "first output disagrees" in reason
+    assert _emulator_block_decisions(report) == []
+    assert not [k for k in DecisionCache().decisions() if "|block[" in k]
+    assert list(report.runtime_fallbacks()) == [f"attention: disabled: {reason}"]
+    assert mx.allclose(out, stock, rtol=1e-4, atol=1e-4)
+    run(model, toks)  # chosen again: the attention stock, the block weighed (emulator: slow)
+    (block,) = _emulator_block_decisions(report)
+    assert block["source"] == "measured" and "attention: attention[" in block["key"]
+    assert block["key"].split("attention: ")[1].split(";")[0].endswith(" stock")
+
+
+def _emulator_block_decisions(report):
+    return [d for d in report.tuning()["decisions"] if d["key"].startswith("emulator|block[")]

@@ -92,7 +92,7 @@ def all_stock(state: BricksState, choices: dict, shape_key=None) -> bool:
     counts = [_stock_count(state, name, c) for name, c in choices.items()]
     for counter, reason in counts:
         counter[reason] += 1
-    if shape_key is not None:
+    if shape_key is not None and not state.checking:  # the check's calls count apart
         if len(state.all_stock) >= MEMO_SIZE:
             state.all_stock.clear()
         state.all_stock[shape_key] = (state.dispatch.generation, counts)
@@ -136,11 +136,10 @@ def _scratch_cache(cache):
 
     if cache is None:
         return lambda: None
-    if getattr(cache, "offset", None) != 0:
-        return None
-    if type(cache) is KVCache:
+    # the type first: a BatchKVCache's offset is an array (one per sequence)
+    if type(cache) is KVCache and cache.offset == 0:
         return KVCache
-    if type(cache) is RotatingKVCache:
+    if type(cache) is RotatingKVCache and cache.offset == 0:
         return lambda: RotatingKVCache(max_size=cache.max_size, keep=cache.keep)
     return None
 
@@ -155,31 +154,34 @@ def check_block(state: BricksState, shape_key, choices: dict, cache, run_patched
     whole (``run_patched(cache)``: the block with these choices; ``run_stock(cache)``: its
     mlx-lm ``__call__``; on the call's own input and mask, each call on an empty scratch
     cache, interleaved, median) and the bricks stand only when the block is faster
-    (stock time / block time >= 1). Otherwise every piece runs stock, counted as
-    ``"<piece>: tuned: block stock faster (x0.85)"``, and the all-stock fast path takes the
-    shape. The decision is stored like a piece's (``Dispatch.block_decision``; key: the pieces'
+    (stock time / block time >= ``MIN_SPEEDUP``, as for a piece). Otherwise every piece runs
+    stock, counted as ``"<piece>: tuned: block stock faster (x0.85)"``, and the all-stock fast
+    path takes the shape. The decision is stored like a piece's (``Dispatch.block_decision``; key: the pieces'
     keys and winners), so a model pays it once per device. A call that cannot be repeated (a
-    cache holding tokens, under ``mx.compile``) keeps the pieces' choices unweighed until one
-    can. Counters are left as they were. ``tokens``: the call's L, recorded as measured;
+    cache holding tokens, another cache type, under ``mx.compile``) keeps the pieces' choices
+    unweighed until a call that can be repeated has decided the same key; a guard change while
+    timing discards the timing. Counters are left as they were. ``tokens``: the call's L, recorded as measured;
     ``repeatable`` False (a row-sharded block, whose all-sums every rank must run alike):
     never timed here, a cached decision still applies.
     """
     from mlx_bricks.runtime.dispatch import BLOCK_CHECK_BACKENDS, Choice
     from mlx_bricks.tune.check import KERNEL_ERRORS
     from mlx_bricks.tune.timing import time_interleaved
-    from mlx_bricks.tune.tuner import REPEATS, STOCK, Decision
+    from mlx_bricks.tune.tuner import MIN_SPEEDUP, REPEATS, STOCK, Decision
 
     d = state.dispatch
     if (state.checking or not d.tuning or d.backend not in BLOCK_CHECK_BACKENDS
             or not any(c.brick for c in choices.values())):
         return choices
+    generation = d.generation
     hit = state.checked.get(shape_key)
-    if hit is not None and hit[0] == d.generation:
-        return hit[1]
+    if hit is not None and hit[0] == generation and (hit[2] is None
+                                                     or hit[2] not in d.decisions):
+        return hit[1]  # weighed, or not weighable and still undecided (a dict lookup)
     scratch = _scratch_cache(cache) if repeatable else None
-    key = (f"{d.backend}|block[" + "; ".join(
+    key = (f"{d.backend}|block[{state.layout.module} cache={int(cache is not None)}; " + "; ".join(
         f"{name}: {c.key} {c.variant.name if c.brick else STOCK}"
-        for name, c in choices.items()) + "]")
+        for name, c in choices.items()) + f"; settings={d.settings_key}]")
 
     def measure(full: str):
         saved = (state.calls, state.stock, state.tuned)
@@ -188,25 +190,32 @@ def check_block(state: BricksState, shape_key, choices: dict, cache, run_patched
         try:
             t = time_interleaved({"bricks": lambda: run_patched(scratch()),
                                   STOCK: lambda: run_stock(scratch())}, repeats=REPEATS)
-        except KERNEL_ERRORS:  # under a transformation (mx.compile): not timed here
+        except KERNEL_ERRORS:  # under a transformation (mx.compile), out of memory...
             return None
         finally:
             state.checking = False
             state.calls, state.stock, state.tuned = saved
+        if d.generation != generation:  # the guard disabled a variant while timing: the
+            return None  # timing is not of these choices (they are chosen again next call)
         b, s = t.median("bricks"), t.median(STOCK)
-        return Decision(full, "bricks" if s >= b else STOCK, ratio=s / b, stock_s=s,
-                        variants={"bricks": {"s": b, "ok": True, "calls": t.calls["bricks"],
-                                             "rounds": len(t.runs["bricks"])}},
+        return Decision(full, "bricks" if s >= MIN_SPEEDUP * b else STOCK, ratio=s / b,
+                        stock_s=s, variants={"bricks": {
+                            "s": b, "ok": True, "calls": t.calls["bricks"],
+                            "rounds": len(t.runs["bricks"])}},
                         measured={"L": tokens}, stock_rounds=len(t.runs[STOCK]))
 
     verdict = d.block_decision(key, None if scratch is None else measure)
-    if verdict is None:
-        return choices
-    if not verdict.brick:
-        why = f"tuned: block stock faster (x{verdict.ratio:.2f})"
-        choices = {name: Choice(None, why, c.key, tuned=True) for name, c in choices.items()}
-        state.memo[shape_key] = (d.generation, choices)
+    if d.generation != generation:
+        return choices  # chosen again at the next call
     if len(state.checked) >= MEMO_SIZE:
         state.checked.clear()
-    state.checked[shape_key] = (d.generation, choices)
+    if verdict is None:  # not weighable now: remembered until the key is decided
+        state.checked[shape_key] = (generation, choices, key)
+        return choices
+    if not verdict.brick:
+        ratio = "" if verdict.ratio is None else f" (x{verdict.ratio:.2f})"
+        why = f"tuned: block stock faster{ratio}"
+        choices = {name: Choice(None, why, c.key, tuned=True) for name, c in choices.items()}
+        state.memo[shape_key] = (generation, choices)
+    state.checked[shape_key] = (generation, choices, None)
     return choices

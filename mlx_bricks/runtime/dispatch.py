@@ -20,6 +20,7 @@ How a piece is decided:
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from mlx_bricks.backends import BackendChoice, neural_accelerators
@@ -107,6 +108,9 @@ class Dispatch:
         self.guarded = backend.name in GUARDED_BACKENDS
         self.settings = dict(settings or {})
         self.common = dict(common or {})
+        #: The settings as one stable string (part of a whole-block decision's key).
+        self.settings_key = json.dumps({**self.common, **self.settings}, sort_keys=True,
+                                       default=str, separators=(",", ":"))
         #: Why kernel variants are no candidates on this device (MLX's own kernels use its
         #: neural accelerators), or None.
         self.accelerated = neural_accelerators() if backend.name == "metal" else None
