@@ -562,3 +562,24 @@ def test_guard_disabling_a_variant_while_the_block_is_timed(fresh_kernels, monke
 
 def _emulator_block_decisions(report):
     return [d for d in report.tuning()["decisions"] if d["key"].startswith("emulator|block[")]
+
+
+def test_an_attention_module_slower_than_stock_runs_stock(block_checked):
+    """Where only the attention module is patched (qwen3_moe: its MLP is a SwitchGLU, patched
+    apart), the attention module is weighed whole the same way: slower, so it runs mlx-lm's
+    own attention (bit for bit stock)."""
+    from tests.test_moe_patch import build as build_moe
+
+    model = build_moe("qwen3_moe", head_dim=64)  # a head size the attention brick has
+    toks = tokens(12)
+    stock = run(model, toks)
+    report = patch_model(model, backend="reference")
+    assert mx.array_equal(run(model, toks), stock)  # the MoE's "slow" variant gives stock's values
+    attention = [m for m in report.modules if m.module == "self_attn"]
+    assert attention and all(m.status == "patched" and m.calls == {} for m in attention)
+    reasons = {r for m in attention for r in m.tuned_stock_calls}
+    assert {r.split(":")[0] for r in reasons} == {"q_proj", "k_proj", "v_proj", "attention",
+                                                  "o_proj"}
+    assert all(": tuned: block stock faster (x0." in r for r in reasons), reasons
+    (check,) = _block_decisions(report)
+    assert "q_proj: linear[" in check["key"] and check["winner"] == "stock"

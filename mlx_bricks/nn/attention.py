@@ -6,7 +6,8 @@ from mlx_bricks.bricks.attention import piece as attention_piece
 from mlx_bricks.bricks.gemm import piece as linear_piece
 from mlx_bricks.bricks.norm_qkv.piece import heads
 from mlx_bricks.nn.calls import cache_offset, call_reason, is_q8_cache, layer_window, mask_key
-from mlx_bricks.nn.runner import BricksState, all_stock, choose, run_piece, stock_fast
+from mlx_bricks.nn.runner import (BricksState, all_stock, check_block, choose, run_piece,
+                                  stock_fast)
 from mlx_bricks.nn.structure import structure_reason
 from mlx_bricks.runtime.kind import Act
 
@@ -89,7 +90,8 @@ class BricksAttention:
     ``cache.update_and_fetch``, ``attention`` (``flash_attention``, causal, bottom-right aligned
     when the cache already holds tokens), ``o_proj`` (``linear``). Each linear piece and the
     attention piece run brick or stock (the module's own layer, mlx-lm's attention function)
-    as the dispatcher decides; all stock runs the original ``__call__``.
+    as the dispatcher decides, and where tuning applies the module is weighed whole against
+    stock (``nn.runner.check_block``); all stock runs the original ``__call__``.
     Call signature as mlx-lm's: ``(x: (B, L, D), mask=None | "causal" | array, cache=None)``.
     """
 
@@ -114,7 +116,12 @@ class BricksAttention:
                     **({} if q8 else {"attention": (attention_piece.KIND, att_args())}),
                     "o_proj": (lin, linear_piece.linear_args(op, o))}
 
-        choices = choose(state, shape_key, pieces)
+        # weighed whole against stock where tuning applies (nn.runner.check_block); a
+        # row-sharded o_proj all-sums across ranks, so that module is not timed alone
+        choices = check_block(state, shape_key, choose(state, shape_key, pieces), cache,
+                              lambda c: self(x, mask, c),
+                              lambda c: super(BricksAttention, self).__call__(x, mask, c), L,
+                              repeatable=not linear_piece.is_row_sharded(op))
         if all_stock(state, choices, shape_key):
             return super().__call__(x, mask, cache)
 

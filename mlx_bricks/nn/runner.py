@@ -146,7 +146,8 @@ def _scratch_cache(cache):
 
 def check_block(state: BricksState, shape_key, choices: dict, cache, run_patched, run_stock,
                 tokens: int, repeatable: bool = True) -> dict:
-    """The choices a block runs for ``shape_key`` once the whole block has been weighed.
+    """The choices a block (or an attention module: the same applies) runs for ``shape_key``
+    once the whole module has been weighed.
 
     The pieces are tuned one by one; leaving the block's all-stock path also costs per-call
     Python that no piece's timing sees, so where tuning applies on a backend of
