@@ -292,6 +292,11 @@ def test_stopping_leaves_nothing_and_the_report_names_the_batch_fallback(servers
     counts the padded-batch calls that ran stock, with the reason: only the Q8_0-cache server
     has them (the fp16 server's ``BatchKVCache`` batches run the attention brick with
     ``kv_start``)."""
+    # a burst of prompts of different lengths: mlx-lm batches those that queue while a
+    # prefill runs, left-padded, whatever batching the earlier tests' timing gave
+    burst = [" ".join(["word"] * n) for n in (3, 9, 17, 26, 5, 14, 21, 30)]
+    _ask_all({(name, i): (servers[name].port, "text", prompt, False, {"max_tokens": 2})
+              for name in ("bricks", "q8") for i, prompt in enumerate(burst)})
     for name in ("bricks", "q8"):
         s = servers[name]
         code, alive = s.stop()
