@@ -326,8 +326,9 @@ def test_kernel_that_fails_to_build_is_disabled_and_stock_runs(fresh_kernels, mo
     assert "disabled for this process (pieces run stock):" in str(report)
 
 
-def test_kernel_with_wrong_output_is_disabled_and_stock_runs(fresh_kernels, monkeypatch):
-    require_backend("emulator")
+def attention_kernel_off_by_half(monkeypatch):
+    """Every flash_attention kernel launch returns 1.5x its output (the guard's first-call
+    check must catch it)."""
     real = kernels.launch
 
     def wrong(name, backend, **kw):
@@ -335,6 +336,11 @@ def test_kernel_with_wrong_output_is_disabled_and_stock_runs(fresh_kernels, monk
         return [o * 1.5 for o in outs] if name == "flash_attention" else outs
 
     monkeypatch.setattr(kernels, "launch", wrong)
+
+
+def test_kernel_with_wrong_output_is_disabled_and_stock_runs(fresh_kernels, monkeypatch):
+    require_backend("emulator")
+    attention_kernel_off_by_half(monkeypatch)
     dt = mx.float16
     model = build_model("qwen2", dt)
     toks = tokens(12)
@@ -536,13 +542,7 @@ def test_guard_disabling_a_variant_while_the_block_is_timed(fresh_kernels, monke
     monkeypatch.setattr(dispatch_mod, "tune_op", lambda kind, args, backend, variants, **kw:
                         Decision(f"{backend}|{kind.key(args)}", variants[0].name,
                                  dict(variants[0].kwargs), 2.0, 1e-3))
-    real = kernels.launch
-
-    def wrong(name, backend, **kw):
-        outs = real(name, backend, **kw)
-        return [o * 1.5 for o in outs] if name == "flash_attention" else outs
-
-    monkeypatch.setattr(kernels, "launch", wrong)
+    attention_kernel_off_by_half(monkeypatch)
     model = build_model("llama", mx.float32, num_hidden_layers=1)
     toks = tokens(7)
     stock = run(model, toks)

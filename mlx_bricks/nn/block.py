@@ -30,8 +30,9 @@ class BricksBlock:
     pieces' bricks stand only if the whole block is faster than stock
     (``nn.runner.check_block``). Decode, array masks, caches other than ``KVCache`` and
     modules that are not plain ``nn.Linear`` / affine ``nn.QuantizedLinear`` / ``nn.RMSNorm``
-    run the block's own ``__call__`` (counted with the reason). A quantized projection reaches its brick as a ``QuantizedWeight`` (packed weight,
-    scales, biases, group_size, bits); q, k and v may each have their own format.
+    run the block's own ``__call__`` (counted with the reason). A quantized projection
+    reaches its brick as a ``QuantizedWeight`` (packed weight, scales, biases, group_size,
+    bits); q, k and v may each have their own format.
     Source: ``TransformerBlock``/``Attention``/``MLP`` of mlx-lm 0.32's ``models/llama.py``,
     ``qwen2.py``, ``qwen3.py``; the same math with the pieces fused into the bricks.
     """

@@ -39,8 +39,9 @@ class BricksState:
             (``nn.structure.structure_reason``).
         all_stock: call shape -> ``(guard generation, [(counter, reason)])`` for shapes whose
             pieces all run stock (:func:`stock_fast`).
-        checked: call shape -> ``(guard generation, choices)`` after the whole-block check
-            (:func:`check_block`).
+        checked: call shape -> ``(guard generation, choices, pending key)`` after the
+            whole-block check (:func:`check_block`); the key of a decision still to be taken
+            for a call that could not be timed, else None.
         checking: True while :func:`check_block` times this module (its own calls then run
             the remembered choices, uncounted).
     """
@@ -157,13 +158,16 @@ def check_block(state: BricksState, shape_key, choices: dict, cache, run_patched
     cache, interleaved, median) and the bricks stand only when the block is faster
     (stock time / block time >= ``MIN_SPEEDUP``, as for a piece). Otherwise every piece runs
     stock, counted as ``"<piece>: tuned: block stock faster (x0.85)"``, and the all-stock fast
-    path takes the shape. The decision is stored like a piece's (``Dispatch.block_decision``; key: the pieces'
-    keys and winners), so a model pays it once per device. A call that cannot be repeated (a
-    cache holding tokens, another cache type, under ``mx.compile``) keeps the pieces' choices
-    unweighed until a call that can be repeated has decided the same key; a guard change while
-    timing discards the timing. Counters are left as they were. ``tokens``: the call's L, recorded as measured;
+    path takes the shape. The decision is stored like a piece's (``Dispatch.block_decision``;
+    key: the model file, cache use, the pieces' keys and winners, the settings), so a model
+    pays it once per device. A call that cannot be repeated (a cache holding tokens, another
+    cache type, under ``mx.compile``) keeps the pieces' choices unweighed until a call that
+    can be repeated has decided the same key; a guard change while timing discards the
+    timing. Counters are left as they were. ``tokens``: the call's L, recorded as measured;
     ``repeatable`` False (a row-sharded block, whose all-sums every rank must run alike):
     never timed here, a cached decision still applies.
+
+    Source: this project's measurement (docs/tuning.md, "The whole block").
     """
     from mlx_bricks.runtime.dispatch import BLOCK_CHECK_BACKENDS, Choice
     from mlx_bricks.tune.check import KERNEL_ERRORS
@@ -180,11 +184,12 @@ def check_block(state: BricksState, shape_key, choices: dict, cache, run_patched
                                                      or hit[2] not in d.decisions):
         return hit[1]  # weighed, or not weighable and still undecided (a dict lookup)
     scratch = _scratch_cache(cache) if repeatable else None
-    key = (f"{d.backend}|block[{state.layout.module} cache={int(cache is not None)}; " + "; ".join(
-        f"{name}: {c.key} {c.variant.name if c.brick else STOCK}"
-        for name, c in choices.items()) + f"; settings={d.settings_key}]")
+    pieces = "; ".join(f"{name}: {c.key} {c.variant.name if c.brick else STOCK}"
+                       for name, c in choices.items())
+    key = (f"{d.backend}|block[{state.layout.module} cache={int(cache is not None)}; "
+           f"{pieces}; settings={d.settings_key}]")
 
-    def measure(full: str):
+    def measure():
         saved = (state.calls, state.stock, state.tuned)
         state.calls, state.stock, state.tuned = Counter(), Counter(), Counter()
         state.checking = True
@@ -199,7 +204,7 @@ def check_block(state: BricksState, shape_key, choices: dict, cache, run_patched
         if d.generation != generation:  # the guard disabled a variant while timing: the
             return None  # timing is not of these choices (they are chosen again next call)
         b, s = t.median("bricks"), t.median(STOCK)
-        return Decision(full, "bricks" if s >= MIN_SPEEDUP * b else STOCK, ratio=s / b,
+        return Decision(key, "bricks" if s >= MIN_SPEEDUP * b else STOCK, ratio=s / b,
                         stock_s=s, variants={"bricks": {
                             "s": b, "ok": True, "calls": t.calls["bricks"],
                             "rounds": len(t.runs["bricks"])}},

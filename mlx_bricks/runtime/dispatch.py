@@ -166,15 +166,14 @@ class Dispatch:
             return None
         return k.variant(kwargs.get("variant", "rule"), kwargs)
 
-    def decision(self, k, args, cands: list[Variant] | None = None) -> Decision:
-        """The tuning decision for ``args`` of op kind ``k`` (memory, cache, or measured);
-        ``cands``: its candidates if the caller has them already."""
-        full = f"{self.backend}|{k.key(args)}{k.settings_suffix(self._settings(k))}"
+    def _decided(self, full: str, measure, usable=None) -> Decision | None:
+        """The decision stored under ``full``: this dispatch's memory, else (``auto``) the
+        decision cache (unless ``usable(decision)`` is False), else ``measure()`` written to
+        the cache when it timed something. None when there is none and ``measure`` is None or
+        returns None."""
         d = self.decisions.get(full)
         if d is not None:
             return d
-        if cands is None:
-            cands = self._candidates(k, k.listing(self.backend, k.dtype(args), args), args)
         if self.mode == "auto":
             data = self.cache.get(full)
             if data is not None:
@@ -182,40 +181,40 @@ class Dispatch:
                     d = Decision.from_dict(full, data)
                 except ValueError:
                     d = None
-                if d is not None and d.brick and d.winner not in {v.name for v in cands}:
-                    d = None  # the brick no longer offers the winner: measure again
+                if d is not None and usable is not None and not usable(d):
+                    d = None
         if d is None:
-            d = tune_op(k, args, self.backend, variants=cands, guard=GUARD,
-                        progress=self.progress)
+            d = None if measure is None else measure()
+            if d is None:
+                return None
             if d.stock_s is not None or d.variants:
                 self.cache.put({full: d.to_dict()})
         self.decisions[full] = d
         return d
 
+    def decision(self, k, args, cands: list[Variant] | None = None) -> Decision:
+        """The tuning decision for ``args`` of op kind ``k`` (memory, cache, or measured);
+        ``cands``: its candidates if the caller has them already."""
+        full = f"{self.backend}|{k.key(args)}{k.settings_suffix(self._settings(k))}"
+
+        def candidates() -> list[Variant]:
+            nonlocal cands
+            if cands is None:
+                cands = self._candidates(k, k.listing(self.backend, k.dtype(args), args), args)
+            return cands
+
+        return self._decided(
+            full, lambda: tune_op(k, args, self.backend, variants=candidates(), guard=GUARD,
+                                  progress=self.progress),
+            # a cached brick winner the op no longer offers is measured again
+            usable=lambda d: not d.brick or d.winner in {v.name for v in candidates()})
+
     def block_decision(self, key: str, measure) -> Decision | None:
         """The whole-block decision stored under ``key`` (``"<backend>|block[...]"``: the
         pieces' keys and winners): this dispatch's memory, else (``auto``) the decision cache,
-        else ``measure(key)`` (a :class:`Decision` whose winner is ``"bricks"`` or stock, or
-        None when the call cannot be timed), written to the cache. None: no decision (yet)."""
-        d = self.decisions.get(key)
-        if d is not None:
-            return d
-        if self.mode == "auto":
-            data = self.cache.get(key)
-            if data is not None:
-                try:
-                    d = Decision.from_dict(key, data)
-                except ValueError:
-                    d = None
-        if d is None:
-            if measure is None:
-                return None
-            d = measure(key)
-            if d is None:
-                return None
-            self.cache.put({key: d.to_dict()})
-        self.decisions[key] = d
-        return d
+        else ``measure()`` (a :class:`Decision` whose winner is ``"bricks"`` or stock, or None
+        when the call cannot be timed), written to the cache. None: no decision (yet)."""
+        return self._decided(key, measure)
 
     def choose(self, kind, args: dict) -> Choice:
         """What one piece runs for one call: ``kind`` is the piece's op kind (an ``OpKind``, or
