@@ -6,9 +6,11 @@ two cannot drift.
 """
 from __future__ import annotations
 
-#: ``patch_model(tune=...)``: cached decisions and measure the missing ones, measure again, or
-#: the bricks' own rules unmeasured (docs/tuning.md).
-TUNE_MODES = ("auto", "off", "force")
+#: ``patch_model(tune=...)``: cached decisions and measure the missing ones at first use;
+#: cached decisions and the prior for the missing ones, never measuring (what one-shot commands
+#: use: no tuning before the first token); measure again; or the bricks' own rules unmeasured
+#: (docs/tuning.md).
+TUNE_MODES = ("auto", "cached", "force", "off")
 #: ``patch_model(kv_cache=...)`` and ``make_prompt_cache(model, kv)``: mlx-lm's own cache
 #: (whatever its float dtype: the name says "not quantized"), or the Q8_0 cache.
 KV_CACHES = ("fp16", "q8_0")

@@ -216,7 +216,7 @@ def test_every_entry_point_parses_the_bricks_flags(installed):
         assert r.returncode == 0, (name, r.stderr)
         assert "--prefill-step-size" in r.stdout, name  # mlx-lm's flags
         has_bricks = ("--bricks-backend" in r.stdout and "--bricks-kv {fp16,q8_0}" in r.stdout
-                      and "--bricks-tune {auto,off,force}" in r.stdout
+                      and "--bricks-tune {auto,cached,force,off}" in r.stdout
                       and "--bricks-mlp-variant {auto,fused,split}" in r.stdout
                       and "--bricks-report" in r.stdout)
         assert has_bricks == ("(no flag)" not in name), name

@@ -279,7 +279,7 @@ def test_named_emulator_is_not_tuned(monkeypatch):
 
 def test_bad_tune_value():
     model = build_model("llama", num_hidden_layers=1)
-    with pytest.raises(ValueError, match="tune must be one of 'auto', 'off', 'force', got 'on'"):
+    with pytest.raises(ValueError, match="tune must be one of 'auto', 'cached', 'force', 'off', got 'on'"):
         patch_model(model, backend="reference", tune="on")
 
 

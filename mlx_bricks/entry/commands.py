@@ -20,26 +20,34 @@ class Command:
         module: the module that runs it (``"mlx_lm.server"``), also its console script's name
             and the program name in its help and error lines.
         announce: where the patch summary of each loaded model goes: ``"stderr"`` (one line)
-            or ``"log"`` (``logging.info``, with the per-layer report: the server's log).
+            or ``"log"`` (``logging.info``: the server's log).
+        tune: default of ``--bricks-tune``: ``"cached"`` where a user waits for the first
+            token of a fresh process (nothing is measured on that path), ``"auto"`` where the
+            command warms up before it measures (``benchmark``).
+        tune_at_load: measure the missing decisions right after loading, before the first
+            request, then serve from them (``--bricks-tune auto`` or ``force``; the server).
     """
 
-    __slots__ = ("name", "module", "announce")
+    __slots__ = ("name", "module", "announce", "tune", "tune_at_load")
 
-    def __init__(self, name: str, announce: str = "stderr"):
+    def __init__(self, name: str, announce: str = "stderr", tune: str = "cached",
+                 tune_at_load: bool = False):
         self.name = name
         self.module = f"mlx_lm.{name}"
         self.announce = announce
+        self.tune = tune
+        self.tune_at_load = tune_at_load
 
     def __repr__(self) -> str:
-        return f"Command({self.name!r}, announce={self.announce!r})"
+        return f"Command({self.name!r}, announce={self.announce!r}, tune={self.tune!r})"
 
 
 #: name -> Command, for every command the hook serves.
 COMMANDS = {c.name: c for c in (
     Command("generate"),
-    Command("server", announce="log"),
+    Command("server", announce="log", tune="auto", tune_at_load=True),
     Command("chat"),
-    Command("benchmark"),
+    Command("benchmark", tune="auto"),
 )}
 #: module name (``"mlx_lm.server"``) -> Command.
 BY_MODULE = {c.module: c for c in COMMANDS.values()}

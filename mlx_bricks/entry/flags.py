@@ -38,12 +38,16 @@ def add_kv_flag(parser, *names: str, dest: str | None = None, help: str) -> None
                         default=KV_CACHES[0], help=f"{help} Default: {KV_CACHES[0]} ({aliases}).")
 
 
-def add_tune_flag(parser, *names: str, dest: str | None = None) -> None:
-    """``NAMES {auto,off,force}`` (``patch_model(tune=...)``), default ``auto``."""
-    parser.add_argument(*names, dest=dest, choices=TUNE_MODES, default=TUNE_MODES[0],
-                        help="Tuning on a kernel backend (metal, cuda): auto (cached decisions; "
-                        "the missing ones are measured at the first prefill), force (measure "
-                        "again), off (the bricks' own rules, unmeasured). Default: auto.")
+def add_tune_flag(parser, *names: str, dest: str | None = None, default: str = "auto",
+                  when: str = "at the first prefill") -> None:
+    """``NAMES {auto,cached,force,off}`` (``patch_model(tune=...)``), default ``default``;
+    ``when``: when this command measures in ``auto`` mode."""
+    parser.add_argument(*names, dest=dest, choices=TUNE_MODES, default=default,
+                        help="Tuning: auto (cached decisions; the missing ones are measured "
+                        f"{when}), cached (cached decisions, else the prior; never measures, "
+                        "so nothing delays the first token; `python -m mlx_bricks.tune MODEL` "
+                        "measures ahead), force (measure again), off (the bricks' own rules). "
+                        f"Default: {default}.")
 
 
 def add_mlp_variant_flag(parser, *names: str, dest: str | None = None) -> None:
@@ -59,18 +63,22 @@ def mlp_variant(value: str) -> str | None:
     return None if value == "auto" else value
 
 
-def add_bricks_flags(parser: argparse.ArgumentParser, *,
-                     use_bricks_default: bool = False) -> argparse._ArgumentGroup:
+def add_bricks_flags(parser: argparse.ArgumentParser, *, use_bricks_default: bool = False,
+                     tune_default: str = "auto", tune_when: str = "at the first prefill"
+                     ) -> argparse._ArgumentGroup:
     """Add the ``mlx-bricks`` group to ``parser``.
 
     Flags (destinations in brackets): ``--use-bricks/--no-use-bricks`` [use_bricks],
     ``--bricks-backend`` [bricks_backend], ``--bricks-kv {fp16,q8_0}`` [bricks_kv],
     ``--bricks-mlp-variant {auto,fused,split}`` [bricks_mlp_variant],
-    ``--bricks-tune {auto,off,force}`` [bricks_tune], ``--bricks-report`` [bricks_report].
+    ``--bricks-tune {auto,cached,force,off}`` [bricks_tune], ``--bricks-report``
+    [bricks_report].
 
     Args:
         parser: the command's parser (mlx-lm's own, or any ``ArgumentParser``).
         use_bricks_default: default of ``--use-bricks`` (True for ``mlx_bricks.generate``).
+        tune_default: default of ``--bricks-tune`` (the command's, ``entry.commands``).
+        tune_when: when the command measures in ``auto`` mode (for the help).
 
     Returns:
         The argument group.
@@ -87,7 +95,7 @@ def add_bricks_flags(parser: argparse.ArgumentParser, *,
                 "attention and decode bricks; sliding-window layers keep mlx-lm's rotating "
                 "cache). Not with --kv-bits.")
     add_mlp_variant_flag(group, "--bricks-mlp-variant")
-    add_tune_flag(group, "--bricks-tune")
+    add_tune_flag(group, "--bricks-tune", default=tune_default, when=tune_when)
     group.add_argument(
         "--bricks-report", action="store_true",
         help="Print the per-layer patch report, with the calls each brick served, to stderr "

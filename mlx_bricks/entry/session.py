@@ -187,7 +187,11 @@ class Session:
         and :meth:`prepare` after parsing."""
         self.parser = parser
         parser.prog = self.prog
-        flags.add_bricks_flags(parser, use_bricks_default=self.use_bricks_default)
+        c = self.command
+        flags.add_bricks_flags(parser, use_bricks_default=self.use_bricks_default,
+                               tune_default=c.tune,
+                               tune_when="right after loading, before the first request"
+                               if c.tune_at_load else "at the first prefill")
         _cli.one_line_errors(parser)
         parse = parser.parse_args
 
@@ -256,12 +260,28 @@ class Session:
         report = patch_model(model, kv_cache=a.bricks_kv,
                              mlp_variant=flags.mlp_variant(a.bricks_mlp_variant),
                              backend=a.bricks_backend, tune=a.bricks_tune)
+        if self.command.tune_at_load and report.dispatch is not None and a.bricks_tune in (
+                "auto", "force"):
+            self._tune_at_load(model, report)
         self.loaded.append((path, report))
-        if self.command.announce == "log":
-            LOG.info("[mlx-bricks] %s: %s\n%s", path, summary_line(report), report)
+        if self.command.announce == "log":  # the per-layer report only with --bricks-report
+            LOG.info("[mlx-bricks] %s: %s", path, summary_line(report))
         elif getattr(a, "verbose", True):
             print(f"[mlx-bricks] {summary_line(report)}", file=sys.stderr, flush=True)
         return report
+
+    def _tune_at_load(self, model, report) -> None:
+        """Take every piece's decision for one chunk per M bucket now (cached ones are read,
+        missing ones measured: only the first start on a device waits), then serve in
+        ``cached`` mode: no request waits for a measurement."""
+        from mlx_bricks.tune.ahead import measure_ahead
+        from mlx_bricks.tune.buckets import DEFAULT_M
+
+        vocab = getattr(getattr(model, "args", None), "vocab_size", 2)
+        LOG.info("[mlx-bricks] taking the tuning decisions before the first request "
+                 "(measured once per device, then read from the cache)")
+        measure_ahead(model, report, DEFAULT_M, vocab if isinstance(vocab, int) else 2)
+        report.dispatch.mode = "cached"
 
     def final_report(self) -> None:
         """``--bricks-report``: each patched model's report, with the calls its bricks served

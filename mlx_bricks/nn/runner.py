@@ -44,6 +44,8 @@ class BricksState:
             for a call that could not be timed, else None.
         checking: True while :func:`check_block` times this module (its own calls then run
             the remembered choices, uncounted).
+        gate: the model's ``nn.gate.DecodeGate`` (decode forwards run this module's original
+            class and are counted there until :meth:`DecodeGate.flush`), or None.
     """
 
     backend: str
@@ -62,6 +64,7 @@ class BricksState:
     all_stock: dict = field(default_factory=dict, repr=False)
     checked: dict = field(default_factory=dict, repr=False)
     checking: bool = False
+    gate: object = field(default=None, repr=False)
 
 
 def choose(state: BricksState, shape_key: tuple, pieces) -> dict:

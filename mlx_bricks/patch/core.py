@@ -36,6 +36,7 @@ from mlx_bricks.nn import (
     is_patched,
 )
 from mlx_bricks.nn.calls import track_batch_masks
+from mlx_bricks.nn.gate import gate_model, model_gate, ungate_model
 from mlx_bricks.nn.structure import attention_sharding_reason, linears
 from mlx_bricks.runtime.dispatch import NO_KERNEL_BACKEND, TUNE_MODES, Dispatch, no_kernel_backend
 from mlx_bricks.patch.report import (
@@ -324,7 +325,9 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
     standard pre-norm block, else ``BricksAttention`` and/or ``BricksPiece`` (the MLP). Parameters stay the
     same arrays under the same names. Prefill (L > 1) is split into pieces (RMSNorm + QKV,
     attention, the out-projection, the MLP), each running its brick or mlx-lm's own stock code
-    as the dispatcher decides (``tune``); decode (L == 1) and the cases the bricks do not cover
+    as the dispatcher decides (``tune``); decode (L == 1: the model's forward switches every
+    patched module to its original class, one check per forward: ``nn.gate``) and the cases
+    the bricks do not cover
     (array masks, caches other than ``KVCache``, non-affine quantized or LoRA/DoRA linears,
     unknown call signatures, sliding-window layers) run the stock code, with the reason in the
     report. MLX affine ``nn.QuantizedLinear`` projections feed the quantized bricks (docs/
@@ -370,7 +373,11 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
             ``mlx_bricks.backends.BACKENDS``; resolved once here.
         tune: on a kernel backend (``metal``, ``cuda``): ``"auto"`` uses the decision cache
             and measures the missing decisions (each piece's shape bucket, at its first
-            prefill); ``"force"`` measures again and overwrites the cache; ``"off"`` runs the
+            prefill); ``"cached"`` uses the decision cache and, for the missing decisions, the
+            prior (``tune.prior``: composites where they won on such devices, else stock),
+            never measuring, and runs a kernel variant only where its cached gain pays its
+            per-process build (what one-shot commands use: nothing delays the first token);
+            ``"force"`` measures again and overwrites the cache; ``"off"`` runs the
             bricks by the ops' rules, unmeasured. Tuning does not apply to ``emulator`` or
             ``reference`` (they run as asked). See docs/tuning.md.
         dequant_cap: the most memory, in MiB (a number > 0, fractions allowed), one row tile
@@ -452,8 +459,12 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
         record_weight_formats(report, layers, layout)
         if no_kernels and report.n_patched == 0:
             report.dispatch = None  # a float model: nothing to tune, exactly stock
+    if report.dispatch is not None:  # one call per layer and forward: what a build is weighed
+        report.dispatch.calls_hint = max(1, report.n_layers)  # against (tune.prior.pays)
     if kv_cache == "q8_0" and layout is not None:
         _route_q8_0_cache(model, report, choice.name)
+    # decode: one check per forward switches the patched modules to their stock classes
+    gate_model(model, [m for m in model.modules() if is_patched(m)])
     object.__setattr__(model, "_bricks_report", report)
     return report
 
@@ -479,6 +490,7 @@ def unpatch_model(model) -> int:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an mlx.nn.Module, got {type(model).__name__}")
+    ungate_model(model)  # every patched module back to its bricks class first
     restored = sum(detach(m) for m in model.modules())
     model.__dict__.pop("_bricks_report", None)
     undo = model.__dict__.pop("_bricks_kv_undo", None)
@@ -498,6 +510,10 @@ def stock_path(model):
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an mlx.nn.Module, got {type(model).__name__}")
+    gate = model_gate(model)
+    if gate is not None:  # the gate must not switch the classes back during the block
+        gate.switch(prefill=True)
+        gate.suspended = True
     patched = [(m, type(m)) for m in model.modules() if is_patched(m)]
     for m, cls in patched:
         m.__class__ = cls._bricks_base
@@ -506,6 +522,8 @@ def stock_path(model):
     finally:
         for m, cls in patched:
             m.__class__ = cls
+        if gate is not None:
+            gate.suspended = False
 
 
 def patch_report(model) -> PatchReport | None:

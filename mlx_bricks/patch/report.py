@@ -60,7 +60,11 @@ class ModuleReport:
     def stock_calls(self) -> dict[str, int]:
         """Reason -> calls that ran the stock path so far because the bricks do not cover them
         (decode included; a piece's stock path is counted as ``"<piece>: <reason>"``)."""
-        return dict(self.state.stock) if self.state is not None else {}
+        if self.state is None:
+            return {}
+        if self.state.gate is not None:  # decode forwards the gate counted
+            self.state.gate.flush()
+        return dict(self.state.stock)
 
     @property
     def tuned_stock_calls(self) -> dict[str, int]:

@@ -28,6 +28,7 @@ from mlx_bricks.options import TUNE_MODES
 from mlx_bricks.runtime.guard import GUARD
 from mlx_bricks.runtime.kind import Key, Variant
 from mlx_bricks.runtime.kind import kind as kind_of
+from mlx_bricks.tune.prior import pays, prior_decision, without_builds
 from mlx_bricks.tune.tuner import Decision, tune_op
 
 #: Backends where tuning applies (the kernel backends a user runs).
@@ -115,12 +116,19 @@ class Dispatch:
         #: neural accelerators), or None.
         self.accelerated = neural_accelerators() if backend.name == "metal" else None
         self.progress = progress
+        #: Calls of one piece a forward makes (the layers sharing its key): what a kernel's
+        #: build is weighed against in ``cached`` mode (``tune.prior.pays``).
+        self.calls_hint = 1
         #: ``"<backend>|<key>" -> Decision`` taken for this model (cached or measured).
         self.decisions: dict[str, Decision] = {}
         #: Guard reasons this model's pieces met (disabled variants), in order.
         self.failures: list[str] = []
         self._cache = None
-        if self.tuning:
+        if self.tuning and tune == "cached":
+            self.why = ("cached: decisions measured earlier on this device, else the prior "
+                        "(tune.prior); nothing is measured in this process, and a kernel runs "
+                        "only where its gain pays its build")
+        elif self.tuning:
             what = ("composites of stock ops (no kernel backend)" if self.composites_only
                     else "brick variants")
             self.why = (f"{tune}: each piece's {what} timed against stock on this "
@@ -174,7 +182,7 @@ class Dispatch:
         d = self.decisions.get(full)
         if d is not None:
             return d
-        if self.mode == "auto":
+        if self.mode in ("auto", "cached"):
             data = self.cache.get(full)
             if data is not None:
                 try:
@@ -203,18 +211,29 @@ class Dispatch:
                 cands = self._candidates(k, k.listing(self.backend, k.dtype(args), args), args)
             return cands
 
-        return self._decided(
-            full, lambda: tune_op(k, args, self.backend, variants=candidates(), guard=GUARD,
-                                  progress=self.progress),
-            # a cached brick winner the op no longer offers is measured again
-            usable=lambda d: not d.brick or d.winner in {v.name for v in candidates()})
+        def usable(d):  # a cached brick winner the op no longer offers is decided again
+            return not d.brick or d.winner in {v.name for v in candidates()}
+
+        if self.mode != "cached":
+            return self._decided(
+                full, lambda: tune_op(k, args, self.backend, variants=candidates(),
+                                      guard=GUARD, progress=self.progress), usable=usable)
+        d = self._decided(full, lambda: prior_decision(k, args, candidates(), self.backend,
+                                                       full), usable=usable)
+        if d.brick and d.source == "cache":
+            v = next(c for c in candidates() if c.name == d.winner)
+            if v.builds and not pays(d, self.backend, self.calls_hint, built=False):
+                d = without_builds(d, {c.name for c in candidates() if not c.builds}, full)
+                self.decisions[full] = d
+        return d
 
     def block_decision(self, key: str, measure) -> Decision | None:
         """The whole-block decision stored under ``key`` (``"<backend>|block[...]"``: the
         pieces' keys and winners): this dispatch's memory, else (``auto``) the decision cache,
         else ``measure()`` (a :class:`Decision` whose winner is ``"bricks"`` or stock, or None
-        when the call cannot be timed), written to the cache. None: no decision (yet)."""
-        return self._decided(key, measure)
+        when the call cannot be timed), written to the cache; ``cached`` mode never measures.
+        None: no decision (yet)."""
+        return self._decided(key, None if self.mode == "cached" else measure)
 
     def choose(self, kind, args: dict) -> Choice:
         """What one piece runs for one call: ``kind`` is the piece's op kind (an ``OpKind``, or
@@ -242,7 +261,8 @@ class Dispatch:
         else:
             d = self.decision(k, args, cands)
             if not d.brick:
-                return Choice(None, d.reason, key, tuned=d.ratio is not None)
+                return Choice(None, d.reason, key,
+                              tuned=d.ratio is not None or d.source == "prior")
             v = next(c for c in cands if c.name == d.winner)
             reason = d.reason
         if self.guarded:

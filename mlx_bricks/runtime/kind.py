@@ -86,11 +86,15 @@ class Variant:
         fn: ``fn(args, backend) -> output``; :meth:`OpKind.variant` binds a kernel variant to
             the brick op, a composite is the brick's own function, tests inject theirs. None:
             the kind that runs it (:meth:`OpKind.run`) calls its brick with ``kwargs``.
+        builds: running it compiles a kernel in the process (on ``metal`` / ``cuda``): a
+            kernel variant, or a composite that calls a brick; False for a composite of stock
+            MLX ops (``tune.prior`` weighs the build against the gain).
     """
 
     name: str
     kwargs: dict = field(default_factory=dict)
     fn: Callable | None = field(default=None, compare=False)
+    builds: bool = field(default=True, compare=False)
 
     def run(self, args: dict, backend: str):
         """The variant's output for ``args`` on ``backend``.
@@ -118,17 +122,21 @@ class Composite:
             this backend (e.g. only quantized weights); default always.
         kwargs: what it records in a decision and what ``OpKind.restrict`` may select on,
             as a kernel variant's keyword arguments (e.g. the SwiGLU style it computes).
+        builds: it calls a brick kernel (compiled in the process on ``metal`` / ``cuda``);
+            default False: stock MLX ops only.
     """
 
     name: str
     fn: Callable
     applies: Callable = field(default=lambda args, backend: True, compare=False)
     kwargs: dict = field(default_factory=dict, compare=False)
+    builds: bool = field(default=False, compare=False)
 
     def bind(self, settings: dict) -> Variant:
         """The composite as a :class:`Variant` computing with ``settings``."""
         return Variant(self.name, dict(self.kwargs),
-                       functools.partial(_run_composite, self.fn, dict(settings)))
+                       functools.partial(_run_composite, self.fn, dict(settings)),
+                       builds=self.builds)
 
 
 def _run_composite(fn, settings, args, backend):

@@ -19,8 +19,7 @@ from mlx_bricks import _cli
 from mlx_bricks.entry import flags
 
 PROG = "python -m mlx_bricks.tune"
-#: One M per bucket of ``buckets.M_EDGES`` (the last one above 2048).
-DEFAULT_M = (32, 128, 512, 2048, 4096)
+from mlx_bricks.tune.buckets import DEFAULT_M
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -80,12 +79,11 @@ def _show(cache) -> dict:
 
 
 def _tune(args) -> dict:
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model
 
     from mlx_bricks.entry.resolve import load_patchable
     from mlx_bricks.patch import patch_model
+    from mlx_bricks.tune.ahead import measure_ahead
     from mlx_bricks.tune.cache import default_path
 
     # no tokenizer needed: the tokens are random
@@ -98,10 +96,7 @@ def _tune(args) -> dict:
         result["note"] = f"nothing to tune: {tuning['why']}"
         result["decisions"] = []
         return result
-    vocab = int(config.get("vocab_size", 2))
-    for M in args.m:
-        tokens = mx.random.randint(0, vocab, (1, M), key=mx.random.key(M))
-        mx.eval(model(tokens, cache=make_prompt_cache(model)))
+    measure_ahead(model, report, args.m, int(config.get("vocab_size", 2)))
     tuning = report.tuning()
     result["context"] = report.dispatch.cache.context.id
     result["decisions"] = tuning["decisions"]

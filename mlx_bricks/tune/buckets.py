@@ -12,6 +12,8 @@ from __future__ import annotations
 
 #: Upper edges of the M buckets (rows of a GEMM: batch x tokens of one prefill chunk).
 M_EDGES = (32, 128, 512, 2048)
+#: One prefill chunk size per M bucket (the last one above 2048): what tuning ahead runs.
+DEFAULT_M = (32, 128, 512, 2048, 4096)
 #: Upper edges of the kv-length buckets of attention (keys visible to a prefill chunk).
 KV_EDGES = (32, 128, 512, 2048, 8192)
 

@@ -47,7 +47,8 @@ class Decision:
         variants: name -> ``{"s": median seconds or None, "ok": passed the check,
             "error": why not, "calls": calls per evaluation, "rounds": timed rounds}``.
         measured: the shapes the timing ran at (``{"M": ...}`` or ``{"q_len", "kv_len"}``).
-        source: ``"measured"`` in this process, or ``"cache"``.
+        source: ``"measured"`` in this process, ``"cache"``, or ``"prior"`` (nothing
+            measured: ``tune.prior``; never cached).
         note: why nothing was measured (no variant on this backend), or that stock failed to
             run at these shapes (then a passing variant wins untimed against it), else empty.
         stock_rounds: timed rounds of stock (fewer than ``REPEATS`` for a slow stock under
@@ -74,6 +75,8 @@ class Decision:
     def reason(self) -> str:
         """One phrase for reports: ``"tuned: stock faster (x0.93)"``, ``"tuned: 64x64 faster
         (x1.12)"``..."""
+        if self.source == "prior":  # nothing measured: the rule says why
+            return self.note
         if self.brick:
             if self.ratio is None:  # stock failed at this shape (note): the brick runs
                 return f"tuned: {self.winner} ({self.note})"

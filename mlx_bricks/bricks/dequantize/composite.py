@@ -241,5 +241,6 @@ def dequant_composites(fn, applies, *, suffix: str = "", kwargs: dict | None = N
     kw = dict(kwargs or {})
     return (Composite(f"dequant{suffix}", run("mx"), lambda args, backend: applies(args), kw),
             Composite(f"dequant_brick{suffix}", run("brick"),
-                      lambda args, backend: has_kernel(backend) and applies(args), kw))
+                      lambda args, backend: has_kernel(backend) and applies(args), kw,
+                      builds=True))
 

@@ -1,0 +1,127 @@
+"""Decisions without measurement, for processes that must not delay their first token.
+
+``tune="cached"`` (the one-shot commands' default: ``mlx_lm.generate``, ``chat``) never times
+anything on the request path. A piece's decision comes from the decision cache (what
+``python -m mlx_bricks.tune``, a server or an ``auto`` run measured on this device) and, where
+the cache has none, from :func:`prior_decision`: rules drawn from the measurements committed in
+``bench/results`` (the composites "dequantize in row tiles, then the float computation" beat
+stock by 1.4-4.5x on the H200 at M >= 512 with 4-bit weights, 1.1-3.4x with 8-bit at M > 512,
+and 14-65x on the CPU with float16/bfloat16 activations; float weights keep stock; 2026-12-02/04).
+
+Building is part of the cost: a kernel variant is compiled once per process (NVRTC on CUDA, the
+Metal compiler on Metal; MLX does not keep ``mx.fast`` custom kernels across processes).
+:func:`pays` keeps a cached kernel winner only where its measured gain over the calls this
+process is expected to make exceeds its build time; otherwise the fastest measured variant that
+needs no build, or stock.
+"""
+from __future__ import annotations
+
+import re
+
+from mlx_bricks.tune.tuner import MIN_SPEEDUP, STOCK, Decision
+
+#: Backends whose kernel variants are compiled in the process that first runs them.
+BUILD_BACKENDS = ("cuda", "metal")
+#: Seconds one kernel variant's build costs a process when nothing measured says otherwise
+#: (H100, 2026-12-05: about 9 s for the 6-8 NVRTC builds of an 8B prefill's tail chunk).
+BUILD_S = {"cuda": 1.5, "metal": 0.3}
+#: Prior: the fewest rows (tokens of a chunk) from which a quantized weight's composite
+#: replaces stock, per backend and weight bits (None: stock at every M). The CPU's stock
+#: float16/bfloat16 ``quantized_matmul`` is tens of times slower at any M; CUDA's 4-bit
+#: composite won from the M <= 512 bucket on, 8-bit's only above it (bench/results/
+#: 2026-12-03-h200-e2e-quant.json). Metal: nothing measured on Apple GPUs yet, stock.
+PRIOR_MIN_ROWS = {"reference": {4: 2, 8: 2}, "cuda": {4: 256, 8: 1024}}
+#: Prior on CUDA: weights below this many elements (N x K) keep stock (an N=512, K=2048 linear
+#: stayed stock at every M on the H200: the dequantize pass does not amortise).
+PRIOR_MIN_WEIGHT = {"cuda": 4 * 2**20}
+#: Activation dtypes the prior sends to a composite on the CPU (float32's stock quantized
+#: matmul was not measured slower).
+CPU_DTYPES = ("float16", "bfloat16")
+#: Composite preferred by the prior, per kind (the one that won most often in bench/results).
+PREFERRED = {"swiglu_mlp": "dequant_split"}
+
+_BITS = re.compile(r"q(\d+)g\d+")
+
+
+def _bits(weights: str) -> int | None:
+    """The largest bits of a key's weight formats (``"q4g64/q8g64"`` -> 8), None if any float."""
+    bits = []
+    for part in weights.split("/"):
+        m = _BITS.fullmatch(part)
+        if m is None:
+            return None
+        bits.append(int(m.group(1)))
+    return max(bits) if bits else None
+
+
+def _weight_elements(args: dict) -> int:
+    """The largest weight's N x K among ``args`` (0 when none has a shape)."""
+    sizes = [a.shape[0] * a.shape[1] for n, a in args.items()
+             if n.startswith("w") and getattr(a, "shape", None) is not None and len(a.shape) == 2]
+    return max(sizes, default=0)
+
+
+def prior_decision(kind, args: dict, candidates: list, backend: str, full_key: str) -> Decision:
+    """The decision for a piece nothing measured (source ``"prior"``; not cached).
+
+    A composite that needs no kernel build wins where :data:`PRIOR_MIN_ROWS` and
+    :data:`PRIOR_MIN_WEIGHT` say it beat stock on this kind of device; everything else
+    (float weights, kernel variants, attention, backends without measurements) keeps stock.
+    Source: bench/results (2026-12-02 CPU, 2026-12-03/04 H200), module docstring.
+    """
+    key = kind.key(args)
+    measured = kind.measured(args)
+    why = "prior: stock (nothing measured on this device for this shape)"
+    bits = _bits(key.weights)
+    rows_by_bits = PRIOR_MIN_ROWS.get(backend)
+    if bits is None or rows_by_bits is None:
+        return Decision(full_key, STOCK, measured=measured, source="prior", note=why)
+    min_rows = rows_by_bits.get(8 if bits > 4 else 4)
+    rows = measured.get("M")
+    if (min_rows is None or not isinstance(rows, int) or rows < min_rows
+            or _weight_elements(args) < PRIOR_MIN_WEIGHT.get(backend, 0)
+            or (backend == "reference" and key.dtype not in CPU_DTYPES)):
+        return Decision(full_key, STOCK, measured=measured, source="prior", note=why)
+    free = [v for v in candidates if not v.builds]
+    if not free:
+        return Decision(full_key, STOCK, measured=measured, source="prior", note=why)
+    want = PREFERRED.get(kind.name)
+    best = next((v for v in free if v.name == want), free[0])
+    return Decision(full_key, best.name, dict(best.kwargs), measured=measured, source="prior",
+                    note=f"prior: {best.name} (composite, no build; bench/results)")
+
+
+def pays(decision: Decision, backend: str, calls: int, built: bool,
+         build_s: float | None = None) -> bool:
+    """Whether running ``decision``'s kernel winner pays for its build in this process:
+    ``(stock s - winner s) x calls >= build s``. True when the winner needs no build here
+    (``built``, or a backend that builds nothing); False when the decision lacks timings.
+
+    Args:
+        calls: calls of this piece the process is expected to make (e.g. one per layer).
+        build_s: the kernel's measured build time, else :data:`BUILD_S`.
+    """
+    if built or backend not in BUILD_BACKENDS:
+        return True
+    s = (decision.variants.get(decision.winner) or {}).get("s")
+    if decision.stock_s is None or s is None:
+        return False
+    cost = BUILD_S[backend] if build_s is None else build_s
+    return (decision.stock_s - s) * max(1, calls) >= cost
+
+
+def without_builds(decision: Decision, free: set[str], full_key: str) -> Decision:
+    """``decision`` restricted to the variants in ``free`` (no build): the fastest measured
+    one where it beats stock by :data:`MIN_SPEEDUP`, else stock."""
+    timed = {n: v["s"] for n, v in decision.variants.items()
+             if n in free and v.get("ok") and v.get("s")}
+    note = f"cache: {decision.winner} would not pay its build in this process"
+    if not timed or decision.stock_s is None:
+        return Decision(full_key, STOCK, measured=decision.measured, source="cache", note=note)
+    best = min(timed, key=timed.get)
+    ratio = decision.stock_s / timed[best]
+    if ratio >= MIN_SPEEDUP:
+        return Decision(full_key, best, {}, ratio, decision.stock_s, decision.variants,
+                        decision.measured, source="cache", note=note)
+    return Decision(full_key, STOCK, {}, ratio, decision.stock_s, decision.variants,
+                    decision.measured, source="cache", note=note)

@@ -1,0 +1,263 @@
+"""What a fresh process pays: ``tune="cached"`` never measures (the prior and the cache decide),
+a kernel winner runs only where its gain pays its build, and decode costs one check per
+forward (the decode gate switches the patched modules to their stock classes).
+
+Independent references: stock mlx-lm outputs of the same model and a float64 clone
+(``tests.models.dense64``), never values the code under test produced.
+"""
+from __future__ import annotations
+
+import argparse
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models import llama
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_bricks.backends import backend_status
+from mlx_bricks.bricks import kinds
+from mlx_bricks.nn import DECODE, BricksBlock
+from mlx_bricks.patch import patch_model, unpatch_model
+from mlx_bricks.patch.core import stock_path
+from mlx_bricks.runtime import dispatch as dispatch_mod
+from mlx_bricks.runtime.guard import GUARD
+from mlx_bricks.runtime.kind import Act, Variant
+from mlx_bricks.tune import prior
+from mlx_bricks.tune.cache import DecisionCache
+from mlx_bricks.tune.tuner import STOCK, Decision
+from tests.models import build_model, tokens
+from tests.test_patch_cpu import dense64, run64
+from tests.tolerance import assert_dtype_close
+
+KINDS = kinds()
+
+
+@pytest.fixture(autouse=True)
+def _clean(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_BRICKS_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLX_BRICKS_DEQUANT_CAP", raising=False)
+    GUARD.reset()
+    yield
+    GUARD.reset()
+
+
+def _no_measuring(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("tune='cached' measured something")
+    monkeypatch.setattr(dispatch_mod, "tune_op", boom)
+
+
+def _quantized_llama(dtype=mx.float16, layers=2):
+    model = build_model("llama", dtype, num_hidden_layers=layers)
+    nn.quantize(model, group_size=64, bits=4, class_predicate=lambda path, m: isinstance(
+        m, nn.Linear) and path.startswith("model.layers."))
+    mx.eval(model.parameters())
+    return model
+
+
+def run(model, toks, cache=None):
+    out = model(toks, cache=cache)
+    mx.eval(out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# tune="cached": nothing measured, prior and cache decide
+
+
+def test_cached_mode_runs_the_prior_without_measuring(monkeypatch):
+    if backend_status("metal")[0] or backend_status("cuda")[0]:
+        pytest.skip("the CPU prior applies where there is no kernel backend")
+    _no_measuring(monkeypatch)
+    model = _quantized_llama()
+    toks = tokens(24)
+    ref = run64(dense64(model), toks)
+    stock = run(model, toks)
+    report = patch_model(model, tune="cached")
+    assert (report.backend.name, report.backend.source) == ("reference", "auto")
+    out = run(model, toks)
+    assert_dtype_close(out, ref, stock, dtype=mx.float16, what="logits")
+    decisions = report.tuning()["decisions"]
+    assert decisions and {d["source"] for d in decisions} == {"prior"}
+    # every quantized piece ran its composite (attention has no candidate here: stock)
+    winners = {d["key"].split("[")[0].split("|")[1]: d["winner"] for d in decisions}
+    assert winners == {"rms_norm_qkv": "dequant", "linear": "dequant",
+                       "swiglu_mlp": "dequant_split"}
+    assert report.calls()["linear"] == len(model.layers)
+    assert DecisionCache().decisions() == {}  # a prior is never written as a measurement
+
+
+def test_cached_mode_prefers_a_cached_measurement_over_the_prior(monkeypatch):
+    if backend_status("metal")[0] or backend_status("cuda")[0]:
+        pytest.skip("the CPU prior applies where there is no kernel backend")
+    model = _quantized_llama(layers=1)
+    toks = tokens(24)
+    stock = run(model, toks)
+    # measure once (auto), then flip the cached MLP decision to stock
+    patch_model(model, tune="auto")
+    run(model, toks)
+    cache = DecisionCache()
+    (key,) = [k for k in cache.decisions() if "swiglu_mlp" in k]
+    d = Decision.from_dict(key, cache.decisions()[key])
+    cache.put({key: Decision(key, STOCK, {}, 0.5, d.stock_s, d.variants, d.measured).to_dict()})
+    _no_measuring(monkeypatch)
+    report = patch_model(model, tune="cached")
+    out = run(model, toks)
+    assert {d["source"] for d in report.tuning()["decisions"]} == {"cache"}
+    assert "swiglu_mlp" not in report.calls() and report.calls()["linear"] == 1
+    assert "mlp: tuned: stock faster (x0.50)" in report.tuned_stock_calls()
+    assert_dtype_close(out, run64(dense64(model), toks), stock, dtype=mx.float16,
+                       what="logits")
+
+
+def test_prior_rules():
+    from mlx_bricks.bricks.gemm.piece import linear_args
+
+    k = KINDS["linear"]
+    cands = [Variant("wg128x128", {"tile": "wg128x128"}), *[c.bind({}) for c in k.composites]]
+    q4 = nn.QuantizedLinear(4096, 4096, bits=4, group_size=64)
+    q8 = nn.QuantizedLinear(4096, 4096, bits=8, group_size=64)
+    small = nn.QuantizedLinear(2048, 512, bits=4, group_size=64)
+    flt = nn.Linear(4096, 4096, bias=False)
+
+    def winner(layer, M, backend, dtype=mx.bfloat16, candidates=cands):
+        args = linear_args(layer, Act((1, M, 2048 if layer is small else 4096), dtype))
+        return prior.prior_decision(k, args, candidates, backend, "x").winner
+
+    for layer, M, backend, want in [
+            (q4, 300, "cuda", "dequant"), (q4, 100, "cuda", STOCK), (q8, 600, "cuda", STOCK),
+            (q8, 2048, "cuda", "dequant"), (small, 2048, "cuda", STOCK),
+            (flt, 4096, "cuda", STOCK), (q4, 4096, "metal", STOCK),
+            (q4, 8, "reference", "dequant")]:
+        assert winner(layer, M, backend) == want, (M, backend, want)
+    # float32 activations on the CPU: stock (its quantized matmul was not measured slower)
+    assert winner(q4, 64, "reference", mx.float32) == STOCK
+    # a kernel variant never wins by prior (it would cost a build)
+    assert winner(q4, 4096, "cuda", candidates=cands[:1]) == STOCK
+
+
+def test_a_kernel_runs_only_where_its_gain_pays_its_build():
+    d = Decision("k", "wg128x128", {}, 2.0, 2e-3,
+                 {"wg128x128": {"s": 1e-3, "ok": True}, "dequant": {"s": 1.5e-3, "ok": True}})
+    # gain 1 ms per call: 32 calls save 32 ms, far below a build of 1.5 s
+    assert not prior.pays(d, "cuda", 32, built=False)
+    assert prior.pays(d, "cuda", 32, built=True)
+    assert prior.pays(d, "reference", 32, built=False)
+    assert prior.pays(d, "cuda", 32, built=False, build_s=0.01)
+    assert prior.pays(d, "cuda", 2000, built=False)
+    alt = prior.without_builds(d, {"dequant"}, "k")
+    assert alt.winner == "dequant" and alt.ratio == pytest.approx(2e-3 / 1.5e-3)
+    assert prior.without_builds(d, set(), "k").winner == STOCK
+    slow = Decision("k", "wg128x128", {}, 2.0, 2e-3,
+                    {"wg128x128": {"s": 1e-3, "ok": True}, "dequant": {"s": 2.5e-3, "ok": True}})
+    assert prior.without_builds(slow, {"dequant"}, "k").winner == STOCK
+    no_timing = Decision("k", "wg128x128")
+    assert not prior.pays(no_timing, "metal", 10, built=False)
+
+
+def test_cached_kernel_winner_that_does_not_pay_runs_stock(monkeypatch):
+    """Through the dispatch: a cached kernel winner with a small gain runs stock in
+    ``cached`` mode (its build would cost more), and runs in ``auto`` mode."""
+    monkeypatch.setattr(dispatch_mod, "TUNED_BACKENDS", ("metal", "cuda", "reference"))
+    monkeypatch.setattr(prior, "BUILD_BACKENDS", ("cuda", "metal", "reference"))
+    monkeypatch.setitem(prior.BUILD_S, "reference", 1.0)
+    monkeypatch.setattr(KINDS["linear"], "variants",
+                        lambda backend, dtype=None, args=None, names=None, settings=None: [
+                            Variant("64x64", {"tile": "64x64"})])
+    model = build_model("llama", mx.float32, num_hidden_layers=2)
+    attn = model.layers[0].self_attn
+    o_args = {"x": Act((1, 20, attn.n_heads * 64), mx.float32), "weight": attn.o_proj.weight,
+              "bias": None, "residual": Act((1, 20, 128), mx.float32)}
+    key = f"reference|{KINDS['linear'].key(o_args)}"
+    variants = {"64x64": {"s": 1e-3, "ok": True}}
+    DecisionCache().put({key: Decision(key, "64x64", {"tile": "64x64"}, 1.3, 1.3e-3,
+                                       variants).to_dict()})
+    _no_measuring(monkeypatch)
+    for k in ("rms_norm_qkv", "attention", "swiglu_mlp"):  # the others: cached stock
+        monkeypatch.setattr(KINDS[k], "variants", lambda *a, **kw: [])
+    toks = tokens(20)
+    stock = run(model, toks)
+    report = patch_model(model, backend="reference", tune="cached")
+    out = run(model, toks)
+    assert "linear" not in report.calls()
+    (o,) = [d for d in report.tuning()["decisions"] if d["key"] == key]
+    assert o["winner"] == STOCK and "would not pay its build" in o["reason"]
+    assert mx.allclose(out, stock, rtol=1e-5, atol=1e-5)
+    # 0.3 ms x 2 layers pays a build of 0.5 ms
+    monkeypatch.setitem(prior.BUILD_S, "reference", 5e-4)
+    report = patch_model(model, backend="reference", tune="cached")
+    run(model, toks)
+    assert report.calls()["linear"] == 2
+
+
+def test_command_defaults_never_measure_before_the_first_token():
+    from mlx_bricks.entry.commands import COMMANDS
+    from mlx_bricks.entry.flags import add_bricks_flags
+
+    assert {n: (c.tune, c.tune_at_load) for n, c in COMMANDS.items()} == {
+        "generate": ("cached", False), "chat": ("cached", False),
+        "server": ("auto", True), "benchmark": ("auto", False)}
+    p = argparse.ArgumentParser()
+    add_bricks_flags(p, tune_default="cached")
+    assert p.parse_args([]).bricks_tune == "cached"
+    assert p.parse_args(["--bricks-tune", "auto"]).bricks_tune == "auto"
+
+
+# ---------------------------------------------------------------------------------------------
+# the decode gate
+
+
+def test_decode_runs_the_stock_classes_and_costs_one_check(monkeypatch):
+    model = build_model("llama", mx.float32, num_hidden_layers=3)
+    stock_model = build_model("llama", mx.float32, num_hidden_layers=3)
+    toks = tokens(12)
+    report = patch_model(model, backend="reference", tune="off")
+    assert report.n_patched == 3
+    bricks_classes = [type(layer) for layer in model.layers]
+    entered = []
+    real = BricksBlock.__call__
+
+    def counting(self, *a, **k):
+        entered.append(a[0].shape[1])
+        return real(self, *a, **k)
+    monkeypatch.setattr(BricksBlock, "__call__", counting)
+
+    cache, stock_cache = make_prompt_cache(model), make_prompt_cache(stock_model)
+    out = run(model, toks, cache)
+    want = run(stock_model, toks, stock_cache)
+    assert mx.allclose(out, want, rtol=1e-4, atol=1e-4)
+    assert entered == [12, 12, 12]
+    nxt = mx.argmax(out[:, -1:], axis=-1)
+    for _ in range(3):  # decode: the blocks' own mlx-lm classes, no bricks Python
+        out = run(model, nxt, cache)
+        want = run(stock_model, nxt, stock_cache)
+        assert all(type(layer) is llama.TransformerBlock for layer in model.layers)
+        assert mx.allclose(out, want, rtol=1e-4, atol=1e-4)
+        nxt = mx.argmax(out[:, -1:], axis=-1)
+    assert entered == [12, 12, 12]
+    assert report.stock_calls() == {DECODE: 3 * 3}  # counted as before, once a report reads
+    # the next prefill switches the bricks classes back
+    run(model, tokens(5, seed=1), make_prompt_cache(model))
+    assert [type(layer) for layer in model.layers] == bricks_classes
+    assert entered[3:] == [5, 5, 5]
+    # stock_path in decode mode, then unpatch: the original classes everywhere
+    run(model, nxt, cache)
+    with stock_path(model):
+        assert all(type(layer) is llama.TransformerBlock for layer in model.layers)
+        run(model, tokens(5, seed=2))
+        assert all(type(layer) is llama.TransformerBlock for layer in model.layers)
+    assert [type(layer) for layer in model.layers] == bricks_classes
+    assert unpatch_model(model) == 3
+    assert type(model) is llama.Model
+    assert all(type(layer) is llama.TransformerBlock for layer in model.layers)
+    assert "_bricks_gate" not in model.__dict__
+
+
+def test_gated_model_keeps_its_class_identity():
+    model = build_model("llama", mx.float32, num_hidden_layers=1)
+    patch_model(model, backend="reference", tune="off")
+    assert isinstance(model, llama.Model)
+    assert type(model).__name__ == "Model" and type(model).__module__ == llama.__name__
+    unpatch_model(model)
+    assert type(model) is llama.Model
