@@ -17,7 +17,7 @@ from setuptools.command.build_py import build_py
 # setup.py does not import the package it is building.
 PTH_NAME = "mlx_bricks_hook.pth"
 PTH_LINE = (
-    "import sys; '--use-bricks' in getattr(sys, 'argv', ()) "
+    "import sys; {'--use-bricks', '--help', '-h'} & set(getattr(sys, 'argv', ())) "
     "and __import__('mlx_bricks.entry.hook').entry.hook.install()\n"
 )
 

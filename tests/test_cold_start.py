@@ -261,3 +261,68 @@ def test_gated_model_keeps_its_class_identity():
     assert type(model).__name__ == "Model" and type(model).__module__ == llama.__name__
     unpatch_model(model)
     assert type(model) is llama.Model
+
+
+# ---------------------------------------------------------------------------------------------
+# memory: the composites' queued tiles are bounded; the tuner counts memory
+
+
+def test_queued_tiles_are_bounded_on_gpu_backends(monkeypatch):
+    """Every half cap of dequantized tiles the host submits the newest output and waits for
+    the mark submitted half a cap earlier (never for the newest: the device keeps work
+    queued); the composite's values are those of the unbounded computation; the CPU, which
+    runs in order, is not bounded."""
+    from types import SimpleNamespace
+
+    from mlx_bricks.bricks.dequantize import composite
+    from mlx_bricks.formats.layers import weight_of
+
+    events = []
+    fake = SimpleNamespace(**{n: getattr(mx, n) for n in dir(mx) if not n.startswith("__")})
+    fake.async_eval = lambda a: (events.append(("submit", a)), mx.async_eval(a))
+    fake.eval = lambda a: (events.append(("wait", a)), mx.eval(a))
+    monkeypatch.setattr(composite, "mx", fake)
+    bound = composite.InFlight()
+    outs = [mx.full((2,), float(i)) for i in range(6)]
+    for o in outs:  # 40 bytes each against a cap of 100: a mark every 2 tiles (>= 50 bytes)
+        bound.queued(o, 40, 100)
+    assert [(e, int(a[0].item())) for e, a in events] == [
+        ("submit", 1), ("submit", 3), ("wait", 1), ("submit", 5), ("wait", 3)]
+    assert bound.mark is outs[5]
+
+    events.clear()
+    layer = nn.QuantizedLinear(256, 512, bits=4, group_size=64)
+    layer.set_dtype(mx.float16)
+    x = mx.random.normal((1, 40, 256)).astype(mx.float16)
+    want = layer(x)
+    for backend, bounded in (("reference", False), ("cuda", True)):
+        composite.IN_FLIGHT.reset()
+        events.clear()
+        tiles = composite.DenseTiles(cap=64 * 1024, how="mx", backend=backend)
+        y = tiles.linear(x, (weight_of(layer),), (None,))
+        assert mx.allclose(y, want, rtol=1e-2, atol=1e-2)
+        assert (len([e for e in events if e[0] == "submit"]) > 0) == bounded
+    composite.IN_FLIGHT.reset()
+
+
+def test_tuner_refuses_a_variant_over_stock_peak_plus_the_cap():
+    from mlx_bricks.tune.tuner import tune_op
+
+    k = KINDS["linear"]
+    layer = nn.Linear(512, 1024, bias=False)
+    args = {"x": Act((1, 64, 512), mx.float32), "weight": layer.weight, "bias": None,
+            "residual": None}
+
+    def hungry(a, backend=None):  # the stock value, after holding a 16 MiB temporary
+        big = mx.ones((4 * 2**20,), mx.float32)
+        mx.eval(big)
+        return k.stock(a) + 0 * big[:1].sum()
+
+    lean = Variant("lean", fn=lambda a, backend=None: k.stock(a) * 1.0)
+    d = tune_op(k, args, "reference", variants=[Variant("hungry", fn=hungry), lean],
+                memory_cap=2**20, budget_s=0.2)
+    assert not d.variants["hungry"]["ok"] and "peak memory" in d.variants["hungry"]["error"]
+    assert d.variants["hungry"]["peak_bytes"] >= 16 * 2**20
+    assert d.variants["lean"]["ok"]
+    d = tune_op(k, args, "reference", variants=[Variant("hungry", fn=hungry)], budget_s=0.2)
+    assert d.variants["hungry"]["ok"]  # no cap: no limit

@@ -317,6 +317,12 @@ def test_cap_sources(monkeypatch):
     assert composite.resolve_cap(64) == (64 << 20, "argument")
     monkeypatch.setenv(composite.CAP_ENV_VAR, "")
     assert composite.resolve_cap() == (256 << 20, "default")
+    # relative to the model's weights when none is given: 1/32 of them, 1 MiB to 256 MiB
+    frac = "default, 1/32 of the weights"
+    assert composite.resolve_cap(model_bytes=100 << 20) == ((100 << 20) // 32, frac)
+    assert composite.resolve_cap(model_bytes=1 << 20) == (1 << 20, frac)
+    assert composite.resolve_cap(model_bytes=16 << 30) == (256 << 20, "default")
+    assert composite.resolve_cap(64, model_bytes=1 << 20) == (64 << 20, "argument")
 
 
 def test_tile_rows_are_the_weights_rows():

@@ -63,8 +63,11 @@ def test_one_vocabulary_for_the_flags():
     assert core.KV_CACHES is options.KV_CACHES and dispatch.TUNE_MODES is options.TUNE_MODES
     assert core.TUNE_MODES is options.TUNE_MODES
     parser = patch_parser()
-    assert parser.parse_args(["--kv", "none"]).kv == "fp16"  # the patch CLI's old default
-    assert parser.parse_args(["--kv", "q8_0"]).kv == "q8_0"
+    # the check's K/V rounding is named as patch_model names it, apart from --bricks-kv's cache
+    assert parser.parse_args([]).kv_quant == "none"
+    assert parser.parse_args(["--kv-quant", "q8_0"]).kv_quant == "q8_0"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv", "q8_0"])
     assert parser.parse_args(["--bricks-tune", "off", "--bricks-backend", "reference"]).tune \
         == "off"
     actions = {a.dest: a for a in parser._actions}

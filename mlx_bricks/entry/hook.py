@@ -28,7 +28,7 @@ PTH_NAME = "mlx_bricks_hook.pth"
 # Kept in sync with setup.py (which cannot import the package while it builds it);
 # tests/test_cli.py compares both, and the installed file, with this line.
 PTH_LINE = (
-    "import sys; '--use-bricks' in getattr(sys, 'argv', ()) "
+    "import sys; {'--use-bricks', '--help', '-h'} & set(getattr(sys, 'argv', ())) "
     "and __import__('mlx_bricks.entry.hook').entry.hook.install()\n"
 )
 
@@ -151,15 +151,16 @@ class CommandFinder(importlib.abc.MetaPathFinder):
 
 
 def install() -> bool:
-    """Register the finder when this process is ``<command> ... --use-bricks`` for a command of
-    the table.
+    """Register the finder when this process is ``<command> ... --use-bricks`` (or ``--help``)
+    for a command of the table.
 
     Called by the ``.pth`` line; idempotent (a venv may process site-packages twice through
     its ``lib64`` link). Returns whether a finder is (now) registered.
     """
     if any(isinstance(f, CommandFinder) for f in sys.meta_path):
         return True
-    if FLAG not in sys.argv:
+    # --help too: the command's help then lists the mlx-bricks flags (it exits before running)
+    if FLAG not in sys.argv and not {"-h", "--help"} & set(sys.argv[1:]):
         return False
     command = target_command(sys.argv, getattr(sys, "orig_argv", []))
     if command is None:

@@ -51,7 +51,8 @@ def summary_line(report) -> str:
         line += f" ({'; '.join(stock)})"
     if report.kv_caches:  # patch_model(kv_cache="q8_0"): the cache is a patch too
         q8 = sum(k == "Q8KVCache" for _, k, _ in report.kv_caches)
-        line += f"; KV cache: Q8_0 in {q8}/{len(report.kv_caches)} layers"
+        line += (f"; KV cache: Q8_0 in {q8}/{len(report.kv_caches)} layers (the cache is "
+                 "patched apart from the modules: stock and brick attention both read it)")
     if report.tuning()["applies"]:
         line += f"; tuning: {report.options['tune']}"
     return line
@@ -234,6 +235,12 @@ class Session:
         check_args(args)
         if args.use_bricks:
             from mlx_bricks.backends import active_backend
+            from mlx_bricks.bricks.dequantize.composite import resolve_cap
+
+            try:  # a bad MLX_BRICKS_DEQUANT_CAP: one line, exit 2, before loading
+                resolve_cap()
+            except (TypeError, ValueError) as e:
+                raise _cli.CliError(str(e)) from None
 
             active_backend(args.bricks_backend)  # an unavailable backend fails before loading
         if args.bricks_kv == "q8_0":

@@ -66,9 +66,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object instead of the text report")
     flags.add_backend_flag(parser, "--backend", "--bricks-backend", dest="backend")
-    flags.add_kv_flag(parser, "--kv", dest="kv",
-                      help="K/V format inside the attention brick: q8_0 rounds K and V to Q8_0 "
-                      "blocks (patch_model(kv_quant='q8_0')); mlx-lm's cache is kept.")
+    parser.add_argument("--kv-quant", dest="kv_quant", choices=("none", "q8_0"), default="none",
+                        help="patch_model(kv_quant=...): q8_0 rounds K and V to Q8_0 blocks "
+                        "inside the attention brick; mlx-lm's float cache is kept (not the Q8_0 "
+                        "KV cache of the CLIs' --bricks-kv). Default: none.")
     flags.add_mlp_variant_flag(parser, "--mlp-variant", "--bricks-mlp-variant",
                                dest="mlp_variant")
     flags.add_tune_flag(parser, "--tune", "--bricks-tune", dest="tune")
@@ -246,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
     stock = measure(model, tokenizer, prompt, **opts)
     report = patch_model(model, attention=args.attention, mlp=args.mlp,
                          fuse_block=args.fuse_block,
-                         kv_quant=None if args.kv == "fp16" else args.kv,
+                         kv_quant=None if args.kv_quant == "none" else args.kv_quant,
                          mlp_variant=flags.mlp_variant(args.mlp_variant),
                          backend=args.backend, tune=args.tune)
     patched = measure(model, tokenizer, prompt, **opts)

@@ -382,7 +382,8 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
             ``reference`` (they run as asked). See docs/tuning.md.
         dequant_cap: the most memory, in MiB (a number > 0, fractions allowed), one row tile
             of a composite's dequantized weight may hold while it is made (the float tile and
-            the dequantizer's temporaries); None: ``MLX_BRICKS_DEQUANT_CAP``, else 256. The
+            the dequantizer's temporaries); None: ``MLX_BRICKS_DEQUANT_CAP``, else 256 or
+            1/32 of the model's weight bytes (at least 1), whichever is smaller. The
             report shows it (``options``). See ``bricks/dequantize/composite.py``.
         progress: show the tuner's progress bar on stderr (None: when stderr is a terminal).
 
@@ -413,7 +414,7 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
     if tune not in TUNE_MODES:
         raise ValueError(f"tune must be one of {', '.join(map(repr, TUNE_MODES))}, "
                          f"got {tune!r}")
-    cap, cap_source = resolve_cap(dequant_cap)
+    cap, cap_source = resolve_cap(dequant_cap, _weight_bytes(model))
     choice = active_backend(backend)
     fixed = mlp_variant is not None or bool(os.environ.get(VARIANT_ENV_VAR, "").strip())
     mlp_variant = resolve_variant(mlp_variant, "mlp_variant")
@@ -467,6 +468,13 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
     gate_model(model, [m for m in model.modules() if is_patched(m)])
     object.__setattr__(model, "_bricks_report", report)
     return report
+
+
+def _weight_bytes(model) -> int:
+    """Bytes of the model's parameters (what the default dequantize cap is relative to)."""
+    from mlx.utils import tree_flatten
+
+    return sum(a.nbytes for _, a in tree_flatten(model.parameters()))
 
 
 def _route_q8_0_cache(model, report: PatchReport, backend: str) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import mlx.core as mx
+
 from mlx_bricks.backends import BackendChoice
 from mlx_bricks.bricks.swiglu.piece import MLP_PIECE
 from mlx_bricks.nn.calls import DECODE
@@ -244,6 +246,9 @@ class PatchReport:
         tuning = self.tuning()
         if self.dispatch is not None:
             lines.append(f"tuning: {tuning['why']}")
+        lines.append(f"memory: peak so far {mx.get_peak_memory() / 2**20:.1f} MiB (the "
+                     f"process's, MLX's counter); dequant cap "
+                     f"{self.options.get('dequant_cap', '-')} of transient float weights")
         rows = [("layer", "module", "status", "backend", "variant", "weights",
                  "bricks: prefill calls", "stock-path calls")]
         for m in self.modules:

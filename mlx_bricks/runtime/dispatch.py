@@ -24,6 +24,7 @@ import json
 from dataclasses import dataclass
 
 from mlx_bricks.backends import BackendChoice, neural_accelerators
+from mlx_bricks.bricks.dequantize.composite import CAP_SETTING
 from mlx_bricks.options import TUNE_MODES
 from mlx_bricks.runtime.guard import GUARD
 from mlx_bricks.runtime.kind import Key, Variant
@@ -217,7 +218,8 @@ class Dispatch:
         if self.mode != "cached":
             return self._decided(
                 full, lambda: tune_op(k, args, self.backend, variants=candidates(),
-                                      guard=GUARD, progress=self.progress), usable=usable)
+                                      guard=GUARD, progress=self.progress,
+                                      memory_cap=self.common.get(CAP_SETTING)), usable=usable)
         d = self._decided(full, lambda: prior_decision(k, args, candidates(), self.backend,
                                                        full), usable=usable)
         if d.brick and d.source == "cache":

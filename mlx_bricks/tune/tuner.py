@@ -124,9 +124,20 @@ def _progress_bar(total: int, desc: str, progress: bool | None):
                 unit="step")
 
 
+def _peak_of(fn):
+    """``(fn()'s evaluated output, bytes allocated above the memory active before)``. Resets
+    MLX's peak counter (the tuner runs before or between a command's timed work)."""
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    out = fn()
+    mx.eval(out)
+    return out, max(0, mx.get_peak_memory() - before)
+
+
 def tune_op(kind, args: dict, backend: str, *, variants: list | None = None,
             repeats: int = REPEATS, seed: int = 0, guard=None,
-            progress: bool | None = None, budget_s: float | None = ROUND_BUDGET_S) -> Decision:
+            progress: bool | None = None, budget_s: float | None = ROUND_BUDGET_S,
+            memory_cap: int | None = None) -> Decision:
     """Time every variant of ``kind`` against stock for the shapes of ``args``.
 
     Args:
@@ -145,6 +156,8 @@ def tune_op(kind, args: dict, backend: str, *, variants: list | None = None,
         progress: show a tqdm bar on stderr (None: when stderr is a terminal).
         budget_s: seconds of timed rounds per candidate (``timing.time_interleaved``); None:
             ``repeats`` rounds whatever a call costs.
+        memory_cap: bytes a variant's peak memory may exceed stock's by (the dequantize cap);
+            a variant over it is no candidate (its ``error`` says by how much). None: no limit.
 
     Returns:
         The :class:`Decision` (``source="measured"``).
@@ -166,19 +179,19 @@ def tune_op(kind, args: dict, backend: str, *, variants: list | None = None,
         # cuGraphAddKernelNode invalid argument): then the check is against the reference alone
         # and a passing variant wins without a race; a generation must not die in the tuner.
         stock_error = ""
+        stock_peak = 0
         try:
-            naive = kind.stock(synth)
-            mx.eval(naive)
+            naive, stock_peak = _peak_of(lambda: kind.stock(synth))
         except KERNEL_ERRORS as e:
             naive, stock_error = None, f"stock failed: {one_line(e)}"
         for v in candidates:
             bar.set_postfix_str(f"check {v.name}")
             reason = (None if guard is None
                       else guard.disabled_reason(backend, kind.name, v.name, scope))
+            peak = None
             if reason is None:
                 try:
-                    out = kind.run(v, synth, backend)
-                    mx.eval(out)
+                    out, peak = _peak_of(lambda v=v: kind.run(v, synth, backend))
                 except KERNEL_ERRORS as e:
                     reason = f"{kind.name} variant {v.name} on {backend} failed to build or " \
                              f"run: {one_line(e)}"
@@ -189,7 +202,12 @@ def tune_op(kind, args: dict, backend: str, *, variants: list | None = None,
                                  f"failed ({check})"
                 if reason is not None and guard is not None:
                     guard.disable(backend, kind.name, v.name, scope, reason)
-            results[v.name] = {"s": None, "ok": reason is None, "error": reason, "calls": 0}
+                if reason is None and memory_cap is not None and not stock_error and (
+                        peak > stock_peak + memory_cap):  # a measurement, not a fault: no guard
+                    reason = (f"peak memory {peak / 2**20:.1f} MiB, more than stock's "
+                              f"{stock_peak / 2**20:.1f} MiB + the cap {memory_cap / 2**20:g} MiB")
+            results[v.name] = {"s": None, "ok": reason is None, "error": reason, "calls": 0,
+                               "peak_bytes": peak}
             if reason is None:
                 passing[v.name] = v
             bar.update(1)

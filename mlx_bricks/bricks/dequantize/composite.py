@@ -64,9 +64,23 @@ def parse_cap(value, name: str) -> int:
     return max(1, int(mib * MIB))
 
 
-def resolve_cap(value=None) -> tuple[int, str]:
+#: Without an explicit cap, the transient float weights are also kept to this fraction of the
+#: model's own weight bytes (at least 1 MiB): a user feels memory relative to the model. A
+#: 4-layer hidden-512 4-bit model on the CPU peaked 1.12x stock with whole weights dequantized
+#: at once (0.126 vs 0.113 GB, 2026-12-05) and 0.99x with 2 MiB tiles, at the same speed.
+DEFAULT_CAP_FRACTION = 32
+
+
+def model_cap(model_bytes: int) -> int:
+    """The default cap for a model of ``model_bytes`` bytes of weights: the smaller of
+    :data:`DEFAULT_CAP_MIB` and ``model_bytes / DEFAULT_CAP_FRACTION`` (at least 1 MiB)."""
+    return min(DEFAULT_CAP_MIB * MIB, max(MIB, int(model_bytes) // DEFAULT_CAP_FRACTION))
+
+
+def resolve_cap(value=None, model_bytes: int | None = None) -> tuple[int, str]:
     """``(bytes, source)`` of the cap: the argument ``value`` (MiB; ``source`` ``"argument"``),
-    else ``MLX_BRICKS_DEQUANT_CAP`` (``"env"``; empty counts as unset), else the default.
+    else ``MLX_BRICKS_DEQUANT_CAP`` (``"env"``; empty counts as unset), else the default
+    (with ``model_bytes``: :func:`model_cap`, source ``"default, 1/32 of the weights"``).
 
     Raises:
         TypeError, ValueError: a bad value (:func:`parse_cap`), naming ``dequant_cap`` or the
@@ -77,6 +91,8 @@ def resolve_cap(value=None) -> tuple[int, str]:
     env = os.environ.get(CAP_ENV_VAR, "")
     if env.strip():
         return parse_cap(env, CAP_ENV_VAR), "env"
+    if model_bytes is not None and model_cap(model_bytes) < DEFAULT_CAP_MIB * MIB:
+        return model_cap(model_bytes), f"default, 1/{DEFAULT_CAP_FRACTION} of the weights"
     return DEFAULT_CAP_MIB * MIB, "default"
 
 
@@ -134,6 +150,51 @@ def _rows(weight, n0: int, n1: int):
         return QuantizedWeight(weight.w[n0:n1], weight.scales[n0:n1], weight.biases[n0:n1],
                                weight.group_size, weight.bits, weight.mode)
     return weight[n0:n1]
+
+
+#: Backends whose device runs behind the host: every buffer a queued command uses stays alive
+#: until the command has run, so a whole forward's dequantized tiles could be alive at once
+#: (H200, 2026-12-04: 1.5-2.9 GB above stock with a 256 MiB cap; docs/bench.md).
+QUEUED_BACKENDS = ("cuda", "metal")
+
+
+class InFlight:
+    """Bounds the dequantized float bytes queued ahead of a GPU to about one cap.
+
+    Each time half a cap of tiles has been queued since the last mark, the newest tile's output
+    is submitted (``mx.async_eval``) and becomes the mark, and the host waits for the previous
+    mark (``mx.eval``), which was submitted half a cap earlier: the device always has the work
+    between the two marks queued (no idle gap, unlike a barrier on the newest output), and at
+    most about one cap of tiles is alive. Under a transformation (``mx.compile``) there is no
+    eager evaluation: nothing is bounded there. One per process (the tiles of every model and
+    call count together).
+    """
+
+    def __init__(self):
+        self.since = 0
+        self.mark = None
+
+    def queued(self, out, nbytes: int, cap: int) -> None:
+        """Count ``nbytes`` of dequantized weight that ``out`` was computed from."""
+        self.since += nbytes
+        if 2 * self.since < cap:
+            return
+        self.since = 0
+        prev, self.mark = self.mark, out
+        try:
+            mx.async_eval(out)
+            if prev is not None:
+                mx.eval(prev)
+        except (RuntimeError, ValueError):  # inside mx.compile or another transformation
+            self.mark = None
+
+    def reset(self) -> None:
+        """Forget the mark (tests; a new model)."""
+        self.since, self.mark = 0, None
+
+
+#: The process's bound (:class:`InFlight`).
+IN_FLIGHT = InFlight()
 
 
 def _after(weight, dep):
@@ -223,6 +284,8 @@ class DenseTiles:
             out = finish(*parts) if finish is not None else parts[0]
             outs.append(out)
             self.last = out
+            if self.backend in QUEUED_BACKENDS:
+                IN_FLIGHT.queued(out, (n1 - n0) * K * dtype.size * len(weights), self.cap)
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
 
 
