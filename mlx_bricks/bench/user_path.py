@@ -72,8 +72,10 @@ GPU_MAX_TOKENS = 32
 CPU_MAX_TOKENS = 8
 #: Seconds a single CLI process may take before it is stopped (its run records the timeout).
 RUN_TIMEOUT_S = 1800
-#: Run kinds, in the order they run for one prompt.
+#: Run kinds, in the order they run for one prompt (``first`` is ``cold`` while the model's
+#: home is still empty).
 KINDS = ("stock", "first", "cached", "long_stock", "long")
+_ALL_KINDS = (*KINDS, "cold")
 
 # Words that are one token each after a space in the default model's tokenizer (checked when a
 # prompt is built: the count is measured, not assumed).
@@ -444,15 +446,15 @@ def _home_files(home: Path) -> int:
 def run_one(kind: str, model_dir: Path, home: Path, prompt_tokens: int, prompt_text: str,
             max_tokens: int, trials: int, log_dir: Path | None = None,
             timeout: float = RUN_TIMEOUT_S) -> dict:
-    """One run (``kind`` of :data:`KINDS`) in a fresh process, as its JSON entry (module
+    """One run (``kind`` of :data:`KINDS`, or ``cold``) in a fresh process, as its JSON entry (module
     docstring); a failed run has ``error`` (the return code and stderr's last lines) instead of
     the figures.
 
     Raises:
         ValueError: an unknown ``kind``.
     """
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if kind not in _ALL_KINDS:
+        raise ValueError(f"kind must be one of {_ALL_KINDS}, got {kind!r}")
     bricks = kind not in ("stock", "long_stock")
     long_lived = kind.startswith("long")
     cli = "benchmark" if long_lived else "generate"
@@ -567,11 +569,10 @@ def run_model(spec: ModelSpec, prompts, *, max_tokens: int, trials: int, work: P
                     continue
                 timeout = (RUN_TIMEOUT_S if deadline is None
                            else min(RUN_TIMEOUT_S, max(60.0, deadline - time.monotonic() + 60)))
-                run = run_one(kind, model_dir, home, p, text, max_tokens, trials, log_dir,
+                label = "cold" if kind == "first" and first else kind
+                run = run_one(label, model_dir, home, p, text, max_tokens, trials, log_dir,
                               timeout)
-                if kind == "first" and first and "error" not in run:
-                    run["kind"] = "cold"
-                if kind == "first":
+                if kind == "first":  # a failed cold run leaves the next prompt's cold
                     first = first and "error" in run
                 item["runs"].append(run)
                 if on_run is not None:
