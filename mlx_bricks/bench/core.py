@@ -6,16 +6,12 @@ import os
 import platform
 import statistics
 import sys
-from dataclasses import dataclass
 from typing import Callable
 
-#: ``Benchmark.backend`` of a benchmark that needs a kernel backend (``metal`` or ``cuda``) and
-#: runs on whichever the patch selects: without one the patch leaves the model stock, and a
-#: comparison of stock with itself would mean nothing.
-KERNEL = "metal|cuda"
-#: ``Benchmark.backend`` of a benchmark of the CPU path: it runs where no kernel backend exists
-#: (auto selection gives ``reference``; the patch tunes the composites there).
-CPU = "cpu"
+from mlx_bricks.bench.case import CPU, KERNEL, Benchmark
+
+__all__ = ["BENCHMARKS", "CPU", "GROUPS", "KERNEL", "Benchmark", "run_benchmarks", "run_one",
+           "time_call"]
 
 
 def _kernel_status() -> tuple[bool, str]:
@@ -45,29 +41,6 @@ def _status(backend: str) -> tuple[bool, str]:
     if backend == CPU:
         return _cpu_status()
     return backend_status(backend)
-
-
-@dataclass(frozen=True)
-class Benchmark:
-    """One benchmark.
-
-    Attributes:
-        name: unique name (``--only`` selects by it).
-        backend: the bricks backend it needs (``mlx_bricks.backends.BACKENDS``), or
-            :data:`KERNEL` for one that runs on whichever kernel backend the patch selects.
-        what: one line: the op, shape and dtype.
-        setup: ``() -> (brick, stock)`` or ``(brick, stock, info)``: two zero-argument
-            callables that each run the computation once on the same inputs and return the lazy
-            ``mx.array`` result (evaluated by the timer), and optionally ``info() -> dict``,
-            JSON-ready facts merged into the result after timing (e.g. the patch's decisions).
-        min_calls: fewest calls per ``mx.eval`` when timing.
-    """
-
-    name: str
-    backend: str
-    what: str
-    setup: Callable[[], tuple]
-    min_calls: int = 1
 
 
 def _check_repeats(repeats) -> None:
@@ -230,6 +203,19 @@ def _moe_benchmarks() -> dict[str, Benchmark]:
 
 BENCHMARKS.update(_moe_benchmarks())
 
+
+def _user_path_benchmarks() -> dict[str, Benchmark]:
+    """mlx-lm's CLIs in fresh processes, stock and ``--use-bricks``: ``bench.user_path``."""
+    from mlx_bricks.bench.user_path import benchmarks
+
+    return benchmarks()
+
+
+BENCHMARKS.update(_user_path_benchmarks())
+#: Benchmarks that run only when named (``--only``): the user's path writes model directories
+#: (GBs at full size) and runs dozens of processes.
+ON_REQUEST = frozenset(n for n in BENCHMARKS if n.startswith("user_path_"))
+
 #: Names that stand for several benchmarks (``--only GROUP``).
 GROUPS: dict[str, list[str]] = {
     **{group: list(members) for group, members in CUDA_GROUPS.items()},
@@ -241,6 +227,8 @@ GROUPS: dict[str, list[str]] = {
                                      if n.startswith("e2e_llama8b_4layer_") and "_q" in n],
     "e2e_small_llama_cpu": [n for n in BENCHMARKS if n.startswith("e2e_small_llama_cpu_")],
     "e2e_qwen3_moe_4layer": [n for n in BENCHMARKS if n.startswith("e2e_qwen3_moe_4layer_")],
+    "user_path_cpu": [n for n in BENCHMARKS if n.startswith("user_path_cpu_")],
+    "user_path_gpu": [n for n in BENCHMARKS if n.startswith("user_path_gpu_")],
 }
 
 
@@ -332,8 +320,8 @@ def run_one(b: Benchmark, repeats: int) -> dict:
 
 
 def run_benchmarks(names=None, repeats: int = 3, on_result=None) -> dict:
-    """Run the benchmarks ``names`` (default: all; group names expand) and return the
-    JSON-ready result; ``on_result(partial)``, if given, gets the result so far after each
+    """Run the benchmarks ``names`` (default: all but :data:`ON_REQUEST`; group names expand)
+    and return the JSON-ready result; ``on_result(partial)``, if given, gets the result so far after each
     benchmark (the CLI writes it, so a run stopped by a time limit keeps what it measured).
 
     Returns:
@@ -353,7 +341,8 @@ def run_benchmarks(names=None, repeats: int = 3, on_result=None) -> dict:
     import mlx.core as mx
 
     _check_repeats(repeats)  # before any setup: a kernel build is not free
-    names = list(BENCHMARKS) if names is None else expand(names)
+    names = ([n for n in BENCHMARKS if n not in ON_REQUEST] if names is None
+             else expand(names))
     results = []
     started = _now()
 
@@ -379,7 +368,7 @@ def run_benchmarks(names=None, repeats: int = 3, on_result=None) -> dict:
             entry["skipped"] = f"backend {b.backend} unavailable: {why}"
         else:
             entry["load_average"] = {"before": _load()}
-            entry.update(run_one(b, repeats))
+            entry.update(b.run(repeats) if b.run is not None else run_one(b, repeats))
             entry["load_average"]["after"] = _load()
         results.append(entry)
         if on_result is not None:

@@ -145,7 +145,7 @@ def build(shape: MoeShape, M: int, fmt, *, dtype_name: str = "bfloat16", backend
 
 def benchmarks() -> dict:
     """The MoE benchmarks by name (``moe_<model>_<format>_m<M>``), for ``bench.core``."""
-    from mlx_bricks.bench.core import KERNEL, Benchmark
+    from mlx_bricks.bench.case import KERNEL, Benchmark
 
     table = {}
     for shape in SHAPES:
