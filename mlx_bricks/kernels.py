@@ -8,7 +8,9 @@ reads its sources through ``importlib.resources`` and builds the kernel object:
 * ``metal``: ``mx.fast.metal_kernel`` from ``mlx_bricks.metal_src``;
 * ``emulator``: ``mlx_bricks.emulator.metal_kernel`` (same MSL and arguments, runs on the CPU);
 * ``cuda``: ``mx.fast.cuda_kernel`` from ``mlx_bricks.cuda_src`` (the spec's CUDA twin), one
-  object per dynamic shared-memory size (a construction argument of ``cuda_kernel``).
+  object per dynamic shared-memory size (a construction argument of ``cuda_kernel``), behind
+  ``mlx_bricks.cuda_build.CudaKernel``: each variant is compiled once per machine and loaded
+  with ``mx.fast.precompiled_cuda_kernel`` where it can be (``MLX_BRICKS_CUDA_CACHE=0``: off).
 
 Metal and the emulator get the same launch geometry and template arguments, so product code is
 identical for both; a CUDA twin has its own geometry (``mlx_bricks/ops``) and the same inputs,
@@ -199,21 +201,29 @@ def get_kernel(name: str, backend: str, shared_memory: int = 0):
             atomic_outputs=s.atomic_outputs,
         )
     else:
-        import mlx.core as mx
+        from mlx_bricks import cuda_build
 
-        if shared_memory:
-            kname = f"{kname}_smem{shared_memory}"
-            # The size is part of the source too: MLX keys its JIT module by name and source.
-            body = f"// dynamic shared memory: {shared_memory} bytes\n{body}"
-        kernel = mx.fast.cuda_kernel(
-            name=kname,
-            input_names=list(s.inputs_for("cuda")),
-            output_names=list(s.output_names),
-            source=body,
-            header=header,
-            ensure_row_contiguous=s.ensure_row_contiguous,
-            shared_memory=shared_memory,
-        )
+        def stock(kname=kname, body=body):
+            import mlx.core as mx
+
+            if shared_memory:
+                kname = f"{kname}_smem{shared_memory}"
+                # The size is part of the source too: MLX keys its JIT module by name and source.
+                body = f"// dynamic shared memory: {shared_memory} bytes\n{body}"
+            return mx.fast.cuda_kernel(
+                name=kname,
+                input_names=list(s.inputs_for("cuda")),
+                output_names=list(s.output_names),
+                source=body,
+                header=header,
+                ensure_row_contiguous=s.ensure_row_contiguous,
+                shared_memory=shared_memory,
+            )
+
+        # Served from the per-machine build cache where it can, else by ``stock``.
+        kernel = cuda_build.CudaKernel(name, kname, header, body, s.inputs_for("cuda"),
+                                       s.output_names, s.ensure_row_contiguous, shared_memory,
+                                       stock)
     BUILD_COUNTS[(name, backend)] += 1
     return kernel
 

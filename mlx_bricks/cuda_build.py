@@ -1,0 +1,690 @@
+"""CUDA kernels built once per machine: a persistent NVRTC build cache behind ``kernels.launch``.
+
+``mx.fast.cuda_kernel`` compiles its source with NVRTC in every process (MLX 0.32's
+``CustomKernel::eval_gpu`` asks ``get_jit_module(..., use_disk_cache=false)``), which cost a
+fresh ``mlx_lm.generate --use-bricks`` about 9 s of rebuilding on an H100. This module compiles
+each CUDA twin variant once per machine and loads it in later processes through
+``mx.fast.precompiled_cuda_kernel``:
+
+1. :func:`translation_unit` writes the complete source ``cuda_kernel`` would compile (MLX 0.32's
+   ``build_kernel`` in ``mlx/backend/cuda/custom_kernel.cpp``: the default header, our header,
+   ``namespace mlx::core::cu``, the body with the template values baked in as ``constexpr`` /
+   ``using`` lines), with an ``extern "C" __global__`` signature (a precompiled kernel is looked
+   up by its plain name). A precompiled kernel gets, in order, each input's and each output's
+   device pointer, then the scalars; no ``<input>_shape`` / ``_strides`` / ``_ndim`` parameter.
+   So those the body reads are passed as int scalars (shape entries, the int64 strides as low
+   and high halves, ndim) and rebuilt in the kernel as the same ``Shape`` / ``Strides`` / ``int``
+   locals, zero-padded to ``MAX_NDIM`` as MLX pads them.
+2. :func:`compile_unit` compiles it with NVRTC through ``ctypes`` (the ``libnvrtc`` MLX itself
+   loaded, else the ``nvidia-cuda-nvrtc`` wheel's, else the CUDA toolkit's) with MLX's options:
+   ``--device-as-default-execution-space``, ``--gpu-architecture=sm_<cc>`` plus ``a`` for compute
+   capability 9 and up, include paths of MLX's ``include/`` and ``include/cccl`` and the CUDA
+   headers (``nvidia/cu13/include`` beside MLX, else ``$CUDA_HOME``/``$CUDA_PATH``/
+   ``/usr/local/cuda``), to a cubin. MLX's own device headers are not installed with its wheel
+   (they live inside ``libmlx.so``), so ``mlx/backend/cuda/device/utils.cuh`` is given to NVRTC as
+   an in-memory header declaring what the twins use of it (:data:`DEVICE_HEADER`).
+3. The cubin is stored under ``<mlx-bricks home>/cuda/<toolchain>/<kernel>/`` (toolchain: MLX
+   version, NVRTC version, architecture), named by the template values and a SHA-256 of the
+   whole unit, the NVRTC options and the in-memory header, with a JSON note (SHA-256 of the
+   cubin, compile seconds) written last, so a half-written entry is never read.
+
+Bodies that read ``<input>_strides`` with ``ensure_row_contiguous=False`` (attention, decode
+attention: views without a copy) cannot be precompiled: a lazy array's strides are known only
+when MLX evaluates it, and a precompiled kernel gets none. They stay on ``cuda_kernel``.
+
+Any failure (no GPU, no ``libnvrtc``, a compile error, an unreadable entry) falls back to
+``mx.fast.cuda_kernel`` as before, with a one-line note on stderr, once per cause. Set
+``MLX_BRICKS_CUDA_CACHE=0`` to turn the cache off. A cubin that fails to load surfaces when
+MLX evaluates the launch, where the dispatch guard (``runtime/guard.py``) catches it.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from mlx_bricks import home as _home
+from mlx_bricks.cudacheck import CUDA_TYPES, DEFAULT_HEADER
+
+#: Environment switch: ``0`` / ``off`` / ``false`` / ``no`` turn the build cache off.
+ENV_VAR = "MLX_BRICKS_CUDA_CACHE"
+#: Environment variable naming a ``libnvrtc`` to use (as ``mlx_bricks.cudacheck`` reads it).
+NVRTC_ENV_VAR = "MLX_BRICKS_NVRTC"
+#: Bumped when the unit's layout or the entry format changes (old entries are then not read).
+FORMAT = 1
+#: MLX's ``MAX_NDIM`` (``mlx/backend/cuda/device/config.h``): length of ``Shape`` / ``Strides``.
+MAX_NDIM = 10
+#: Include name of MLX's device header in the default header.
+DEVICE_HEADER_NAME = "mlx/backend/cuda/device/utils.cuh"
+#: What the twins use of MLX's device header: the ``Shape`` / ``Strides`` types of MLX 0.32
+#: (``cuda::std::array`` of ``MAX_NDIM``) and the headers it includes for half and bfloat16.
+DEVICE_HEADER = f"""#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+#include <cuda/std/cstdint>
+#include <cuda/std/limits>
+#include <cuda/std/tuple>
+#ifndef MAX_NDIM
+#define MAX_NDIM {MAX_NDIM}
+#endif
+namespace mlx::core::cu {{
+using Shape = cuda::std::array<int32_t, MAX_NDIM>;
+using Strides = cuda::std::array<int64_t, MAX_NDIM>;
+}}  // namespace mlx::core::cu
+"""
+
+#: Seconds each kernel variant's first call took to build in this process, by
+#: ``(kernel, template tag)``: the NVRTC compile on a miss, the read of the entry on a hit.
+BUILD_SECONDS: dict[tuple[str, str], float] = {}
+#: How each variant was obtained in this process: ``"compiled"``, ``"loaded"`` or
+#: ``"fallback"`` (``mx.fast.cuda_kernel``), by ``(kernel, template tag)``.
+BUILD_SOURCES: dict[tuple[str, str], str] = {}
+
+_NOTED: set[str] = set()
+
+
+class Unavailable(RuntimeError):
+    """The cache cannot serve here (no GPU, no libnvrtc, ...); the message says why."""
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a unit; the message holds its log."""
+
+
+def enabled() -> bool:
+    """Whether the build cache is on (``$MLX_BRICKS_CUDA_CACHE`` is not 0/off/false/no)."""
+    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def note(key: str, message: str) -> None:
+    """Print ``message`` on stderr once per ``key`` in this process."""
+    if key not in _NOTED:
+        _NOTED.add(key)
+        print(f"mlx-bricks: {message}", file=sys.stderr)
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("mlx.core.", "")
+
+
+def template_tag(template) -> str:
+    """The template values as a name part, as MLX's ``template_arguments_hash`` writes them:
+    ``_<int>``, ``_t`` / ``_f``, ``_<dtype>`` per value (``""`` for none)."""
+    parts = []
+    for _, value in template:
+        if isinstance(value, bool):
+            parts.append("_t" if value else "_f")
+        elif isinstance(value, int):
+            parts.append(f"_{value}")
+        else:
+            parts.append(f"_{_dtype_name(value)}")
+    return "".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# The translation unit
+
+@dataclass(frozen=True)
+class Unit:
+    """One kernel variant's complete CUDA source for ``precompiled_cuda_kernel``.
+
+    Attributes:
+        func_name: the ``extern "C"`` kernel's name (the cubin's symbol).
+        source: the translation unit.
+        shape_args: ``(input index, what)`` per rebuilt parameter, ``what`` one of ``"shape"``,
+            ``"strides"``, ``"ndim"``, in scalar order (see :meth:`scalars`).
+        ndims: each input's ndim (fixed by the unit: a scalar input has no shape parameters).
+    """
+
+    func_name: str
+    source: str
+    shape_args: tuple[tuple[int, str], ...]
+    ndims: tuple[int, ...]
+
+    def scalars(self, shapes) -> list[int]:
+        """The int scalars of one launch: ``shapes`` are the inputs' shapes. Shape entries are
+        ``ndim`` ints; strides (of row-contiguous inputs only) ``ndim`` (low, high) pairs of the
+        int64 value; ndim one int.
+
+        Raises:
+            ValueError: an input's ndim differs from the unit's.
+        """
+        out: list[int] = []
+        for i, what in self.shape_args:
+            shape = tuple(shapes[i])
+            if len(shape) != self.ndims[i]:
+                raise ValueError(f"inputs[{i}] has ndim {len(shape)}, the unit {self.ndims[i]}")
+            if what == "shape":
+                out.extend(int(d) for d in shape)
+            elif what == "strides":
+                for s in row_contiguous_strides(shape):
+                    lo = s & 0xFFFFFFFF
+                    out.append(lo - (1 << 32) if lo >= 1 << 31 else lo)
+                    out.append(s >> 32)
+            else:
+                out.append(len(shape))
+        return out
+
+
+def row_contiguous_strides(shape) -> list[int]:
+    """Element strides of a row-contiguous array of ``shape`` (what MLX gives a kernel with
+    ``ensure_row_contiguous=True``; a size-1 axis is never stepped along)."""
+    strides, step = [], 1
+    for d in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(int(d), 1)
+    return strides[::-1]
+
+
+def reads_view_strides(input_names, body: str, ensure_row_contiguous: bool) -> list[str]:
+    """Inputs whose strides the body reads while MLX passes views uncopied
+    (``ensure_row_contiguous=False``): such a kernel cannot be precompiled."""
+    if ensure_row_contiguous:
+        return []
+    return [n for n in input_names if f"{n}_strides" in body]
+
+
+def translation_unit(func_name: str, header: str, body: str, inputs, output_names,
+                     output_dtypes, template=(), ensure_row_contiguous: bool = True) -> Unit:
+    """The unit that runs ``body`` as ``mx.fast.cuda_kernel`` would, under the name
+    ``func_name``, for ``precompiled_cuda_kernel`` (module docstring).
+
+    Args:
+        func_name: the kernel's C name (letters, digits, ``_``).
+        header, body: as given to ``cuda_kernel``.
+        inputs: ``[(name, dtype, ndim), ...]`` in launch order (dtype an ``mx.Dtype`` or its
+            name).
+        output_names, output_dtypes: the outputs.
+        template: ``[(name, value), ...]``: int, bool or dtype.
+        ensure_row_contiguous: as in ``cuda_kernel``.
+
+    Raises:
+        ValueError: a bad ``func_name``, a dtype CUDA has no type for, or a body that reads
+            the strides of a view (:func:`reads_view_strides`).
+    """
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", func_name):
+        raise ValueError(f"func_name must be a C identifier, got {func_name!r}")
+    views = reads_view_strides([n for n, _, _ in inputs], body, ensure_row_contiguous)
+    if views:
+        raise ValueError(f"the body reads the strides of views ({', '.join(views)}); "
+                         "a precompiled kernel gets no strides")
+
+    def ctype(dtype) -> str:
+        try:
+            return CUDA_TYPES[_dtype_name(dtype)]
+        except KeyError:
+            raise ValueError(f"no CUDA type for dtype {dtype}") from None
+
+    params = [f"    const {ctype(d)}* {n}" for n, d, _ in inputs]
+    params += [f"    {ctype(d)}* {n}" for n, d in zip(output_names, output_dtypes)]
+    shape_args, locals_ = [], []
+    for i, (name, _, ndim) in enumerate(inputs):
+        if ndim <= 0:
+            continue  # MLX passes no shape parameters for a scalar input
+        if ndim > MAX_NDIM:
+            raise ValueError(f"input {name!r} has ndim {ndim} > MAX_NDIM {MAX_NDIM}")
+        if f"{name}_shape" in body:
+            shape_args.append((i, "shape"))
+            params += [f"    int {name}_shape_{j}" for j in range(ndim)]
+            locals_.append(f"  Shape {name}_shape = {{}};\n" + "".join(
+                f"  {name}_shape[{j}] = {name}_shape_{j};\n" for j in range(ndim)))
+        if f"{name}_strides" in body:
+            shape_args.append((i, "strides"))
+            for j in range(ndim):
+                params += [f"    int {name}_strides_lo{j}", f"    int {name}_strides_hi{j}"]
+            locals_.append(f"  Strides {name}_strides = {{}};\n" + "".join(
+                f"  {name}_strides[{j}] = int64_t((uint64_t(uint32_t({name}_strides_hi{j})) << 32)"
+                f" | uint64_t(uint32_t({name}_strides_lo{j})));\n" for j in range(ndim)))
+        if f"{name}_ndim" in body:
+            shape_args.append((i, "ndim"))
+            params.append(f"    int {name}_ndim_arg")
+            locals_.append(f"  const int {name}_ndim = {name}_ndim_arg;\n")
+    consts = []
+    for name, value in template:
+        if isinstance(value, bool):
+            consts.append(f"  constexpr bool {name} = {'true' if value else 'false'};\n")
+        elif isinstance(value, int):
+            consts.append(f"  constexpr int {name} = {value};\n")
+        else:
+            consts.append(f"  using {name} = {ctype(value)};\n")
+    if consts:
+        consts.append("\n")
+    source = "".join([
+        DEFAULT_HEADER, header,
+        "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n",
+        f'extern "C" __global__ void {func_name}(\n', ",\n".join(params), ") {\n",
+        *locals_, *consts, body, "\n}\n\n} // namespace mlx::core::cu\n",
+    ])
+    return Unit(func_name, source, tuple(shape_args), tuple(nd for _, _, nd in inputs))
+
+
+# ---------------------------------------------------------------------------------------------
+# NVRTC through ctypes
+
+def _loaded_nvrtc() -> str | None:
+    """Path of a ``libnvrtc`` already mapped into this process (MLX's own), or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1] if line.strip() else ""
+                if re.search(r"/libnvrtc\.so[.0-9]*$", path):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def find_nvrtc() -> str | None:
+    """The ``libnvrtc`` to compile with: ``$MLX_BRICKS_NVRTC``, the one MLX loaded, the
+    ``nvidia-cuda-nvrtc`` wheel's on ``sys.path``, then the CUDA toolkit's (``$CUDA_HOME``,
+    ``$CUDA_PATH``, ``/usr/local/cuda``); None if none is found."""
+    env = os.environ.get(NVRTC_ENV_VAR)
+    if env:
+        return env if Path(env).is_file() else None
+    loaded = _loaded_nvrtc()
+    if loaded:
+        return loaded
+    for entry in sys.path:
+        for sub in ("cu13", "cuda_nvrtc"):
+            for p in sorted((Path(entry or ".") / "nvidia" / sub / "lib").glob("libnvrtc.so*")):
+                if "alt" not in p.name and "builtins" not in p.name:
+                    return str(p)
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root:
+            for p in sorted(Path(root, "lib64").glob("libnvrtc.so*")):
+                if "builtins" not in p.name:
+                    return str(p)
+    return None
+
+
+class Nvrtc:
+    """A loaded ``libnvrtc`` (path, ``version`` as ``(major, minor)``)."""
+
+    def __init__(self, path: str):
+        # libnvrtc opens libnvrtc-builtins by name; the wheel's directory is on no loader path.
+        for b in sorted(Path(path).parent.glob("libnvrtc-builtins.so*")):
+            if "alt" not in b.name:
+                ctypes.CDLL(str(b), mode=ctypes.RTLD_GLOBAL)
+                break
+        self.path = path
+        lib = self.lib = ctypes.CDLL(path)
+        P, S, I = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        lib.nvrtcGetErrorString.argtypes = [I]
+        for fn, args in (
+            ("nvrtcVersion", [ctypes.POINTER(I), ctypes.POINTER(I)]),
+            ("nvrtcCreateProgram", [ctypes.POINTER(P), ctypes.c_char_p, ctypes.c_char_p, I,
+                                    ctypes.POINTER(ctypes.c_char_p),
+                                    ctypes.POINTER(ctypes.c_char_p)]),
+            ("nvrtcCompileProgram", [P, I, ctypes.POINTER(ctypes.c_char_p)]),
+            ("nvrtcDestroyProgram", [ctypes.POINTER(P)]),
+            ("nvrtcGetProgramLogSize", [P, ctypes.POINTER(S)]),
+            ("nvrtcGetProgramLog", [P, ctypes.c_char_p]),
+            ("nvrtcGetCUBINSize", [P, ctypes.POINTER(S)]),
+            ("nvrtcGetCUBIN", [P, ctypes.c_char_p]),
+            ("nvrtcGetPTXSize", [P, ctypes.POINTER(S)]),
+            ("nvrtcGetPTX", [P, ctypes.c_char_p]),
+        ):
+            getattr(lib, fn).argtypes = args
+            getattr(lib, fn).restype = I
+        major, minor = I(), I()
+        self._check(lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+        self.version = (major.value, minor.value)
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            raise CompileError(f"{what} failed: {self.lib.nvrtcGetErrorString(rc).decode()}")
+
+    def compile(self, source: str, options, headers: dict[str, str] | None = None,
+                name: str = "kernel.cu", ptx: bool = False) -> bytes:
+        """Compile ``source`` with ``options`` (and in-memory ``headers``: include name to
+        text); the cubin (the PTX with ``ptx=True``).
+
+        Raises:
+            CompileError: NVRTC failed (message: its log).
+        """
+        lib, P = self.lib, ctypes.c_void_p
+        headers = headers or {}
+        hs = (ctypes.c_char_p * max(len(headers), 1))(*(t.encode() for t in headers.values()))
+        ns = (ctypes.c_char_p * max(len(headers), 1))(*(n.encode() for n in headers))
+        prog = P()
+        self._check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(),
+                                           len(headers), hs, ns), "nvrtcCreateProgram")
+        try:
+            opts = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))
+            rc = lib.nvrtcCompileProgram(prog, len(options), opts)
+            if rc != 0:
+                size = ctypes.c_size_t()
+                lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+                log = ctypes.create_string_buffer(size.value + 1)
+                lib.nvrtcGetProgramLog(prog, log)
+                raise CompileError(f"NVRTC failed ({lib.nvrtcGetErrorString(rc).decode()}):\n"
+                                   f"{log.value.decode(errors='replace')[-6000:]}")
+            get_size, get = ((lib.nvrtcGetPTXSize, lib.nvrtcGetPTX) if ptx else
+                             (lib.nvrtcGetCUBINSize, lib.nvrtcGetCUBIN))
+            size = ctypes.c_size_t()
+            self._check(get_size(prog, ctypes.byref(size)), "nvrtcGet*Size")
+            buf = ctypes.create_string_buffer(size.value)
+            self._check(get(prog, buf), "nvrtcGet*")
+            return buf.raw
+        finally:
+            lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def arch_option(cc: tuple[int, int]) -> str:
+    """MLX's ``--gpu-architecture`` for compute capability ``cc``: ``sm_<major><minor>``, with
+    ``a`` (architecture-specific features, e.g. wgmma) from major 9 on."""
+    return f"--gpu-architecture=sm_{cc[0]}{cc[1]}{'a' if cc[0] >= 9 else ''}"
+
+
+def include_options(nvrtc_major: int, mlx_root: Path | None = None) -> list[str]:
+    """MLX's NVRTC include paths (``include_path_args`` in ``jit_module.cpp``): MLX's
+    ``include/`` and ``include/cccl``, then the CUDA runtime headers: ``nvidia/cu13/include``
+    (``cuda_runtime`` before CUDA 13) beside MLX, else ``$CUDA_HOME``, ``$CUDA_PATH`` or
+    ``/usr/local/cuda``'s ``include``. Where MLX brings no ``cccl`` (its CPU wheel, in tests),
+    the toolkit's ``include/cccl`` is added, as nvcc would."""
+    if mlx_root is None:
+        import mlx.core as mx
+
+        mlx_root = Path(mx.__file__).resolve().parent
+    opts = []
+    inc = mlx_root / "include"
+    if inc.is_dir():
+        opts.append(f"--include-path={inc}")
+    has_cccl = (inc / "cccl").is_dir()
+    if has_cccl:
+        opts.append(f"--include-path={inc / 'cccl'}")
+    cudart = mlx_root.parent / "nvidia" / ("cu13" if nvrtc_major >= 13 else "cuda_runtime") / "include"
+    if not cudart.is_dir():
+        root = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+        cudart = Path(root) / "include"
+    if cudart.is_dir():
+        opts.append(f"--include-path={cudart}")
+        if not has_cccl and (cudart / "cccl").is_dir():
+            opts.append(f"--include-path={cudart / 'cccl'}")
+    return opts
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    """What a build depends on besides the source: the NVRTC library and version, the device's
+    compute capability, MLX's version and the NVRTC options."""
+
+    nvrtc: Nvrtc
+    cc: tuple[int, int]
+    mlx_version: str
+    options: tuple[str, ...]
+
+    @property
+    def tag(self) -> str:
+        """Directory name of this toolchain's entries."""
+        arch = self.options[1].split("=", 1)[1]
+        return f"mlx{self.mlx_version}-nvrtc{self.nvrtc.version[0]}.{self.nvrtc.version[1]}-{arch}"
+
+    def compile(self, unit: Unit) -> bytes:
+        """``unit`` compiled to a cubin (see :func:`compile_unit`)."""
+        return self.nvrtc.compile(unit.source, self.options, {DEVICE_HEADER_NAME: DEVICE_HEADER},
+                                  name=f"{unit.func_name}.cu")
+
+
+def make_toolchain(cc: tuple[int, int], nvrtc_path: str | None = None,
+                   mlx_root: Path | None = None) -> Toolchain:
+    """The toolchain for a device of compute capability ``cc``.
+
+    Raises:
+        Unavailable: no libnvrtc, or it fails to load.
+    """
+    import mlx.core as mx
+
+    path = nvrtc_path or find_nvrtc()
+    if path is None:
+        raise Unavailable("no libnvrtc found (install nvidia-cuda-nvrtc, or set MLX_BRICKS_NVRTC)")
+    try:
+        nv = Nvrtc(path)
+    except (OSError, AttributeError, CompileError) as e:
+        raise Unavailable(f"libnvrtc at {path} did not load: {e}") from None
+    opts = ("--device-as-default-execution-space", arch_option(cc),
+            *include_options(nv.version[0], mlx_root))
+    return Toolchain(nv, tuple(cc), mx.__version__, opts)
+
+
+@lru_cache(maxsize=1)
+def toolchain() -> Toolchain:
+    """This process's toolchain (the default CUDA device).
+
+    Raises:
+        Unavailable: no CUDA device or no libnvrtc.
+    """
+    from mlx_bricks.backends import cuda_capability
+
+    cc = cuda_capability()
+    if cc is None:
+        raise Unavailable("no CUDA device")
+    return make_toolchain(cc)
+
+
+def compile_unit(unit: Unit, tc: Toolchain) -> bytes:
+    """``unit`` compiled by ``tc``'s NVRTC with MLX's options; the cubin.
+
+    Raises:
+        CompileError: NVRTC failed.
+    """
+    return tc.compile(unit)
+
+
+# ---------------------------------------------------------------------------------------------
+# The disk cache
+
+def cache_root(override=None) -> Path:
+    """``<mlx-bricks home>/cuda``: every toolchain's entries."""
+    return _home.home(override) / "cuda"
+
+
+def entry_key(unit: Unit, tc: Toolchain) -> str:
+    """SHA-256 (hex) of everything the cubin depends on: the unit, the in-memory device
+    header, the NVRTC options and version, MLX's version and the entry format."""
+    h = hashlib.sha256()
+    for part in (f"format {FORMAT}", unit.source, DEVICE_HEADER, "\0".join(tc.options),
+                 f"nvrtc {tc.nvrtc.version}", f"mlx {tc.mlx_version}"):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def entry_paths(kernel: str, tag: str, key: str, tc: Toolchain, root=None) -> tuple[Path, Path]:
+    """``(cubin, note)`` paths of one entry."""
+    d = cache_root(root) / tc.tag / kernel
+    stem = f"{tag.lstrip('_') or 'none'}-{key[:16]}"
+    return d / f"{stem}.cubin", d / f"{stem}.json"
+
+
+def read_entry(cubin_path: Path, note_path: Path) -> bytes | None:
+    """The cubin of a complete, intact entry, else None."""
+    try:
+        meta = json.loads(note_path.read_text())
+        data = cubin_path.read_bytes()
+    except (OSError, ValueError):
+        return None
+    if meta.get("sha256") != hashlib.sha256(data).hexdigest() or not data.startswith(b"\x7fELF"):
+        return None
+    return data
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def write_entry(cubin_path: Path, note_path: Path, cubin: bytes, seconds: float,
+                unit: Unit) -> None:
+    """Store an entry: the cubin, then its note (so a reader never sees half of it)."""
+    cubin_path.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomic(cubin_path, cubin)
+    meta = {"sha256": hashlib.sha256(cubin).hexdigest(), "compile_seconds": round(seconds, 4),
+            "func_name": unit.func_name, "format": FORMAT}
+    _write_atomic(note_path, json.dumps(meta).encode())
+
+
+def load_or_build(kernel: str, tag: str, unit: Unit, tc: Toolchain, root=None
+                  ) -> tuple[bytes, float, str]:
+    """``(cubin, seconds, how)`` of ``unit``: read from the cache (``how`` ``"loaded"``) or
+    compiled now and stored (``"compiled"``); ``seconds``: wall time of this step.
+
+    Raises:
+        CompileError: NVRTC failed.
+        OSError: only when reading fails in a way other than a missing entry; a failed
+            write is noted and the cubin still returned.
+    """
+    t0 = time.perf_counter()
+    key = entry_key(unit, tc)
+    cubin_path, note_path = entry_paths(kernel, tag, key, tc, root)
+    data = read_entry(cubin_path, note_path)
+    if data is not None:
+        return data, time.perf_counter() - t0, "loaded"
+    data = tc.compile(unit)
+    seconds = time.perf_counter() - t0
+    try:
+        write_entry(cubin_path, note_path, data, seconds, unit)
+    except OSError as e:
+        note(f"write:{cubin_path.parent}", f"CUDA build cache not written ({e}); "
+             "kernels are rebuilt in the next process")
+    return data, seconds, "compiled"
+
+
+# ---------------------------------------------------------------------------------------------
+# Questions for the tuner
+
+def _match(kernel: str, template) -> list[tuple[str, str]]:
+    tag = None if template is None else template_tag(template)
+    return [k for k in BUILD_SECONDS if k[0] == kernel and (tag is None or k[1] == tag)]
+
+
+def build_cost(kernel: str, template=None) -> float | None:
+    """Seconds this process spent building kernel ``kernel`` (a registered name) at its first
+    calls: the variant of ``template`` (``[(name, value), ...]`` as given to ``launch``), or
+    every variant built so far summed; None when none was built here through the cache (MLX's
+    own ``cuda_kernel`` compiles lazily, at evaluation, where it is not measured)."""
+    keys = _match(kernel, template)
+    return sum(BUILD_SECONDS[k] for k in keys) if keys else None
+
+
+def is_built(kernel: str, template=None, root=None) -> bool:
+    """Whether a variant of kernel ``kernel`` (of ``template``, if given) is on disk for this
+    process's toolchain, so a new process loads it instead of compiling. False without a CUDA
+    device or libnvrtc, or with the cache off."""
+    if not enabled():
+        return False
+    try:
+        tc = toolchain()
+    except Unavailable:
+        return False
+    d = cache_root(root) / tc.tag / kernel
+    pattern = "*.json" if template is None else f"{template_tag(template).lstrip('_') or 'none'}-*.json"
+    return any(p.with_suffix(".cubin").is_file() for p in d.glob(pattern))
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel object behind kernels.launch
+
+class CudaKernel:
+    """The ``cuda`` kernel object of one registered spec and dynamic shared-memory size, called
+    like an ``mx.fast.cuda_kernel`` object. Each variant (template values, input dtypes and
+    ndims, output dtypes) is served from the build cache through
+    ``mx.fast.precompiled_cuda_kernel``, or, when the cache cannot serve it, by ``stock()``:
+    the ``mx.fast.cuda_kernel`` object, built on first need.
+
+    Args:
+        kernel: the registered name (``mlx_bricks.kernels``).
+        kname: the unique kernel name (``kernels.kernel_source``).
+        header, body: the twin's sources.
+        input_names, output_names, ensure_row_contiguous: as in ``cuda_kernel``.
+        shared_memory: dynamic shared memory of every launch, bytes (part of the kernel's name:
+            MLX sets a function's shared-memory limit once, at its first launch).
+        stock: zero-argument factory of the ``mx.fast.cuda_kernel`` object.
+    """
+
+    def __init__(self, kernel: str, kname: str, header: str, body: str, input_names,
+                 output_names, ensure_row_contiguous: bool, shared_memory: int, stock):
+        self.kernel, self.kname, self.header, self.body = kernel, kname, header, body
+        self.input_names, self.output_names = tuple(input_names), tuple(output_names)
+        self.ensure_row_contiguous = ensure_row_contiguous
+        self.shared_memory = shared_memory
+        self._stock_factory, self._stock = stock, None
+        #: variant key -> (Unit, cubin) or None (served by stock)
+        self.variants: dict = {}
+
+    def stock(self):
+        """The ``mx.fast.cuda_kernel`` object (built once)."""
+        if self._stock is None:
+            self._stock = self._stock_factory()
+        return self._stock
+
+    def _variant(self, key, template, arrays, output_dtypes):
+        tag = template_tag(template)
+        rec = (self.kernel, tag)
+        views = reads_view_strides(self.input_names, self.body, self.ensure_row_contiguous)
+        if views:  # by design, not a failure: no note
+            BUILD_SOURCES.setdefault(rec, "fallback")
+            return None
+        try:
+            tc = toolchain()
+        except Unavailable as e:
+            note("toolchain", f"CUDA build cache off: {e}; kernels are built by "
+                 "mx.fast.cuda_kernel in each process")
+            BUILD_SOURCES.setdefault(rec, "fallback")
+            return None
+        smem = f"_smem{self.shared_memory}" if self.shared_memory else ""
+        try:
+            unit = translation_unit(
+                f"{self.kname}{tag}{smem}", self.header, self.body,
+                [(n, a.dtype, a.ndim) for n, a in zip(self.input_names, arrays)],
+                self.output_names, output_dtypes, template, self.ensure_row_contiguous)
+            cubin, seconds, how = load_or_build(self.kernel, tag, unit, tc)
+        except (ValueError, CompileError, OSError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            note(f"build:{self.kernel}{tag}", f"CUDA kernel {self.kernel}{tag} not cached "
+                 f"({first}); built by mx.fast.cuda_kernel")
+            BUILD_SOURCES.setdefault(rec, "fallback")
+            return None
+        BUILD_SECONDS[rec] = BUILD_SECONDS.get(rec, 0.0) + seconds
+        BUILD_SOURCES[rec] = how
+        return unit, cubin
+
+    def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup,
+                 template=(), init_value=None, verbose=False, stream=None):
+        if not enabled():
+            return self.stock()(inputs=inputs, output_shapes=output_shapes,
+                                output_dtypes=output_dtypes, grid=grid,
+                                threadgroup=threadgroup, template=template,
+                                init_value=init_value, verbose=verbose, stream=stream)
+        import mlx.core as mx
+
+        arrays = [a if isinstance(a, mx.array) else mx.array(a) for a in inputs]
+        key = (tuple((n, v if isinstance(v, (bool, int)) else _dtype_name(v))
+                     for n, v in template),
+               tuple((a.dtype, a.ndim) for a in arrays), tuple(output_dtypes))
+        if key not in self.variants:
+            self.variants[key] = self._variant(key, template, arrays, output_dtypes)
+        found = self.variants[key]
+        if found is None:
+            return self.stock()(inputs=inputs, output_shapes=output_shapes,
+                                output_dtypes=output_dtypes, grid=grid,
+                                threadgroup=threadgroup, template=template,
+                                init_value=init_value, verbose=verbose, stream=stream)
+        unit, cubin = found
+        return mx.fast.precompiled_cuda_kernel(
+            name=unit.func_name, compiled_source=cubin, inputs=arrays,
+            output_shapes=[tuple(s) for s in output_shapes], output_dtypes=list(output_dtypes),
+            scalars=unit.scalars([a.shape for a in arrays]), grid=tuple(grid),
+            threadgroup=tuple(threadgroup), shared_memory=self.shared_memory,
+            init_value=init_value, ensure_row_contiguous=self.ensure_row_contiguous,
+            stream=stream)
