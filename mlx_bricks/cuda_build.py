@@ -30,7 +30,14 @@ each CUDA twin variant once per machine and loads it in later processes through
 
 Bodies that read ``<input>_strides`` with ``ensure_row_contiguous=False`` (attention, decode
 attention: views without a copy) cannot be precompiled: a lazy array's strides are known only
-when MLX evaluates it, and a precompiled kernel gets none. They stay on ``cuda_kernel``.
+when MLX evaluates it, and a precompiled kernel gets none. For them the exact source
+``cuda_kernel`` builds (:class:`JitUnit`) is compiled once per machine the same way and put
+where MLX's JIT looks before compiling (MLX 0.32's ``JitModule`` reads
+``<MLX_PTX_CACHE_DIR or /tmp/mlx/<version>/ptx>/<module>.ptx`` and ``.txt`` for every module,
+custom kernels included, though it writes none for custom kernels). The module name is
+``<kernel name>_<hex std::hash of the source>``; :func:`std_hash` is libstdc++'s, which MLX's
+Linux wheels use. If the name ever differs, MLX simply does not find the file and compiles as
+before.
 
 Any failure (no GPU, no ``libnvrtc``, a compile error, an unreadable entry) falls back to
 ``mx.fast.cuda_kernel`` as before, with a one-line note on stderr, once per cause. Set
@@ -44,6 +51,7 @@ import hashlib
 import json
 import os
 import re
+import struct
 import sys
 import time
 from dataclasses import dataclass
@@ -84,9 +92,13 @@ using Strides = cuda::std::array<int64_t, MAX_NDIM>;
 #: Seconds each kernel variant's first call took to build in this process, by
 #: ``(kernel, template tag)``: the NVRTC compile on a miss, the read of the entry on a hit.
 BUILD_SECONDS: dict[tuple[str, str], float] = {}
-#: How each variant was obtained in this process: ``"compiled"``, ``"loaded"`` or
-#: ``"fallback"`` (``mx.fast.cuda_kernel``), by ``(kernel, template tag)``.
+#: How each cached variant was obtained in this process: ``"compiled"`` or ``"loaded"``, by
+#: ``(kernel, template tag)``.
 BUILD_SOURCES: dict[tuple[str, str], str] = {}
+
+#: Which way each variant runs in this process, by ``(kernel, template tag)``:
+#: ``"precompiled"``, ``"mlx-cache"`` or ``"cuda_kernel"`` (:class:`CudaKernel`).
+BUILD_ROUTES: dict[tuple[str, str], str] = {}
 
 _NOTED: set[str] = set()
 
@@ -148,6 +160,10 @@ class Unit:
     source: str
     shape_args: tuple[tuple[int, str], ...]
     ndims: tuple[int, ...]
+
+    def build(self, tc: "Toolchain") -> tuple[bytes, dict]:
+        """The cubin (and no extra note fields)."""
+        return tc.compile(self), {}
 
     def scalars(self, shapes) -> list[int]:
         """The int scalars of one launch: ``shapes`` are the inputs' shapes. Shape entries are
@@ -332,6 +348,8 @@ class Nvrtc:
             ("nvrtcGetCUBIN", [P, ctypes.c_char_p]),
             ("nvrtcGetPTXSize", [P, ctypes.POINTER(S)]),
             ("nvrtcGetPTX", [P, ctypes.c_char_p]),
+            ("nvrtcAddNameExpression", [P, ctypes.c_char_p]),
+            ("nvrtcGetLoweredName", [P, ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p)]),
         ):
             getattr(lib, fn).argtypes = args
             getattr(lib, fn).restype = I
@@ -351,6 +369,13 @@ class Nvrtc:
         Raises:
             CompileError: NVRTC failed (message: its log).
         """
+        return self.compile_named(source, options, headers, name, ptx)[0]
+
+    def compile_named(self, source: str, options, headers: dict[str, str] | None = None,
+                      name: str = "kernel.cu", ptx: bool = False, expressions=()
+                      ) -> tuple[bytes, dict[str, str]]:
+        """As :meth:`compile`, also returning the lowered (mangled) name of each of
+        ``expressions`` (C++ names of ``__global__`` functions, as MLX asks for them)."""
         lib, P = self.lib, ctypes.c_void_p
         headers = headers or {}
         hs = (ctypes.c_char_p * max(len(headers), 1))(*(t.encode() for t in headers.values()))
@@ -359,6 +384,9 @@ class Nvrtc:
         self._check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(),
                                            len(headers), hs, ns), "nvrtcCreateProgram")
         try:
+            for e in expressions:
+                self._check(lib.nvrtcAddNameExpression(prog, e.encode()),
+                            "nvrtcAddNameExpression")
             opts = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))
             rc = lib.nvrtcCompileProgram(prog, len(options), opts)
             if rc != 0:
@@ -374,7 +402,13 @@ class Nvrtc:
             self._check(get_size(prog, ctypes.byref(size)), "nvrtcGet*Size")
             buf = ctypes.create_string_buffer(size.value)
             self._check(get(prog, buf), "nvrtcGet*")
-            return buf.raw
+            lowered = {}
+            for e in expressions:
+                out = ctypes.c_char_p()
+                self._check(lib.nvrtcGetLoweredName(prog, e.encode(), ctypes.byref(out)),
+                            "nvrtcGetLoweredName")
+                lowered[e] = out.value.decode()
+            return buf.raw, lowered
         finally:
             lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
@@ -488,12 +522,13 @@ def cache_root(override=None) -> Path:
     return _home.home(override) / "cuda"
 
 
-def entry_key(unit: Unit, tc: Toolchain) -> str:
-    """SHA-256 (hex) of everything the cubin depends on: the unit, the in-memory device
-    header, the NVRTC options and version, MLX's version and the entry format."""
+def entry_key(unit, tc: Toolchain) -> str:
+    """SHA-256 (hex) of everything the cubin depends on: the unit (its kind and source), the
+    in-memory device header, the NVRTC options and version, MLX's version and the entry
+    format."""
     h = hashlib.sha256()
-    for part in (f"format {FORMAT}", unit.source, DEVICE_HEADER, "\0".join(tc.options),
-                 f"nvrtc {tc.nvrtc.version}", f"mlx {tc.mlx_version}"):
+    for part in (f"format {FORMAT}", type(unit).__name__, unit.source, DEVICE_HEADER,
+                 "\0".join(tc.options), f"nvrtc {tc.nvrtc.version}", f"mlx {tc.mlx_version}"):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
@@ -506,8 +541,8 @@ def entry_paths(kernel: str, tag: str, key: str, tc: Toolchain, root=None) -> tu
     return d / f"{stem}.cubin", d / f"{stem}.json"
 
 
-def read_entry(cubin_path: Path, note_path: Path) -> bytes | None:
-    """The cubin of a complete, intact entry, else None."""
+def read_entry(cubin_path: Path, note_path: Path) -> tuple[bytes, dict] | None:
+    """``(cubin, note)`` of a complete, intact entry, else None."""
     try:
         meta = json.loads(note_path.read_text())
         data = cubin_path.read_bytes()
@@ -515,7 +550,7 @@ def read_entry(cubin_path: Path, note_path: Path) -> bytes | None:
         return None
     if meta.get("sha256") != hashlib.sha256(data).hexdigest() or not data.startswith(b"\x7fELF"):
         return None
-    return data
+    return data, meta
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -525,39 +560,169 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def write_entry(cubin_path: Path, note_path: Path, cubin: bytes, seconds: float,
-                unit: Unit) -> None:
-    """Store an entry: the cubin, then its note (so a reader never sees half of it)."""
+                unit, extra: dict | None = None) -> dict:
+    """Store an entry: the cubin, then its note (so a reader never sees half of it); the
+    note."""
     cubin_path.parent.mkdir(parents=True, exist_ok=True)
     _write_atomic(cubin_path, cubin)
     meta = {"sha256": hashlib.sha256(cubin).hexdigest(), "compile_seconds": round(seconds, 4),
-            "func_name": unit.func_name, "format": FORMAT}
+            "func_name": unit.func_name, "format": FORMAT, **(extra or {})}
     _write_atomic(note_path, json.dumps(meta).encode())
+    return meta
 
 
-def load_or_build(kernel: str, tag: str, unit: Unit, tc: Toolchain, root=None
-                  ) -> tuple[bytes, float, str]:
-    """``(cubin, seconds, how)`` of ``unit``: read from the cache (``how`` ``"loaded"``) or
-    compiled now and stored (``"compiled"``); ``seconds``: wall time of this step.
+def load_or_build(kernel: str, tag: str, unit, tc: Toolchain, root=None
+                  ) -> tuple[bytes, float, str, dict]:
+    """``(cubin, seconds, how, note)`` of ``unit`` (a :class:`Unit` or :class:`JitUnit`): read
+    from the cache (``how`` ``"loaded"``) or compiled now and stored (``"compiled"``);
+    ``seconds``: wall time of this step; ``note``: the entry's JSON fields.
 
     Raises:
-        CompileError: NVRTC failed.
-        OSError: only when reading fails in a way other than a missing entry; a failed
-            write is noted and the cubin still returned.
+        CompileError: NVRTC failed. A failed write is noted and the cubin still returned.
     """
     t0 = time.perf_counter()
     key = entry_key(unit, tc)
     cubin_path, note_path = entry_paths(kernel, tag, key, tc, root)
-    data = read_entry(cubin_path, note_path)
-    if data is not None:
-        return data, time.perf_counter() - t0, "loaded"
-    data = tc.compile(unit)
+    found = read_entry(cubin_path, note_path)
+    if found is not None:
+        return found[0], time.perf_counter() - t0, "loaded", found[1]
+    data, extra = unit.build(tc)
     seconds = time.perf_counter() - t0
+    meta = {"func_name": unit.func_name, **extra}
     try:
-        write_entry(cubin_path, note_path, data, seconds, unit)
+        meta = write_entry(cubin_path, note_path, data, seconds, unit, extra)
     except OSError as e:
         note(f"write:{cubin_path.parent}", f"CUDA build cache not written ({e}); "
              "kernels are rebuilt in the next process")
-    return data, seconds, "compiled"
+    return data, seconds, "compiled", meta
+
+
+# ---------------------------------------------------------------------------------------------
+# MLX's own JIT cache, for bodies that read the strides of views
+
+#: libstdc++'s ``std::hash<std::string>`` seed and multiplier (``std::_Hash_bytes``, 64-bit).
+STD_HASH_SEED = 0xC70F6907
+_MUL = 0xC6A4A7935BD1E995
+_MASK = (1 << 64) - 1
+#: MLX's ``get_type_string`` (``mlx/backend/common/compiled.cpp``), used in kernel names.
+MLX_TYPE_STRINGS = {
+    "float32": "float", "float16": "float16_t", "bfloat16": "bfloat16_t", "float64": "double",
+    "complex64": "complex64_t", "bool": "bool", "int8": "int8_t", "int16": "int16_t",
+    "int32": "int32_t", "int64": "int64_t", "uint8": "uint8_t", "uint16": "uint16_t",
+    "uint32": "uint32_t", "uint64": "uint64_t",
+}
+
+
+def std_hash(data: bytes) -> int:
+    """``std::hash<std::string>`` of libstdc++ on a 64-bit little-endian machine (what MLX's
+    Linux wheels are built with): MurmurHash2-64A-like ``_Hash_bytes(data, len, 0xc70f6907)``."""
+    n = len(data)
+    h = (STD_HASH_SEED ^ (n * _MUL)) & _MASK
+    aligned = n & ~7
+    for (w,) in struct.iter_unpack("<Q", data[:aligned]):
+        d = (w * _MUL) & _MASK
+        d = ((d ^ (d >> 47)) * _MUL) & _MASK
+        h = ((h ^ d) * _MUL) & _MASK
+    if n & 7:
+        h = ((h ^ int.from_bytes(data[aligned:], "little")) * _MUL) & _MASK
+    h = ((h ^ (h >> 47)) * _MUL) & _MASK
+    return h ^ (h >> 47)
+
+
+def mlx_kernel_name(name: str, template) -> str:
+    """The ``__global__`` name ``cuda_kernel(name=name)`` generates for ``template``:
+    ``custom_kernel_<name>`` plus MLX's ``template_arguments_hash``."""
+    parts = []
+    for _, value in template:
+        if isinstance(value, bool):
+            parts.append("_t" if value else "_f")
+        elif isinstance(value, int):
+            parts.append(f"_{value}")
+        else:
+            parts.append(f"_{MLX_TYPE_STRINGS[_dtype_name(value)]}")
+    return f"custom_kernel_{name}{''.join(parts)}"
+
+
+def mlx_ptx_cache_dir() -> Path:
+    """MLX's JIT disk cache (``ptx_cache_dir`` in ``jit_module.cpp``): ``$MLX_PTX_CACHE_DIR``,
+    else ``<temp dir>/mlx/<MLX version>/ptx`` (temp dir as ``std::filesystem::
+    temp_directory_path``: ``$TMPDIR``, ``$TMP``, ``$TEMP``, ``$TEMPDIR``, else ``/tmp``)."""
+    import mlx.core as mx
+
+    env = os.environ.get("MLX_PTX_CACHE_DIR")
+    if env:
+        return Path(env)
+    tmp = next((os.environ[v] for v in ("TMPDIR", "TMP", "TEMP", "TEMPDIR")
+                if os.environ.get(v)), "/tmp")
+    return Path(tmp) / "mlx" / mx.__version__ / "ptx"
+
+
+def mlx_ptx_path(cache_dir: Path, module_name: str) -> Path:
+    """MLX's file of ``module_name`` (``get_ptx_path``: names over 245 characters are cut into
+    directories of 245)."""
+    path, rest = Path(cache_dir), module_name
+    while len(rest) > 245:
+        path, rest = path / rest[:245], rest[245:]
+    return path / f"{rest}.ptx"
+
+
+@dataclass(frozen=True)
+class JitUnit:
+    """One variant's source exactly as ``mx.fast.cuda_kernel`` builds it, compiled here for
+    MLX's JIT disk cache: MLX reads ``<module>.ptx`` (the cubin) and ``<module>.txt`` (C++ name,
+    tab, lowered name) for every module it loads, custom kernels included, though it writes
+    none for them. ``func_name``: MLX's kernel name; ``module_name``: ``<func_name>_<hex of
+    std::hash of the source>``."""
+
+    func_name: str
+    source: str
+
+    @property
+    def module_name(self) -> str:
+        return f"{self.func_name}_{std_hash(self.source.encode()):x}"
+
+    @property
+    def expression(self) -> str:
+        return f"mlx::core::cu::{self.func_name}"
+
+    def build(self, tc: Toolchain) -> tuple[bytes, dict]:
+        """The cubin and its lowered kernel name (``{"lowered": ...}``)."""
+        data, lowered = tc.nvrtc.compile_named(
+            self.source, tc.options, {DEVICE_HEADER_NAME: DEVICE_HEADER},
+            name=f"{self.module_name}.cu", expressions=[self.expression])
+        return data, {"lowered": lowered[self.expression]}
+
+
+def jit_unit(stock_name: str, header: str, stock_body: str, inputs, output_names,
+             output_dtypes, template=()) -> JitUnit:
+    """The :class:`JitUnit` of a ``cuda_kernel(name=stock_name, source=stock_body, ...)``
+    launch (``inputs``: ``[(name, dtype, ndim), ...]``)."""
+    from mlx_bricks.cudacheck import generated_source
+
+    func = mlx_kernel_name(stock_name, template)
+    return JitUnit(func, generated_source(func, header, stock_body, inputs, output_names,
+                                          output_dtypes, template))
+
+
+def seed_mlx_cache(unit: JitUnit, cubin: bytes, lowered: str, cache_dir: Path | None = None
+                   ) -> Path:
+    """Put ``cubin`` where MLX's JIT looks for ``unit``'s module (the name file first, so MLX
+    never reads a cubin without it); returns the ``.ptx`` path. Nothing is written when the
+    same cubin is there already.
+
+    Raises:
+        OSError: the directory is not writable.
+    """
+    ptx = mlx_ptx_path(cache_dir or mlx_ptx_cache_dir(), unit.module_name)
+    try:
+        if ptx.read_bytes() == cubin:
+            return ptx
+    except OSError:
+        pass
+    ptx.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomic(ptx.with_suffix(".txt"), f"{unit.expression}\t{lowered}\n".encode())
+    _write_atomic(ptx, cubin)
+    return ptx
 
 
 # ---------------------------------------------------------------------------------------------
@@ -598,9 +763,15 @@ def is_built(kernel: str, template=None, root=None) -> bool:
 class CudaKernel:
     """The ``cuda`` kernel object of one registered spec and dynamic shared-memory size, called
     like an ``mx.fast.cuda_kernel`` object. Each variant (template values, input dtypes and
-    ndims, output dtypes) is served from the build cache through
-    ``mx.fast.precompiled_cuda_kernel``, or, when the cache cannot serve it, by ``stock()``:
-    the ``mx.fast.cuda_kernel`` object, built on first need.
+    ndims, output dtypes) is compiled once per machine (:func:`load_or_build`) and then
+
+    * ``precompiled``: run through ``mx.fast.precompiled_cuda_kernel`` (:class:`Unit`), or,
+      for a body that reads the strides of views,
+    * ``mlx-cache``: put where MLX's JIT looks for it (:class:`JitUnit`,
+      :func:`seed_mlx_cache`) and run by the ``mx.fast.cuda_kernel`` object, which then loads it
+      instead of compiling;
+
+    or, when neither can serve, run by the ``mx.fast.cuda_kernel`` object as before.
 
     Args:
         kernel: the registered name (``mlx_bricks.kernels``).
@@ -609,17 +780,20 @@ class CudaKernel:
         input_names, output_names, ensure_row_contiguous: as in ``cuda_kernel``.
         shared_memory: dynamic shared memory of every launch, bytes (part of the kernel's name:
             MLX sets a function's shared-memory limit once, at its first launch).
-        stock: zero-argument factory of the ``mx.fast.cuda_kernel`` object.
+        stock_name, stock_body: ``name`` and ``source`` of the ``cuda_kernel`` object.
+        stock: zero-argument factory of that ``mx.fast.cuda_kernel`` object.
     """
 
     def __init__(self, kernel: str, kname: str, header: str, body: str, input_names,
-                 output_names, ensure_row_contiguous: bool, shared_memory: int, stock):
+                 output_names, ensure_row_contiguous: bool, shared_memory: int,
+                 stock_name: str, stock_body: str, stock):
         self.kernel, self.kname, self.header, self.body = kernel, kname, header, body
         self.input_names, self.output_names = tuple(input_names), tuple(output_names)
         self.ensure_row_contiguous = ensure_row_contiguous
         self.shared_memory = shared_memory
+        self.stock_name, self.stock_body = stock_name, stock_body
         self._stock_factory, self._stock = stock, None
-        #: variant key -> (Unit, cubin) or None (served by stock)
+        #: variant key -> (Unit, cubin), or None (run by the cuda_kernel object)
         self.variants: dict = {}
 
     def stock(self):
@@ -628,44 +802,48 @@ class CudaKernel:
             self._stock = self._stock_factory()
         return self._stock
 
-    def _variant(self, key, template, arrays, output_dtypes):
+    def _variant(self, template, arrays, output_dtypes):
         tag = template_tag(template)
         rec = (self.kernel, tag)
-        views = reads_view_strides(self.input_names, self.body, self.ensure_row_contiguous)
-        if views:  # by design, not a failure: no note
-            BUILD_SOURCES.setdefault(rec, "fallback")
-            return None
+        BUILD_ROUTES[rec] = "cuda_kernel"
         try:
             tc = toolchain()
         except Unavailable as e:
             note("toolchain", f"CUDA build cache off: {e}; kernels are built by "
                  "mx.fast.cuda_kernel in each process")
-            BUILD_SOURCES.setdefault(rec, "fallback")
             return None
-        smem = f"_smem{self.shared_memory}" if self.shared_memory else ""
+        ins = [(n, a.dtype, a.ndim) for n, a in zip(self.input_names, arrays)]
+        views = reads_view_strides(self.input_names, self.body, self.ensure_row_contiguous)
         try:
-            unit = translation_unit(
-                f"{self.kname}{tag}{smem}", self.header, self.body,
-                [(n, a.dtype, a.ndim) for n, a in zip(self.input_names, arrays)],
-                self.output_names, output_dtypes, template, self.ensure_row_contiguous)
-            cubin, seconds, how = load_or_build(self.kernel, tag, unit, tc)
-        except (ValueError, CompileError, OSError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if views:
+                unit = jit_unit(self.stock_name, self.header, self.stock_body, ins,
+                                self.output_names, output_dtypes, template)
+            else:
+                smem = f"_smem{self.shared_memory}" if self.shared_memory else ""
+                unit = translation_unit(f"{self.kname}{tag}{smem}", self.header, self.body,
+                                        ins, self.output_names, output_dtypes, template,
+                                        self.ensure_row_contiguous)
+            cubin, seconds, how, meta = load_or_build(self.kernel, tag, unit, tc)
+            if views:
+                seed_mlx_cache(unit, cubin, meta["lowered"])
+        except (ValueError, KeyError, CompileError, OSError) as e:
+            text = str(e).strip()
+            first = text.splitlines()[0] if text else type(e).__name__
             note(f"build:{self.kernel}{tag}", f"CUDA kernel {self.kernel}{tag} not cached "
                  f"({first}); built by mx.fast.cuda_kernel")
-            BUILD_SOURCES.setdefault(rec, "fallback")
             return None
         BUILD_SECONDS[rec] = BUILD_SECONDS.get(rec, 0.0) + seconds
         BUILD_SOURCES[rec] = how
-        return unit, cubin
+        BUILD_ROUTES[rec] = "mlx-cache" if views else "precompiled"
+        return None if views else (unit, cubin)
 
     def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup,
                  template=(), init_value=None, verbose=False, stream=None):
+        kw = dict(inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
+                  grid=grid, threadgroup=threadgroup, template=template,
+                  init_value=init_value, verbose=verbose, stream=stream)
         if not enabled():
-            return self.stock()(inputs=inputs, output_shapes=output_shapes,
-                                output_dtypes=output_dtypes, grid=grid,
-                                threadgroup=threadgroup, template=template,
-                                init_value=init_value, verbose=verbose, stream=stream)
+            return self.stock()(**kw)
         import mlx.core as mx
 
         arrays = [a if isinstance(a, mx.array) else mx.array(a) for a in inputs]
@@ -673,13 +851,10 @@ class CudaKernel:
                      for n, v in template),
                tuple((a.dtype, a.ndim) for a in arrays), tuple(output_dtypes))
         if key not in self.variants:
-            self.variants[key] = self._variant(key, template, arrays, output_dtypes)
+            self.variants[key] = self._variant(template, arrays, output_dtypes)
         found = self.variants[key]
         if found is None:
-            return self.stock()(inputs=inputs, output_shapes=output_shapes,
-                                output_dtypes=output_dtypes, grid=grid,
-                                threadgroup=threadgroup, template=template,
-                                init_value=init_value, verbose=verbose, stream=stream)
+            return self.stock()(**kw)
         unit, cubin = found
         return mx.fast.precompiled_cuda_kernel(
             name=unit.func_name, compiled_source=cubin, inputs=arrays,

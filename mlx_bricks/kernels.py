@@ -203,18 +203,20 @@ def get_kernel(name: str, backend: str, shared_memory: int = 0):
     else:
         from mlx_bricks import cuda_build
 
-        def stock(kname=kname, body=body):
+        stock_name, stock_body = kname, body
+        if shared_memory:
+            stock_name = f"{kname}_smem{shared_memory}"
+            # The size is part of the source too: MLX keys its JIT module by name and source.
+            stock_body = f"// dynamic shared memory: {shared_memory} bytes\n{body}"
+
+        def stock():
             import mlx.core as mx
 
-            if shared_memory:
-                kname = f"{kname}_smem{shared_memory}"
-                # The size is part of the source too: MLX keys its JIT module by name and source.
-                body = f"// dynamic shared memory: {shared_memory} bytes\n{body}"
             return mx.fast.cuda_kernel(
-                name=kname,
+                name=stock_name,
                 input_names=list(s.inputs_for("cuda")),
                 output_names=list(s.output_names),
-                source=body,
+                source=stock_body,
                 header=header,
                 ensure_row_contiguous=s.ensure_row_contiguous,
                 shared_memory=shared_memory,
@@ -223,7 +225,7 @@ def get_kernel(name: str, backend: str, shared_memory: int = 0):
         # Served from the per-machine build cache where it can, else by ``stock``.
         kernel = cuda_build.CudaKernel(name, kname, header, body, s.inputs_for("cuda"),
                                        s.output_names, s.ensure_row_contiguous, shared_memory,
-                                       stock)
+                                       stock_name, stock_body, stock)
     BUILD_COUNTS[(name, backend)] += 1
     return kernel
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
 
 import mlx.core as mx
 import pytest
@@ -41,6 +43,7 @@ def _clean(monkeypatch, tmp_path):
     monkeypatch.delenv(cuda_build.ENV_VAR, raising=False)
     monkeypatch.setattr(cuda_build, "BUILD_SECONDS", {})
     monkeypatch.setattr(cuda_build, "BUILD_SOURCES", {})
+    monkeypatch.setattr(cuda_build, "BUILD_ROUTES", {})
     monkeypatch.setattr(cuda_build, "_NOTED", set())
     before = set(kernels._SPECS)
     yield
@@ -204,19 +207,19 @@ def test_entry_key_covers_source_toolchain_and_versions():
 def test_build_once_then_load_then_rebuild_a_damaged_entry(tmp_path):
     nv = FakeNvrtc()
     tc, unit = _toolchain(nv), _unit()
-    data, secs, how = cuda_build.load_or_build("kern", "_t", unit, tc, tmp_path)
+    data, secs, how, _ = cuda_build.load_or_build("kern", "_t", unit, tc, tmp_path)
     assert how == "compiled" and len(nv.calls) == 1 and secs >= 0
-    again, _, how = cuda_build.load_or_build("kern", "_t", unit, tc, tmp_path)
+    again, _, how, _ = cuda_build.load_or_build("kern", "_t", unit, tc, tmp_path)
     assert how == "loaded" and again == data and len(nv.calls) == 1
     cubin, note = cuda_build.entry_paths("kern", "_t", cuda_build.entry_key(unit, tc), tc,
                                          tmp_path)
     assert cubin.parent == tmp_path / "cuda" / tc.tag / "kern"
     assert json.loads(note.read_text())["func_name"] == "k"
     cubin.write_bytes(b"\x7fELF damaged")
-    _, _, how = cuda_build.load_or_build("kern", "_t", unit, tc, tmp_path)
+    _, _, how, _ = cuda_build.load_or_build("kern", "_t", unit, tc, tmp_path)
     assert how == "compiled" and len(nv.calls) == 2
     note.unlink()  # a cubin without its note is an unfinished entry
-    _, _, how = cuda_build.load_or_build("kern", "_t", unit, tc, tmp_path)
+    _, _, how, _ = cuda_build.load_or_build("kern", "_t", unit, tc, tmp_path)
     assert how == "compiled" and len(nv.calls) == 3
 
 
@@ -285,6 +288,7 @@ def test_launch_builds_once_then_serves_precompiled(monkeypatch, recorded, tmp_p
     assert pre[0]["compiled_source"].startswith(b"\x7fELF")
     key = (name, "_float16_2")
     assert cuda_build.BUILD_SOURCES[key] == "compiled"
+    assert cuda_build.BUILD_ROUTES[key] == "precompiled"
     assert cuda_build.build_cost(name) == cuda_build.build_cost(name, [("T", mx.float16),
                                                                         ("SCALE", 2)]) >= 0
     assert cuda_build.build_cost(name, [("T", mx.float16), ("SCALE", 3)]) is None
@@ -307,7 +311,8 @@ def test_compile_error_falls_back_to_cuda_kernel_once(monkeypatch, recorded, cap
     assert len(recorded["stock_built"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not cached" in err[0] and "NVRTC failed" in err[0]
-    assert cuda_build.BUILD_SOURCES[(name, "_float16_2")] == "fallback"
+    assert cuda_build.BUILD_ROUTES[(name, "_float16_2")] == "cuda_kernel"
+    assert (name, "_float16_2") not in cuda_build.BUILD_SOURCES
     assert cuda_build.build_cost(name) is None
 
 
@@ -336,15 +341,82 @@ def test_switch_off_is_cuda_kernel_as_before(monkeypatch, recorded, capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_view_strided_kernel_stays_on_cuda_kernel_silently(monkeypatch, recorded, capsys):
-    nv = FakeNvrtc()
+class FakeNamedNvrtc(FakeNvrtc):
+    def compile_named(self, source, options, headers=None, name="kernel.cu", ptx=False,
+                      expressions=()):
+        return self.compile(source, options, headers, name, ptx), {
+            e: f"_ZN3mlx4core2cu{len(e)}lowered" for e in expressions}
+
+
+def test_view_strided_kernel_is_put_in_mlx_jit_cache(monkeypatch, recorded, tmp_path):
+    """A body reading the strides of views runs on the cuda_kernel object; its exact source is
+    compiled once and its cubin put where MLX's JIT reads it, under MLX's module name."""
+    nv = FakeNamedNvrtc()
     monkeypatch.setattr(cuda_build, "toolchain", lambda: _toolchain(nv))
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
     kernels.register(KernelSpec("test_views", None, ("x",), ("out",), cuda_body="v.cu",
                                 ensure_row_contiguous=False))
     monkeypatch.setattr(kernels, "read_source", lambda f, p=None: SHAPED_BODY)
-    _launch("test_views")
-    assert not nv.calls and not recorded["pre"] and len(recorded["stock"]) == 1
-    assert capsys.readouterr().err == ""
+    template = (("T", mx.float16), ("SCALE", 2))
+    _launch("test_views", template=template, smem=512)
+    assert not recorded["pre"] and len(recorded["stock"]) == 1
+    built = recorded["stock_built"][0]
+    kname = kernels.kernel_source("test_views", "cuda")[0]
+    assert built["name"] == f"{kname}_smem512"
+    func = f"custom_kernel_{kname}_smem512_float16_t_2"
+    src = cudacheck.generated_source(func, "", built["source"], [("x", mx.float16, 2)],
+                                     ("out",), [mx.float16], list(template))
+    module = f"{func}_{cuda_build.std_hash(src.encode()):x}"
+    ptx = tmp_path / "ptx" / f"{module}.ptx"
+    assert ptx.read_bytes().startswith(b"\x7fELF")
+    expr = f"mlx::core::cu::{func}"
+    assert ptx.with_suffix(".txt").read_text() == f"{expr}\t_ZN3mlx4core2cu{len(expr)}lowered\n"
+    assert cuda_build.BUILD_ROUTES[("test_views", "_float16_2")] == "mlx-cache"
+    assert cuda_build.BUILD_SOURCES[("test_views", "_float16_2")] == "compiled"
+    # A later process: loaded from the home cache, MLX's file rewritten if it went away.
+    ptx.unlink()
+    kernels.get_kernel.cache_clear()
+    _launch("test_views", template=template, smem=512)
+    assert len(nv.calls) == 1 and ptx.is_file()
+    assert cuda_build.BUILD_SOURCES[("test_views", "_float16_2")] == "loaded"
+
+
+def test_mlx_names_and_paths():
+    assert cuda_build.mlx_kernel_name("k", [("T", mx.bfloat16), ("N", 3), ("B", True),
+                                            ("U", mx.float32)]) == \
+        "custom_kernel_k_bfloat16_t_3_t_float"
+    long = "m" * 600
+    p = cuda_build.mlx_ptx_path(cuda_build.Path("/c"), long)
+    assert p == cuda_build.Path("/c", "m" * 245, "m" * 245, "m" * 110 + ".ptx")
+    assert cuda_build.mlx_ptx_path(cuda_build.Path("/c"), "ab") == cuda_build.Path("/c/ab.ptx")
+
+
+def test_mlx_ptx_cache_dir(monkeypatch):
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", "/x/y")
+    assert cuda_build.mlx_ptx_cache_dir() == cuda_build.Path("/x/y")
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR")
+    for v in ("TMPDIR", "TMP", "TEMP", "TEMPDIR"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("TMP", "/scratch")
+    assert cuda_build.mlx_ptx_cache_dir() == cuda_build.Path("/scratch/mlx", mx.__version__,
+                                                             "ptx")
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found")
+def test_std_hash_is_libstdcxx(tmp_path):
+    """Against std::hash<std::string> of a program built here with g++ (libstdc++)."""
+    prog = tmp_path / "h.cpp"
+    prog.write_text('#include <cstdio>\n#include <iostream>\n#include <iterator>\n'
+                    '#include <string>\nint main() { std::string s((std::istreambuf_iterator'
+                    '<char>(std::cin)), std::istreambuf_iterator<char>());\n'
+                    'std::printf("%zx\\n", std::hash<std::string>{}(s)); }\n')
+    exe = tmp_path / "h"
+    subprocess.run(["g++", "-O1", "-o", str(exe), str(prog)], check=True)
+    kname, header, body = kernels.kernel_source("flash_attention", "cuda")
+    for data in (b"", b"a", b"1234567", b"12345678", b"123456789", header.encode(),
+                 (header + body).encode()):
+        out = subprocess.run([str(exe)], input=data, capture_output=True, check=True).stdout
+        assert int(out, 16) == cuda_build.std_hash(data), data[:20]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,7 +428,7 @@ def test_nvrtc_builds_a_cubin_with_the_plain_symbol(tmp_path):
     unit = cuda_build.translation_unit(
         "mlx_bricks_test_shaped", "", SHAPED_BODY, [("x", mx.bfloat16, 2)], ["out"],
         [mx.bfloat16], [("T", mx.bfloat16), ("SCALE", 3)])
-    data, _, how = cuda_build.load_or_build("test_shaped", "_x", unit, tc, tmp_path)
+    data, _, how, _ = cuda_build.load_or_build("test_shaped", "_x", unit, tc, tmp_path)
     assert how == "compiled" and data.startswith(b"\x7fELF")
     assert b"mlx_bricks_test_shaped\0" in data  # extern "C": unmangled, as MLX looks it up
     with pytest.raises(cuda_build.CompileError, match="NVRTC failed"):
@@ -401,3 +473,26 @@ def test_cached_gemm_equals_cuda_kernel_bit_for_bit(monkeypatch):
     monkeypatch.setenv(cuda_build.ENV_VAR, "0")
     y_stock = gemm_cuda.linear(x, w)
     assert mx.array_equal(y_cached, y_stock).item()
+
+
+@needs_nvrtc
+def test_nvrtc_builds_the_exact_mlx_source_of_a_view_kernel():
+    """decode_attention reads the strides of views: its unit is MLX's own source, and the
+    lowered name NVRTC reports for MLX's C++ name is the cubin's symbol."""
+    import mlx_bricks.bricks.decode.op  # noqa: F401
+
+    kname, header, body = kernels.kernel_source("decode_attention", "cuda")
+    spec = kernels.spec("decode_attention")
+    dts = [mx.float16] * 5 + [mx.int32, mx.float32]
+    ins = [(n, d, 4 if i < 5 else 1) for i, (n, d) in enumerate(zip(spec.inputs_for("cuda"), dts))]
+    template = [("T", mx.float16), ("D", 128), ("RT", 8), ("KV_Q8", False), ("CAUSAL", False)]
+    unit = cuda_build.jit_unit(kname, header, body, ins, spec.output_names,
+                               [mx.float32, mx.float32], template)
+    assert unit.func_name == f"custom_kernel_{kname}_float16_t_128_8_f_f"
+    assert unit.source == cudacheck.generated_source(unit.func_name, header, body, ins,
+                                                     spec.output_names,
+                                                     [mx.float32, mx.float32], template)
+    data, meta = unit.build(cuda_build.make_toolchain((9, 0), NVRTC))
+    assert data.startswith(b"\x7fELF")
+    lowered = meta["lowered"]
+    assert unit.func_name in lowered and lowered.encode() + b"\0" in data
