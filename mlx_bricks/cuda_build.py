@@ -802,6 +802,22 @@ class CudaKernel:
             self._stock = self._stock_factory()
         return self._stock
 
+    def unit(self, template, inputs, output_dtypes):
+        """The unit of one variant: a :class:`JitUnit` when the body reads the strides of
+        views, else a :class:`Unit`; ``inputs``: ``[(dtype, ndim), ...]``.
+
+        Raises:
+            ValueError: see :func:`translation_unit`.
+        """
+        ins = [(n, d, nd) for n, (d, nd) in zip(self.input_names, inputs)]
+        if reads_view_strides(self.input_names, self.body, self.ensure_row_contiguous):
+            return jit_unit(self.stock_name, self.header, self.stock_body, ins,
+                            self.output_names, output_dtypes, template)
+        smem = f"_smem{self.shared_memory}" if self.shared_memory else ""
+        return translation_unit(f"{self.kname}{template_tag(template)}{smem}", self.header,
+                                self.body, ins, self.output_names, output_dtypes, template,
+                                self.ensure_row_contiguous)
+
     def _variant(self, template, arrays, output_dtypes):
         tag = template_tag(template)
         rec = (self.kernel, tag)
@@ -812,19 +828,10 @@ class CudaKernel:
             note("toolchain", f"CUDA build cache off: {e}; kernels are built by "
                  "mx.fast.cuda_kernel in each process")
             return None
-        ins = [(n, a.dtype, a.ndim) for n, a in zip(self.input_names, arrays)]
-        views = reads_view_strides(self.input_names, self.body, self.ensure_row_contiguous)
         try:
-            if views:
-                unit = jit_unit(self.stock_name, self.header, self.stock_body, ins,
-                                self.output_names, output_dtypes, template)
-            else:
-                smem = f"_smem{self.shared_memory}" if self.shared_memory else ""
-                unit = translation_unit(f"{self.kname}{tag}{smem}", self.header, self.body,
-                                        ins, self.output_names, output_dtypes, template,
-                                        self.ensure_row_contiguous)
+            unit = self.unit(template, [(a.dtype, a.ndim) for a in arrays], output_dtypes)
             cubin, seconds, how, meta = load_or_build(self.kernel, tag, unit, tc)
-            if views:
+            if isinstance(unit, JitUnit):
                 seed_mlx_cache(unit, cubin, meta["lowered"])
         except (ValueError, KeyError, CompileError, OSError) as e:
             text = str(e).strip()
@@ -834,8 +841,11 @@ class CudaKernel:
             return None
         BUILD_SECONDS[rec] = BUILD_SECONDS.get(rec, 0.0) + seconds
         BUILD_SOURCES[rec] = how
-        BUILD_ROUTES[rec] = "mlx-cache" if views else "precompiled"
-        return None if views else (unit, cubin)
+        if isinstance(unit, JitUnit):
+            BUILD_ROUTES[rec] = "mlx-cache"
+            return None
+        BUILD_ROUTES[rec] = "precompiled"
+        return unit, cubin
 
     def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup,
                  template=(), init_value=None, verbose=False, stream=None):
@@ -863,3 +873,51 @@ class CudaKernel:
             threadgroup=tuple(threadgroup), shared_memory=self.shared_memory,
             init_value=init_value, ensure_row_contiguous=self.ensure_row_contiguous,
             stream=stream)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building ahead, in parallel
+
+def _build_entry(args) -> tuple[str, str, float, str]:
+    """Worker of :func:`prebuild` (a fresh process: NVRTC only, no CUDA context)."""
+    kernel, tag, unit, nvrtc_path, cc, mlx_version, options, root = args
+    tc = Toolchain(Nvrtc(nvrtc_path), cc, mlx_version, options)
+    try:
+        _, seconds, how, _ = load_or_build(kernel, tag, unit, tc, root)
+    except CompileError as e:
+        return kernel, tag, 0.0, f"error: {str(e).strip().splitlines()[0]}"
+    return kernel, tag, seconds, how
+
+
+def prebuild(launches, workers: int | None = None, root=None) -> list[tuple[str, str, float, str]]:
+    """Compile the variants of ``launches`` that are not on disk yet, ``workers`` at a time in
+    separate processes (NVRTC is CPU-bound); later launches then load them. ``launches``:
+    objects with ``name``, ``inputs`` (``[(dtype, ndim), ...]``), ``output_dtypes``,
+    ``template``, ``shared_memory`` (``mlx_bricks.cudacheck.Launch``, e.g. from
+    ``cudacheck.recorded_launches``). Returns ``(kernel, template tag, seconds, how)`` per
+    distinct variant, ``how`` ``"loaded"`` (on disk already), ``"compiled"`` or
+    ``"error: ..."``.
+
+    Raises:
+        Unavailable: no CUDA device or libnvrtc.
+    """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from mlx_bricks import kernels
+
+    tc = toolchain()
+    jobs, seen = [], set()
+    for rec in launches:
+        obj = kernels.get_kernel(rec.name, "cuda", rec.shared_memory)
+        unit = obj.unit(rec.template, rec.inputs, rec.output_dtypes)
+        tag = template_tag(rec.template)
+        key = entry_key(unit, tc)
+        if key in seen:
+            continue
+        seen.add(key)
+        jobs.append((rec.name, tag, unit, tc.nvrtc.path, tc.cc, tc.mlx_version, tc.options,
+                     root))
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers or os.cpu_count() or 1, mp_context=ctx) as ex:
+        return list(ex.map(_build_entry, jobs))

@@ -496,3 +496,26 @@ def test_nvrtc_builds_the_exact_mlx_source_of_a_view_kernel():
     assert data.startswith(b"\x7fELF")
     lowered = meta["lowered"]
     assert unit.func_name in lowered and lowered.encode() + b"\0" in data
+
+
+@needs_nvrtc
+def test_prebuild_compiles_each_variant_once_in_parallel(monkeypatch, tmp_path):
+    from mlx_bricks.bricks.gemm import cuda as gemm_cuda
+    from mlx_bricks.bricks.swiglu import cuda as swiglu_cuda
+    from mlx_bricks.bricks.norm_qkv import cuda as qkv_cuda
+
+    monkeypatch.setattr(gemm_cuda, "device_capability", lambda: (8, 0))
+    monkeypatch.setattr(cuda_build, "toolchain",
+                        lambda: cuda_build.make_toolchain((8, 0), NVRTC))
+    x = mx.zeros((40, 128), dtype=mx.float16)
+    with cudacheck.recorded_launches(gemm_cuda, swiglu_cuda, qkv_cuda) as rec:
+        for _ in range(2):  # the same variants twice: built once
+            gemm_cuda.linear(x, mx.zeros((64, 128), dtype=mx.float16), tile="128x128k2")
+    assert [r.name for r in rec] == ["gemm_splitk", "gemm_splitk_reduce"] * 2
+    done = cuda_build.prebuild(rec, workers=2, root=tmp_path)
+    assert sorted((k, how) for k, _, _, how in done) == [
+        ("gemm_splitk", "compiled"), ("gemm_splitk_reduce", "compiled")]
+    again = cuda_build.prebuild(rec, workers=2, root=tmp_path)
+    assert {how for *_, how in again} == {"loaded"}
+    tc = cuda_build.toolchain()
+    assert len(list((tmp_path / "cuda" / tc.tag).glob("*/*.cubin"))) == 2
