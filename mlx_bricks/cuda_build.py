@@ -123,6 +123,12 @@ def note(key: str, message: str) -> None:
         print(f"mlx-bricks: {message}", file=sys.stderr)
 
 
+def _mx():
+    import mlx.core as mx
+
+    return mx
+
+
 def _dtype_name(dtype) -> str:
     return str(dtype).replace("mlx.core.", "")
 
@@ -830,6 +836,10 @@ class CudaKernel:
             return None
         try:
             unit = self.unit(template, [(a.dtype, a.ndim) for a in arrays], output_dtypes)
+            if isinstance(unit, Unit) and not hasattr(_mx().fast, "precompiled_cuda_kernel"):
+                note("precompiled", "this MLX has no mx.fast.precompiled_cuda_kernel; kernels "
+                     "are built by mx.fast.cuda_kernel in each process")
+                return None
             cubin, seconds, how, meta = load_or_build(self.kernel, tag, unit, tc)
             if isinstance(unit, JitUnit):
                 seed_mlx_cache(unit, cubin, meta["lowered"])

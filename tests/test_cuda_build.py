@@ -329,6 +329,16 @@ def test_no_toolchain_falls_back_with_one_note(monkeypatch, recorded, capsys):
     assert not cuda_build.is_built(name)
 
 
+def test_an_mlx_without_precompiled_kernels_falls_back(monkeypatch, recorded, capsys):
+    nv = FakeNvrtc()
+    monkeypatch.setattr(cuda_build, "toolchain", lambda: _toolchain(nv))
+    monkeypatch.delattr(mx.fast, "precompiled_cuda_kernel")
+    name = _register_shaped()
+    _launch(name)
+    assert not nv.calls and len(recorded["stock"]) == 1
+    assert "no mx.fast.precompiled_cuda_kernel" in capsys.readouterr().err
+
+
 def test_switch_off_is_cuda_kernel_as_before(monkeypatch, recorded, capsys):
     nv = FakeNvrtc()
     monkeypatch.setattr(cuda_build, "toolchain", lambda: _toolchain(nv))
