@@ -71,13 +71,21 @@ FORMAT = 1
 MAX_NDIM = 10
 #: Include name of MLX's device header in the default header.
 DEVICE_HEADER_NAME = "mlx/backend/cuda/device/utils.cuh"
-#: What the twins use of MLX's device header: the ``Shape`` / ``Strides`` types of MLX 0.32
-#: (``cuda::std::array`` of ``MAX_NDIM``) and the headers it includes for half and bfloat16.
+#: Stand-in for MLX's device header (not installed with MLX's wheel: it is compiled into
+#: ``libmlx.so``). It includes what MLX 0.32's includes (``config.h``, installed, where found;
+#: ``cuda/std/complex`` as its ``complex.cuh`` does) and declares what the twins use of it, the
+#: ``Shape`` / ``Strides`` types, plus its two float constants, so the module's globals match:
+#: NVRTC then gives the same kernel code as with MLX's own header (PTX compared, MLX 0.32.4).
 DEVICE_HEADER = f"""#pragma once
+#if __has_include("mlx/backend/cuda/device/config.h")
+#include "mlx/backend/cuda/device/config.h"
+#endif
+#define LIBCUDACXX_ENABLE_SIMPLIFIED_COMPLEX_OPERATIONS
+#include <cuda/std/complex>
+#include <cuda/std/type_traits>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda/std/array>
-#include <cuda/std/cstdint>
 #include <cuda/std/limits>
 #include <cuda/std/tuple>
 #ifndef MAX_NDIM
@@ -86,6 +94,8 @@ DEVICE_HEADER = f"""#pragma once
 namespace mlx::core::cu {{
 using Shape = cuda::std::array<int32_t, MAX_NDIM>;
 using Strides = cuda::std::array<int64_t, MAX_NDIM>;
+constexpr float F8E4M3_MAX = 448.0f;
+constexpr float F4E2M1_MAX = 6.0f;
 }}  // namespace mlx::core::cu
 """
 

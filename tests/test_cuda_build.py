@@ -529,3 +529,70 @@ def test_prebuild_compiles_each_variant_once_in_parallel(monkeypatch, tmp_path):
     assert {how for *_, how in again} == {"loaded"}
     tc = cuda_build.toolchain()
     assert len(list((tmp_path / "cuda" / tc.tag).glob("*/*.cubin"))) == 2
+
+
+def _mlx_cuda_headers() -> dict[str, str] | None:
+    """MLX's own device headers utils.cuh and complex.cuh, read out of its CUDA build's
+    ``libmlx.so`` (``$MLX_BRICKS_MLX_LIB``, else the installed MLX's), where they are embedded
+    as NUL-terminated text; None with a CPU build."""
+    import os
+    from pathlib import Path
+
+    lib = Path(os.environ.get("MLX_BRICKS_MLX_LIB") or Path(mx.__file__).parent / "lib" /
+               "libmlx.so")
+    try:
+        data = lib.read_bytes()
+    except OSError:
+        return None
+    out = {}
+    for name, anchor in (("utils.cuh", b"using Strides = cuda::std::array<int64_t, MAX_NDIM>;"),
+                         ("complex.cuh", b"struct is_complex : cuda::std::false_type {};")):
+        i = data.find(anchor)
+        if i < 0:
+            return None
+        out[f"mlx/backend/cuda/device/{name}"] = data[data.rfind(b"\0", 0, i) + 1:
+                                                       data.find(b"\0", i)].decode()
+    return out
+
+
+@needs_nvrtc
+def test_stand_in_header_gives_the_cubin_of_mlx_own_headers():
+    """With MLX's real device headers (from a CUDA build of MLX) NVRTC makes byte for byte the
+    cubin it makes with DEVICE_HEADER: for a precompiled unit and for MLX's exact source of a
+    view kernel (whose cubin MLX then loads as its own). Seen passing with MLX 0.32.4's
+    libmlx.so (MLX_BRICKS_MLX_LIB) and the NVRTC 13.0 wheel."""
+    from pathlib import Path
+
+    real = _mlx_cuda_headers()
+    if real is None:
+        pytest.skip("no CUDA build of MLX here (set MLX_BRICKS_MLX_LIB to its libmlx.so)")
+    import os
+
+    lib = Path(os.environ.get("MLX_BRICKS_MLX_LIB") or Path(mx.__file__).parent / "lib" /
+               "libmlx.so")
+    tc = cuda_build.make_toolchain((9, 0), NVRTC, mlx_root=lib.parent.parent)
+    stand_in = {cuda_build.DEVICE_HEADER_NAME: cuda_build.DEVICE_HEADER}
+    import mlx_bricks.bricks.decode.op  # noqa: F401
+    import mlx_bricks.bricks.gemm.cuda  # noqa: F401
+
+    kname, header, body = kernels.kernel_source("decode_attention", "cuda")
+    spec = kernels.spec("decode_attention")
+    dts = [mx.float16] * 5 + [mx.int32, mx.float32]
+    ins = [(n, d, 4 if i < 5 else 1)
+           for i, (n, d) in enumerate(zip(spec.inputs_for("cuda"), dts))]
+    ju = cuda_build.jit_unit(kname, header, body, ins, spec.output_names,
+                             [mx.float32, mx.float32],
+                             [("T", mx.float16), ("D", 128), ("RT", 8), ("KV_Q8", False),
+                              ("CAUSAL", False)])
+    mine = tc.nvrtc.compile_named(ju.source, tc.options, stand_in, expressions=[ju.expression])
+    theirs = tc.nvrtc.compile_named(ju.source, tc.options, real, expressions=[ju.expression])
+    assert mine == theirs
+    kname, header, body = kernels.kernel_source("gemm_splitk_reduce", "cuda")
+    spec = kernels.spec("gemm_splitk_reduce")
+    unit = cuda_build.translation_unit(
+        "k", header, body, [(n, mx.float32 if n == "partial" else mx.bfloat16, 2)
+                            for n in spec.inputs_for("cuda")],
+        spec.output_names, [mx.bfloat16],
+        [("T", mx.bfloat16), ("SPLIT", 2), ("HAS_BIAS", True), ("HAS_RESIDUAL", False)])
+    assert tc.nvrtc.compile(unit.source, tc.options, stand_in) == \
+        tc.nvrtc.compile(unit.source, tc.options, real)
