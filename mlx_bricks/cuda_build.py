@@ -41,7 +41,8 @@ before.
 
 Any failure (no GPU, no ``libnvrtc``, a compile error, an unreadable entry) falls back to
 ``mx.fast.cuda_kernel`` as before, with a one-line note on stderr, once per cause. Set
-``MLX_BRICKS_CUDA_CACHE=0`` to turn the cache off. A cubin that fails to load surfaces when
+``MLX_BRICKS_CUDA_CACHE=0`` to turn the cache off, ``=mlx`` to send every kernel through MLX's
+JIT cache (no ``precompiled_cuda_kernel``; :func:`mode`). A cubin that fails to load surfaces when
 MLX evaluates the launch, where the dispatch guard (``runtime/guard.py``) catches it.
 """
 from __future__ import annotations
@@ -121,9 +122,20 @@ class CompileError(RuntimeError):
     """NVRTC rejected a unit; the message holds its log."""
 
 
+def mode() -> str:
+    """``$MLX_BRICKS_CUDA_CACHE``, read at each call: ``"off"`` (``0`` / ``off`` / ``false`` /
+    ``no``: ``mx.fast.cuda_kernel`` as before), ``"mlx"`` (every kernel through MLX's JIT cache,
+    as the view kernels go: ``cuda_kernel``'s own launch path) or ``"precompiled"`` (anything
+    else, the default: ``precompiled_cuda_kernel`` where it can run the kernel)."""
+    v = os.environ.get(ENV_VAR, "1").strip().lower()
+    if v in ("0", "off", "false", "no"):
+        return "off"
+    return "mlx" if v == "mlx" else "precompiled"
+
+
 def enabled() -> bool:
-    """Whether the build cache is on (``$MLX_BRICKS_CUDA_CACHE`` is not 0/off/false/no)."""
-    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "off", "false", "no")
+    """Whether the build cache is on (:func:`mode` is not ``"off"``)."""
+    return mode() != "off"
 
 
 def note(key: str, message: str) -> None:
@@ -818,15 +830,17 @@ class CudaKernel:
             self._stock = self._stock_factory()
         return self._stock
 
-    def unit(self, template, inputs, output_dtypes):
+    def unit(self, template, inputs, output_dtypes, route: str = "precompiled"):
         """The unit of one variant: a :class:`JitUnit` when the body reads the strides of
-        views, else a :class:`Unit`; ``inputs``: ``[(dtype, ndim), ...]``.
+        views or ``route`` is ``"mlx"``, else a :class:`Unit`; ``inputs``:
+        ``[(dtype, ndim), ...]``.
 
         Raises:
             ValueError: see :func:`translation_unit`.
         """
         ins = [(n, d, nd) for n, (d, nd) in zip(self.input_names, inputs)]
-        if reads_view_strides(self.input_names, self.body, self.ensure_row_contiguous):
+        if route == "mlx" or reads_view_strides(self.input_names, self.body,
+                                                self.ensure_row_contiguous):
             return jit_unit(self.stock_name, self.header, self.stock_body, ins,
                             self.output_names, output_dtypes, template)
         smem = f"_smem{self.shared_memory}" if self.shared_memory else ""
@@ -834,7 +848,7 @@ class CudaKernel:
                                 self.body, ins, self.output_names, output_dtypes, template,
                                 self.ensure_row_contiguous)
 
-    def _variant(self, template, arrays, output_dtypes):
+    def _variant(self, template, arrays, output_dtypes, route):
         tag = template_tag(template)
         rec = (self.kernel, tag)
         BUILD_ROUTES[rec] = "cuda_kernel"
@@ -845,7 +859,8 @@ class CudaKernel:
                  "mx.fast.cuda_kernel in each process")
             return None
         try:
-            unit = self.unit(template, [(a.dtype, a.ndim) for a in arrays], output_dtypes)
+            unit = self.unit(template, [(a.dtype, a.ndim) for a in arrays], output_dtypes,
+                             route)
             if isinstance(unit, Unit) and not hasattr(_mx().fast, "precompiled_cuda_kernel"):
                 note("precompiled", "this MLX has no mx.fast.precompiled_cuda_kernel; kernels "
                      "are built by mx.fast.cuda_kernel in each process")
@@ -872,16 +887,17 @@ class CudaKernel:
         kw = dict(inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
                   grid=grid, threadgroup=threadgroup, template=template,
                   init_value=init_value, verbose=verbose, stream=stream)
-        if not enabled():
+        route = mode()
+        if route == "off":
             return self.stock()(**kw)
         import mlx.core as mx
 
         arrays = [a if isinstance(a, mx.array) else mx.array(a) for a in inputs]
-        key = (tuple((n, v if isinstance(v, (bool, int)) else _dtype_name(v))
-                     for n, v in template),
+        key = (route, tuple((n, v if isinstance(v, (bool, int)) else _dtype_name(v))
+                            for n, v in template),
                tuple((a.dtype, a.ndim) for a in arrays), tuple(output_dtypes))
         if key not in self.variants:
-            self.variants[key] = self._variant(template, arrays, output_dtypes)
+            self.variants[key] = self._variant(template, arrays, output_dtypes, route)
         found = self.variants[key]
         if found is None:
             return self.stock()(**kw)
@@ -930,7 +946,7 @@ def prebuild(launches, workers: int | None = None, root=None) -> list[tuple[str,
     jobs, seen = [], set()
     for rec in launches:
         obj = kernels.get_kernel(rec.name, "cuda", rec.shared_memory)
-        unit = obj.unit(rec.template, rec.inputs, rec.output_dtypes)
+        unit = obj.unit(rec.template, rec.inputs, rec.output_dtypes, mode())
         tag = template_tag(rec.template)
         key = entry_key(unit, tc)
         if key in seen:

@@ -244,7 +244,8 @@ def run_cases(quick: bool, out_file: Path) -> dict:
 
 def launch_overhead(n: int = 300) -> dict:
     """Microseconds per launch of one small GEMM, ``n`` chained launches in one evaluation,
-    through the precompiled kernel and through ``mx.fast.cuda_kernel``."""
+    through the precompiled kernel, through ``mx.fast.cuda_kernel`` loading from MLX's JIT
+    cache (``MLX_BRICKS_CUDA_CACHE=mlx``) and through ``mx.fast.cuda_kernel`` as before."""
     import mlx.core as mx
 
     from mlx_bricks import cuda_build
@@ -253,8 +254,8 @@ def launch_overhead(n: int = 300) -> dict:
     x = _rand((16, 512), mx.bfloat16, 7)
     w = _rand((512, 512), mx.bfloat16, 8, 0.04)
     out = {}
-    for mode in ("precompiled", "cuda_kernel"):
-        os.environ[cuda_build.ENV_VAR] = "1" if mode == "precompiled" else "0"
+    for mode, env in (("precompiled", "1"), ("mlx-cache", "mlx"), ("cuda_kernel", "0")):
+        os.environ[cuda_build.ENV_VAR] = env
         for _ in range(2):  # the first builds / loads
             y = x
             for _ in range(n):

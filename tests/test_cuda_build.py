@@ -224,12 +224,14 @@ def test_build_once_then_load_then_rebuild_a_damaged_entry(tmp_path):
 
 
 def test_enabled_reads_the_switch(monkeypatch):
-    assert cuda_build.enabled()
+    assert cuda_build.enabled() and cuda_build.mode() == "precompiled"
     for off in ("0", "off", "False", "no"):
         monkeypatch.setenv(cuda_build.ENV_VAR, off)
-        assert not cuda_build.enabled()
+        assert not cuda_build.enabled() and cuda_build.mode() == "off"
     monkeypatch.setenv(cuda_build.ENV_VAR, "1")
-    assert cuda_build.enabled()
+    assert cuda_build.enabled() and cuda_build.mode() == "precompiled"
+    monkeypatch.setenv(cuda_build.ENV_VAR, "MLX")
+    assert cuda_build.enabled() and cuda_build.mode() == "mlx"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,6 +391,24 @@ def test_view_strided_kernel_is_put_in_mlx_jit_cache(monkeypatch, recorded, tmp_
     _launch("test_views", template=template, smem=512)
     assert len(nv.calls) == 1 and ptx.is_file()
     assert cuda_build.BUILD_SOURCES[("test_views", "_float16_2")] == "loaded"
+
+
+def test_mlx_route_sends_every_kernel_through_mlx_jit_cache(monkeypatch, recorded, tmp_path):
+    nv = FakeNamedNvrtc()
+    monkeypatch.setattr(cuda_build, "toolchain", lambda: _toolchain(nv))
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
+    monkeypatch.setattr(kernels, "read_source", lambda f, p=None: SHAPED_BODY
+                        if f.endswith(".cu") else "")
+    name = _register_shaped()
+    monkeypatch.setenv(cuda_build.ENV_VAR, "mlx")
+    _launch(name)
+    assert not recorded["pre"] and len(recorded["stock"]) == 1 and len(nv.calls) == 1
+    assert cuda_build.BUILD_ROUTES[(name, "_float16_2")] == "mlx-cache"
+    assert len(list((tmp_path / "ptx").glob("custom_kernel_*.ptx"))) == 1
+    monkeypatch.setenv(cuda_build.ENV_VAR, "1")  # the same object, the other route
+    _launch(name)
+    assert len(recorded["pre"]) == 1 and len(nv.calls) == 2
+    assert cuda_build.BUILD_ROUTES[(name, "_float16_2")] == "precompiled"
 
 
 def test_mlx_names_and_paths():
