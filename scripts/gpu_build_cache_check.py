@@ -18,7 +18,9 @@ Then each case's outputs from ``build`` and ``load`` are compared with ``stock``
 and the build / load / stock wall times and per-variant routes are printed and written as JSON.
 
 Usage (PYTHONPATH holding MLX's CUDA build and this checkout):
-    python3 scripts/gpu_build_cache_check.py [--out DIR] [--quick] [--workers N]
+    python3 scripts/gpu_build_cache_check.py [--out DIR] [--full] [--workers N]
+or one step per call (the machine must stay warm between them; the work directory holds the
+state): ``--work DIR --phase build``, then ``load``, ``stock``, ``report``.
 """
 from __future__ import annotations
 
@@ -126,8 +128,6 @@ def kind_args(quick: bool):
                      "kv_start": {"kv_start": mx.array([0, 37], mx.int32)},
                      "transposed_q": {"q": _rand((2, 150, 8, D), dt, s()).transpose(0, 2, 1, 3)}}
             for name, extra in forms.items():
-                if quick and name not in ("causal", "q8_0"):
-                    continue
                 out.append((f"attention/{dn}/D{D}/{name}", "attention", {**base, **extra}))
     return out
 
@@ -325,45 +325,17 @@ def compare(work: Path) -> dict:
     return report
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=os.environ.get("OUT", "."), help="where the JSON goes")
-    p.add_argument("--quick", action="store_true", help="bfloat16, fewer formats and forms")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 4)
-    p.add_argument("--phase", choices=("build", "load", "stock"), help=argparse.SUPPRESS)
-    p.add_argument("--work", help=argparse.SUPPRESS)
-    a = p.parse_args()
-    if a.phase:
-        phase(a.phase, Path(a.work), a.quick, a.workers)
-        return 0
-    work = Path(tempfile.mkdtemp(prefix="mlx-bricks-cudacache-"))
-    home = work / "home"
-    env = {**os.environ, "MLX_BRICKS_HOME": str(home), "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    summary = {}
-    for name in ("build", "load", "stock"):
-        # Each process its own empty MLX JIT cache: the load phase must put the view kernels
-        # there from the home cache itself; stock must compile everything.
-        penv = dict(env, MLX_PTX_CACHE_DIR=str(work / f"mlx-ptx-{name}"))
-        if name == "stock":
-            penv["MLX_BRICKS_CUDA_CACHE"] = "0"
-        cmd = [sys.executable, __file__, "--phase", name, "--work", str(work),
-               "--workers", str(a.workers)] + (["--quick"] if a.quick else [])
-        t0 = time.perf_counter()
-        r = subprocess.run(cmd, env=penv, cwd=ROOT)
-        print(f"=== {name}: rc={r.returncode}, {time.perf_counter() - t0:.1f} s (process)")
-        if r.returncode != 0:
-            return r.returncode
-        summary[name] = json.loads((work / f"{name}.json").read_text())
+def report(work: Path, out: Path, workers: int) -> int:
+    """Compare the phases' outputs, print the summary, write the JSON; 0 when all is well."""
+    summary = {n: json.loads((work / f"{n}.json").read_text()) for n in ("build", "load", "stock")}
     summary["compare"] = compare(work)
-    out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_build_cache_check.json").write_text(json.dumps(summary, indent=1))
 
     b, ld, st = summary["build"], summary["load"], summary["stock"]
     print(f"device {b['device']}, MLX {b['mlx']}, toolchain {b.get('toolchain')}")
     print(f"recorded launches {b['recorded_launches']}, distinct variants {len(b['prebuild'])}, "
-          f"prebuild wall {b['prebuild_wall_s']} s with {a.workers} workers, "
+          f"prebuild wall {b['prebuild_wall_s']} s with {workers} workers, "
           f"sum of compile times {sum(x['seconds'] for x in b['prebuild']):.1f} s")
     errs = [x for x in b["prebuild"] if x["how"].startswith("error")]
     for x in errs:
@@ -377,7 +349,7 @@ def main() -> int:
         routes[v["route"]] = routes.get(v["route"], 0) + 1
     print(f"load phase: routes {routes}; compiled again: {len(compiled)}; "
           f"sum of load times {sum(v['seconds'] for v in ld['variants']):.3f} s")
-    print(f"launch overhead (us per launch): {ld['launch_overhead_us']}")
+    print(f"launch overhead (us per launch): {ld.get('launch_overhead_us')}")
     slow = sorted(ld["cases"].items(), key=lambda kv: -kv[1])[:5]
     print("slowest first runs in the load phase (s; seconds mean a compile):",
           ", ".join(f"{k} {v}" for k, v in slow))
@@ -396,6 +368,46 @@ def main() -> int:
     ok &= not compiled and not errs
     print("RESULT:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "."), help="where the JSON goes")
+    p.add_argument("--full", action="store_true",
+                   help="float16 too, five weight formats, every attention form (the stock "
+                        "phase then compiles a few hundred kernels: run phases apart)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 4)
+    p.add_argument("--work", help="working directory (kept; default: a new temporary one)")
+    p.add_argument("--phase", choices=("build", "load", "stock", "report"),
+                   help="run one step in a fresh process of its own (with --work), e.g. to "
+                        "split the run over several calls; default: all, each in a subprocess")
+    a = p.parse_args()
+    quick = not a.full
+    work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="mlx-bricks-cudacache-"))
+    work.mkdir(parents=True, exist_ok=True)
+    steps = [a.phase] if a.phase else ["build", "load", "stock", "report"]
+    env = {**os.environ, "MLX_BRICKS_HOME": str(work / "home"), "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    for name in steps:
+        if name == "report":
+            return report(work, Path(a.out), a.workers)
+        if a.phase and os.environ.get("_MLX_BRICKS_CHECK_CHILD"):
+            phase(name, work, quick, a.workers)
+            return 0
+        # Each process its own empty MLX JIT cache: the load phase must put the view kernels
+        # there from the home cache itself; stock must compile everything.
+        penv = dict(env, MLX_PTX_CACHE_DIR=str(work / f"mlx-ptx-{name}"),
+                    _MLX_BRICKS_CHECK_CHILD="1")
+        if name == "stock":
+            penv["MLX_BRICKS_CUDA_CACHE"] = "0"
+        cmd = [sys.executable, __file__, "--phase", name, "--work", str(work),
+               "--workers", str(a.workers)] + (["--full"] if a.full else [])
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd, env=penv, cwd=ROOT)
+        print(f"=== {name}: rc={r.returncode}, {time.perf_counter() - t0:.1f} s (process)")
+        if r.returncode != 0:
+            return r.returncode
+    return 0
 
 
 if __name__ == "__main__":
