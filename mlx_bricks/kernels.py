@@ -240,3 +240,22 @@ def launch(name: str, backend: str, *, shared_memory: int = 0, **kwargs):
     outputs = get_kernel(name, backend, shared_memory)(**kwargs)
     LAUNCH_COUNTS[(name, backend)] += 1
     return outputs
+
+
+def build_cost(kernel: str, template=None) -> float | None:
+    """Seconds this process spent building CUDA kernel ``kernel`` at its first calls (one
+    variant with ``template``, else all summed), or None when none was built through the build
+    cache here (``mlx_bricks.cuda_build.build_cost``: the compile on a miss, the read of the
+    stored cubin on a hit)."""
+    from mlx_bricks import cuda_build
+
+    return cuda_build.build_cost(kernel, template)
+
+
+def is_built(kernel: str, template=None) -> bool:
+    """Whether CUDA kernel ``kernel`` (its variant with ``template``, if given) is compiled on
+    disk for this GPU and toolchain, so no process builds it again
+    (``mlx_bricks.cuda_build.is_built``)."""
+    from mlx_bricks import cuda_build
+
+    return cuda_build.is_built(kernel, template)

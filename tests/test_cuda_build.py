@@ -297,6 +297,7 @@ def test_launch_builds_once_then_serves_precompiled(monkeypatch, recorded, tmp_p
     assert cuda_build.is_built(name) and cuda_build.is_built(name, [("T", mx.float16),
                                                                    ("SCALE", 2)])
     assert not cuda_build.is_built(name, [("T", mx.float16), ("SCALE", 3)])
+    assert kernels.is_built(name) and kernels.build_cost(name) == cuda_build.build_cost(name)
     # A new process (a fresh kernel object) loads the entry: no compile.
     kernels.get_kernel.cache_clear()
     cuda_build.BUILD_SOURCES.clear()
