@@ -617,3 +617,52 @@ def test_stand_in_header_gives_the_cubin_of_mlx_own_headers():
         [("T", mx.bfloat16), ("SPLIT", 2), ("HAS_BIAS", True), ("HAS_RESIDUAL", False)])
     assert tc.nvrtc.compile(unit.source, tc.options, stand_in) == \
         tc.nvrtc.compile(unit.source, tc.options, real)
+
+
+#: One process's attention (a view kernel: MLX's JIT cache route) and GEMM (precompiled) on
+#: the GPU, outputs saved for the comparison in the test below.
+_GPU_CHILD = """
+import sys, mlx.core as mx
+from mlx_bricks import cuda_build
+from mlx_bricks.bricks.attention.op import flash_attention
+from mlx_bricks.bricks.gemm import cuda as gemm_cuda
+k = [mx.random.key(i) for i in range(5)]
+q = mx.random.normal((1, 150, 8, 128), key=k[0]).astype(mx.bfloat16).transpose(0, 2, 1, 3)
+kk = mx.random.normal((1, 2, 170, 128), key=k[1]).astype(mx.bfloat16)
+v = mx.random.normal((1, 2, 170, 128), key=k[2]).astype(mx.bfloat16)
+x = mx.random.normal((300, 512), key=k[3]).astype(mx.bfloat16)
+w = (mx.random.normal((256, 512), key=k[4]) * 0.05).astype(mx.bfloat16)
+o = flash_attention(q, kk, v, scale=128 ** -0.5, mask="causal", backend="cuda")
+y = gemm_cuda.linear(x, w)
+mx.save_safetensors(sys.argv[1], {"o": o, "y": y})
+print(sorted(set(cuda_build.BUILD_ROUTES.values())))
+"""
+
+
+@gpu
+def test_cached_kernels_equal_cuda_kernel_in_fresh_processes(tmp_path):
+    """Three fresh processes: the cache builds (empty home), the cache loads (same home, an
+    empty MLX JIT cache: the view kernel's cubin must be put back there), and stock
+    mx.fast.cuda_kernel (cache off, its own empty MLX JIT cache, MLX compiles); the outputs are
+    equal bit for bit."""
+    import os
+    import sys
+
+    def run(tag, cache):
+        env = dict(os.environ, MLX_BRICKS_HOME=str(tmp_path / "home"),
+                   MLX_PTX_CACHE_DIR=str(tmp_path / f"ptx-{tag}"),
+                   MLX_BRICKS_CUDA_CACHE=cache)
+        out = tmp_path / f"{tag}.safetensors"
+        r = subprocess.run([sys.executable, "-c", _GPU_CHILD, str(out)], env=env,
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return mx.load(str(out)), r.stdout
+
+    built, routes = run("build", "1")
+    assert "mlx-cache" in routes and "precompiled" in routes, routes
+    loaded, _ = run("load", "1")
+    assert list((tmp_path / "ptx-load").rglob("*.ptx")), "the view kernel was not put back"
+    stock, routes = run("stock", "0")
+    for name in ("o", "y"):
+        assert mx.array_equal(built[name], stock[name]).item(), name
+        assert mx.array_equal(loaded[name], stock[name]).item(), name
