@@ -464,7 +464,8 @@ def include_options(nvrtc_major: int, mlx_root: Path | None = None) -> list[str]
     has_cccl = (inc / "cccl").is_dir()
     if has_cccl:
         opts.append(f"--include-path={inc / 'cccl'}")
-    cudart = mlx_root.parent / "nvidia" / ("cu13" if nvrtc_major >= 13 else "cuda_runtime") / "include"
+    sub = "cu13" if nvrtc_major >= 13 else "cuda_runtime"
+    cudart = mlx_root.parent / "nvidia" / sub / "include"
     if not cudart.is_dir():
         root = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
         cudart = Path(root) / "include"
@@ -781,7 +782,8 @@ def is_built(kernel: str, template=None, root=None) -> bool:
     except Unavailable:
         return False
     d = cache_root(root) / tc.tag / kernel
-    pattern = "*.json" if template is None else f"{template_tag(template).lstrip('_') or 'none'}-*.json"
+    stem = None if template is None else template_tag(template).lstrip("_") or "none"
+    pattern = "*.json" if stem is None else f"{stem}-*.json"
     return any(p.with_suffix(".cubin").is_file() for p in d.glob(pattern))
 
 
