@@ -2,7 +2,7 @@
 
 The one place that reads ``MLX_BRICKS_HOME``; everything mlx-bricks keeps on disk lives below it
 (``models/``: the embedded default model, ``gguf/``: converted GGUF files, ``tune/``: the
-tuning decisions). Standard library only, so any layer may import it.
+tuning decisions, ``cuda/``: the compiled CUDA kernels, ``mlx_bricks.cuda_build``). Standard library only, so any layer may import it.
 """
 from __future__ import annotations
 

@@ -8,7 +8,9 @@ reads its sources through ``importlib.resources`` and builds the kernel object:
 * ``metal``: ``mx.fast.metal_kernel`` from ``mlx_bricks.metal_src``;
 * ``emulator``: ``mlx_bricks.emulator.metal_kernel`` (same MSL and arguments, runs on the CPU);
 * ``cuda``: ``mx.fast.cuda_kernel`` from ``mlx_bricks.cuda_src`` (the spec's CUDA twin), one
-  object per dynamic shared-memory size (a construction argument of ``cuda_kernel``).
+  object per dynamic shared-memory size (a construction argument of ``cuda_kernel``), behind
+  ``mlx_bricks.cuda_build.CudaKernel``: each variant is compiled once per machine and loaded
+  with ``mx.fast.precompiled_cuda_kernel`` where it can be (``MLX_BRICKS_CUDA_CACHE=0``: off).
 
 Metal and the emulator get the same launch geometry and template arguments, so product code is
 identical for both; a CUDA twin has its own geometry (``mlx_bricks/ops``) and the same inputs,
@@ -199,21 +201,31 @@ def get_kernel(name: str, backend: str, shared_memory: int = 0):
             atomic_outputs=s.atomic_outputs,
         )
     else:
-        import mlx.core as mx
+        from mlx_bricks import cuda_build
 
+        stock_name, stock_body = kname, body
         if shared_memory:
-            kname = f"{kname}_smem{shared_memory}"
+            stock_name = f"{kname}_smem{shared_memory}"
             # The size is part of the source too: MLX keys its JIT module by name and source.
-            body = f"// dynamic shared memory: {shared_memory} bytes\n{body}"
-        kernel = mx.fast.cuda_kernel(
-            name=kname,
-            input_names=list(s.inputs_for("cuda")),
-            output_names=list(s.output_names),
-            source=body,
-            header=header,
-            ensure_row_contiguous=s.ensure_row_contiguous,
-            shared_memory=shared_memory,
-        )
+            stock_body = f"// dynamic shared memory: {shared_memory} bytes\n{body}"
+
+        def stock():
+            import mlx.core as mx
+
+            return mx.fast.cuda_kernel(
+                name=stock_name,
+                input_names=list(s.inputs_for("cuda")),
+                output_names=list(s.output_names),
+                source=stock_body,
+                header=header,
+                ensure_row_contiguous=s.ensure_row_contiguous,
+                shared_memory=shared_memory,
+            )
+
+        # Served from the per-machine build cache where it can, else by ``stock``.
+        kernel = cuda_build.CudaKernel(name, kname, header, body, s.inputs_for("cuda"),
+                                       s.output_names, s.ensure_row_contiguous, shared_memory,
+                                       stock_name, stock_body, stock)
     BUILD_COUNTS[(name, backend)] += 1
     return kernel
 
@@ -228,3 +240,22 @@ def launch(name: str, backend: str, *, shared_memory: int = 0, **kwargs):
     outputs = get_kernel(name, backend, shared_memory)(**kwargs)
     LAUNCH_COUNTS[(name, backend)] += 1
     return outputs
+
+
+def build_cost(kernel: str, template=None) -> float | None:
+    """Seconds this process spent building CUDA kernel ``kernel`` at its first calls (one
+    variant with ``template``, else all summed), or None when none was built through the build
+    cache here (``mlx_bricks.cuda_build.build_cost``: the compile on a miss, the read of the
+    stored cubin on a hit)."""
+    from mlx_bricks import cuda_build
+
+    return cuda_build.build_cost(kernel, template)
+
+
+def is_built(kernel: str, template=None) -> bool:
+    """Whether CUDA kernel ``kernel`` (its variant with ``template``, if given) is compiled on
+    disk for this GPU and toolchain, so no process builds it again
+    (``mlx_bricks.cuda_build.is_built``)."""
+    from mlx_bricks import cuda_build
+
+    return cuda_build.is_built(kernel, template)

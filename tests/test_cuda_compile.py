@@ -218,6 +218,7 @@ def test_cuda_sources_avoid_builtins_nvrtc_lacks():
 def test_gemm_family_compiles_under_nvrtc():
     """NVRTC (what MLX compiles with) on one launch of each GEMM-family body and the dequantize
     brick: nvcc accepts builtins NVRTC lacks."""
+    import mlx_bricks.bricks.dequantize.msl  # noqa: F401  (registers the dequantize spec)
     from mlx_bricks.bricks.dequantize import cuda as dqc
 
     x = mx.zeros((300, 256), dtype=mx.bfloat16)
