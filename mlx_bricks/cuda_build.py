@@ -41,8 +41,9 @@ before.
 
 Any failure (no GPU, no ``libnvrtc``, a compile error, an unreadable entry) falls back to
 ``mx.fast.cuda_kernel`` as before, with a one-line note on stderr, once per cause. Set
-``MLX_BRICKS_CUDA_CACHE=0`` to turn the cache off, ``=mlx`` to send every kernel through MLX's
-JIT cache (no ``precompiled_cuda_kernel``; :func:`mode`). A cubin that fails to load surfaces when
+``MLX_BRICKS_CUDA_CACHE=0`` to turn the cache off, ``=precompiled`` to load through
+``precompiled_cuda_kernel`` (the default, ``mlx``, sends every kernel through MLX's JIT cache;
+:func:`mode`). A cubin that fails to load surfaces when
 MLX evaluates the launch, where the dispatch guard (``runtime/guard.py``) catches it.
 """
 from __future__ import annotations
@@ -124,13 +125,14 @@ class CompileError(RuntimeError):
 
 def mode() -> str:
     """``$MLX_BRICKS_CUDA_CACHE``, read at each call: ``"off"`` (``0`` / ``off`` / ``false`` /
-    ``no``: ``mx.fast.cuda_kernel`` as before), ``"mlx"`` (every kernel through MLX's JIT cache,
-    as the view kernels go: ``cuda_kernel``'s own launch path) or ``"precompiled"`` (anything
-    else, the default: ``precompiled_cuda_kernel`` where it can run the kernel)."""
-    v = os.environ.get(ENV_VAR, "1").strip().lower()
+    ``no``: ``mx.fast.cuda_kernel`` as before), ``"precompiled"`` (``precompiled_cuda_kernel``
+    where it can run the kernel: it copies and hashes the cubin at every launch, unmeasured) or
+    ``"mlx"`` (anything else, the default: every kernel through MLX's JIT disk cache, as the view
+    kernels go: ``cuda_kernel``'s own launch path, no per-launch cost of ours)."""
+    v = os.environ.get(ENV_VAR, "mlx").strip().lower()
     if v in ("0", "off", "false", "no"):
         return "off"
-    return "mlx" if v == "mlx" else "precompiled"
+    return "precompiled" if v == "precompiled" else "mlx"
 
 
 def enabled() -> bool:

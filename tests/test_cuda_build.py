@@ -38,9 +38,11 @@ if (i < x_shape[0] * x_shape[1]) {
 
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch, tmp_path):
-    """Each test: its own home, an empty record and note set, the cache on."""
+    """Each test: its own home, an empty record and note set, the cache on through the
+    precompiled route unless the test sets another (the default route, MLX's own JIT cache, is
+    ``test_enabled_reads_the_switch``'s)."""
     monkeypatch.setenv("MLX_BRICKS_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv(cuda_build.ENV_VAR, raising=False)
+    monkeypatch.setenv(cuda_build.ENV_VAR, "precompiled")
     monkeypatch.setattr(cuda_build, "BUILD_SECONDS", {})
     monkeypatch.setattr(cuda_build, "BUILD_SOURCES", {})
     monkeypatch.setattr(cuda_build, "BUILD_ROUTES", {})
@@ -226,14 +228,15 @@ def test_build_once_then_load_then_rebuild_a_damaged_entry(tmp_path):
 
 
 def test_enabled_reads_the_switch(monkeypatch):
-    assert cuda_build.enabled() and cuda_build.mode() == "precompiled"
+    monkeypatch.delenv(cuda_build.ENV_VAR, raising=False)
+    assert cuda_build.enabled() and cuda_build.mode() == "mlx"  # MLX's own launch path
     for off in ("0", "off", "False", "no"):
         monkeypatch.setenv(cuda_build.ENV_VAR, off)
         assert not cuda_build.enabled() and cuda_build.mode() == "off"
     monkeypatch.setenv(cuda_build.ENV_VAR, "1")
-    assert cuda_build.enabled() and cuda_build.mode() == "precompiled"
-    monkeypatch.setenv(cuda_build.ENV_VAR, "MLX")
     assert cuda_build.enabled() and cuda_build.mode() == "mlx"
+    monkeypatch.setenv(cuda_build.ENV_VAR, "Precompiled")
+    assert cuda_build.enabled() and cuda_build.mode() == "precompiled"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,7 +411,7 @@ def test_mlx_route_sends_every_kernel_through_mlx_jit_cache(monkeypatch, recorde
     assert not recorded["pre"] and len(recorded["stock"]) == 1 and len(nv.calls) == 1
     assert cuda_build.BUILD_ROUTES[(name, "_float16_2")] == "mlx-cache"
     assert len(list((tmp_path / "ptx").glob("custom_kernel_*.ptx"))) == 1
-    monkeypatch.setenv(cuda_build.ENV_VAR, "1")  # the same object, the other route
+    monkeypatch.setenv(cuda_build.ENV_VAR, "precompiled")  # the same object, the other route
     _launch(name)
     assert len(recorded["pre"]) == 1 and len(nv.calls) == 2
     assert cuda_build.BUILD_ROUTES[(name, "_float16_2")] == "precompiled"
