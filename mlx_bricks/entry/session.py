@@ -269,7 +269,10 @@ class Session:
                              backend=a.bricks_backend, tune=a.bricks_tune)
         if self.command.tune_at_load and report.dispatch is not None and a.bricks_tune in (
                 "auto", "force"):
-            self._tune_at_load(model, report)
+            if report.backend.name in ("metal", "cuda"):
+                self._tune_at_load(model, report)
+            else:  # no kernel backend: the CPU prior is measured (tune/prior.py); no waiting
+                report.dispatch.mode = "cached"
         self.loaded.append((path, report))
         if self.command.announce == "log":  # the per-layer report only with --bricks-report
             LOG.info("[mlx-bricks] %s: %s", path, summary_line(report))
