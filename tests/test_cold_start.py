@@ -326,3 +326,21 @@ def test_tuner_refuses_a_variant_over_stock_peak_plus_the_cap():
     assert d.variants["lean"]["ok"]
     d = tune_op(k, args, "reference", variants=[Variant("hungry", fn=hungry)], budget_s=0.2)
     assert d.variants["hungry"]["ok"]  # no cap: no limit
+
+
+def test_server_on_the_cpu_serves_from_the_prior_at_once(monkeypatch):
+    """The server measures at load only on a kernel backend; without one its requests are
+    decided by the prior, and nothing is measured at load or at the first request."""
+    if backend_status("metal")[0] or backend_status("cuda")[0]:
+        pytest.skip("the CPU path")
+    from mlx_bricks.entry.session import Session
+
+    _no_measuring(monkeypatch)
+    session = Session("server", argv=[])
+    session.args = argparse.Namespace(bricks_kv="fp16", bricks_mlp_variant="auto",
+                                      bricks_backend=None, bricks_tune="auto", verbose=False)
+    model = _quantized_llama(layers=1)
+    report = session.patch(model, "tiny")
+    assert report.dispatch.mode == "cached"
+    run(model, tokens(24))
+    assert {d["source"] for d in report.tuning()["decisions"]} == {"prior"}
