@@ -223,6 +223,12 @@ class OpKind:
         """What ``settings`` add to a decision's cache key (default: nothing)."""
         return ""
 
+    def prior(self, args: dict, backend: str) -> str | None:
+        """The variant (by name; a no-build composite) or ``"stock"`` that ``tune="cached"``
+        runs for ``args`` on ``backend`` when nothing was measured, from this brick's own
+        measurements; None (default): the generic rules of ``tune.prior``."""
+        return None
+
     def untuned_reason(self, args: dict) -> str | None:
         """Why this call is never tuned but runs the brick by its rules (e.g. a requested
         change of the values that no stock op computes), or None."""

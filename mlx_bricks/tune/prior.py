@@ -64,14 +64,23 @@ def _weight_elements(args: dict) -> int:
 def prior_decision(kind, args: dict, candidates: list, backend: str, full_key: str) -> Decision:
     """The decision for a piece nothing measured (source ``"prior"``; not cached).
 
-    A composite that needs no kernel build wins where :data:`PRIOR_MIN_ROWS` and
-    :data:`PRIOR_MIN_WEIGHT` say it beat stock on this kind of device; everything else
-    (float weights, kernel variants, attention, backends without measurements) keeps stock.
+    The kind's own rule first (``OpKind.prior``: a no-build variant's name, ``"stock"``, or
+    None to defer); then a composite that needs no kernel build wins where
+    :data:`PRIOR_MIN_ROWS` and :data:`PRIOR_MIN_WEIGHT` say it beat stock on this kind of
+    device; everything else (float weights, kernel variants, attention, backends without
+    measurements) keeps stock.
     Source: bench/results (2026-12-02 CPU, 2026-12-03/04 H200), module docstring.
     """
     key = kind.key(args)
     measured = kind.measured(args)
     why = "prior: stock (nothing measured on this device for this shape)"
+    own = kind.prior(args, backend)  # a kind's own rule, from its measurements
+    if own is not None:
+        v = next((c for c in candidates if c.name == own and not c.builds), None)
+        if v is None:
+            return Decision(full_key, STOCK, measured=measured, source="prior", note=why)
+        return Decision(full_key, v.name, dict(v.kwargs), measured=measured, source="prior",
+                        note=f"prior: {v.name} ({kind.name}'s rule, no build)")
     bits = _bits(key.weights)
     rows_by_bits = PRIOR_MIN_ROWS.get(backend)
     if bits is None or rows_by_bits is None:
