@@ -160,7 +160,7 @@ def test_report_and_no_kernel_backend_tuning(tmp_path, monkeypatch):
 
     if active_backend(None).name != "reference":
         pytest.skip("a kernel backend is available here")
-    monkeypatch.setenv("MLX_BRICKS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("MLX_BRICKS_HOME", str(tmp_path))
     model = build("qwen3_5", mx.bfloat16)
     stock = run(model, tokens(64))
     report = patch_model(model)
