@@ -196,3 +196,28 @@ def test_bad_arguments():
         gated_delta(**args, chunk=0)
     with pytest.raises(ValueError, match="multiple"):
         gated_delta(**{**args, "v": mx.zeros((1, 4, 3, 16))}, )
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("vectorized", [False, True])
+def test_kind_check_on_model_like_gates(dtype, vectorized):
+    """The tuner kind's synthetic inputs (mlx-lm's gate formula with A in [1, 16]: decays down
+    to ~1e-9 per token) and its check: the composite passes against stock's loop, and a
+    corrupted output fails."""
+    from mlx_bricks.bricks.gated_delta.kind import GATED_DELTA
+    from mlx_bricks.runtime.kind import Act
+
+    B, T, Hk, Hv, D = 1, 70, 2, 4, 32
+    gshape = (B, T, Hv, D) if vectorized else (B, T, Hv)
+    args = {"q": Act((B, T, Hk, D), dtype), "k": Act((B, T, Hk, D), dtype),
+            "v": Act((B, T, Hv, D), dtype), "g": Act(gshape, F32), "beta": Act((B, T, Hv), dtype),
+            "state": Act((B, Hv, D, D), F32)}
+    synth = GATED_DELTA.synthetic(args, seed=1)
+    assert float(synth["g"].min()) < 1e-3 and float(synth["g"].max()) <= 1.0
+    naive = GATED_DELTA.stock(synth)
+    (composite,) = GATED_DELTA.variants("reference", dtype, synth)
+    out = composite.run(synth, "reference")
+    assert GATED_DELTA.check(out, naive, synth).ok
+    y, S = out
+    bad = (y, S + 1e-3 * mx.abs(S).max())
+    assert not GATED_DELTA.check(bad, naive, synth).ok

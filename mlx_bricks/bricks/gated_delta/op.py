@@ -43,6 +43,19 @@ CHUNK = 32
 #: Per-token log-decay floor: a decay g below exp(-60) ~ 1e-26 (0 included) is taken as
 #: exp(-60); the state it multiplies is then below float32's resolution of any kept value.
 LOG_DECAY_FLOOR = -60.0
+#: Decay factors below exp(-16) ~ 1.1e-7, float32's epsilon (from one token to another, or to a
+#: chunk's edge), are taken as 0, and so are entries of the triangular inverse below
+#: :data:`INVERSE_FLUSH`: what they scale is then below float32's resolution of the values it
+#: adds to, and left in, their products reach float32's subnormal range, where x86 arithmetic
+#: is many times slower (a Qwen3.5-shaped layer with model-like decays, mlx-lm's A in [1, 16],
+#: ran 3-4x slower before this).
+LOG_DECAY_FLUSH = -16.0
+INVERSE_FLUSH = 1e-12
+
+
+def _decay(x):
+    """exp(x) for log decays x <= 0, with x < LOG_DECAY_FLUSH (and -inf) giving exactly 0."""
+    return mx.exp(mx.where(x < LOG_DECAY_FLUSH, -math.inf, x))
 
 
 def check_gated_delta_args(q, k, v, g, beta, state=None, mask=None) -> tuple:
@@ -114,13 +127,13 @@ def _ratios(L, bias):
     """exp(L_t - L_i) on and below the diagonal, 0 above, for L (..., C) (scalar gate): the
     upper triangle is set to -inf before the exp, so a ratio above 1 (never needed) cannot
     overflow."""
-    return mx.exp(L[..., :, None] - L[..., None, :] + bias)
+    return _decay(L[..., :, None] - L[..., None, :] + bias)
 
 
 def _pair_products(x, y, L, bias):
     """sum_d x_td y_id exp(L_td - L_id) on and below the diagonal, 0 above: the per-key-dim
     (vectorized) gate's decayed products, for x, y, L (..., C, Dk)."""
-    d = mx.exp(L[..., :, None, :] - L[..., None, :, :] + bias[..., None])
+    d = _decay(L[..., :, None, :] - L[..., None, :, :] + bias[..., None])
     return (x[..., :, None, :] * y[..., None, :, :] * d).sum(-1)
 
 
@@ -161,8 +174,8 @@ def gated_delta_chunked(q, k, v, g, beta, state=None, mask=None, *, chunk: int =
         lg = _chunks(lg.reshape(B, T, Hk, r), n, c, pad).transpose(0, 1, 4, 2, 3)[..., None]
     L = mx.cumsum(lg, axis=-2)  # (B, Hk, r, N, C, 1 | Dk): log decay from the chunk's start
     L_end = L[..., -1:, :]
-    gam = mx.exp(L)
-    Kd = K * mx.exp(L_end - L)  # keys decayed to the chunk's end (ratios <= 1)
+    gam = _decay(L)
+    Kd = K * _decay(L_end - L)  # keys decayed to the chunk's end (ratios <= 1)
     causal = _causal_bias(c)
     strict = mx.tril(mx.ones((c, c), dtype=f32), -1)
     if vectorized:
@@ -178,13 +191,14 @@ def gated_delta_chunked(q, k, v, g, beta, state=None, mask=None, *, chunk: int =
         QK = (Q @ K.swapaxes(-1, -2)) * ratio
     eye = mx.eye(c, dtype=f32)
     Tinv = mx.linalg.tri_inv(eye + beta[..., None] * A, upper=False, stream=mx.cpu)
+    Tinv = mx.where(mx.abs(Tinv) < INVERSE_FLUSH, 0.0, Tinv)
     # W_v and W_k in one product: T [beta V | beta G K]
     bV = beta[..., None] * V
     W = Tinv @ mx.concatenate([bV, (beta[..., None] * gam) * K], axis=-1)
     Wv = W[..., :Dv]
     # [W_k; G Q] against the chunk's start state in one product per chunk
     WQ = mx.concatenate([W[..., Dv:], Q * gam], axis=-2)  # (B, Hk, r, N, 2C, Dk)
-    decay_end = mx.exp(L_end[..., 0, :])[..., :, None]  # (B, Hk, r, N, 1 | Dk, 1)
+    decay_end = _decay(L_end[..., 0, :])[..., :, None]  # (B, Hk, r, N, 1 | Dk, 1)
     # the state as (B, Hk, r, Dk, Dv): S^T of mlx-lm's (B, Hv, Dv, Dk)
     if state is None:
         S = mx.zeros((B, Hk, r, Dk, Dv), dtype=f32)
