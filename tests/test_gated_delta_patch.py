@@ -190,3 +190,21 @@ def test_unknown_mixer_stays_stock():
     assert len(entries) == 2  # Custom.__call__ does not name gated_delta_update
     disabled = patch_model(model, backend="reference", attention=False)
     assert all(m.status == "disabled" for m in disabled.modules if m.module == "linear_attn")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next"])
+def test_emulator_runs_the_kernel(model_type):
+    """backend='emulator': the Gated DeltaNet layers run the MSL kernel (launch counted) and
+    the logits match stock (float32 model: the kernel's rounding only)."""
+    from mlx_bricks import kernels
+
+    model = build(model_type, mx.float32, seed=7)
+    toks = tokens(45, seed=8)
+    stock = run(model, toks, model.make_cache())
+    before = kernels.LAUNCH_COUNTS[("gated_delta", "emulator")]
+    report = patch_model(model, backend="emulator")
+    out = run(model, toks, model.make_cache())
+    assert kernels.LAUNCH_COUNTS[("gated_delta", "emulator")] - before == 3
+    gdn = [m for m in report.modules if m.module == "linear_attn"]
+    assert sum(m.calls.get("gated_delta", 0) for m in gdn) == 3
+    np.testing.assert_allclose(np.array(out), np.array(stock), atol=2e-4, rtol=2e-4)

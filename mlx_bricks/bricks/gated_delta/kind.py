@@ -5,14 +5,16 @@ on a Metal GPU, its token-by-token MLX-ops loop elsewhere).
 
 Arguments as the op takes them: ``q, k, v, g, beta`` and optionally ``state``, ``mask``. The
 key: Hk, Hv, Dk, Dv, the gating (``vec``: per key dim), whether a state and a mask come in; the
-bucket of the tokens ``B * T`` (``tune.buckets.m_bucket``); q's dtype. Kernel variants: none
-yet; one composite, ``chunked`` (the op's chunked form in MLX ops), offered on every backend,
+bucket of the tokens ``B * T`` (``tune.buckets.m_bucket``); q's dtype. Kernel variant:
+``kernel`` (the MSL kernel on metal / emulator, its CUDA twin on cuda; a gate per head,
+Dk <= 128); one composite, ``chunked`` (the op's chunked form in MLX ops), offered on every backend,
 so on a machine without a kernel backend the tuner weighs it against stock's token loop.
 """
 from __future__ import annotations
 
 import mlx.core as mx
 
+from mlx_bricks.bricks.gated_delta import msl
 from mlx_bricks.bricks.gated_delta.op import (
     CHUNK,
     gated_delta,
@@ -25,6 +27,8 @@ from mlx_bricks.tune.buckets import m_bucket
 from mlx_bricks.tune.check import dtype_close, worst
 
 _OPTIONAL = ("state", "mask")
+#: The kernel variant's name (the MSL kernel, or its CUDA twin on cuda).
+KERNEL = "kernel"
 
 
 def _chunked(args, backend, settings):
@@ -86,10 +90,18 @@ class GatedDelta(OpKind):
                                  *(args.get(n) for n in _OPTIONAL))
 
     def listing(self, backend, dtype, args):
-        return ()  # no kernel yet: the composite competes
+        """``("kernel",)`` on metal / emulator / cuda where the kernel computes the arguments
+        (``msl.kernel_reason``), else none (the composite competes alone)."""
+        if backend not in ("metal", "emulator", "cuda"):
+            return ()
+        if args is not None and msl.kernel_reason(args["q"], args["v"], args["g"]) is not None:
+            return ()
+        return (KERNEL,)
 
     def variant_kwargs(self, name):
-        raise ValueError(f"unknown gated_delta variant {name!r}")
+        if name != KERNEL:
+            raise ValueError(f"unknown gated_delta variant {name!r}")
+        return {}
 
     def n_rows(self, args):
         return args["q"].shape[1]

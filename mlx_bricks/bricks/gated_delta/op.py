@@ -31,6 +31,8 @@ import math
 
 import mlx.core as mx
 
+from mlx_bricks.backends import op_backend
+from mlx_bricks.bricks.gated_delta import msl
 from mlx_bricks.checks import check_array, check_float_dtype, dtype_name
 
 #: Tokens per chunk of the composite. The state products cost 3 * 2 * Dk * Dv flops per token
@@ -238,9 +240,12 @@ def gated_delta(q, k, v, g, beta, state=None, mask=None, *, chunk: int = CHUNK,
         state: (B, Hv, Dv, Dk) initial state (mlx-lm's cache layout), or None for zeros.
         mask: (B, T) bool or None: False tokens (left padding of a batch) leave the state
             unchanged and give y = 0 (as mlx-lm's Metal kernel).
-        chunk: tokens per chunk (> 0).
-        backend: ``None`` (auto) or a name of ``mlx_bricks.backends.BACKENDS``; every backend
-            runs the chunked composite in MLX ops for now.
+        chunk: tokens per chunk (> 0) of the MLX-ops composite (the kernel's is
+            ``msl.CHUNK``).
+        backend: ``None`` (auto) or a name of ``mlx_bricks.backends.BACKENDS``: ``metal`` /
+            ``emulator`` run the MSL kernel, ``cuda`` its twin, where the kernel computes the
+            arguments (``msl.kernel_reason``: a gate per head, Dk <= 128, Dv a multiple of
+            8); ``reference`` and the other cases run the chunked composite in MLX ops.
 
     Returns:
         ``(y, state)``: y (B, T, Hv, Dv) in q's dtype; the final state (B, Hv, Dv, Dk) in
@@ -253,7 +258,31 @@ def gated_delta(q, k, v, g, beta, state=None, mask=None, *, chunk: int = CHUNK,
     check_gated_delta_args(q, k, v, g, beta, state, mask)
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
-    return gated_delta_chunked(q, k, v, g, beta, state, mask, chunk=chunk)
+    b = op_backend("gated_delta", backend)
+    if b == "reference" or msl.kernel_reason(q, v, g) is not None:
+        return gated_delta_chunked(q, k, v, g, beta, state, mask, chunk=chunk)
+    return run_kernel(q, k, v, g, beta, state, mask, backend=b)
+
+
+def run_kernel(q, k, v, g, beta, state=None, mask=None, *, backend: str):
+    """The MSL kernel (``metal``, ``emulator``) or its CUDA twin (``cuda``) on checked
+    arguments the kernel computes (``msl.kernel_reason`` None). A mask becomes g = 1 and
+    beta = 0 at masked tokens (the state passes them unchanged) and y = 0 there."""
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    if mask is not None:
+        g = mx.where(mask[:, :, None], g.astype(mx.float32), 1.0)
+        beta = mx.where(mask[:, :, None], beta.astype(mx.float32), 0.0)
+    s = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32) if state is None else state
+    if backend == "cuda":
+        from mlx_bricks.bricks.gated_delta.cuda import launch_gated_delta_cuda
+
+        y, S = launch_gated_delta_cuda(q, k, v, g, beta, s)
+    else:
+        y, S = msl.launch_gated_delta(q, k, v, g, beta, s, backend=backend)
+    if mask is not None:
+        y = mx.where(mask[:, :, None, None], y, mx.zeros((), y.dtype))
+    return y, S if state is None else S.astype(state.dtype)
 
 
 def gated_delta_gates(a, b, A_log, dt_bias, *, lower_bound: float | None = None,

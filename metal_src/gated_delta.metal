@@ -1,0 +1,154 @@
+// Gated DeltaNet brick: the chunked gated delta rule (scalar gate per head), one threadgroup per
+// (batch row, value head, block of DVB value columns). The delta rule's state columns are
+// independent given q, k, g, beta, so a threadgroup owns the (Dk x DVB) slice S of the state
+// (S[d][j] = state[b, hv, j0 + j, d]) in threadgroup memory, float32, and walks the chunks of
+// C tokens in order. Per chunk (bricks/gated_delta/op.py has the derivation):
+//   L_t = sum_{s <= t} log g_s (from the chunk's start), e_ti = exp(L_t - L_i) for i <= t
+//   A_ti = beta_t (k_t . k_i) e_ti (i < t),  QK_ti = (q_t . k_i) e_ti (i <= t)
+//   KS_tj = k_t . S[:, j],  QS_tj = q_t . S[:, j]
+//   u_tj = beta_t (v_tj - exp(L_t) KS_tj) - sum_{i < t} A_ti u_ij   (forward substitution)
+//   y_tj = exp(L_t) QS_tj + sum_{i <= t} QK_ti u_ij
+//   S[d][j] = exp(L_C) S[d][j] + sum_t k_td exp(L_C - L_t) u_tj
+// Tokens past T in the last chunk count as g = 1, beta = 0, k = q = v = 0 (state unchanged,
+// no output).
+//
+// Template: InT (q/k/v/y dtype), DK, DV (head dims), HK, HV (heads), C (tokens per chunk),
+// DVB (value columns per threadgroup), NT (threads per threadgroup).
+// Inputs (row-contiguous): q, k (B, T, HK, DK) InT; v (B, T, HV, DV) InT; g, beta (B, T, HV)
+//   float (g in [0, 1]; log g floored at -60); state_in (B, HV, DV, DK) float;
+//   iparams int32 [T].
+// Outputs: y (B, T, HV, DV) InT; state_out (B, HV, DV, DK) float; every element written.
+// Grid: (NT * DV / DVB, HV, B) threads, threadgroup (NT, 1, 1).
+// Threadgroup memory: (2 C DK + DK DVB + C DVB (v, u) x 2 + 2 C C + 2 C DVB + 2 C) floats.
+
+const int T = iparams[0];
+const int tid = int(thread_position_in_threadgroup.x);
+const int jb = int(threadgroup_position_in_grid.x);
+const int hv = int(threadgroup_position_in_grid.y);
+const int b = int(threadgroup_position_in_grid.z);
+const int hk = hv / (HV / HK);
+const int j0 = jb * DVB;
+
+threadgroup float Ks[C * DK];
+threadgroup float Qs[C * DK];
+threadgroup float S[DK * DVB];
+threadgroup float Vs[C * DVB];
+threadgroup float Us[C * DVB];
+threadgroup float A[C * C];
+threadgroup float QK[C * C];
+threadgroup float KS[C * DVB];
+threadgroup float QS[C * DVB];
+threadgroup float Lc[C];
+threadgroup float Bc[C];
+
+// the state slice in
+for (int e = tid; e < DK * DVB; e += NT) {
+  const int d = e / DVB;
+  const int j = e % DVB;
+  S[e] = state_in[((int64_t(b) * HV + hv) * DV + j0 + j) * DK + d];
+}
+
+const int n_chunks = (T + C - 1) / C;
+for (int c = 0; c < n_chunks; ++c) {
+  const int t0 = c * C;
+  // a. the chunk's keys, queries, value columns, gates
+  for (int e = tid; e < C * DK; e += NT) {
+    const int t = e / DK;
+    const int d = e % DK;
+    const bool inside = t0 + t < T;
+    const int64_t src = ((int64_t(b) * T + t0 + t) * HK + hk) * DK + d;
+    Ks[e] = inside ? float(k[src]) : 0.0f;
+    Qs[e] = inside ? float(q[src]) : 0.0f;
+  }
+  for (int e = tid; e < C * DVB; e += NT) {
+    const int t = e / DVB;
+    const int j = e % DVB;
+    const bool inside = t0 + t < T;
+    Vs[e] = inside ? float(v[((int64_t(b) * T + t0 + t) * HV + hv) * DV + j0 + j]) : 0.0f;
+  }
+  if (tid == 0) {
+    float acc = 0.0f;
+    for (int t = 0; t < C; ++t) {
+      const bool inside = t0 + t < T;
+      const int64_t gi = (int64_t(b) * T + t0 + t) * HV + hv;
+      acc += inside ? max(log(g[gi]), -60.0f) : 0.0f;
+      Lc[t] = acc;
+      Bc[t] = inside ? beta[gi] : 0.0f;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // b. decayed key / query products and the state's products with the chunk's keys / queries
+  for (int e = tid; e < C * C; e += NT) {
+    const int t = e / C;
+    const int i = e % C;
+    float kk = 0.0f;
+    float qk = 0.0f;
+    if (i <= t) {
+      for (int d = 0; d < DK; ++d) {
+        kk += Ks[t * DK + d] * Ks[i * DK + d];
+        qk += Qs[t * DK + d] * Ks[i * DK + d];
+      }
+    }
+    const float r = i <= t ? exp(Lc[t] - Lc[i]) : 0.0f;
+    A[e] = i < t ? Bc[t] * kk * r : 0.0f;
+    QK[e] = qk * r;
+  }
+  for (int e = tid; e < C * DVB; e += NT) {
+    const int t = e / DVB;
+    const int j = e % DVB;
+    float ks = 0.0f;
+    float qs = 0.0f;
+    for (int d = 0; d < DK; ++d) {
+      ks += Ks[t * DK + d] * S[d * DVB + j];
+      qs += Qs[t * DK + d] * S[d * DVB + j];
+    }
+    KS[e] = ks;
+    QS[e] = qs;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // c. the pseudo-values u, one value column per thread, tokens in order
+  for (int j = tid; j < DVB; j += NT) {
+    for (int t = 0; t < C; ++t) {
+      float u = Bc[t] * (Vs[t * DVB + j] - exp(Lc[t]) * KS[t * DVB + j]);
+      for (int i = 0; i < t; ++i) {
+        u -= A[t * C + i] * Us[i * DVB + j];
+      }
+      Us[t * DVB + j] = u;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // d. outputs
+  for (int e = tid; e < C * DVB; e += NT) {
+    const int t = e / DVB;
+    const int j = e % DVB;
+    if (t0 + t < T) {
+      float o = exp(Lc[t]) * QS[e];
+      for (int i = 0; i <= t; ++i) {
+        o += QK[t * C + i] * Us[i * DVB + j];
+      }
+      y[((int64_t(b) * T + t0 + t) * HV + hv) * DV + j0 + j] = InT(o);
+    }
+  }
+  // e. the state to the chunk's end
+  const float L_end = Lc[C - 1];
+  for (int e = tid; e < DK * DVB; e += NT) {
+    const int d = e / DVB;
+    const int j = e % DVB;
+    float s = exp(L_end) * S[e];
+    for (int t = 0; t < C; ++t) {
+      s += Ks[t * DK + d] * exp(L_end - Lc[t]) * Us[t * DVB + j];
+    }
+    S[e] = s;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+// the state slice out
+for (int e = tid; e < DK * DVB; e += NT) {
+  const int d = e / DVB;
+  const int j = e % DVB;
+  state_out[((int64_t(b) * HV + hv) * DV + j0 + j) * DK + d] = S[e];
+}
