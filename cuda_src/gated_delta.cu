@@ -23,6 +23,8 @@ float* KS = QK + C * C;
 float* QS = KS + C * DVB;
 float* Lc = QS + C * DVB;
 float* Bc = Lc + C;
+float* Gc = Bc + C;
+float* Dc = Gc + C;
 
 // the state slice in
 for (int e = tid; e < DK * DVB; e += NT) {
@@ -57,6 +59,10 @@ for (int c = 0; c < n_chunks; ++c) {
       acc += inside ? fmaxf(logf(g[gi]), -60.0f) : 0.0f;
       Lc[t] = acc;
       Bc[t] = inside ? beta[gi] : 0.0f;
+    }
+    for (int t = 0; t < C; ++t) {
+      Gc[t] = expf(Lc[t]);
+      Dc[t] = expf(acc - Lc[t]);
     }
   }
   __syncthreads();
@@ -94,7 +100,7 @@ for (int c = 0; c < n_chunks; ++c) {
   // c. the pseudo-values u, one value column per thread, tokens in order
   for (int j = tid; j < DVB; j += NT) {
     for (int t = 0; t < C; ++t) {
-      float u = Bc[t] * (Vs[t * DVB + j] - expf(Lc[t]) * KS[t * DVB + j]);
+      float u = Bc[t] * (Vs[t * DVB + j] - Gc[t] * KS[t * DVB + j]);
       for (int i = 0; i < t; ++i) {
         u -= A[t * C + i] * Us[i * DVB + j];
       }
@@ -108,7 +114,7 @@ for (int c = 0; c < n_chunks; ++c) {
     const int t = e / DVB;
     const int j = e % DVB;
     if (t0 + t < T) {
-      float o = expf(Lc[t]) * QS[e];
+      float o = Gc[t] * QS[e];
       for (int i = 0; i <= t; ++i) {
         o += QK[t * C + i] * Us[i * DVB + j];
       }
@@ -116,13 +122,13 @@ for (int c = 0; c < n_chunks; ++c) {
     }
   }
   // e. the state to the chunk's end
-  const float L_end = Lc[C - 1];
+  const float decay_end = Gc[C - 1];
   for (int e = tid; e < DK * DVB; e += NT) {
     const int d = e / DVB;
     const int j = e % DVB;
-    float s = expf(L_end) * S[e];
+    float s = decay_end * S[e];
     for (int t = 0; t < C; ++t) {
-      s += Ks[t * DK + d] * expf(L_end - Lc[t]) * Us[t * DVB + j];
+      s += Ks[t * DK + d] * Dc[t] * Us[t * DVB + j];
     }
     S[e] = s;
   }

@@ -19,7 +19,7 @@
 //   iparams int32 [T].
 // Outputs: y (B, T, HV, DV) InT; state_out (B, HV, DV, DK) float; every element written.
 // Grid: (NT * DV / DVB, HV, B) threads, threadgroup (NT, 1, 1).
-// Threadgroup memory: (2 C DK + DK DVB + C DVB (v, u) x 2 + 2 C C + 2 C DVB + 2 C) floats.
+// Threadgroup memory: (2 C DK + DK DVB + 4 C DVB + 2 C C + 4 C) floats (msl.shared_bytes).
 
 const int T = iparams[0];
 const int tid = int(thread_position_in_threadgroup.x);
@@ -40,6 +40,8 @@ threadgroup float KS[C * DVB];
 threadgroup float QS[C * DVB];
 threadgroup float Lc[C];
 threadgroup float Bc[C];
+threadgroup float Gc[C];  // exp(L_t): decay from the chunk's start
+threadgroup float Dc[C];  // exp(L_C - L_t): decay to the chunk's end
 
 // the state slice in
 for (int e = tid; e < DK * DVB; e += NT) {
@@ -74,6 +76,10 @@ for (int c = 0; c < n_chunks; ++c) {
       acc += inside ? max(log(g[gi]), -60.0f) : 0.0f;
       Lc[t] = acc;
       Bc[t] = inside ? beta[gi] : 0.0f;
+    }
+    for (int t = 0; t < C; ++t) {
+      Gc[t] = exp(Lc[t]);
+      Dc[t] = exp(acc - Lc[t]);
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -111,7 +117,7 @@ for (int c = 0; c < n_chunks; ++c) {
   // c. the pseudo-values u, one value column per thread, tokens in order
   for (int j = tid; j < DVB; j += NT) {
     for (int t = 0; t < C; ++t) {
-      float u = Bc[t] * (Vs[t * DVB + j] - exp(Lc[t]) * KS[t * DVB + j]);
+      float u = Bc[t] * (Vs[t * DVB + j] - Gc[t] * KS[t * DVB + j]);
       for (int i = 0; i < t; ++i) {
         u -= A[t * C + i] * Us[i * DVB + j];
       }
@@ -125,7 +131,7 @@ for (int c = 0; c < n_chunks; ++c) {
     const int t = e / DVB;
     const int j = e % DVB;
     if (t0 + t < T) {
-      float o = exp(Lc[t]) * QS[e];
+      float o = Gc[t] * QS[e];
       for (int i = 0; i <= t; ++i) {
         o += QK[t * C + i] * Us[i * DVB + j];
       }
@@ -133,13 +139,13 @@ for (int c = 0; c < n_chunks; ++c) {
     }
   }
   // e. the state to the chunk's end
-  const float L_end = Lc[C - 1];
+  const float decay_end = Gc[C - 1];
   for (int e = tid; e < DK * DVB; e += NT) {
     const int d = e / DVB;
     const int j = e % DVB;
-    float s = exp(L_end) * S[e];
+    float s = decay_end * S[e];
     for (int t = 0; t < C; ++t) {
-      s += Ks[t * DK + d] * exp(L_end - Lc[t]) * Us[t * DVB + j];
+      s += Ks[t * DK + d] * Dc[t] * Us[t * DVB + j];
     }
     S[e] = s;
   }

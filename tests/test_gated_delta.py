@@ -320,3 +320,5 @@ def test_cuda_twin_compiles(dtype):
         assert res.stack == 0 and res.spill_stores == 0 and res.spill_loads == 0, res
         assert res.registers * rec[0].threadgroup[0] <= 65536, res
     assert rec[0].shared_memory <= 48 * 1024
+    if cudacheck.find_nvrtc() is not None:  # what MLX compiles with
+        cudacheck.compile_source_nvrtc(rec[0].source())

@@ -26,8 +26,9 @@ kernels.register(kernels.KernelSpec(
 
 def shared_bytes(Dk: int, dvb: int, chunk: int = CHUNK) -> int:
     """Threadgroup (shared) memory of the kernel, bytes: the chunk's keys and queries, the
-    state slice, four (C, DVB) and two (C, C) float tiles, the chunk's log decays and betas."""
-    return 4 * (2 * chunk * Dk + Dk * dvb + 4 * chunk * dvb + 2 * chunk * chunk + 2 * chunk)
+    state slice, four (C, DVB) and two (C, C) float tiles, the chunk's log decays, betas and
+    decays from its start and to its end."""
+    return 4 * (2 * chunk * Dk + Dk * dvb + 4 * chunk * dvb + 2 * chunk * chunk + 4 * chunk)
 
 
 def value_block(Dv: int) -> int | None:
