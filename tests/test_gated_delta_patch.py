@@ -19,7 +19,13 @@ TEXT = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=96, num_atten
 
 def build(model_type: str, dtype=mx.float32, seed=0):
     mx.random.seed(seed)
-    if model_type == "qwen3_next":
+    if model_type == "qwen3_5_moe":
+        from mlx_lm.models import qwen3_5_moe as mod
+
+        args = mod.ModelArgs.from_dict({"model_type": model_type, "text_config": {
+            **TEXT, "model_type": model_type, "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}})
+    elif model_type == "qwen3_next":
         from mlx_lm.models import qwen3_next as mod
 
         args = mod.ModelArgs(model_type=model_type, **TEXT, num_experts=0,
@@ -105,12 +111,15 @@ def test_patched_matches_stock(model_type, dtype):
     assert mx.array_equal(again, stock)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_two_prefills_equal_one(model_type):
     model = build(model_type, mx.float32)
-    patch_model(model, backend="reference")
+    report = patch_model(model, backend="reference")
+    assert [m.status for m in report.modules if m.module == "linear_attn"] == ["patched"] * 3
     toks = tokens(90, seed=1)
     whole = run(model, toks, model.make_cache())
+    stock_whole = run(build(model_type, mx.float32), toks, None)
+    np.testing.assert_allclose(np.array(whole), np.array(stock_whole), atol=2e-4, rtol=2e-4)
     cache = model.make_cache()
     first = run(model, toks[:, :41], cache)
     second = run(model, toks[:, 41:], cache)
