@@ -12,9 +12,10 @@ const int hk = hv / (HV / HK);
 const int j0 = jb * DVB;
 
 extern __shared__ __align__(16) unsigned char smem[];
+constexpr int KP = DK + 1;  // rows padded by one float: the (t, i) products read C rows at once
 float* Ks = reinterpret_cast<float*>(smem);
-float* Qs = Ks + C * DK;
-float* S = Qs + C * DK;
+float* Qs = Ks + C * KP;
+float* S = Qs + C * KP;
 float* Vs = S + DK * DVB;
 float* Us = Vs + C * DVB;
 float* A = Us + C * DVB;
@@ -42,8 +43,8 @@ for (int c = 0; c < n_chunks; ++c) {
     const int d = e % DK;
     const bool inside = t0 + t < T;
     const int64_t src = ((int64_t(b) * T + t0 + t) * HK + hk) * DK + d;
-    Ks[e] = inside ? bricks::to_float(k[src]) : 0.0f;
-    Qs[e] = inside ? bricks::to_float(q[src]) : 0.0f;
+    Ks[t * KP + d] = inside ? bricks::to_float(k[src]) : 0.0f;
+    Qs[t * KP + d] = inside ? bricks::to_float(q[src]) : 0.0f;
   }
   for (int e = tid; e < C * DVB; e += NT) {
     const int t = e / DVB;
@@ -75,8 +76,8 @@ for (int c = 0; c < n_chunks; ++c) {
     float qk = 0.0f;
     if (i <= t) {
       for (int d = 0; d < DK; ++d) {
-        kk += Ks[t * DK + d] * Ks[i * DK + d];
-        qk += Qs[t * DK + d] * Ks[i * DK + d];
+        kk += Ks[t * KP + d] * Ks[i * KP + d];
+        qk += Qs[t * KP + d] * Ks[i * KP + d];
       }
     }
     const float r = i <= t ? expf(Lc[t] - Lc[i]) : 0.0f;
@@ -89,8 +90,8 @@ for (int c = 0; c < n_chunks; ++c) {
     float ks = 0.0f;
     float qs = 0.0f;
     for (int d = 0; d < DK; ++d) {
-      ks += Ks[t * DK + d] * S[d * DVB + j];
-      qs += Qs[t * DK + d] * S[d * DVB + j];
+      ks += Ks[t * KP + d] * S[d * DVB + j];
+      qs += Qs[t * KP + d] * S[d * DVB + j];
     }
     KS[e] = ks;
     QS[e] = qs;
@@ -128,7 +129,7 @@ for (int c = 0; c < n_chunks; ++c) {
     const int j = e % DVB;
     float s = decay_end * S[e];
     for (int t = 0; t < C; ++t) {
-      s += Ks[t * DK + d] * Dc[t] * Us[t * DVB + j];
+      s += Ks[t * KP + d] * Dc[t] * Us[t * DVB + j];
     }
     S[e] = s;
   }

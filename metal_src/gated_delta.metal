@@ -19,7 +19,7 @@
 //   iparams int32 [T].
 // Outputs: y (B, T, HV, DV) InT; state_out (B, HV, DV, DK) float; every element written.
 // Grid: (NT * DV / DVB, HV, B) threads, threadgroup (NT, 1, 1).
-// Threadgroup memory: (2 C DK + DK DVB + 4 C DVB + 2 C C + 4 C) floats (msl.shared_bytes).
+// Threadgroup memory: (2 C (DK + 1) + DK DVB + 4 C DVB + 2 C C + 4 C) floats (msl.shared_bytes).
 
 const int T = iparams[0];
 const int tid = int(thread_position_in_threadgroup.x);
@@ -29,8 +29,10 @@ const int b = int(threadgroup_position_in_grid.z);
 const int hk = hv / (HV / HK);
 const int j0 = jb * DVB;
 
-threadgroup float Ks[C * DK];
-threadgroup float Qs[C * DK];
+// rows of keys / queries padded by one float: the (t, i) products read C rows at once
+constexpr int KP = DK + 1;
+threadgroup float Ks[C * KP];
+threadgroup float Qs[C * KP];
 threadgroup float S[DK * DVB];
 threadgroup float Vs[C * DVB];
 threadgroup float Us[C * DVB];
@@ -59,8 +61,8 @@ for (int c = 0; c < n_chunks; ++c) {
     const int d = e % DK;
     const bool inside = t0 + t < T;
     const int64_t src = ((int64_t(b) * T + t0 + t) * HK + hk) * DK + d;
-    Ks[e] = inside ? float(k[src]) : 0.0f;
-    Qs[e] = inside ? float(q[src]) : 0.0f;
+    Ks[t * KP + d] = inside ? float(k[src]) : 0.0f;
+    Qs[t * KP + d] = inside ? float(q[src]) : 0.0f;
   }
   for (int e = tid; e < C * DVB; e += NT) {
     const int t = e / DVB;
@@ -92,8 +94,8 @@ for (int c = 0; c < n_chunks; ++c) {
     float qk = 0.0f;
     if (i <= t) {
       for (int d = 0; d < DK; ++d) {
-        kk += Ks[t * DK + d] * Ks[i * DK + d];
-        qk += Qs[t * DK + d] * Ks[i * DK + d];
+        kk += Ks[t * KP + d] * Ks[i * KP + d];
+        qk += Qs[t * KP + d] * Ks[i * KP + d];
       }
     }
     const float r = i <= t ? exp(Lc[t] - Lc[i]) : 0.0f;
@@ -106,8 +108,8 @@ for (int c = 0; c < n_chunks; ++c) {
     float ks = 0.0f;
     float qs = 0.0f;
     for (int d = 0; d < DK; ++d) {
-      ks += Ks[t * DK + d] * S[d * DVB + j];
-      qs += Qs[t * DK + d] * S[d * DVB + j];
+      ks += Ks[t * KP + d] * S[d * DVB + j];
+      qs += Qs[t * KP + d] * S[d * DVB + j];
     }
     KS[e] = ks;
     QS[e] = qs;
@@ -145,7 +147,7 @@ for (int c = 0; c < n_chunks; ++c) {
     const int j = e % DVB;
     float s = decay_end * S[e];
     for (int t = 0; t < C; ++t) {
-      s += Ks[t * DK + d] * Dc[t] * Us[t * DVB + j];
+      s += Ks[t * KP + d] * Dc[t] * Us[t * DVB + j];
     }
     S[e] = s;
   }

@@ -11,7 +11,7 @@ from mlx_bricks import kernels
 CHUNK = 16
 THREADS = 128
 #: Largest key head dim: the chunk's keys and queries and the state slice live in threadgroup
-#: memory (30 KB of Apple GPUs' 32 KB at DK = 128, C = 16, 16 value columns).
+#: memory (30.4 KB of Apple GPUs' 32 KB at DK = 128, C = 16, 16 value columns).
 MAX_DK = 128
 
 kernels.register(kernels.KernelSpec(
@@ -25,10 +25,11 @@ kernels.register(kernels.KernelSpec(
 
 
 def shared_bytes(Dk: int, dvb: int, chunk: int = CHUNK) -> int:
-    """Threadgroup (shared) memory of the kernel, bytes: the chunk's keys and queries, the
+    """Threadgroup (shared) memory of the kernel, bytes: the chunk's keys and queries (rows
+    padded by one float against bank conflicts), the
     state slice, four (C, DVB) and two (C, C) float tiles, the chunk's log decays, betas and
     decays from its start and to its end."""
-    return 4 * (2 * chunk * Dk + Dk * dvb + 4 * chunk * dvb + 2 * chunk * chunk + 4 * chunk)
+    return 4 * (2 * chunk * (Dk + 1) + Dk * dvb + 4 * chunk * dvb + 2 * chunk * chunk + 4 * chunk)
 
 
 def value_block(Dv: int) -> int | None:
