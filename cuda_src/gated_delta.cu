@@ -1,5 +1,7 @@
 // Gated DeltaNet brick: CUDA twin of metal_src/gated_delta.metal (same inputs, outputs,
-// template arguments, launch geometry and algorithm; that file documents them). Header: mma.cuh.
+// template arguments, launch geometry and chunk steps; that file documents them). Header: mma.cuh.
+// The products of steps b and e are scalar FMAs here (the MSL runs them on 8x8 simdgroup
+// matrices; an mma.sync version is left).
 // The threadgroup arrays live in dynamic shared memory (launch's shared_memory, bytes:
 // msl.shared_bytes), carved in the order declared below.
 

@@ -13,7 +13,10 @@
 // no output).
 //
 // Template: InT (q/k/v/y dtype), DK, DV (head dims), HK, HV (heads), C (tokens per chunk),
-// DVB (value columns per threadgroup), NT (threads per threadgroup).
+// DVB (value columns per threadgroup, 8 or 16), NT (threads per threadgroup: 128, 4 SIMD-groups,
+// one 8x8 tile each of the (C x C) products at C = 16); DK a multiple of 8.
+// The products of steps b and e run on 8x8 float simdgroup matrices (the MMA path); the
+// forward substitution and the outputs are scalar (C x DVB small tiles).
 // Inputs (row-contiguous): q, k (B, T, HK, DK) InT; v (B, T, HV, DV) InT; g, beta (B, T, HV)
 //   float (g in [0, 1]; log g floored at -60); state_in (B, HV, DV, DK) float;
 //   iparams int32 [T].
@@ -28,6 +31,9 @@ const int hv = int(threadgroup_position_in_grid.y);
 const int b = int(threadgroup_position_in_grid.z);
 const int hk = hv / (HV / HK);
 const int j0 = jb * DVB;
+const int sg = int(simdgroup_index_in_threadgroup);  // NT / 32 = 4 SIMD-groups
+static_assert(NT == 128 && C == 16 && DK % 8 == 0 && DVB % 8 == 0,
+              "one 8x8 tile of the (C x C) products per SIMD-group");
 
 // rows of keys / queries padded by one float: the (t, i) products read C rows at once
 constexpr int KP = DK + 1;
@@ -86,33 +92,53 @@ for (int c = 0; c < n_chunks; ++c) {
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
-  // b. decayed key / query products and the state's products with the chunk's keys / queries
+  // b. the chunk's key / query products and the state's products with its keys / queries on
+  // the MMA path (8x8 simdgroup matrices, float32): one (C x C) tile of k.k and q.k per
+  // SIMD-group, then the (C x DVB) tiles of k.S and q.S
+  {
+    const int ti = sg / (C / 8);
+    const int tj = sg % (C / 8);
+    simdgroup_matrix<float, 8, 8> kk = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    simdgroup_matrix<float, 8, 8> qk = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    for (int d0 = 0; d0 < DK; d0 += 8) {
+      simdgroup_matrix<float, 8, 8> ka;
+      simdgroup_matrix<float, 8, 8> qa;
+      simdgroup_matrix<float, 8, 8> kb;
+      simdgroup_load(ka, Ks + ti * 8 * KP + d0, KP);
+      simdgroup_load(qa, Qs + ti * 8 * KP + d0, KP);
+      simdgroup_load(kb, Ks + tj * 8 * KP + d0, KP, ulong2(0, 0), true);
+      simdgroup_multiply_accumulate(kk, ka, kb, kk);
+      simdgroup_multiply_accumulate(qk, qa, kb, qk);
+    }
+    simdgroup_store(kk, A + ti * 8 * C + tj * 8, C);
+    simdgroup_store(qk, QK + ti * 8 * C + tj * 8, C);
+  }
+  for (int tile = sg; tile < (C / 8) * (DVB / 8); tile += NT / 32) {
+    const int ti = tile / (DVB / 8);
+    const int tj = tile % (DVB / 8);
+    simdgroup_matrix<float, 8, 8> ks = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    simdgroup_matrix<float, 8, 8> qs = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    for (int d0 = 0; d0 < DK; d0 += 8) {
+      simdgroup_matrix<float, 8, 8> ka;
+      simdgroup_matrix<float, 8, 8> qa;
+      simdgroup_matrix<float, 8, 8> sb;
+      simdgroup_load(ka, Ks + ti * 8 * KP + d0, KP);
+      simdgroup_load(qa, Qs + ti * 8 * KP + d0, KP);
+      simdgroup_load(sb, S + d0 * DVB + tj * 8, DVB);
+      simdgroup_multiply_accumulate(ks, ka, sb, ks);
+      simdgroup_multiply_accumulate(qs, qa, sb, qs);
+    }
+    simdgroup_store(ks, KS + ti * 8 * DVB + tj * 8, DVB);
+    simdgroup_store(qs, QS + ti * 8 * DVB + tj * 8, DVB);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  // the decays and the causal triangle on the (C x C) products
   for (int e = tid; e < C * C; e += NT) {
     const int t = e / C;
     const int i = e % C;
-    float kk = 0.0f;
-    float qk = 0.0f;
-    if (i <= t) {
-      for (int d = 0; d < DK; ++d) {
-        kk += Ks[t * KP + d] * Ks[i * KP + d];
-        qk += Qs[t * KP + d] * Ks[i * KP + d];
-      }
-    }
     const float r = i <= t ? exp(Lc[t] - Lc[i]) : 0.0f;
-    A[e] = i < t ? Bc[t] * kk * r : 0.0f;
-    QK[e] = qk * r;
-  }
-  for (int e = tid; e < C * DVB; e += NT) {
-    const int t = e / DVB;
-    const int j = e % DVB;
-    float ks = 0.0f;
-    float qs = 0.0f;
-    for (int d = 0; d < DK; ++d) {
-      ks += Ks[t * KP + d] * S[d * DVB + j];
-      qs += Qs[t * KP + d] * S[d * DVB + j];
-    }
-    KS[e] = ks;
-    QS[e] = qs;
+    A[e] = i < t ? Bc[t] * A[e] * r : 0.0f;
+    QK[e] = QK[e] * r;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -140,16 +166,32 @@ for (int c = 0; c < n_chunks; ++c) {
       y[((int64_t(b) * T + t0 + t) * HV + hv) * DV + j0 + j] = InT(o);
     }
   }
-  // e. the state to the chunk's end
+  // e. the state to the chunk's end, S = exp(L_C) S + (K * exp(L_C - L))^T U, on the MMA path:
+  // the keys decayed in place (no later step of this chunk reads them), the state scaled, then
+  // (DK / 8) x (DVB / 8) tiles over the SIMD-groups, each tile owned by one
   const float decay_end = Gc[C - 1];
+  for (int e = tid; e < C * DK; e += NT) {
+    const int t = e / DK;
+    const int d = e % DK;
+    Ks[t * KP + d] *= Dc[t];
+  }
   for (int e = tid; e < DK * DVB; e += NT) {
-    const int d = e / DVB;
-    const int j = e % DVB;
-    float s = decay_end * S[e];
-    for (int t = 0; t < C; ++t) {
-      s += Ks[t * KP + d] * Dc[t] * Us[t * DVB + j];
+    S[e] *= decay_end;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (int tile = sg; tile < (DK / 8) * (DVB / 8); tile += NT / 32) {
+    const int di = tile / (DVB / 8);
+    const int tj = tile % (DVB / 8);
+    simdgroup_matrix<float, 8, 8> acc;
+    simdgroup_load(acc, S + di * 8 * DVB + tj * 8, DVB);
+    for (int c0 = 0; c0 < C; c0 += 8) {
+      simdgroup_matrix<float, 8, 8> ka;
+      simdgroup_matrix<float, 8, 8> ub;
+      simdgroup_load(ka, Ks + c0 * KP + di * 8, KP, ulong2(0, 0), true);
+      simdgroup_load(ub, Us + c0 * DVB + tj * 8, DVB);
+      simdgroup_multiply_accumulate(acc, ka, ub, acc);
     }
-    S[e] = s;
+    simdgroup_store(acc, S + di * 8 * DVB + tj * 8, DVB);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }

@@ -42,11 +42,14 @@ def value_block(Dv: int) -> int | None:
 
 def kernel_reason(q, v, g) -> str | None:
     """Why the kernel does not compute these arguments (None: it does): per-key-dim gates,
-    a key head dim above :data:`MAX_DK`, a value head dim not a multiple of 8."""
+    a key head dim above :data:`MAX_DK` or not a multiple of 8 (8x8 tiles), a value head dim
+    not a multiple of 8."""
     if g.ndim == 4:
         return "per-key-dim gates (g of shape (B, T, Hv, Dk)): the kernel takes a gate per head"
     if q.shape[-1] > MAX_DK:
         return f"Dk {q.shape[-1]} > {MAX_DK}: the kernel's chunk does not fit threadgroup memory"
+    if q.shape[-1] % 8:
+        return f"Dk {q.shape[-1]} is not a multiple of 8 (the kernel's 8x8 tiles)"
     if value_block(v.shape[-1]) is None:
         return f"Dv {v.shape[-1]} is not a multiple of 8"
     return None
