@@ -217,3 +217,20 @@ def test_emulator_runs_the_kernel(model_type):
     gdn = [m for m in report.modules if m.module == "linear_attn"]
     assert sum(m.calls.get("gated_delta", 0) for m in gdn) == 3
     np.testing.assert_allclose(np.array(out), np.array(stock), atol=2e-4, rtol=2e-4)
+
+
+def test_cached_mode_prior_on_the_cpu(tmp_path, monkeypatch):
+    """tune='cached' (mlx_lm.generate's default) on the CPU with an empty decision cache: the
+    prior sends the recurrence to the chunked composite from 32 tokens, stock below."""
+    from mlx_bricks.backends import active_backend
+
+    if active_backend(None).name != "reference":
+        pytest.skip("a kernel backend is available here")
+    monkeypatch.setenv("MLX_BRICKS_HOME", str(tmp_path))
+    model = build("qwen3_5", mx.bfloat16)
+    report = patch_model(model, tune="cached")
+    run(model, tokens(40))
+    run(model, tokens(9))
+    gdn = [m for m in report.modules if m.module == "linear_attn"]
+    assert sum(m.calls.get("gated_delta", 0) for m in gdn) == 3  # the 40-token prefill
+    assert sum(sum(m.tuned_stock_calls.values()) for m in gdn) == 3  # the 9-token one

@@ -37,6 +37,12 @@ PRIOR_MIN_WEIGHT = {"cuda": 4 * 2**20}
 #: Activation dtypes the prior sends to a composite on the CPU (float32's stock quantized
 #: matmul was not measured slower).
 CPU_DTYPES = ("float16", "bfloat16")
+#: Prior for kinds without weights, per (kind, backend): the fewest tokens (B x T) from which
+#: the kind's composite replaces stock. The Gated DeltaNet recurrence's chunked composite on
+#: the CPU against mlx-lm's token loop (16/32 heads of 128, bf16, CPU seconds): x0.95 at 16
+#: tokens, x1.95 at 32, x2.2 at 64, x2.0 at 512 (2026-12-05;
+#: bench/results/2026-12-05-cpu-gated-delta.json).
+PRIOR_MIN_TOKENS = {("gated_delta", "reference"): 32}
 #: Composite preferred by the prior, per kind (the one that won most often in bench/results).
 PREFERRED = {"swiglu_mlp": "dequant_split"}
 
@@ -72,6 +78,14 @@ def prior_decision(kind, args: dict, candidates: list, backend: str, full_key: s
     key = kind.key(args)
     measured = kind.measured(args)
     why = "prior: stock (nothing measured on this device for this shape)"
+    min_tokens = PRIOR_MIN_TOKENS.get((kind.name, backend))
+    if min_tokens is not None:
+        free = [v for v in candidates if not v.builds]
+        tokens = measured.get("T", 0) * measured.get("batch", 1)
+        if not free or tokens < min_tokens:
+            return Decision(full_key, STOCK, measured=measured, source="prior", note=why)
+        return Decision(full_key, free[0].name, dict(free[0].kwargs), measured=measured,
+                        source="prior", note=f"prior: {free[0].name} (composite; bench/results)")
     bits = _bits(key.weights)
     rows_by_bits = PRIOR_MIN_ROWS.get(backend)
     if bits is None or rows_by_bits is None:
