@@ -184,19 +184,23 @@ def test_report_and_no_kernel_backend_tuning(tmp_path, monkeypatch):
 
 
 def test_unknown_mixer_stays_stock():
-    """A subclass (a forward the patch does not know) stays stock with the reason."""
+    """A Gated DeltaNet class whose forward the patch does not follow (here a subclass with its
+    own __call__ that calls gated_delta_update) stays stock with the reason; attention=False
+    disables the known ones."""
     from mlx_lm.models import qwen3_5
-
-    model = build("qwen3_5", mx.float32)
+    from mlx_lm.models.gated_delta import gated_delta_update
 
     class Custom(qwen3_5.GatedDeltaNet):
         def __call__(self, inputs, mask=None, cache=None):
+            assert gated_delta_update is not None
             return super().__call__(inputs, mask, cache)
 
+    model = build("qwen3_5", mx.float32)
     model.layers[0].linear_attn.__class__ = Custom
     report = patch_model(model, backend="reference")
     entries = [m for m in report.modules if m.module == "linear_attn"]
-    assert len(entries) == 2  # Custom.__call__ does not name gated_delta_update
+    assert [m.status for m in entries] == ["fallback", "patched", "patched"]
+    assert "forward the patch does not know" in entries[0].reason
     disabled = patch_model(model, backend="reference", attention=False)
     assert all(m.status == "disabled" for m in disabled.modules if m.module == "linear_attn")
 

@@ -40,10 +40,11 @@ def base_class(module) -> type:
 
 def calls_gated_delta(module) -> bool:
     """Whether ``module``'s class's ``__call__`` refers to mlx-lm's ``gated_delta_update`` (the
-    name among its code's globals): a Gated DeltaNet mixer, known to this piece or not."""
+    name among its code's globals or closure variables): a Gated DeltaNet mixer, known to this
+    piece or not."""
     call = getattr(type(module), "__call__", None)
     code = getattr(call, "__code__", None)
-    return code is not None and "gated_delta_update" in code.co_names
+    return code is not None and "gated_delta_update" in (*code.co_names, *code.co_freevars)
 
 
 def gdn_reason(module, dtype=None) -> str | None:
