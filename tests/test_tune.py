@@ -160,6 +160,11 @@ def _kind_args(dtype=mx.float32):
                     "w_gate": (mx.random.normal((4, 96, 64)) * 0.125).astype(dtype),
                     "w_up": (mx.random.normal((4, 96, 64)) * 0.125).astype(dtype),
                     "w_down": (mx.random.normal((4, 64, 96)) * 0.1).astype(dtype)},
+        # the kind's own model-like values (normalised q/k, mlx-lm's gates)
+        "gated_delta": KINDS["gated_delta"].synthetic({
+            "q": Act((2, 9, 2, 32), dtype), "k": Act((2, 9, 2, 32), dtype),
+            "v": Act((2, 9, 4, 16), dtype), "g": Act((2, 9, 4), mx.float32),
+            "beta": Act((2, 9, 4), dtype), "state": Act((2, 4, 16, 32), mx.float32)}, seed=3),
     }
 
 
@@ -189,7 +194,7 @@ def test_kind_check_accepts_bricks_and_rejects_wrong_values(name, dtype):
     assert k.check(naive, naive, args).ok
     # off by far more than 4 bfloat16 ulps at the output scale (the rule's floor)
     if isinstance(naive, tuple):
-        wrong = (naive[0], naive[1] * 1.25 + 0.1, naive[2])
+        wrong = (naive[0], naive[1] * 1.25 + 0.1, *naive[2:])
     else:
         wrong = naive * 1.25 + 0.1
     r = k.check(wrong, naive, args)

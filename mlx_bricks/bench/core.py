@@ -204,6 +204,16 @@ def _moe_benchmarks() -> dict[str, Benchmark]:
 BENCHMARKS.update(_moe_benchmarks())
 
 
+def _gated_delta_benchmarks() -> dict[str, Benchmark]:
+    """The Gated DeltaNet recurrence and Qwen3.5-shaped prefills: ``bench.gated_delta``."""
+    from mlx_bricks.bench.gated_delta import benchmarks
+
+    return benchmarks()
+
+
+BENCHMARKS.update(_gated_delta_benchmarks())
+
+
 def _user_path_benchmarks() -> dict[str, Benchmark]:
     """mlx-lm's CLIs in fresh processes, stock and ``--use-bricks``: ``bench.user_path``."""
     from mlx_bricks.bench.user_path import benchmarks
@@ -229,6 +239,7 @@ GROUPS: dict[str, list[str]] = {
     "e2e_qwen3_moe_4layer": [n for n in BENCHMARKS if n.startswith("e2e_qwen3_moe_4layer_")],
     "user_path_cpu": [n for n in BENCHMARKS if n.startswith("user_path_cpu_")],
     "user_path_gpu": [n for n in BENCHMARKS if n.startswith("user_path_gpu_")],
+    "gated_delta": [n for n in BENCHMARKS if n.startswith(("gdn_", "e2e_qwen35_"))],
 }
 
 

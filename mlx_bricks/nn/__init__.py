@@ -15,6 +15,7 @@ from __future__ import annotations
 from mlx_bricks.nn.attention import BricksAttention
 from mlx_bricks.nn.block import BricksBlock
 from mlx_bricks.nn.calls import DECODE
+from mlx_bricks.nn.gated_delta import BricksGatedDelta
 from mlx_bricks.nn.classes import attach, bricks_class, detach, is_patched
 from mlx_bricks.nn.layout import BlockLayout
 from mlx_bricks.nn.piece import BricksPiece
@@ -25,6 +26,7 @@ __all__ = [
     "BlockLayout",
     "BricksAttention",
     "BricksBlock",
+    "BricksGatedDelta",
     "BricksPiece",
     "BricksState",
     "attach",

@@ -9,11 +9,12 @@ import mlx.nn as nn
 
 from mlx_bricks.nn.attention import BricksAttention
 from mlx_bricks.nn.block import BricksBlock
+from mlx_bricks.nn.gated_delta import BricksGatedDelta
 from mlx_bricks.nn.piece import BricksPiece
 from mlx_bricks.nn.runner import BricksState
 
 #: The mixins a patched module's class is built from.
-MIXINS = (BricksAttention, BricksPiece, BricksBlock)
+MIXINS = (BricksAttention, BricksPiece, BricksBlock, BricksGatedDelta)
 
 _CLASSES: dict[tuple[type, type], type] = {}
 

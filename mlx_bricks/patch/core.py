@@ -17,6 +17,7 @@ from mlx_bricks.options import KV_CACHES
 from mlx_bricks.bricks.attention.msl import SUPPORTED_HEAD_DIMS
 from mlx_bricks.bricks.attention.piece import KIND as ATTENTION
 from mlx_bricks.bricks.dequantize.composite import CAP_SETTING, MIB, resolve_cap
+from mlx_bricks.bricks.gated_delta.piece import GDN_PIECE, MIXER, calls_gated_delta
 from mlx_bricks.bricks.gemm.piece import KIND as LINEAR
 from mlx_bricks.bricks.moe.piece import MOE_PIECE, activation_of, switch_classes
 from mlx_bricks.bricks.norm_qkv.piece import KIND as RMS_NORM_QKV
@@ -29,6 +30,7 @@ from mlx_bricks.formats.q8_0 import KV_QUANTS, QK8_0
 from mlx_bricks.nn import (
     BricksAttention,
     BricksBlock,
+    BricksGatedDelta,
     BricksPiece,
     BricksState,
     attach,
@@ -299,6 +301,43 @@ def _patch_experts(report: PatchReport, i: int, layer, opts: dict, backend: str,
                          weights=formats, state=st))
 
 
+def has_gated_delta(layer) -> bool:
+    """Whether ``layer`` holds a module whose forward calls mlx-lm's ``gated_delta_update``."""
+    return any(calls_gated_delta(m) for _, m in layer.named_modules())
+
+
+def _patch_gated_delta(report: PatchReport, i: int, layer, opts: dict, backend: str,
+                       dispatch: Dispatch | None) -> None:
+    """Patch every Gated DeltaNet mixer inside layer ``i`` by module, whatever the
+    architecture (``bricks.gated_delta.piece``: the qwen3_5 / qwen3_5_moe / qwen3_next
+    classes; a module of another class whose forward calls ``gated_delta_update`` is reported
+    stock with the reason). Its prefill recurrence is tuned like any piece; on a machine
+    without a kernel backend the brick's chunked composite competes with stock's token loop.
+    Under ``attention=False`` it is reported disabled."""
+    add = report.modules.append
+    for path, module in layer.named_modules():
+        if not calls_gated_delta(module):
+            continue
+        where = path or "layer"
+        if not opts["attention"]:
+            add(ModuleReport(i, GDN_PIECE.role, DISABLED, reason=f"{where}: attention=False"))
+            continue
+        reason = GDN_PIECE.reason(module) or _signature_reason(module, ("mask", "cache"))
+        if reason is not None:
+            add(ModuleReport(i, GDN_PIECE.role, FALLBACK, reason=f"{where}: {reason}"))
+            continue
+        if dispatch is None:
+            add(ModuleReport(i, GDN_PIECE.role, STOCK, reason=NO_KERNEL_BACKEND))
+            continue
+        how = "tuned" if dispatch.tuning else "rule"
+        variant = f"{where}: {MIXER}, recurrence={how}"
+        st = BricksState(backend=backend, layer=i, role=GDN_PIECE.role, layout=None,
+                         piece=GDN_PIECE, dispatch=dispatch)
+        attach(module, BricksGatedDelta, st)
+        add(ModuleReport(i, GDN_PIECE.role, PATCHED, GDN_PIECE.bricks, variant, backend,
+                         state=st))
+
+
 def _unlisted_layer(report: PatchReport, i: int, layer, model_type) -> None:
     """The attention entry of layer ``i`` of a model whose ``model_type`` is not in the patch
     table (its MoE experts are patched by module): stock, with the reason."""
@@ -437,10 +476,13 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
     report = PatchReport(model_type=model_type, architecture=arch, backend=choice,
                          options=opts, dispatch=dispatch)
     layers = getattr(model, "layers", None)
-    if layout is None and isinstance(layers, (list, tuple)) and any(map(has_experts, layers)):
+    if layout is None and isinstance(layers, (list, tuple)) and (
+            any(map(has_experts, layers)) or any(map(has_gated_delta, layers))):
         report.n_layers = len(layers)
         for i, layer in enumerate(layers):
-            _unlisted_layer(report, i, layer, model_type)
+            if getattr(layer, "self_attn", None) is not None or not has_gated_delta(layer):
+                _unlisted_layer(report, i, layer, model_type)
+            _patch_gated_delta(report, i, layer, opts, choice.name, dispatch)
             _patch_experts(report, i, layer, opts, choice.name, dispatch, None)
         if no_kernels and report.n_patched == 0:
             report.dispatch = None
@@ -456,6 +498,7 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
         report.n_layers = len(layers)
         for i, layer in enumerate(layers):
             _patch_layer(report, i, layer, layout, opts, choice.name, dispatch, no_kernels)
+            _patch_gated_delta(report, i, layer, opts, choice.name, dispatch)
             _patch_experts(report, i, layer, opts, choice.name, dispatch, layout)
         record_weight_formats(report, layers, layout)
         if no_kernels and report.n_patched == 0:

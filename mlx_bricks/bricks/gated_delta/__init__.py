@@ -1,0 +1,1 @@
+"""The Gated DeltaNet brick (issue 36): the chunked gated delta rule."""

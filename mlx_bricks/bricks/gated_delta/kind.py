@@ -1,0 +1,189 @@
+"""The Gated DeltaNet brick's tuner kind: the gated delta rule over a prefill (``(y, state)`` of
+:func:`~mlx_bricks.bricks.gated_delta.op.gated_delta`) against mlx-lm's own recurrence for the
+same arguments (:func:`~mlx_bricks.bricks.gated_delta.op.gated_delta_stock`: its Metal kernel
+on a Metal GPU, its token-by-token MLX-ops loop elsewhere).
+
+Arguments as the op takes them: ``q, k, v, g, beta`` and optionally ``state``, ``mask``. The
+key: Hk, Hv, Dk, Dv, the gating (``vec``: per key dim), whether a state and a mask come in; the
+bucket of the tokens ``B * T`` (``tune.buckets.m_bucket``); q's dtype. Kernel variant:
+``kernel`` (the MSL kernel on metal / emulator, its CUDA twin on cuda; a gate per head,
+Dk <= 128); one composite, ``chunked`` (the op's chunked form in MLX ops), offered on every backend,
+so on a machine without a kernel backend the tuner weighs it against stock's token loop.
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlx_bricks.bricks.gated_delta import msl
+from mlx_bricks.bricks.gated_delta.op import (
+    CHUNK,
+    gated_delta,
+    gated_delta_chunked,
+    gated_delta_stock,
+)
+from mlx_bricks.checks import dtype_name
+from mlx_bricks.runtime.kind import Composite, Key, OpKind, flags, high_precision, register_kind
+from mlx_bricks.tune.buckets import m_bucket
+from mlx_bricks.tune.check import dtype_close, worst
+
+_OPTIONAL = ("state", "mask")
+#: The kernel variant's name (the MSL kernel, or its CUDA twin on cuda).
+KERNEL = "kernel"
+
+
+def _chunked(args, backend, settings):
+    return gated_delta_chunked(*(args[n] for n in ("q", "k", "v", "g", "beta")),
+                               *(args.get(n) for n in _OPTIONAL),
+                               chunk=settings.get("chunk", CHUNK))
+
+
+def sequential(q, k, v, g, beta, state=None, mask=None, *, dtype=mx.float32):
+    """The recurrence token by token in MLX ops in ``dtype`` (the check's reference: float32
+    for half inputs, float64 on the CPU for float32 ones); masked tokens keep the state and
+    give 0. Returns ``(y, state)`` in ``dtype``."""
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    r = Hv // Hk
+    q, k = (mx.repeat(a.astype(dtype), r, axis=2) for a in (q, k))
+    v, g, beta = (a.astype(dtype) for a in (v, g, beta))
+    S = (mx.zeros((B, Hv, Dv, Dk), dtype) if state is None else state.astype(dtype))
+    ys = []
+    for t in range(T):
+        decay = g[:, t, :, None, None] if g.ndim == 3 else g[:, t, :, None, :]
+        S1 = S * decay
+        delta = (v[:, t] - (S1 * k[:, t, :, None, :]).sum(-1)) * beta[:, t, :, None]
+        S1 = S1 + delta[..., None] * k[:, t, :, None, :]
+        y = (S1 * q[:, t, :, None, :]).sum(-1)
+        if mask is not None:
+            keep = mask[:, t]
+            S1 = mx.where(keep[:, None, None, None], S1, S)
+            y = mx.where(keep[:, None, None], y, 0)
+        S = S1
+        ys.append(y)
+    return mx.stack(ys, axis=1), S
+
+
+#: The fewest tokens (B x T) from which ``tune="cached"`` runs the chunked composite without a
+#: measurement, per backend. On the CPU against mlx-lm's token loop (16/32 heads of 128, bf16,
+#: CPU seconds): x0.95 at 16 tokens, x1.95 at 32, x2.2 at 64, x2.0 at 512 (2026-12-05;
+#: bench/results/2026-12-05-cpu-gated-delta.json). CUDA: stock is the same token loop there
+#: (about ten op launches per token and layer) against about fifteen per 32-token chunk; not
+#: measured yet, so from 64 tokens. Metal: stock is mlx-lm's own kernel: stock until measured.
+PRIOR_MIN_TOKENS = {"reference": 32, "cuda": 64}
+
+
+class GatedDelta(OpKind):
+    """The gated delta rule kind (module docstring). Its rows are the tokens; the output is the
+    pair ``(y, final state)``, both checked."""
+
+    name = "gated_delta"
+    op_name = "gated_delta"
+    activations = ("q", "k", "v")
+    composites = (Composite("chunked", _chunked),)
+
+    def prior(self, args, backend):
+        """``tune="cached"`` without a measurement: the chunked composite from
+        :data:`PRIOR_MIN_TOKENS` tokens (B x T) on a backend listed there, else defer (stock).
+        """
+        min_tokens = PRIOR_MIN_TOKENS.get(backend)
+        if min_tokens is None:
+            return None
+        m = self.measured(args)
+        return "chunked" if m.get("T", 0) * m.get("batch", 1) >= min_tokens else "stock"
+
+    def key(self, args):
+        q, v, g = args["q"], args["v"], args["g"]
+        B, T, Hk, Dk = q.shape
+        Hv, Dv = v.shape[2:]
+        values = dict(Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, vec=len(g.shape) == 4,
+                      state=args.get("state") is not None, mask=args.get("mask") is not None)
+        return Key(self.name, flags(**values), m_bucket(max(1, B * T)), dtype_name(q.dtype), "-")
+
+    def brick(self, args, backend, **kwargs):
+        return gated_delta(*(args[n] for n in ("q", "k", "v", "g", "beta")),
+                           *(args.get(n) for n in _OPTIONAL), backend=backend, **kwargs)
+
+    def stock(self, args):
+        """mlx-lm's recurrence (``gated_delta_stock``)."""
+        return gated_delta_stock(*(args[n] for n in ("q", "k", "v", "g", "beta")),
+                                 *(args.get(n) for n in _OPTIONAL))
+
+    def listing(self, backend, dtype, args):
+        """``("kernel",)`` on metal / emulator / cuda where the kernel computes the arguments
+        (``msl.kernel_reason``), else none (the composite competes alone)."""
+        if backend not in ("metal", "emulator", "cuda"):
+            return ()
+        if args is not None and msl.kernel_reason(args["q"], args["v"], args["g"]) is not None:
+            return ()
+        return (KERNEL,)
+
+    def variant_kwargs(self, name):
+        if name != KERNEL:
+            raise ValueError(f"unknown gated_delta variant {name!r}")
+        return {}
+
+    def n_rows(self, args):
+        return args["q"].shape[1]
+
+    def measured(self, args):
+        B, T = args["q"].shape[:2]
+        return {"T": T, "batch": B}
+
+    def synthetic(self, args, seed=0):
+        """Model-like values of the arguments' shapes: q, k L2-normalised (q scaled by
+        Dk**-0.5, as mlx-lm's ``normalize_qk``), v normal, g as mlx-lm's ``compute_g`` makes
+        it from normal projections (A in [1, 16]), beta = sigmoid(normal), a normal state
+        scaled by 0.1; mask as given (None or all True)."""
+        q, v, g = args["q"], args["v"], args["g"]
+        B, T, Hk, Dk = q.shape
+        Hv = v.shape[2]
+        ks = mx.random.split(mx.random.key(seed), 7)
+        qq = mx.random.normal(tuple(q.shape), key=ks[0])
+        kk = mx.random.normal(tuple(q.shape), key=ks[1])
+        qq = qq * mx.rsqrt((qq * qq).sum(-1, keepdims=True)) * Dk ** -0.5
+        kk = kk * mx.rsqrt((kk * kk).sum(-1, keepdims=True))
+        A = mx.random.uniform(1.0, 16.0, (Hv,), key=ks[2])
+        a = mx.random.normal(tuple(g.shape[:3]), key=ks[3])
+        gg = mx.exp(-A * mx.logaddexp(a + 1.0, 0.0))
+        if len(g.shape) == 4:
+            gg = mx.broadcast_to(gg[..., None], tuple(g.shape)) ** mx.random.uniform(
+                0.5, 1.5, tuple(g.shape), key=ks[4])
+        out = dict(args)
+        out.update(q=qq.astype(q.dtype), k=kk.astype(q.dtype),
+                   v=mx.random.normal(tuple(v.shape), key=ks[5]).astype(q.dtype),
+                   g=gg.astype(mx.float32),
+                   beta=mx.sigmoid(mx.random.normal((B, T, Hv), key=ks[6])))
+        if args.get("state") is not None:
+            s = args["state"]
+            out["state"] = (0.1 * mx.random.normal(tuple(s.shape), key=ks[0])).astype(s.dtype)
+        if args.get("mask") is not None:
+            out["mask"] = mx.ones((B, T), dtype=mx.bool_)
+        return out
+
+    def tail(self, out, rows):
+        y, S = out
+        return y[:, -rows:], S
+
+    def reference_tail(self, args, rows):
+        with high_precision(args["q"].dtype) as hp:
+            y, S = sequential(*(args[n] for n in ("q", "k", "v", "g", "beta")),
+                              *(args.get(n) for n in _OPTIONAL), dtype=hp)
+        return y[:, -rows:], S
+
+    def check(self, out, naive, args):
+        """The dtype rule on y (float32 inputs: 64 ulps, the chunked products and the
+        triangular inverse round a few times per chunk where mlx-lm's loop is near exact)
+        and on the float32 state (factor 4, 64 ulps), against :func:`sequential` in high
+        precision; ``naive``: stock's output."""
+        rows = min(8, self.n_rows(args))
+        (ry, rS), (oy, oS) = self.reference_tail(args, rows), self.tail(out, rows)
+        ny = nS = None
+        if naive is not None:
+            ny, nS = self.tail(naive, rows)
+        dtype = args["q"].dtype
+        return worst([
+            dtype_close(oy, ry, ny, dtype=dtype, ulps=64 if dtype == mx.float32 else 4),
+            dtype_close(oS, rS, nS, dtype=mx.float32, factor=4.0, ulps=64)])
+
+
+GATED_DELTA = register_kind(GatedDelta())

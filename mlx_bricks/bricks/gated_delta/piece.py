@@ -1,0 +1,194 @@
+"""The Gated DeltaNet brick's piece in a patched mlx-lm model: a Gated DeltaNet mixer module
+(qwen3_5 / qwen3_5_moe ``GatedDeltaNet``, qwen3_next ``Qwen3NextGatedDeltaNet``; mlx-lm 0.32.2)
+whose prefill runs its own projections, causal conv1d + SiLU, q/k normalisation and gates
+(mlx-lm's code, as the module's ``__call__`` runs it), then the brick's recurrence
+(:data:`~mlx_bricks.bricks.gated_delta.kind.GATED_DELTA`) instead of ``gated_delta_update``,
+then its own gated RMSNorm and out-projection; the cache's conv state and recurrent state are
+written as the module writes them.
+
+Only the classes in :func:`known_classes` are patched (their forward is the one this file
+follows); any other module whose ``__call__`` calls ``gated_delta_update`` (kimi_linear,
+olmo_hybrid, bailing_moe_v3, ...) stays stock with the reason.
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_bricks.bricks.gated_delta.kind import GATED_DELTA
+from mlx_bricks.bricks.gated_delta.op import gated_delta_gates
+from mlx_bricks.checks import FLOAT_DTYPES, dtype_name
+
+#: The mixer's name in reports.
+MIXER = "Gated DeltaNet"
+#: The l2-norm eps mlx-lm's modules pass to ``normalize_qk``.
+QK_EPS = 1e-6
+
+
+def known_classes() -> dict[type, tuple[str, ...]]:
+    """mlx-lm's Gated DeltaNet classes this piece follows -> their input projections."""
+    from mlx_lm.models import qwen3_5, qwen3_next
+
+    return {qwen3_5.GatedDeltaNet: ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+            qwen3_next.Qwen3NextGatedDeltaNet: ("in_proj_qkvz", "in_proj_ba")}
+
+
+def base_class(module) -> type:
+    """``module``'s mlx-lm class (a patched module's class is the bricks class over it)."""
+    return getattr(type(module), "_bricks_base", type(module))
+
+
+def calls_gated_delta(module) -> bool:
+    """Whether ``module``'s class's ``__call__`` refers to mlx-lm's ``gated_delta_update`` (the
+    name among its code's globals or closure variables): a Gated DeltaNet mixer, known to this
+    piece or not."""
+    call = getattr(type(module), "__call__", None)
+    code = getattr(call, "__code__", None)
+    return code is not None and "gated_delta_update" in (*code.co_names, *code.co_freevars)
+
+
+def gdn_reason(module, dtype=None) -> str | None:
+    """Why ``module`` cannot run the Gated DeltaNet piece (None: it can): a class whose forward
+    this piece does not follow (a subclass included), a sharded module, missing or
+    unexpected parts."""
+    cls = base_class(module)
+    projections = known_classes().get(cls)
+    if projections is None:
+        return (f"{cls.__module__}.{cls.__name__}: a {MIXER} forward the "
+                "patch does not know (patched: qwen3_5 GatedDeltaNet, qwen3_next "
+                "Qwen3NextGatedDeltaNet)")
+    if getattr(module, "sharding_group", None) is not None:
+        return "tensor-parallel (sharding_group set): stock keeps the all-sums"
+    for name in (*projections, "out_proj"):
+        if not isinstance(module.get(name), nn.Module):
+            return f"{name} is missing"
+    conv = module.get("conv1d")
+    if not isinstance(conv, nn.Conv1d) or "bias" in conv:
+        return "conv1d is not a bias-free nn.Conv1d"
+    for name in ("A_log", "dt_bias"):
+        if not isinstance(module.get(name), mx.array):
+            return f"{name} is missing"
+    if not callable(module.get("norm")):
+        return "norm is missing"
+    for name in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "key_dim",
+                 "conv_dim", "conv_kernel_size"):
+        if not isinstance(getattr(module, name, None), int):
+            return f"{name} is not an int"
+    if module.num_v_heads % module.num_k_heads:
+        return f"num_v_heads {module.num_v_heads} is not a multiple of {module.num_k_heads}"
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        return f"input dtype {dtype_name(dtype)} is not float16/bfloat16/float32"
+    return None
+
+
+def cache_reason(cache) -> str | None:
+    """Why the call's cache is not one the piece writes as the module does (None: it is)."""
+    if cache is None:
+        return None
+    from mlx_lm.models.cache import ArraysCache
+
+    if not isinstance(cache, ArraysCache):
+        return f"cache {type(cache).__name__} is not an ArraysCache"
+    if len(cache.cache) != 2:
+        return f"ArraysCache of {len(cache.cache)} entries, expected 2 (conv, recurrent)"
+    return None
+
+
+def prologue(m, inputs, mask, cache):
+    """The module's own computation up to ``gated_delta_update`` (mlx-lm 0.32.2's
+    ``GatedDeltaNet.__call__`` / ``Qwen3NextGatedDeltaNet.__call__``): the projections, the
+    conv state read and written, conv1d + SiLU, q/k normalisation and the gates.
+
+    Returns ``(args, z)``: the brick's arguments (q, k, v, g, beta, state, mask) and the
+    output gate z (B, S, Hv, Dv).
+    """
+    from mlx_lm.models import qwen3_5
+    from mlx_lm.models.gated_delta import normalize_qk
+
+    B, S, _ = inputs.shape
+    if base_class(m) is qwen3_5.GatedDeltaNet:
+        mixed = m.in_proj_qkv(inputs)
+        z = m.in_proj_z(inputs).reshape(B, S, m.num_v_heads, m.head_v_dim)
+        b = m.in_proj_b(inputs)
+        a = m.in_proj_a(inputs)
+    else:
+        q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(inputs),
+                                                           m.in_proj_ba(inputs))
+        mixed = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1),
+                                v.reshape(B, S, -1)], axis=-1)
+    if cache is not None and cache[0] is not None:
+        conv_state = cache[0]
+    else:
+        conv_state = mx.zeros((B, m.conv_kernel_size - 1, m.conv_dim), dtype=inputs.dtype)
+    if mask is not None:
+        mixed = mx.where(mask[..., None], mixed, 0)
+    conv_input = mx.concatenate([conv_state, mixed], axis=1)
+    if cache is not None:
+        n_keep = m.conv_kernel_size - 1
+        if cache.lengths is not None:
+            ends = mx.clip(cache.lengths, 0, S)
+            positions = (ends[:, None] + mx.arange(n_keep))[..., None]
+            cache[0] = mx.take_along_axis(conv_input, positions, axis=1)
+        else:
+            cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
+    conv_out = nn.silu(m.conv1d(conv_input))
+    q, k, v = [t.reshape(B, S, h, d) for t, h, d in zip(
+        mx.split(conv_out, [m.key_dim, 2 * m.key_dim], -1),
+        [m.num_k_heads, m.num_k_heads, m.num_v_heads],
+        [m.head_k_dim, m.head_k_dim, m.head_v_dim])]
+    state = cache[1] if cache else None
+    q, k = normalize_qk(q, k, inv_scale=m.head_k_dim ** -0.5, eps=QK_EPS)
+    g, beta = gated_delta_gates(a, b, m.A_log, m.dt_bias)
+    if state is None:  # mlx-lm starts from float32 zeros
+        state = mx.zeros((B, m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
+    return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "state": state, "mask": mask}, z
+
+
+def epilogue(m, y, state, z, cache, S):
+    """The module's own computation after ``gated_delta_update``: the recurrent state and the
+    offset written to the cache, the gated RMSNorm, the out-projection."""
+    if cache is not None:
+        cache[1] = state
+        cache.advance(S)
+    out = m.norm(y, z)
+    return m.out_proj(out.reshape(y.shape[0], S, -1))
+
+
+class GatedDeltaPiece:
+    """A Gated DeltaNet mixer as one piece (what ``mlx_bricks.nn.gated_delta.BricksGatedDelta``
+    runs).
+
+    Attributes:
+        role: the module's role in reports (``"linear_attn"``, its attribute in the layer).
+        kind: the op kind (:data:`~mlx_bricks.bricks.gated_delta.kind.GATED_DELTA`).
+        bricks: the brick ops the module runs in prefill (for the report).
+    """
+
+    role = "linear_attn"
+    kind = GATED_DELTA
+    bricks = (GATED_DELTA.op_name,)
+    watched = ("conv1d", "norm")
+
+    def linears(self, layout=None, module=None) -> tuple[str, ...]:
+        """The linear layers the piece reads (structure fingerprint)."""
+        return ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz",
+                "in_proj_ba", "out_proj")
+
+    def reason(self, module, layout=None, dtype=None) -> str | None:
+        return gdn_reason(module, dtype)
+
+    def placeholders(self, module, inputs, mask) -> dict:
+        """The kind's arguments as shapes (``runtime.kind.Act``) for the dispatcher's key."""
+        from mlx_bricks.runtime.kind import Act
+
+        B, S, _ = inputs.shape
+        Hk, Hv = module.num_k_heads, module.num_v_heads
+        Dk, Dv = module.head_k_dim, module.head_v_dim
+        return {"q": Act((B, S, Hk, Dk), inputs.dtype), "k": Act((B, S, Hk, Dk), inputs.dtype),
+                "v": Act((B, S, Hv, Dv), inputs.dtype), "g": Act((B, S, Hv), mx.float32),
+                "beta": Act((B, S, Hv), inputs.dtype),
+                "state": Act((B, Hv, Dv, Dk), mx.float32),
+                "mask": None if mask is None else Act((B, S), mx.bool_)}
+
+
+GDN_PIECE = GatedDeltaPiece()
