@@ -27,10 +27,21 @@ def is_q8_cache(cache) -> bool:
     return type(cache) is _Q8KVCache[0]
 
 
-def layer_window(attn, layout) -> tuple[int | None, str | None]:
+def layer_window(attn, layout, layer=None) -> tuple[int | None, str | None]:
     """``(window, reason)`` of an attention module: ``(None, None)`` on a global layer,
     ``(layout.sliding_window, None)`` on a sliding-window layer (``layout.sliding`` set on the
-    module), ``(None, reason)`` when the window length is unknown."""
+    module, or decoder layer index ``layer`` in ``layout.sliding_layers``), ``(None, reason)``
+    when the window length or the layer types are unknown."""
+    if layout.layer_types is not None:
+        if layout.sliding_layers is None:
+            return None, (f"the model has no per-layer attention types ({layout.layer_types}):"
+                          " which layers slide is unknown")
+        if layer not in layout.sliding_layers:
+            return None, None
+        if layout.sliding_window is None:
+            return None, (f"sliding-window layer ({layout.layer_types}[{layer}]): the model's "
+                          f"args have no {layout.window_arg or 'window length'}")
+        return layout.sliding_window, None
     if layout.sliding is None or not getattr(attn, layout.sliding, False):
         return None, None
     if layout.sliding_window is None:
