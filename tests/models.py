@@ -64,6 +64,16 @@ CONFIGS = {
                     max_position_embeddings=4096, tie_word_embeddings=True,
                     rope_parameters={"type": "default", "rope_theta": 10000.0,
                                      "partial_rotary_factor": 0.25}),
+    # layers 0, 2 sliding (head_dim 256, window 8), 1, 3 global (head_dim 512, values = keys,
+    # partial proportional RoPE); layers 2 and 3 share layer 0's and 1's K/V
+    # (num_kv_shared_layers, as E2B/E4B) and have double-wide MLPs; per-layer inputs.
+    "gemma4_text": dict(hidden_size=64, num_hidden_layers=4, intermediate_size=96,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+                        global_head_dim=512, num_global_key_value_heads=1,
+                        attention_k_eq_v=True, num_kv_shared_layers=2,
+                        hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB,
+                        sliding_window=8, sliding_window_pattern=2, rms_norm_eps=1e-6,
+                        max_position_embeddings=4096),
 }
 
 # Parameters scaled up to sharpen attention (q_norm/k_norm: qwen3 normalises q and k per head).
@@ -72,7 +82,11 @@ ATTENTION_SHARPEN = ("q_proj.", "k_proj.", "q_norm.", "k_norm.")
 # model_type -> mlx-lm module that builds it (mlx_lm.utils.MODEL_REMAPPING: mistral -> llama).
 MODULES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
            "gemma3_text": "gemma3_text", "gemma2": "gemma2", "gpt_oss": "gpt_oss",
-           "qwen3_next": "qwen3_next", "qwen3_5": "qwen3_5"}
+           "qwen3_next": "qwen3_next", "qwen3_5": "qwen3_5", "gemma4_text": "gemma4_text"}
+
+# Architectures whose q/k are RMS-normalised with scale 1.0 (gemma4): their scores are already
+# peaked (std ~ sqrt(head_dim)); q/k are not sharpened further.
+NO_SHARPEN = ("gemma4_text",)
 
 # Model types whose ModelArgs wrap the text model's fields in ``text_config``.
 TEXT_CONFIG = ("qwen3_5",)
@@ -114,7 +128,7 @@ def build_model(model_type: str, dtype=mx.float32, *, seed: int = 0, **overrides
         if name.endswith("norm.weight"):
             scale = 4.0 if name == "model.norm.weight" else 1.0
             p = scale * (1.0 + 0.2 * mx.random.normal(p.shape, key=k))
-        if any(t in name for t in ATTENTION_SHARPEN):
+        if any(t in name for t in ATTENTION_SHARPEN) and MODULES[model_type] not in NO_SHARPEN:
             p = 3.0 * p
         if name.endswith(".sinks"):  # gpt-oss: sinks of the scores' size (init: zeros)
             p = 4.0 * mx.random.normal(p.shape, key=k)

@@ -1,11 +1,14 @@
-"""patch_model on tiny random gpt_oss, qwen3_next and qwen3_5 models vs stock mlx-lm: the
-attention brick's sinks, sliding windows chosen per layer (gpt_oss's layer_types) and the
-sigmoid output gate (qwen3_next / qwen3_5).
+"""patch_model on tiny random gpt_oss, qwen3_next, qwen3_5 and gemma4_text models vs stock
+mlx-lm: the attention brick's sinks, sliding windows chosen per layer (gpt_oss's layer_types),
+the sigmoid output gate (qwen3_next / qwen3_5) and gemma4's attention (head_dim 256 sliding
+and 512 global layers, values = keys, weightless v_norm, scale 1, K/V shared across layers).
 
 The models (tests/models.py): gpt_oss with layer 0 sliding (window 8, a ``RotatingKVCache``)
 and layer 1 global, sinks drawn N(0, 16) per head, q/k/v/o biases, MoE MLPs; qwen3_next with
 Gated DeltaNet layers 0 and 2 (stock) and gated full-attention layers 1 (dense MLP) and 3
-(MoE with a gated shared expert); qwen3_5 (text_config) with dense MLPs. Prompts are longer
+(MoE with a gated shared expert); qwen3_5 (text_config) with dense MLPs; gemma4_text with
+sliding layers 0, 2 and global 1, 3, layers 2 and 3 attending over layer 0's and 1's K/V,
+per-layer inputs. Prompts are longer
 than the window, prefilled whole (no cache) and in two chunks through the model's own caches.
 Logits follow the dtype-scaled rule against a float64 run of the same weights; greedy tokens
 must equal stock's (up to a rounding tie); unpatching gives stock back bit for bit.
@@ -49,7 +52,12 @@ def _expect(report, arch):
     """Which modules the report must show patched / stock for each tiny model."""
     by = {(m.layer, m.module): m for m in report.modules}
     assert report.architecture == ("qwen3_5" if arch == "qwen3_5" else arch)
-    if arch == "gpt_oss":
+    if arch == "gemma4_text":
+        for layer in range(4):
+            assert by[(layer, "self_attn")].status == "patched"
+            assert by[(layer, "mlp")].status == "patched"
+            assert by[(layer, "block")].status == "fallback"
+    elif arch == "gpt_oss":
         for layer in (0, 1):
             assert by[(layer, "self_attn")].status == "patched"
             assert by[(layer, "mlp")].status == "fallback"  # MoE: experts by module
@@ -75,7 +83,7 @@ def _case_body(backend, dtype, arch, *, whole, n_greedy):
     dt = DTYPES[dtype]
     model = build_model(arch, dt)
     cache = make_prompt_cache(model)
-    if arch == "gpt_oss":
+    if arch in ("gpt_oss", "gemma4_text"):  # gemma4: layers 2, 3 have no cache (shared)
         assert [type(c) for c in cache] == [RotatingKVCache, KVCache]
         assert cache[0].max_size == 8
     toks = tokens(N_TOKENS)
@@ -109,7 +117,7 @@ def _case_body(backend, dtype, arch, *, whole, n_greedy):
     return report
 
 
-ARCHS = ("gpt_oss", "qwen3_next", "qwen3_5")
+ARCHS = ("gpt_oss", "qwen3_next", "qwen3_5", "gemma4_text")
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -14,11 +14,12 @@ from mlx_bricks.nn.structure import structure_reason
 from mlx_bricks.runtime.kind import Act
 
 
-def admit(module, state: BricksState, attn, x, mask, cache, args, kwargs):
+def admit(module, state: BricksState, attn, x, mask, cache, args, kwargs, keys=None):
     """The call checks shared by the attention and block mixins (``attn``: the attention
     module, ``module`` itself for the attention mixin).
 
-    Returns ``(stock, window, shape_key, q8)``: ``stock`` True when the call runs the module's
+    ``keys``: the key count where the keys do not come from ``cache`` (gemma4's shared K/V;
+    part of the call shape then). Returns ``(stock, window, shape_key, q8)``: ``stock`` True when the call runs the module's
     own code, either counted with its reason here or through the all-stock fast path
     (``runner.stock_fast``); otherwise the layer's sliding window, the call-shape key of the
     dispatcher's memos and whether the cache is a ``Q8KVCache`` (whose attention is the Q8_0
@@ -26,12 +27,13 @@ def admit(module, state: BricksState, attn, x, mask, cache, args, kwargs):
     """
     window, reason = layer_window(attn, state.layout, state.layer)
     reason = reason or call_reason(x, mask, cache, args, kwargs, window,
-                                   state.layout.causal_array)
+                                   state.layout.causal_array, keys)
     shape_key = q8 = None
     if reason is None:
         offset = cache_offset(cache)
         q8 = cache is not None and is_q8_cache(cache)
-        shape_key = (x.shape, x.dtype, offset, mask_key(mask, cache, x.shape[1]), q8)
+        shape_key = (x.shape, x.dtype, offset, mask_key(mask, cache, x.shape[1], keys), q8,
+                     keys)
         if stock_fast(state, shape_key):
             return True, window, shape_key, q8
         reason = structure_reason(module, state, x.dtype)

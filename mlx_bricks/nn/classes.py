@@ -11,9 +11,10 @@ from mlx_bricks.nn.attention import BricksAttention
 from mlx_bricks.nn.block import BricksBlock
 from mlx_bricks.nn.piece import BricksPiece
 from mlx_bricks.nn.runner import BricksState
+from mlx_bricks.nn.shared_kv import BricksSharedKVAttention
 
 #: The mixins a patched module's class is built from.
-MIXINS = (BricksAttention, BricksPiece, BricksBlock)
+MIXINS = (BricksAttention, BricksPiece, BricksBlock, BricksSharedKVAttention)
 
 _CLASSES: dict[tuple[type, type], type] = {}
 

@@ -62,6 +62,14 @@ class BlockLayout:
             layout's linears whose output the block gates itself (qwen3_next:
             ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``): patched as an MLP piece;
             None: left as the block runs it.
+        shared_kv: the attention is gemma4's: called ``(x, mask, cache, shared_kv=None,
+            offset=None)``, it returns ``(out, (keys, values), offset)``; a layer whose
+            ``has_kv`` attribute is False has no k/v projections and attends over the
+            ``shared_kv`` of an earlier layer (mlx-lm's ``num_kv_shared_layers``); where the
+            ``k_eq_v`` attribute is True there is no ``v_proj`` (values are the raw key
+            projection); values go through the weightless ``v_norm``.
+        has_kv, k_eq_v, v_norm: the attention module's attributes of the above (``shared_kv``
+            only).
     """
 
     source: str
@@ -93,6 +101,10 @@ class BlockLayout:
     layer_types: str | None = None
     sliding_layers: frozenset | None = None
     shared_expert: str | None = None
+    shared_kv: bool = False
+    has_kv: str = "has_kv"
+    k_eq_v: str = "use_k_eq_v"
+    v_norm: str = "v_norm"
 
     @property
     def attention_linears(self) -> tuple[str, str, str, str]:
@@ -101,6 +113,28 @@ class BlockLayout:
     @property
     def mlp_linears(self) -> tuple[str, str, str]:
         return (self.gate_proj, self.up_proj, self.down_proj)
+
+    def owns_kv(self, attn) -> bool:
+        """Whether the attention module projects its own keys and values (always, except a
+        ``shared_kv`` layer whose ``has_kv`` is False)."""
+        return not self.shared_kv or bool(getattr(attn, self.has_kv, False))
+
+    def attention_linears_of(self, attn) -> tuple[str, ...]:
+        """The projections this attention module has: all four, except that a ``shared_kv``
+        layer without its own K/V has only q/o, and one with ``k_eq_v`` has no v."""
+        if not self.shared_kv:
+            return self.attention_linears
+        if not self.owns_kv(attn):
+            return (self.q_proj, self.o_proj)
+        if getattr(attn, self.k_eq_v, False):
+            return (self.q_proj, self.k_proj, self.o_proj)
+        return self.attention_linears
+
+    def qk_norms_of(self, attn) -> tuple[str, ...]:
+        """The per-head norms this attention module applies (k's only where it owns K/V)."""
+        if self.qk_norm is None:
+            return ()
+        return self.qk_norm if self.owns_kv(attn) else self.qk_norm[:1]
 
     def n_heads(self, attn):
         """The attention module's query head count (None if it has none)."""

@@ -36,6 +36,7 @@ from mlx_bricks.nn import (
     is_patched,
 )
 from mlx_bricks.nn.calls import track_batch_masks
+from mlx_bricks.nn.shared_kv import BricksSharedKVAttention
 from mlx_bricks.nn.structure import attention_sharding_reason, linears
 from mlx_bricks.runtime.dispatch import NO_KERNEL_BACKEND, TUNE_MODES, Dispatch, no_kernel_backend
 from mlx_bricks.patch.report import (
@@ -104,14 +105,14 @@ def _attention_structure(attn, layout, kv_quant) -> tuple[str | None, int]:
     r = sinks_reason(attn, layout)
     if r is not None:
         return r, 0
-    for name in layout.attention_linears:
+    for name in layout.attention_linears_of(attn):
         r = linear_reason(name, getattr(attn, name, None))
         if r is not None:
             return r, 0
     r = attention_sharding_reason(attn, layout)  # tensor-parallel: mlx-lm's shard() layout
     if r is not None:
         return r, 0
-    for name in layout.qk_norm or ():
+    for name in layout.qk_norms_of(attn):
         r = rms_norm_reason(name, getattr(attn, name, None), layout)
         if r is not None:
             return r, 0
@@ -127,6 +128,8 @@ def _attention_structure(attn, layout, kv_quant) -> tuple[str | None, int]:
         return f"{layout.q_proj} has {q_rows} rows, not a multiple of {per_head} " \
                f"({'2 x ' if layout.output_gate else ''}n_heads {n_heads})", 0
     for name in (layout.k_proj, layout.v_proj):
+        if name not in layout.attention_linears_of(attn):
+            continue  # shared_kv: K/V of another layer, or values = keys
         rows = getattr(attn, name).weight.shape[0]
         if rows != n_kv * head_dim:
             return f"{name} has {rows} rows, expected n_kv_heads * head_dim = {n_kv * head_dim}", 0
@@ -139,6 +142,9 @@ def _attention_structure(attn, layout, kv_quant) -> tuple[str | None, int]:
                     "per query head)"), 0
     if not callable(getattr(attn, "rope", None)):
         return "attention has no rope module (NoPE or another position scheme)", 0
+    if layout.shared_kv and layout.owns_kv(attn) and not callable(getattr(attn, layout.v_norm,
+                                                                          None)):
+        return f"attention has no {layout.v_norm} module (gemma4's value norm)", 0
     if head_dim not in SUPPORTED_HEAD_DIMS:
         dims = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
         return f"head_dim {head_dim} is not supported by the attention brick ({dims})", 0
@@ -212,6 +218,9 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
                                                                   False):
         attn_reason = (f"sliding-window layer ({layout.layer_sliding}=True): the attention "
                        "brick has no window mask and mlx-lm gives this layer a RotatingKVCache")
+    if attn_reason is None and layout.shared_kv and opts["kv_cache"] == "q8_0":
+        attn_reason = ("gemma4's shared K/V with kv_cache='q8_0': the Q8_0 cache readers do not "
+                       "take K/V handed between layers")
     if attn_reason is None and layout.sinks is not None and opts["kv_cache"] == "q8_0":
         attn_reason = ("attention sinks with kv_cache='q8_0': the Q8_0 cache readers (decode) "
                        "have no sinks")
@@ -256,7 +265,8 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
     elif attn_reason is not None:
         add(ModuleReport(i, "self_attn", FALLBACK, reason=attn_reason, rope=rope))
     else:
-        patch(attn_mod, BricksAttention, "self_attn", _ATTN_BRICKS, attn_variant, rope)
+        mixin = BricksSharedKVAttention if layout.shared_kv else BricksAttention
+        patch(attn_mod, mixin, "self_attn", _ATTN_BRICKS, attn_variant, rope)
 
     if not mlp:
         add(ModuleReport(i, "mlp", DISABLED, reason="mlp=False"))

@@ -70,13 +70,27 @@ ARCHITECTURES: dict[str, BlockLayout] = {
     "qwen3_5": BlockLayout(source="mlx_lm/models/qwen3_5.py", qk_norm=("q_norm", "k_norm"),
                            heads=("num_attention_heads", "num_key_value_heads"),
                            output_gate=True, shared_expert="shared_expert"),
+    # gemma4 (text): sliding layers (is_sliding, head_dim, window sliding_window) and global
+    # ones (global_head_dim 512, partial "proportional" RoPE: the module's own rope object),
+    # plain nn.RMSNorm (q/k norms too), weightless v_norm, scale 1.0, values = keys on global
+    # layers with attention_k_eq_v, the last num_kv_shared_layers layers attending over an
+    # earlier layer's K/V (shared_kv: the attention returns (out, (keys, values), offset)),
+    # GELU-tanh MLP. The decoder layer (sandwich norms, per-layer inputs, layer scalar, the
+    # 26B's router and experts beside the MLP) stays its own: attention and MLP are patched
+    # one by one, SwitchGLU experts by module.
+    "gemma4_text": BlockLayout(source="mlx_lm/models/gemma4_text.py",
+                               qk_norm=("q_norm", "k_norm"), activation="gelu_tanh",
+                               sliding="is_sliding", window_arg="sliding_window",
+                               shared_kv=True, unfused=_SANDWICH),
 }
 
 # model_type -> ARCHITECTURES key, for types mlx-lm builds with another type's model file
 # (mlx_lm.utils.MODEL_REMAPPING maps "mistral" to llama.py).
 # "gemma3" is the multimodal wrapper: model.layers are gemma3_text's (language_model.layers).
 # "qwen3_5_moe" builds qwen3_5's model (its Model subclasses qwen3_5's, same layers).
-ALIASES: dict[str, str] = {"mistral": "llama", "gemma3": "gemma3_text", "qwen3_5_moe": "qwen3_5"}
+# "gemma4" is the multimodal wrapper: model.layers are gemma4_text's.
+ALIASES: dict[str, str] = {"mistral": "llama", "gemma3": "gemma3_text", "qwen3_5_moe": "qwen3_5",
+                           "gemma4": "gemma4_text"}
 
 
 def _model_args(model):
