@@ -1018,3 +1018,27 @@ def test_sinks_bad_arguments_raise_clear_errors(sinks, exc, match):
     q = mx.zeros((1, 2, 4, 64), F16)
     with pytest.raises(exc, match=match):
         flash_attention(q, q, q, scale=0.125, sinks=sinks, backend="reference")
+
+
+@pytest.mark.parametrize("extra", [{}, {"window": 5}, {"kv_start": mx.array([0, 27], mx.int32)},
+                                   {"softcap": 20.0}])
+def test_sinks_tuner_kind_keys_checks_and_stock(kernel_backend, extra):
+    # Sinks are their own decision key; stock is MLX's SDPA with sinks= (mlx-lm's attention
+    # function) or, with other options, the brick's reference; the guard's check (its float32
+    # reference tail with the sink column) accepts the brick and refuses a wrong output.
+    from mlx_bricks.bricks.attention.kind import ATTENTION
+
+    q, k, v = make_qkv(2, 6, 30, 4, 2, 64, F32, seed=26)
+    sinks = make_sinks(4, F32, 26)
+    args = dict(q=q, k=k, v=v, scale=0.125, mask="causal", kv_quant=None, **extra)
+    with_sinks = dict(args, sinks=sinks)
+    assert ATTENTION.key(args) != ATTENTION.key(with_sinks)
+    assert "sinks" in str(ATTENTION.key(with_sinks))
+    stock = ATTENTION.stock(with_sinks)
+    starts = None if "kv_start" not in extra else (0, 27)
+    want = sinks_attention64(q, k, v, 0.125, sinks, True, extra.get("window"),
+                             extra.get("softcap"), starts)
+    np.testing.assert_allclose(to_f64(stock), want, atol=1e-5)
+    out = ATTENTION.brick(with_sinks, kernel_backend)
+    assert ATTENTION.check(out, stock, with_sinks).ok
+    assert not ATTENTION.check(ATTENTION.stock(args), stock, with_sinks).ok  # sinks dropped

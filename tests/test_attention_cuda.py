@@ -107,7 +107,8 @@ def test_launcher_compiles_without_local_memory(dtype, D, arch):
     ks = mx.zeros((B, Hkv, Lk, D // 32), F16)
     with cudacheck.recorded_launches(kernels) as records:
         out = launch_attention_cuda(q, kq, kq, ks, ks, scale=0.1, causal=True, window=64,
-                                    softcap=30.0, kv_start=mx.zeros((B,), mx.int32))
+                                    softcap=30.0, kv_start=mx.zeros((B,), mx.int32),
+                                    sinks=mx.zeros((Hq,), dtype))
     assert out.shape == (B, Hq, Lq, D) and len(records) == 1
     rec = records[0]
     tile = variants(D, dtype)[0]
