@@ -565,12 +565,14 @@ def test_kernel_refuses_tiles_over_32kb():
         kernels.launch(
             "flash_attention", "emulator",
             inputs=[q, k, v, mx.zeros((1, 1, 1, 1), F16), mx.zeros((1, 1, 1, 1), F16),
-                    mx.array([0.1, 0.0, 0.0]), mx.array([0], mx.int32), mx.zeros((1,), mx.int32)],
+                    mx.array([0.1, 0.0, 0.0]), mx.array([0], mx.int32), mx.zeros((1,), mx.int32),
+                    mx.zeros((1,), F32)],
             grid=(256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(1, 8, 1, 512)],
             output_dtypes=[F32],
             template=[("T", F32), ("D", 512), ("BK", 8), ("WQ", 2), ("WD", 4),
                       ("KV_SHARED", False), ("CAUSAL", False), ("WINDOW", False),
-                      ("SOFTCAP", False), ("KV_Q8", False), ("KV_START", False)])
+                      ("SOFTCAP", False), ("KV_Q8", False), ("KV_START", False),
+                      ("SINKS", False)])
 
 
 # ---------------------------------------------------------------------------------------------
