@@ -36,12 +36,15 @@ CONFIGS = {
                    rms_norm_eps=1e-6, query_pre_attn_scalar=256, attn_logit_softcapping=5.0,
                    final_logit_softcapping=30.0),
     # layer 0 sliding (window 8, RotatingKVCache), layer 1 global (the default alternation);
-    # attention sinks, q/k/v/o biases, GQA 2, head_dim 64; MoE MLPs of 2 experts, both taken
-    # (top 2): no routing choice a rounding could flip, the logits stay continuous.
+    # attention sinks, q/k/v/o biases, GQA 2, head_dim 64, gpt-oss's YaRN RoPE; MoE MLPs of
+    # 2 experts, both taken (top 2): no routing choice a rounding could flip.
     "gpt_oss": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=64,
                     num_local_experts=2, num_experts_per_tok=2, head_dim=64,
                     num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
-                    rope_theta=10000, rms_norm_eps=1e-5),
+                    rope_theta=10000, rms_norm_eps=1e-5,
+                    rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                  "beta_slow": 1.0, "truncate": False,
+                                  "original_max_position_embeddings": 4096}),
     # layers 0 and 2 Gated DeltaNet, 1 and 3 gated full attention (head_dim 64, partial RoPE
     # 25%, q/k norms, GQA 2); layer 1 a dense MLP (mlp_only_layers), 3 MoE with a gated shared
     # expert, 0 and 2 dense (decoder_sparse_step 2 puts MoE on odd layers).
