@@ -199,3 +199,52 @@ def test_qwen3_next_gate_and_partial_rope_are_the_modules():
     assert_dtype_close(got, run64(clone(model, mx.float64), toks), stock, dtype=mx.float32,
                        what="qwen3_next gate rows changed")
     unpatch_model(model)
+
+
+def test_gemma4_wrapper_alias():
+    """mlx-lm's multimodal ``gemma4`` wrapper: its ``layers`` are gemma4_text's, patched as
+    such (window from ``language_model.args``), logits by the rule against float64."""
+    from mlx.utils import tree_map
+    from mlx_lm.models import gemma4
+
+    from mlx_bricks.nn.shared_kv import BricksSharedKVAttention
+    from tests.models import CONFIGS, VOCAB
+
+    args = gemma4.ModelArgs(model_type="gemma4", vocab_size=VOCAB,
+                            text_config=dict(CONFIGS["gemma4_text"], model_type="gemma4_text"))
+    mx.random.seed(0)
+    model = gemma4.Model(args)
+    mx.eval(model.parameters())
+    copy = gemma4.Model(args)
+    copy.update(tree_map(lambda a: a.astype(mx.float64), model.parameters()))
+    toks = tokens(N_TOKENS)
+    stock = run(model, toks)
+    report = patch_model(model, backend="reference")
+    assert report.architecture == "gemma4_text" and report.model_type == "gemma4"
+    assert all(isinstance(layer.self_attn, BricksSharedKVAttention) for layer in model.layers)
+    assert_dtype_close(run(model, toks), run64(copy, toks), stock, dtype=mx.float32,
+                       what="gemma4 wrapper")
+    _expect(report, "gemma4_text")
+    # the sliding layers ran the window of language_model.args (8 < 20 tokens)
+    assert model.layers[0].self_attn._bricks_state.layout.sliding_window == 8
+
+
+def test_gemma4_shared_layer_fallbacks_at_call_time():
+    """A shared-K/V layer called with a cache as well (not mlx-lm's call) and a layer that
+    owns no K/V called without shared_kv run the module's own code (the latter raises
+    mlx-lm's own error)."""
+    model = build_model("gemma4_text", mx.float32)
+    patch_model(model, backend="reference")
+    owner, shared = model.layers[0].self_attn, model.layers[2].self_attn
+    x = mx.random.normal((1, 12, 64))
+    out, kv, offset = owner(x, "causal", None)
+    cache = KVCache()
+    got = shared(x, "causal", cache, shared_kv=kv, offset=offset)
+    assert any("shared_kv and a cache both given" in r for r in shared._bricks_state.stock)
+    unpatch_model(model)
+    want = shared(x, "causal", KVCache(), shared_kv=kv, offset=offset)
+    assert mx.array_equal(got[0], want[0])
+    patch_model(model, backend="reference")
+    with pytest.raises(ValueError, match="KV-shared layer but received no shared_kv"):
+        model.layers[2].self_attn(x, "causal", None)
+    unpatch_model(model)
