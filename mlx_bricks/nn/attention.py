@@ -19,11 +19,11 @@ def admit(module, state: BricksState, attn, x, mask, cache, args, kwargs, keys=N
     module, ``module`` itself for the attention mixin).
 
     ``keys``: the key count where the keys do not come from ``cache`` (gemma4's shared K/V;
-    part of the call shape then). Returns ``(stock, window, shape_key, q8)``: ``stock`` True when the call runs the module's
-    own code, either counted with its reason here or through the all-stock fast path
-    (``runner.stock_fast``); otherwise the layer's sliding window, the call-shape key of the
-    dispatcher's memos and whether the cache is a ``Q8KVCache`` (whose attention is the Q8_0
-    readers, untuned).
+    part of the call shape then). Returns ``(stock, window, shape_key, q8)``: ``stock`` True
+    when the call runs the module's own code, either counted with its reason here or through
+    the all-stock fast path (``runner.stock_fast``); otherwise the layer's sliding window,
+    the call-shape key of the dispatcher's memos and whether the cache is a ``Q8KVCache``
+    (whose attention is the Q8_0 readers, untuned).
     """
     window, reason = layer_window(attn, state.layout, state.layer)
     reason = reason or call_reason(x, mask, cache, args, kwargs, window,

@@ -45,8 +45,8 @@ def softcap_of(attn, layout):
 def masking(attn, layout, mask, window, cache=None) -> dict:
     """The brick's masking arguments for mlx-lm's ``mask`` (already accepted by the module's
     call checks): an array mask is causal (with the layer's ``window``, if any), plus the
-    layout's soft-cap and attention sinks. A padded batch (:func:`is_padded_batch`) adds ``kv_start =
-    cache.left_padding`` ((B,) int32, read on the device: ``make_mask`` is
+    layout's soft-cap and attention sinks. A padded batch (:func:`is_padded_batch`) adds
+    ``kv_start = cache.left_padding`` ((B,) int32, read on the device: ``make_mask`` is
     ``create_causal_mask(L, offset=_idx, left_padding=left_padding)``, bottom-right causal
     over the ``_idx + L`` keys with row b's keys below ``left_padding[b]`` hidden)."""
     out = {"mask": "causal" if isinstance(mask, mx.array) else mask}
