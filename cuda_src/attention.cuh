@@ -588,13 +588,18 @@ __device__ __forceinline__ void store_rows(T* out, const float (&o)[MT][ND][4],
 // int32 (element stride kv_start_stride) holds batch row b's first valid key, clamped to
 // 0 .. Lk: tiles below it are never loaded, the partial tile is masked and its padding keys are
 // staged as zeros (never read: NaN there cannot reach O). Without KV_START it is not read.
+// SINKS: sinks (Hq,) float (element stride sinks_stride) holds head h's sink logit, one more
+// softmax column with value 0 (gpt-oss): each row starts from it already seen, m = sink (in
+// the log2 domain, sink * log2 e) and l = 1 (in the quad's first lane only: l_run holds
+// per-lane partial sums, quad-summed at the end); without SINKS it is not read.
 template <typename T, int D, int BK, int MT, bool QREG, bool CAUSAL, bool WINDOW,
-          bool SOFTCAP, bool KV_Q8, bool KV_START, typename KT>
+          bool SOFTCAP, bool KV_Q8, bool KV_START, bool SINKS, typename KT>
 __device__ __forceinline__ void flash_attention_fwd(
     const T* __restrict__ q, const KT* __restrict__ k, const KT* __restrict__ v,
     const __half* __restrict__ k_scale, const __half* __restrict__ v_scale,
     const float* __restrict__ fparams, const int32_t* __restrict__ iparams,
     const int32_t* __restrict__ kv_start, int64_t kv_start_stride,
+    const float* __restrict__ sinks, int64_t sinks_stride,
     T* __restrict__ out, Dims dims, Strides4 qs, Strides4 ks,
     Strides4 vs, Strides4 kss, Strides4 vss, unsigned char* smem) {
   using C = Config<T, D, BK, MT, KV_Q8>;
@@ -641,6 +646,8 @@ __device__ __forceinline__ void flash_attention_fwd(
   // Score in the log2 domain: s * scale * log2 e, or softcap * tanh(s * scale / softcap) * log2 e.
   const float pre = SOFTCAP ? scale / softcap : scale * kLog2e;
   const float post = softcap * kLog2e;
+  // The sink's score in the same log2 domain as the scores (neither scaled nor capped).
+  const float sink2 = SINKS ? sinks[int64_t(h) * sinks_stride] * kLog2e : 0.0f;
 
   // Keys any row of the block may see: tiles outside are never loaded.
   const TileRange tiles =
@@ -725,8 +732,8 @@ __device__ __forceinline__ void flash_attention_fwd(
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      m_run[m][r] = kMasked;
-      l_run[m][r] = 0.0f;
+      m_run[m][r] = SINKS ? sink2 : kMasked;
+      l_run[m][r] = SINKS && tq == 0 ? 1.0f : 0.0f;
     }
   }
 

@@ -7,7 +7,7 @@
 // splitting D: each owns D / WD columns of Q and O), KV_SHARED (K and V take turns in one
 // threadgroup buffer), CAUSAL (bottom-right aligned), WINDOW (sliding window, needs CAUSAL),
 // SOFTCAP (s = cap * tanh(s / cap)), KV_Q8 (k/v are Q8_0), KV_START (per-batch-row first valid
-// key: a left-padded batch).
+// key: a left-padded batch), SINKS (a learned logit per query head in the softmax, gpt-oss).
 // Inputs (any strides):
 //   q (B, Hq, Lq, D) T
 //   k, v (B, Hkv, Lk, D): T, or int8 quants when KV_Q8
@@ -16,6 +16,8 @@
 //   iparams (1,) int: window (query at position p sees keys p - window + 1 .. p)
 //   kv_start (B,) int, any stride, when KV_START (else a (1,) dummy, never read): keys
 //     j < kv_start[b] are masked for every head and query of batch row b (clamped to 0 .. Lk)
+//   sinks (Hq,) float, any stride, when SINKS (else a (1,) dummy, never read): head h's softmax
+//     has one more column of score sinks[h] and value 0
 // Output: out (B, Lq, Hq, D) T, every element written.
 // Grid: (32 * WQ * WD * ceil(Lq / (8 * WQ)), Hq, B) threads; threadgroup (32 * WQ * WD, 1, 1).
 //
@@ -145,8 +147,11 @@ for (int i = 0; i < DF; ++i) {
   attn_set(of[i], 0.0f, 0.0f);
 }
 
-float m_run = ATTN_MASKED;  // running row max of the scaled (and capped) scores
-float l_run = 0.0f;         // running row sum of exp(s - m_run)
+// Running row max of the scaled (and capped) scores and row sum of exp(s - m_run). With SINKS
+// the row starts with its sink column already seen: m = sink, l = exp(sink - m) = 1, O = 0; the
+// updates below rescale that 1 with the rest of l, so O / l divides by the sink's term too.
+float m_run = SINKS ? float(sinks[h * sinks_strides[0]]) : ATTN_MASKED;
+float l_run = SINKS ? 1.0f : 0.0f;
 
 for (int t = t_begin; t < t_end; ++t) {
   const int kv0 = t * BK;
@@ -276,7 +281,7 @@ for (int t = t_begin; t < t_end; ++t) {
 }
 
 // out[b, qrow, h, d0 + ...] = O / l; a row that saw no key (l = 0) gives 0 instead of 0 / 0
-// (a NaN l, from a NaN score, stays NaN).
+// (a NaN l, from a NaN score, stays NaN); with SINKS such a row has O = 0, l = 1: 0 too.
 if (qrow < Lq) {
   const bool any = l_run != 0.0f;
   const uint64_t row = (uint64_t(b) * uint64_t(Lq) + uint64_t(qrow)) * uint64_t(Hq) + uint64_t(h);

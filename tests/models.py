@@ -35,6 +35,48 @@ CONFIGS = {
                    num_attention_heads=2, num_key_value_heads=1, head_dim=256,
                    rms_norm_eps=1e-6, query_pre_attn_scalar=256, attn_logit_softcapping=5.0,
                    final_logit_softcapping=30.0),
+    # layer 0 sliding (window 8, RotatingKVCache), layer 1 global (the default alternation);
+    # attention sinks, q/k/v/o biases, GQA 2, head_dim 64, gpt-oss's YaRN RoPE; MoE MLPs of
+    # 2 experts, both taken (top 2): no routing choice a rounding could flip.
+    "gpt_oss": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=64,
+                    num_local_experts=2, num_experts_per_tok=2, head_dim=64,
+                    num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                    rope_theta=10000, rms_norm_eps=1e-5,
+                    rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                  "beta_slow": 1.0, "truncate": False,
+                                  "original_max_position_embeddings": 4096}),
+    # layers 0 and 2 Gated DeltaNet, 1 and 3 gated full attention (head_dim 64, partial RoPE
+    # 25%, q/k norms, GQA 2); layer 1 a dense MLP (mlp_only_layers), 3 MoE with a gated shared
+    # expert, 0 and 2 dense (decoder_sparse_step 2 puts MoE on odd layers).
+    "qwen3_next": dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                       linear_num_value_heads=2, linear_num_key_heads=2,
+                       linear_key_head_dim=32, linear_value_head_dim=32,
+                       linear_conv_kernel_dim=4, num_experts=2, num_experts_per_tok=2,
+                       decoder_sparse_step=2, shared_expert_intermediate_size=96,
+                       mlp_only_layers=[1], moe_intermediate_size=64, rms_norm_eps=1e-6,
+                       rope_theta=10000.0, partial_rotary_factor=0.25,
+                       max_position_embeddings=4096, full_attention_interval=2,
+                       tie_word_embeddings=False),
+    # qwen3_5 (text_config): the same attention, every MLP dense (num_experts 0).
+    "qwen3_5": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                    linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=32,
+                    linear_value_head_dim=32, linear_conv_kernel_dim=4,
+                    full_attention_interval=2, rms_norm_eps=1e-6,
+                    max_position_embeddings=4096, tie_word_embeddings=True,
+                    rope_parameters={"type": "default", "rope_theta": 10000.0,
+                                     "partial_rotary_factor": 0.25}),
+    # layers 0, 2 sliding (head_dim 256, window 8), 1, 3 global (head_dim 512, values = keys,
+    # partial proportional RoPE); layers 2 and 3 share layer 0's and 1's K/V
+    # (num_kv_shared_layers, as E2B/E4B) and have double-wide MLPs; per-layer inputs.
+    "gemma4_text": dict(hidden_size=64, num_hidden_layers=4, intermediate_size=96,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+                        global_head_dim=512, num_global_key_value_heads=1,
+                        attention_k_eq_v=True, num_kv_shared_layers=2,
+                        hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB,
+                        sliding_window=8, sliding_window_pattern=2, rms_norm_eps=1e-6,
+                        max_position_embeddings=4096),
 }
 
 # Parameters scaled up to sharpen attention (q_norm/k_norm: qwen3 normalises q and k per head).
@@ -42,7 +84,15 @@ ATTENTION_SHARPEN = ("q_proj.", "k_proj.", "q_norm.", "k_norm.")
 
 # model_type -> mlx-lm module that builds it (mlx_lm.utils.MODEL_REMAPPING: mistral -> llama).
 MODULES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-           "gemma3_text": "gemma3_text", "gemma2": "gemma2"}
+           "gemma3_text": "gemma3_text", "gemma2": "gemma2", "gpt_oss": "gpt_oss",
+           "qwen3_next": "qwen3_next", "qwen3_5": "qwen3_5", "gemma4_text": "gemma4_text"}
+
+# Architectures whose q/k are RMS-normalised with scale 1.0 (gemma4): their scores are already
+# peaked (std ~ sqrt(head_dim)); q/k are not sharpened further.
+NO_SHARPEN = ("gemma4_text",)
+
+# Model types whose ModelArgs wrap the text model's fields in ``text_config``.
+TEXT_CONFIG = ("qwen3_5",)
 
 # Architectures whose RMSNorm computes rms_norm(x, 1 + w): their stored norm weights are the
 # effective ones minus 1.
@@ -54,6 +104,8 @@ def model_args(model_type: str, **overrides):
     module = importlib.import_module(f"mlx_lm.models.{MODULES[model_type]}")
     fields = dict(CONFIGS[MODULES[model_type]], model_type=model_type, vocab_size=VOCAB)
     fields.update(overrides)
+    if MODULES[model_type] in TEXT_CONFIG:
+        return module, module.ModelArgs(model_type=model_type, text_config=fields)
     return module, module.ModelArgs(**fields)
 
 
@@ -79,8 +131,10 @@ def build_model(model_type: str, dtype=mx.float32, *, seed: int = 0, **overrides
         if name.endswith("norm.weight"):
             scale = 4.0 if name == "model.norm.weight" else 1.0
             p = scale * (1.0 + 0.2 * mx.random.normal(p.shape, key=k))
-        if any(t in name for t in ATTENTION_SHARPEN):
+        if any(t in name for t in ATTENTION_SHARPEN) and MODULES[model_type] not in NO_SHARPEN:
             p = 3.0 * p
+        if name.endswith(".sinks"):  # gpt-oss: sinks of the scores' size (init: zeros)
+            p = 4.0 * mx.random.normal(p.shape, key=k)
         if name.endswith("norm.weight") and MODULES[model_type] in OFFSET_NORMS:
             p = p - 1.0
         new.append((name, p))

@@ -565,12 +565,14 @@ def test_kernel_refuses_tiles_over_32kb():
         kernels.launch(
             "flash_attention", "emulator",
             inputs=[q, k, v, mx.zeros((1, 1, 1, 1), F16), mx.zeros((1, 1, 1, 1), F16),
-                    mx.array([0.1, 0.0, 0.0]), mx.array([0], mx.int32), mx.zeros((1,), mx.int32)],
+                    mx.array([0.1, 0.0, 0.0]), mx.array([0], mx.int32), mx.zeros((1,), mx.int32),
+                    mx.zeros((1,), F32)],
             grid=(256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(1, 8, 1, 512)],
             output_dtypes=[F32],
             template=[("T", F32), ("D", 512), ("BK", 8), ("WQ", 2), ("WD", 4),
                       ("KV_SHARED", False), ("CAUSAL", False), ("WINDOW", False),
-                      ("SOFTCAP", False), ("KV_Q8", False), ("KV_START", False)])
+                      ("SOFTCAP", False), ("KV_Q8", False), ("KV_START", False),
+                      ("SINKS", False)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -873,3 +875,172 @@ def test_reference_kv_start_of_any_integer_dtype_is_clipped_before_use():
     want = flash_attention_reference(q, k, v, kv_start=mx.array([3, 0], dtype=mx.int32),
                                      window=2, **kw)
     assert mx.array_equal(small, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# sinks: a learned logit per query head in the softmax, a column with value 0 (gpt-oss)
+
+
+def sinks_attention64(q, k, v, scale, sinks, causal, window=None, softcap=None, kv_start=None):
+    """Float64 numpy attention with head h's softmax over its visible scores plus the column
+    ``sinks[h]`` of value 0 (independent of the brick's reference); padded batch rows' keys
+    ``j < kv_start[b]`` hidden. A row that sees no key is 0 (all weight on the sink)."""
+    q, k, v = to_f64(q), to_f64(k), to_f64(v)
+    rep = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
+    if softcap is not None:
+        s = softcap * np.tanh(s / softcap)
+    Lq, Lk = q.shape[2], k.shape[2]
+    vis = visible64(Lq, Lk, causal, window)[None, None]
+    if kv_start is not None:
+        vis = vis & (np.arange(Lk)[None, None, None, :]
+                     >= np.asarray(kv_start)[:, None, None, None])
+    s = np.where(vis, s, -np.inf)
+    sk = to_f64(sinks)[None, :, None, None]
+    m = np.maximum(s.max(axis=-1, keepdims=True), sk)
+    p = np.exp(s - m)
+    return np.matmul(p, v) / (p.sum(axis=-1, keepdims=True) + np.exp(sk - m))
+
+
+def sinks_naive(q, k, v, scale, sinks, causal, window=None, softcap=None, kv_start=None):
+    """Same-dtype MLX ops: the sink as a first score column, dropped after the softmax."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
+    s = (q @ k.swapaxes(-1, -2)) * scale
+    if softcap is not None:
+        s = mx.tanh(s / softcap) * softcap
+    Lq, Lk = q.shape[2], k.shape[2]
+    vis = visible64(Lq, Lk, causal, window)[None, None]
+    if kv_start is not None:
+        vis = vis & (np.arange(Lk)[None, None, None, :]
+                     >= np.asarray(kv_start)[:, None, None, None])
+    s = s + mx.where(mx.array(vis), 0.0, -float("inf")).astype(q.dtype)
+    col = mx.broadcast_to(sinks.astype(q.dtype).reshape(1, -1, 1, 1), (*s.shape[:-1], 1))
+    return mx.softmax(mx.concatenate([col, s], axis=-1), axis=-1)[..., 1:] @ v
+
+
+# (B, Lq, Lk, (Hq, Hkv), D, dtype, mask, softcap, q8, kv_start): sinks drawn per head around
+# the scores' scale, one head's sink far above them (it takes nearly all the weight); lengths
+# not a multiple of the tiles; every tile variant (wd 1/2/4, shared K/V buffer).
+SINK_CASES = [
+    (1, 33, 33, (4, 2), 64, F16, "causal", None, False, None),
+    (2, 7, 40, (4, 1), 64, F32, "window8", None, False, None),
+    (1, 129, 129, (8, 1), 64, BF16, "window33", None, False, None),  # gpt-oss-like: D 64, GQA 8
+    (1, 20, 50, (2, 2), 128, F16, "none", SOFTCAP, True, None),
+    (1, 17, 17, (2, 1), 256, BF16, "causal", None, False, None),
+    (2, 9, 33, (4, 2), 128, F16, "causal", None, False, (0, 30)),
+    (1, 5, 21, (2, 1), 512, F16, "causal", None, False, None),
+    (1, 12, 12, (2, 2), 192, F32, "window8", SOFTCAP, False, None),
+]
+
+
+def sink_id(case):
+    B, Lq, Lk, (Hq, Hkv), D, dtype, mask, cap, q8, starts = case
+    return (f"B{B}-Lq{Lq}-Lk{Lk}-h{Hq}x{Hkv}-D{D}-{dt_name(dtype)}-{mask}"
+            f"{'-cap' if cap else ''}{'-q8' if q8 else ''}"
+            f"{'-start' + '_'.join(map(str, starts)) if starts else ''}")
+
+
+def make_sinks(Hq, dtype, seed):
+    rng = np.random.default_rng(seed)
+    s = 2.0 * rng.standard_normal(Hq)
+    s[-1] = 40.0  # far above every score: the row's output is nearly 0
+    return mx.array(s.astype(np.float32)).astype(dtype)
+
+
+@pytest.mark.parametrize("case", SINK_CASES, ids=sink_id)
+def test_sinks_match_float64(kernel_backend, case):
+    B, Lq, Lk, (Hq, Hkv), D, dtype, mask, cap, q8, starts = case
+    causal, window = MASKS[mask]
+    seed = zlib.crc32(sink_id(case).encode())
+    q, k, v = make_qkv(B, Lq, Lk, Hq, Hkv, D, dtype, seed=seed)
+    sinks = make_sinks(Hq, dtype, seed)
+    kv_start = None if starts is None else mx.array(starts, mx.int32)
+    scale = D**-0.5
+    before = kernels.LAUNCH_COUNTS[("flash_attention", kernel_backend)]
+    out = flash_attention(q, k, v, scale=scale, mask="causal" if causal else None,
+                          window=window, softcap=cap, kv_quant="q8_0" if q8 else None,
+                          kv_start=kv_start, sinks=sinks, backend=kernel_backend)
+    assert out.shape == q.shape and out.dtype == dtype
+    if kernel_backend != "reference":
+        assert kernels.LAUNCH_COUNTS[("flash_attention", kernel_backend)] == before + 1
+    kd, vd = (q8_round_trip(k), q8_round_trip(v)) if q8 else (k, v)
+    ref = sinks_attention64(q, kd, vd, scale, sinks, causal, window, cap, starts)
+    assert_dtype_close(out, ref, sinks_naive(q, kd, vd, scale, sinks, causal, window, cap,
+                                             starts),
+                       dtype=dtype, what=sink_id(case),
+                       factor=4.0 if kernel_backend == "reference" else 2.0)
+    # the sinks change the result (a kernel that ignored them would fail above anyway)
+    plain = sinks_attention64(q, kd, vd, scale, mx.full((Hq,), -1e30), causal, window, cap,
+                              starts)
+    assert np.abs(plain - ref).max() > 0.05
+
+
+def test_sinks_float64_reference_is_mlx_fast_sdpa():
+    # the test's own float64 formula against MLX's SDPA with sinks (float32, CPU)
+    q, k, v = make_qkv(1, 9, 14, 4, 2, 64, F32, seed=21)
+    sinks = make_sinks(4, F32, 21)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal",
+                                                sinks=sinks)
+    np.testing.assert_allclose(sinks_attention64(q, k, v, 0.125, sinks, True), to_f64(want),
+                               atol=2e-6)
+
+
+def test_sinks_of_minus_infinity_equal_no_sinks_bit_for_bit(msl_backend):
+    # exp(-inf - m) = 0: the sink column adds nothing.
+    q, k, v = make_qkv(1, 20, 40, 4, 2, 64, F16, seed=22)
+    want = flash_attention(q, k, v, scale=0.125, mask="causal", backend=msl_backend)
+    got = flash_attention(q, k, v, scale=0.125, mask="causal", backend=msl_backend,
+                          sinks=mx.full((4,), -float("inf"), F16))
+    np.testing.assert_array_equal(to_f64(got), to_f64(want))
+
+
+def test_sinks_rows_without_visible_key_are_zero(msl_backend):
+    # Lq > Lk through the launcher: causal rows 0 .. 24 see only the sink, which has value 0.
+    q, _, _ = make_qkv(1, 45, 0, 4, 2, 64, F32, seed=23)
+    _, k, v = make_qkv(1, 20, 20, 4, 2, 64, F32, seed=24)
+    sinks = make_sinks(4, F32, 23)
+    got = to_f64(_launch_attention(q, k, v, None, None, scale=0.125, causal=True, window=None,
+                                   softcap=None, backend=msl_backend, sinks=sinks))
+    assert np.all(np.isfinite(got)) and not got[:, :, :25].any()
+    np.testing.assert_allclose(got[:, :, 25:],
+                               sinks_attention64(q[:, :, 25:], k, v, 0.125, sinks, True),
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("sinks, exc, match", [
+    ([0.0, 1.0], TypeError, "sinks must be None or an mx.array"),
+    (mx.zeros((2,), mx.int32), TypeError, "sinks must be float16, bfloat16 or float32"),
+    (mx.zeros((3,), F16), ValueError, r"sinks must have shape \(Hq,\) = \(2,\)"),
+    (mx.zeros((1, 2), F16), ValueError, r"sinks must have shape \(Hq,\)"),
+    (mx.zeros((2,), F32), TypeError, "must promote to q's dtype"),
+])
+def test_sinks_bad_arguments_raise_clear_errors(sinks, exc, match):
+    q = mx.zeros((1, 2, 4, 64), F16)
+    with pytest.raises(exc, match=match):
+        flash_attention(q, q, q, scale=0.125, sinks=sinks, backend="reference")
+
+
+@pytest.mark.parametrize("extra", [{}, {"window": 5}, {"kv_start": mx.array([0, 27], mx.int32)},
+                                   {"softcap": 20.0}])
+def test_sinks_tuner_kind_keys_checks_and_stock(kernel_backend, extra):
+    # Sinks are their own decision key; stock is MLX's SDPA with sinks= (mlx-lm's attention
+    # function) or, with other options, the brick's reference; the guard's check (its float32
+    # reference tail with the sink column) accepts the brick and refuses a wrong output.
+    from mlx_bricks.bricks.attention.kind import ATTENTION
+
+    q, k, v = make_qkv(2, 6, 30, 4, 2, 64, F32, seed=26)
+    sinks = make_sinks(4, F32, 26)
+    args = dict(q=q, k=k, v=v, scale=0.125, mask="causal", kv_quant=None, **extra)
+    with_sinks = dict(args, sinks=sinks)
+    assert ATTENTION.key(args) != ATTENTION.key(with_sinks)
+    assert "sinks" in str(ATTENTION.key(with_sinks))
+    stock = ATTENTION.stock(with_sinks)
+    starts = None if "kv_start" not in extra else (0, 27)
+    want = sinks_attention64(q, k, v, 0.125, sinks, True, extra.get("window"),
+                             extra.get("softcap"), starts)
+    np.testing.assert_allclose(to_f64(stock), want, atol=1e-5)
+    out = ATTENTION.brick(with_sinks, kernel_backend)
+    assert ATTENTION.check(out, stock, with_sinks).ok
+    assert not ATTENTION.check(ATTENTION.stock(args), stock, with_sinks).ok  # sinks dropped

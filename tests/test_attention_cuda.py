@@ -46,8 +46,8 @@ needs_nvcc = pytest.mark.skipif(cudacheck.find_nvcc() is None, reason="nvcc not 
 needs_emu = pytest.mark.skipif(cuda_emu.toolchain() is None,
                                reason="no host C++ compiler or CUDA headers")
 
-# (CAUSAL, WINDOW, SOFTCAP, KV_Q8[, KV_START]) flag sets of the compile checks; the last one
-# has the most live registers.
+# (CAUSAL, WINDOW, SOFTCAP, KV_Q8[, KV_START[, SINKS]]) flag sets of the compile checks; the
+# last one has the most live registers.
 FLAG_SETS = {
     "plain": (False, False, False, False),
     "causal_q8": (True, False, False, True),
@@ -55,23 +55,27 @@ FLAG_SETS = {
     "window_softcap": (True, True, True, False),
     "window_softcap_q8": (True, True, True, True),
     "window_softcap_q8_start": (True, True, True, True, True),
+    "window_sinks": (True, True, False, False, False, True),
+    "window_softcap_q8_start_sinks": (True, True, True, True, True, True),
 }
 
 
-def template(dtype, D, tile: CudaTile, causal, window, softcap, q8, kv_start=False):
+def template(dtype, D, tile: CudaTile, causal, window, softcap, q8, kv_start=False,
+             sinks=False):
     return [("T", dtype), ("D", D), ("BK", tile.bk), ("MT", tile.mt), ("QREG", tile.qreg),
             ("CAUSAL", causal or window), ("WINDOW", window), ("SOFTCAP", softcap),
-            ("KV_Q8", q8), ("KV_START", kv_start)]
+            ("KV_Q8", q8), ("KV_START", kv_start), ("SINKS", sinks)]
 
 
 def compile_variant(dtype, D, tile, flags, arch):
-    causal, window, softcap, q8, *start = flags
+    causal, window, softcap, q8, *extra = flags
+    start, sinks = (list(extra) + [False, False])[:2]
     kt = mx.int8 if q8 else dtype
     inputs = [(dtype, 4), (kt, 4), (kt, 4), (F16, 4), (F16, 4), (F32, 1), (mx.int32, 1),
-              (mx.int32, 1)]
+              (mx.int32, 1), (F32, 1)]
     return cudacheck.compile_twin("flash_attention", inputs, [dtype],
                                   template(dtype, D, tile, causal, window, softcap, q8,
-                                           bool(start and start[0])), arch=arch)
+                                           bool(start), bool(sinks)), arch=arch)
 
 
 def assert_no_local_memory(res, what):
@@ -103,7 +107,8 @@ def test_launcher_compiles_without_local_memory(dtype, D, arch):
     ks = mx.zeros((B, Hkv, Lk, D // 32), F16)
     with cudacheck.recorded_launches(kernels) as records:
         out = launch_attention_cuda(q, kq, kq, ks, ks, scale=0.1, causal=True, window=64,
-                                    softcap=30.0, kv_start=mx.zeros((B,), mx.int32))
+                                    softcap=30.0, kv_start=mx.zeros((B,), mx.int32),
+                                    sinks=mx.zeros((Hq,), dtype))
     assert out.shape == (B, Hq, Lq, D) and len(records) == 1
     rec = records[0]
     tile = variants(D, dtype)[0]
@@ -265,10 +270,11 @@ def from_bits(b: np.ndarray, dtype) -> np.ndarray:
     return np.array(mx.array(b).view(dtype).astype(F32)).astype(np.float64)
 
 
-def reference64(q, k, v, scale, causal, window, softcap, kv_start=None):
+def reference64(q, k, v, scale, causal, window, softcap, kv_start=None, sinks=None):
     """float64 attention with the twin's semantics: GQA, bottom-right causal, window
     (``p - window < j <= p``), soft-capping of the scaled score, batch row b's keys
-    ``j < kv_start[b]`` hidden; a row with no key is 0."""
+    ``j < kv_start[b]`` hidden, head h's sink logit ``sinks[h]`` one more softmax column of
+    value 0; a row with no key is 0."""
     Lq, Lk = q.shape[2], k.shape[2]
     rep = q.shape[1] // k.shape[1]
     k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
@@ -287,15 +293,20 @@ def reference64(q, k, v, scale, causal, window, softcap, kv_start=None):
         visible = visible & (j[None, None] >= np.asarray(kv_start)[:, None, None, None])
     s = np.where(visible, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sk = np.asarray(sinks, np.float64)[None, :, None, None]
+        m = np.maximum(m, sk)
     m = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(s - m)
     l = p.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        l = l + np.exp(sk - m)
     return np.matmul(p, v) / np.where(l > 0, l, 1.0)
 
 
-def naive(q, k, v, scale, causal, window, softcap, dtype, kv_start=None):
+def naive(q, k, v, scale, causal, window, softcap, dtype, kv_start=None, sinks=None):
     """The same-dtype MLX computation (CPU) the tolerance rule compares with (rows that see
-    no key 0)."""
+    no key 0; sinks as an extra score column, dropped after the softmax)."""
     q, k, v = (mx.array(a.astype(np.float32)).astype(dtype) for a in (q, k, v))
     rep = q.shape[1] // k.shape[1]
     k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
@@ -314,7 +325,12 @@ def naive(q, k, v, scale, causal, window, softcap, dtype, kv_start=None):
     if kv_start is not None:
         visible = visible & (j[None, None] >= mx.array(kv_start)[:, None, None, None])
     s = mx.where(visible, s, mx.array(-float("inf"), dtype))
-    out = mx.softmax(s, axis=-1) @ v
+    if sinks is not None:
+        col = mx.broadcast_to(mx.array(np.asarray(sinks, np.float32)).astype(dtype)
+                              .reshape(1, -1, 1, 1), (*s.shape[:-1], 1))
+        out = mx.softmax(mx.concatenate([col, s], axis=-1), axis=-1)[..., 1:] @ v
+    else:
+        out = mx.softmax(s, axis=-1) @ v
     out = mx.where(visible.any(axis=-1, keepdims=True), out, mx.array(0, dtype))
     return np.array(out.astype(F32)).astype(np.float64)
 
@@ -360,10 +376,11 @@ def quantize_q8(x: np.ndarray):
 
 
 def run_emulated(case, views=("contiguous",) * 3, variant=None, with_tile=False, kv_start=None,
-                 nan_padding=False):
+                 nan_padding=False, sinks=None):
     """Run one case on the emulated kernel; returns (out64 (B, Hq, Lq, D), q64, k64, v64).
     ``kv_start``: None, or B ints (the KV_START instantiation); ``nan_padding``: K/V of the keys
-    below ``kv_start[b]`` are NaN (float K/V only)."""
+    below ``kv_start[b]`` are NaN (float K/V only); ``sinks``: None, or Hq float32 sink
+    logits (the SINKS instantiation)."""
     dtype, D, (B, Hq, Hkv, Lq, Lk), causal, window, softcap, q8 = case
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
     qx = rng.standard_normal((B, Hq, Lq, D))
@@ -398,26 +415,28 @@ def run_emulated(case, views=("contiguous",) * 3, variant=None, with_tile=False,
     fparams, iparams = (np.array(a) for a in attention_params(
         scale, softcap, window if has_window else None))
     tmpl = [(n, NAME[v] if isinstance(v, mx.Dtype) else v) for n, v in template(
-        dtype, D, tile, causal, has_window, softcap is not None, q8, kv_start is not None)]
+        dtype, D, tile, causal, has_window, softcap is not None, q8, kv_start is not None,
+        sinks is not None)]
     tmpl[5] = ("CAUSAL", bool(causal) or window is not None)
     nt = threads(D)
     raw = cuda_emu.run_attention(q_t, k_t, v_t, ks_t, vs_t, fparams, iparams, tmpl,
                                  (-(-Lq // (64 * tile.mt)), Hq, B), nt,
                                  smem_bytes(D, dtype, tile, q8), B * Lq * Hq * D,
-                                 kv_start=kv_start)
+                                 kv_start=kv_start, sinks=sinks)
     out = from_bits(raw, dtype).reshape(B, Lq, Hq, D).transpose(0, 2, 1, 3)
     result = (out, from_bits(qb, dtype), k64, v64)
     return (result, tile) if with_tile else result
 
 
-def check_emulated(case, kv_start=None, **kw):
+def check_emulated(case, kv_start=None, sinks=None, **kw):
     dtype, D, _, causal, window, softcap, _ = case
-    out, q, k, v = run_emulated(case, kv_start=kv_start, **kw)
+    out, q, k, v = run_emulated(case, kv_start=kv_start, sinks=sinks, **kw)
     assert not np.isnan(out).any(), "unwritten (NaN-poisoned) output elements"
     scale = D**-0.5
-    ref = reference64(q, k, v, scale, causal, window, softcap, kv_start)
-    assert_dtype_close(out, ref, naive(q, k, v, scale, causal, window, softcap, dtype, kv_start),
-                       dtype=dtype, what=f"{case!r} kv_start={kv_start}")
+    ref = reference64(q, k, v, scale, causal, window, softcap, kv_start, sinks)
+    assert_dtype_close(out, ref, naive(q, k, v, scale, causal, window, softcap, dtype, kv_start,
+                                       sinks),
+                       dtype=dtype, what=f"{case!r} kv_start={kv_start} sinks={sinks}")
     return out
 
 
@@ -566,3 +585,53 @@ def test_emulated_kv_start_padding_is_never_read():
     assert np.isfinite(out).all()
     ref = reference64(q, np.nan_to_num(k), np.nan_to_num(v), 64**-0.5, True, None, None, starts)
     np.testing.assert_allclose(out, ref, atol=8 * EPS[F16] * max(1.0, np.abs(ref).max()))
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. attention sinks (SINKS): one more softmax column per head, value 0 (gpt-oss)
+
+# (case, kv_start, sinks): sinks below, near and far above the scores (a sink that takes
+# nearly all the weight), GQA, a window, partial tiles, the D = 512 warp-pair split, float32's
+# FFMA path, a padded batch whose first rows see only the sink.
+EMU_SINKS = [
+    ((F16, 64, (1, 4, 2, 33, 100), True, 8, None, False), None, (-3.0, 0.5, 2.0, 40.0)),
+    ((BF16, 128, (2, 2, 1, 20, 40), True, None, None, False), (0, 30), (1.0, -20.0)),
+]
+EMU_SINKS_SLOW = [
+    ((F32, 64, (1, 2, 1, 17, 50), True, None, 2.0, False), None, (0.0, 5.0)),
+    ((F16, 512, (1, 2, 1, 70, 80), True, 40, None, True), None, (3.0, -1.0)),
+    ((BF16, 256, (1, 2, 2, 65, 300), False, None, None, False), None, (0.25, 1.5)),
+]
+
+
+def _sinks_id(x):
+    if isinstance(x, tuple) and len(x) == 7:
+        return emu_id(x)
+    return "none" if x is None else "_".join(f"{v:g}" for v in x)
+
+
+@needs_emu
+@pytest.mark.parametrize("case, kv_start, sinks", EMU_SINKS, ids=_sinks_id)
+def test_emulated_sinks_match_float64(case, kv_start, sinks):
+    out = check_emulated(case, kv_start=kv_start, sinks=sinks)
+    if kv_start is not None:  # rows that see no key (only the sink) are exactly 0
+        _, _, (B, _, _, Lq, Lk), *_ = case
+        pos = np.arange(Lk - Lq, Lk)
+        for b, st in enumerate(kv_start):
+            assert not out[b][:, pos < st].any()
+
+
+@needs_emu
+@pytest.mark.slow
+@pytest.mark.parametrize("case, kv_start, sinks", EMU_SINKS_SLOW, ids=_sinks_id)
+def test_emulated_sinks_match_float64_sweep(case, kv_start, sinks):
+    check_emulated(case, kv_start=kv_start, sinks=sinks)
+
+
+@needs_emu
+def test_emulated_sinks_of_minus_infinity_equal_no_sinks():
+    # exp(-inf - m) = 0: the sink column adds nothing, bit for bit.
+    case = (F16, 64, (1, 2, 1, 20, 40), True, None, None, False)
+    want, *_ = run_emulated(case)
+    got, *_ = run_emulated(case, sinks=(-np.inf, -np.inf))
+    np.testing.assert_array_equal(got, want)

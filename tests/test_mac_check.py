@@ -56,6 +56,9 @@ def test_every_msl_kernel_and_variant_is_instantiated():
     # the padded-batch path (kv_start) at every head_dim
     assert {t["D"] for t in att if t["KV_START"] == "1"} == {
         str(D) for D in attention.SUPPORTED_HEAD_DIMS}
+    # attention sinks at every head_dim
+    assert {t["D"] for t in att if t["SINKS"] == "1"} == {
+        str(D) for D in attention.SUPPORTED_HEAD_DIMS}
 
 
 def test_sources_are_what_mlx_compiles(tmp_path):

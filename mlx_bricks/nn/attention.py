@@ -2,6 +2,8 @@
 bricks, and what the attention and block mixins share (call admission, the attention step)."""
 from __future__ import annotations
 
+import mlx.core as mx
+
 from mlx_bricks.bricks.attention import piece as attention_piece
 from mlx_bricks.bricks.gemm import piece as linear_piece
 from mlx_bricks.bricks.norm_qkv.piece import heads
@@ -12,24 +14,26 @@ from mlx_bricks.nn.structure import structure_reason
 from mlx_bricks.runtime.kind import Act
 
 
-def admit(module, state: BricksState, attn, x, mask, cache, args, kwargs):
+def admit(module, state: BricksState, attn, x, mask, cache, args, kwargs, keys=None):
     """The call checks shared by the attention and block mixins (``attn``: the attention
     module, ``module`` itself for the attention mixin).
 
-    Returns ``(stock, window, shape_key, q8)``: ``stock`` True when the call runs the module's
-    own code, either counted with its reason here or through the all-stock fast path
-    (``runner.stock_fast``); otherwise the layer's sliding window, the call-shape key of the
-    dispatcher's memos and whether the cache is a ``Q8KVCache`` (whose attention is the Q8_0
-    readers, untuned).
+    ``keys``: the key count where the keys do not come from ``cache`` (gemma4's shared K/V;
+    part of the call shape then). Returns ``(stock, window, shape_key, q8)``: ``stock`` True
+    when the call runs the module's own code, either counted with its reason here or through
+    the all-stock fast path (``runner.stock_fast``); otherwise the layer's sliding window,
+    the call-shape key of the dispatcher's memos and whether the cache is a ``Q8KVCache``
+    (whose attention is the Q8_0 readers, untuned).
     """
-    window, reason = layer_window(attn, state.layout)
+    window, reason = layer_window(attn, state.layout, state.layer)
     reason = reason or call_reason(x, mask, cache, args, kwargs, window,
-                                   state.layout.causal_array)
+                                   state.layout.causal_array, keys)
     shape_key = q8 = None
     if reason is None:
         offset = cache_offset(cache)
         q8 = cache is not None and is_q8_cache(cache)
-        shape_key = (x.shape, x.dtype, offset, mask_key(mask, cache, x.shape[1]), q8)
+        shape_key = (x.shape, x.dtype, offset, mask_key(mask, cache, x.shape[1], keys), q8,
+                     keys)
         if stock_fast(state, shape_key):
             return True, window, shape_key, q8
         reason = structure_reason(module, state, x.dtype)
@@ -67,7 +71,8 @@ def attend(attn, state: BricksState, choice, args, q, k, v, mask, cache, window=
             from mlx_bricks.cache import q8_0_cache_attention
 
             state.calls["q8_0_cache_attention"] += 1
-            o = q8_0_cache_attention(q, k, v, scale=attn.scale, mask=mask, backend=cache.backend)
+            o = q8_0_cache_attention(q, k, v, scale=state.layout.scale_of(attn), mask=mask,
+                                     backend=cache.backend)
             return o.transpose(0, 2, 1, 3).reshape(B, L, -1)
     else:
         q = attn.rope(q)
@@ -88,7 +93,10 @@ class BricksAttention:
     Prefill pieces: ``q_proj``/``k_proj``/``v_proj`` (``linear``, biases kept), per-head q/k
     RMSNorm when the layout has it, the module's rope at ``cache.offset``,
     ``cache.update_and_fetch``, ``attention`` (``flash_attention``, causal, bottom-right aligned
-    when the cache already holds tokens), ``o_proj`` (``linear``). Each linear piece and the
+    when the cache already holds tokens; the layer's window and the module's sinks where the
+    layout has them), ``o_proj`` (``linear``). With the layout's ``output_gate`` (qwen3_next)
+    ``q_proj`` gives each head's query then its gate, and ``o_proj`` reads
+    ``attention * sigmoid(gate)``, as mlx-lm's ``Qwen3NextAttention``. Each linear piece and the
     attention piece run brick or stock (the module's own layer, mlx-lm's attention function)
     as the dispatcher decides, and where tuning applies the module is weighed whole against
     stock (``nn.runner.check_block``); all stock runs the original ``__call__``.
@@ -103,13 +111,14 @@ class BricksAttention:
             return super().__call__(x, mask, cache, *args, **kwargs)
         B, L, _ = x.shape
         qp, kp, vp, op = (self[n] for n in lay.attention_linears)
+        n_heads, n_kv = lay.n_heads(self), lay.n_kv_heads(self)
         lin = linear_piece.KIND
 
         def att_args():
             return attention_args(self, state, B, L, cache, x.dtype, mask, window)
 
         def pieces():
-            o = Act((B, L, self.n_heads * state.head_dim), x.dtype)
+            o = Act((B, L, n_heads * state.head_dim), x.dtype)
             return {"q_proj": (lin, linear_piece.linear_args(qp, x)),
                     "k_proj": (lin, linear_piece.linear_args(kp, x)),
                     "v_proj": (lin, linear_piece.linear_args(vp, x)),
@@ -130,11 +139,20 @@ class BricksAttention:
                           lambda: linear_piece.linear_args(layer, x), lambda: layer(x))
             return heads(y, B, L, n)
 
-        q = proj("q_proj", qp, self.n_heads)
-        k = proj("k_proj", kp, self.n_kv_heads)
-        v = proj("v_proj", vp, self.n_kv_heads)
+        gate = None
+        if lay.output_gate:  # per head: head_dim query columns, then head_dim gate columns
+            y = run_piece(state, "q_proj", choices["q_proj"], lin,
+                          lambda: linear_piece.linear_args(qp, x), lambda: qp(x))
+            q, gate = mx.split(y.reshape(B, L, n_heads, -1), 2, axis=-1)
+            q, gate = q.transpose(0, 2, 1, 3), gate.reshape(B, L, -1)
+        else:
+            q = proj("q_proj", qp, n_heads)
+        k = proj("k_proj", kp, n_kv)
+        v = proj("v_proj", vp, n_kv)
         o = attend(self, state, choices.get("attention"), att_args, q, k, v, mask, cache,
                    window)
+        if gate is not None:
+            o = o * mx.sigmoid(gate)
         y = run_piece(state, "o_proj", choices["o_proj"], lin,
                       lambda: linear_piece.linear_args(op, o),
                       lambda: linear_piece.out_stock(op, o))

@@ -59,7 +59,7 @@ class BricksBlock:
 
         def pieces():
             h = Act((B, L, D), x.dtype)
-            o = Act((B, L, attn.n_heads * state.head_dim), x.dtype)
+            o = Act((B, L, lay.n_heads(attn) * state.head_dim), x.dtype)
             return {"qkv": (qkv_piece.KIND, qkv_args()),
                     **({} if q8 else {"attention": (attention_piece.KIND, att_args())}),
                     "o_proj": (lin, linear_piece.linear_args(op, o, residual=x)),

@@ -27,10 +27,21 @@ def is_q8_cache(cache) -> bool:
     return type(cache) is _Q8KVCache[0]
 
 
-def layer_window(attn, layout) -> tuple[int | None, str | None]:
+def layer_window(attn, layout, layer=None) -> tuple[int | None, str | None]:
     """``(window, reason)`` of an attention module: ``(None, None)`` on a global layer,
     ``(layout.sliding_window, None)`` on a sliding-window layer (``layout.sliding`` set on the
-    module), ``(None, reason)`` when the window length is unknown."""
+    module, or decoder layer index ``layer`` in ``layout.sliding_layers``), ``(None, reason)``
+    when the window length or the layer types are unknown."""
+    if layout.layer_types is not None:
+        if layout.sliding_layers is None:
+            return None, (f"the model has no per-layer attention types ({layout.layer_types}):"
+                          " which layers slide is unknown")
+        if layer not in layout.sliding_layers:
+            return None, None
+        if layout.sliding_window is None:
+            return None, (f"sliding-window layer ({layout.layer_types}[{layer}]): the model's "
+                          f"args have no {layout.window_arg or 'window length'}")
+        return layout.sliding_window, None
     if layout.sliding is None or not getattr(attn, layout.sliding, False):
         return None, None
     if layout.sliding_window is None:
@@ -39,7 +50,7 @@ def layer_window(attn, layout) -> tuple[int | None, str | None]:
     return layout.sliding_window, None
 
 
-def _array_mask_reason(mask, cache, L: int, window) -> str | None:
+def _array_mask_reason(mask, cache, L: int, window, keys=None) -> str | None:
     """On a sliding-window layer (``window`` set) or a model that passes its causal mask as an
     array (``BlockLayout.causal_array``): None when the brick's causal mask (with ``window``,
     bottom-right aligned over the keys the cache returns) computes what mlx-lm's mask does.
@@ -49,7 +60,8 @@ def _array_mask_reason(mask, cache, L: int, window) -> str | None:
     ``create_causal_mask(L, offset, window_size)`` of shape (L, keys); ``return_array=True``
     gives the same without a window. Batch padding masks are 4-D and fall back. A
     ``RotatingKVCache`` (sliding layers only) returns its keys in temporal order when
-    ``keep == 0`` (``_update_concat``), which the bottom-right alignment needs."""
+    ``keep == 0`` (``_update_concat``), which the bottom-right alignment needs. ``keys``: the
+    number of keys when they do not come from ``cache`` (gemma4's shared K/V), else None."""
     caches = (KVCache, RotatingKVCache) if window is not None else (KVCache,)
     if cache is not None and type(cache) not in caches:
         names = " or ".join(c.__name__ for c in caches)
@@ -59,7 +71,7 @@ def _array_mask_reason(mask, cache, L: int, window) -> str | None:
     if isinstance(mask, str) and mask == "causal":
         return None
     if (isinstance(mask, mx.array) and mask.dtype == mx.bool_
-            and tuple(mask.shape) == (L, kv_length(cache, L))):
+            and tuple(mask.shape) == (L, kv_length(cache, L) if keys is None else keys)):
         return None
     what = f"an array {tuple(mask.shape)}" if isinstance(mask, mx.array) else repr(mask)
     kind = "sliding-window" if window is not None else "causal"
@@ -121,12 +133,13 @@ def _batch_mask_reason(x, mask, cache, window) -> str | None:
     return f"mask is {what}: not BatchKVCache.make_mask's {want} padded-batch mask"
 
 
-def mask_key(mask, cache, L: int):
-    """The mask as a call-shape key: an accepted array mask by its key count, a padded batch's
-    (``BatchKVCache``) as its own flag."""
+def mask_key(mask, cache, L: int, keys=None):
+    """The mask as a call-shape key: an accepted array mask by its key count (``keys`` when
+    they do not come from ``cache``), a padded batch's (``BatchKVCache``) as its own flag."""
     if type(cache) is BatchKVCache and isinstance(mask, mx.array):
         return ("padded", kv_length(cache, L))
-    return ("array", kv_length(cache, L)) if isinstance(mask, mx.array) else mask
+    n = kv_length(cache, L) if keys is None else keys
+    return ("array", n) if isinstance(mask, mx.array) else mask
 
 
 def cache_offset(cache) -> int:
@@ -137,10 +150,12 @@ def cache_offset(cache) -> int:
     return cache._idx if type(cache) is BatchKVCache else cache.offset
 
 
-def call_reason(x, mask, cache, args, kwargs, window=None, causal_array=False) -> str | None:
+def call_reason(x, mask, cache, args, kwargs, window=None, causal_array=False,
+                keys=None) -> str | None:
     """Per-call conditions shared by attention and block (cheap checks first); ``window``:
     the layer's sliding window (:func:`layer_window`), ``causal_array``: the layout's (both
-    accept mlx-lm's array masks, :func:`_array_mask_reason`)."""
+    accept mlx-lm's array masks, :func:`_array_mask_reason`); ``keys``: the key count when
+    the keys do not come from ``cache`` (gemma4's shared K/V)."""
     if args or kwargs:
         extra = [f"{len(args)} extra positional"] if args else []
         extra += sorted(kwargs)
@@ -154,7 +169,7 @@ def call_reason(x, mask, cache, args, kwargs, window=None, causal_array=False) -
     if type(cache) is BatchKVCache:
         return _batch_mask_reason(x, mask, cache, window)
     if window is not None or causal_array:
-        return _array_mask_reason(mask, cache, x.shape[1], window)
+        return _array_mask_reason(mask, cache, x.shape[1], window, keys)
     if mask is not None and not (isinstance(mask, str) and mask == "causal"):
         what = "an array" if isinstance(mask, mx.array) else repr(mask)
         return f"mask is {what} (sliding window or padding): the attention brick takes causal only"

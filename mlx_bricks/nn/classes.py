@@ -12,9 +12,10 @@ from mlx_bricks.nn.block import BricksBlock
 from mlx_bricks.nn.gated_delta import BricksGatedDelta
 from mlx_bricks.nn.piece import BricksPiece
 from mlx_bricks.nn.runner import BricksState
+from mlx_bricks.nn.shared_kv import BricksSharedKVAttention
 
 #: The mixins a patched module's class is built from.
-MIXINS = (BricksAttention, BricksPiece, BricksBlock, BricksGatedDelta)
+MIXINS = (BricksAttention, BricksPiece, BricksBlock, BricksGatedDelta, BricksSharedKVAttention)
 
 _CLASSES: dict[tuple[type, type], type] = {}
 

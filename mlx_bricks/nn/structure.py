@@ -18,13 +18,13 @@ def attention_sharding_reason(attn, layout) -> str | None:
 def attention_reason(attn, layout, dtype=None) -> str | None:
     """Why the attention module's layers cannot feed the bricks for ``dtype`` (None: they
     can): q/k/v/o linears, their sharding, the per-head norms of the layout."""
-    for n in layout.attention_linears:
+    for n in layout.attention_linears_of(attn):
         r = linear_reason(n, getattr(attn, n, None), dtype)
         if r is not None:
             return r
     r = attention_sharding_reason(attn, layout)
     if r is None and layout.qk_norm is not None:
-        for n in layout.qk_norm:
+        for n in layout.qk_norms_of(attn):
             r = rms_norm_reason(n, getattr(attn, n, None), layout, dtype)
             if r is not None:
                 return r
@@ -73,7 +73,7 @@ def structure_reason(module, state, dtype) -> str | None:
     else:
         attn = mlp = module
     if state.role in ("block", "self_attn") and isinstance(attn, dict):
-        _fingerprint(attn, lay.attention_linears + (lay.qk_norm or ()), token)
+        _fingerprint(attn, lay.attention_linears_of(attn) + lay.qk_norms_of(attn), token)
     if state.role == "block" and isinstance(mlp, dict):
         _fingerprint(mlp, lay.mlp_linears, token)
     if state.piece is not None:
@@ -103,7 +103,9 @@ def linears(module, role: str, layout, piece=None) -> dict:
     out = {}
     if role in ("block", "self_attn"):
         attn = child(module, layout.attention) if role == "block" else module
-        out.update({n: child(attn, n) for n in layout.attention_linears})
+        names = layout.attention_linears_of(attn) if attn is not None else \
+            layout.attention_linears
+        out.update({n: child(attn, n) for n in names})
     if role == "block":
         mlp = child(module, layout.mlp)
         out.update({n: child(mlp, n) for n in layout.mlp_linears})

@@ -39,6 +39,7 @@ from mlx_bricks.nn import (
 )
 from mlx_bricks.nn.calls import track_batch_masks
 from mlx_bricks.nn.gate import gate_model, model_gate, ungate_model
+from mlx_bricks.nn.shared_kv import BricksSharedKVAttention
 from mlx_bricks.nn.structure import attention_sharding_reason, linears
 from mlx_bricks.runtime.dispatch import NO_KERNEL_BACKEND, TUNE_MODES, Dispatch, no_kernel_backend
 from mlx_bricks.patch.report import (
@@ -104,37 +105,49 @@ def _attention_structure(attn, layout, kv_quant) -> tuple[str | None, int]:
         return f"block has no {layout.attention!r}", 0
     if is_patched(attn):
         return "module is already patched", 0
-    r = sinks_reason(attn)
+    r = sinks_reason(attn, layout)
     if r is not None:
         return r, 0
-    for name in layout.attention_linears:
+    for name in layout.attention_linears_of(attn):
         r = linear_reason(name, getattr(attn, name, None))
         if r is not None:
             return r, 0
     r = attention_sharding_reason(attn, layout)  # tensor-parallel: mlx-lm's shard() layout
     if r is not None:
         return r, 0
-    for name in layout.qk_norm or ():
+    for name in layout.qk_norms_of(attn):
         r = rms_norm_reason(name, getattr(attn, name, None), layout)
         if r is not None:
             return r, 0
-    n_heads, n_kv = getattr(attn, "n_heads", None), getattr(attn, "n_kv_heads", None)
+    n_heads, n_kv = layout.n_heads(attn), layout.n_kv_heads(attn)
     if not (isinstance(n_heads, int) and isinstance(n_kv, int) and n_heads > 0 and n_kv > 0):
-        return "attention has no integer n_heads / n_kv_heads", 0
+        return f"attention has no integer {' / '.join(layout.heads)}", 0
     if n_heads % n_kv:
         return f"n_heads {n_heads} is not a multiple of n_kv_heads {n_kv}", 0
     q_rows = getattr(attn, layout.q_proj).weight.shape[0]
-    head_dim = q_rows // n_heads
-    if head_dim * n_heads != q_rows:
-        return f"{layout.q_proj} has {q_rows} rows, not a multiple of n_heads {n_heads}", 0
+    per_head = 2 * n_heads if layout.output_gate else n_heads  # a gate beside each query
+    head_dim = q_rows // per_head
+    if head_dim * per_head != q_rows:
+        return f"{layout.q_proj} has {q_rows} rows, not a multiple of {per_head} " \
+               f"({'2 x ' if layout.output_gate else ''}n_heads {n_heads})", 0
     for name in (layout.k_proj, layout.v_proj):
+        if name not in layout.attention_linears_of(attn):
+            continue  # shared_kv: K/V of another layer, or values = keys
         rows = getattr(attn, name).weight.shape[0]
         if rows != n_kv * head_dim:
             return f"{name} has {rows} rows, expected n_kv_heads * head_dim = {n_kv * head_dim}", 0
-    if not isinstance(getattr(attn, "scale", None), (int, float)):
-        return "attention has no numeric scale", 0
+    if not isinstance(layout.scale_of(attn), (int, float)):
+        return f"attention has no numeric {layout.scale}", 0
+    if layout.sinks is not None:
+        sinks = layout.sinks_of(attn)
+        if sinks is None or tuple(getattr(sinks, "shape", ())) != (n_heads,):
+            return (f"attention's {layout.sinks} is not a ({n_heads},) array (one sink logit "
+                    "per query head)"), 0
     if not callable(getattr(attn, "rope", None)):
         return "attention has no rope module (NoPE or another position scheme)", 0
+    if layout.shared_kv and layout.owns_kv(attn) and not callable(getattr(attn, layout.v_norm,
+                                                                          None)):
+        return f"attention has no {layout.v_norm} module (gemma4's value norm)", 0
     if head_dim not in SUPPORTED_HEAD_DIMS:
         dims = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
         return f"head_dim {head_dim} is not supported by the attention brick ({dims})", 0
@@ -143,12 +156,15 @@ def _attention_structure(attn, layout, kv_quant) -> tuple[str | None, int]:
     return _signature_reason(attn, ("mask", "cache")), head_dim
 
 
-def sinks_reason(attn) -> str | None:
+def sinks_reason(attn, layout=None) -> str | None:
     """Why an attention module with learned attention sinks (gpt-oss's ``sinks``, one logit per
-    head in the softmax's denominator) stays stock: the attention brick has no sinks."""
+    head in the softmax's denominator) stays stock: its layout does not name them
+    (``BlockLayout.sinks``), so the patched module would drop them."""
+    if layout is not None and layout.sinks is not None:
+        return None
     if isinstance(attn, dict) and "sinks" in attn:  # nn.Module is a dict of its arrays
-        return ("attention sinks (sinks: a learned logit per head in the softmax): the "
-                "attention brick has none")
+        return ("attention sinks (sinks: a learned logit per head in the softmax) that the "
+                "architecture's table entry does not name (BlockLayout.sinks)")
     return None
 
 
@@ -167,6 +183,9 @@ def _mlp_structure(mlp, layout) -> str | None:
 def _block_structure(layer, layout) -> str | None:
     if layout.unfused is not None:
         return layout.unfused
+    if layout.output_gate:
+        return ("the attention's output is gated (sigmoid of q_proj's gate columns): the "
+                "unified block's qkv piece has no gate")
     if is_patched(layer):
         return "module is already patched"
     attn = getattr(layer, layout.attention)
@@ -202,6 +221,12 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
                                                                   False):
         attn_reason = (f"sliding-window layer ({layout.layer_sliding}=True): the attention "
                        "brick has no window mask and mlx-lm gives this layer a RotatingKVCache")
+    if attn_reason is None and layout.shared_kv and opts["kv_cache"] == "q8_0":
+        attn_reason = ("gemma4's shared K/V with kv_cache='q8_0': the Q8_0 cache readers do not "
+                       "take K/V handed between layers")
+    if attn_reason is None and layout.sinks is not None and opts["kv_cache"] == "q8_0":
+        attn_reason = ("attention sinks with kv_cache='q8_0': the Q8_0 cache readers (decode) "
+                       "have no sinks")
     mlp_reason = _mlp_structure(mlp_mod, layout)
     rope = describe_rope(attn_mod.rope) if attn_mod is not None and callable(
         getattr(attn_mod, "rope", None)) else ""
@@ -243,7 +268,8 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
     elif attn_reason is not None:
         add(ModuleReport(i, "self_attn", FALLBACK, reason=attn_reason, rope=rope))
     else:
-        patch(attn_mod, BricksAttention, "self_attn", _ATTN_BRICKS, attn_variant, rope)
+        mixin = BricksSharedKVAttention if layout.shared_kv else BricksAttention
+        patch(attn_mod, mixin, "self_attn", _ATTN_BRICKS, attn_variant, rope)
 
     if not mlp:
         add(ModuleReport(i, "mlp", DISABLED, reason="mlp=False"))
@@ -252,6 +278,16 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
     else:
         patch(mlp_mod, BricksPiece, MLP_PIECE.role, MLP_PIECE.bricks, mlp_variant,
               piece=MLP_PIECE)
+    shared = (getattr(mlp_mod, layout.shared_expert, None)
+              if mlp and layout.shared_expert is not None and mlp_reason is not None else None)
+    if isinstance(shared, nn.Module):  # a MoE block's shared expert: a plain MLP it gates
+        role = layout.shared_expert
+        reason = "module is already patched" if is_patched(shared) else (
+            MLP_PIECE.reason(shared, layout) or _signature_reason(shared, ()))
+        if reason is not None:
+            add(ModuleReport(i, role, FALLBACK, reason=reason))
+        else:
+            patch(shared, BricksPiece, role, MLP_PIECE.bricks, mlp_variant, piece=MLP_PIECE)
 
 
 def has_experts(layer) -> bool:

@@ -49,12 +49,50 @@ ARCHITECTURES: dict[str, BlockLayout] = {
                           activation="gelu_tanh",
                           softcap="attn_logit_softcapping", causal_array=True,
                           unfused=_SANDWICH),
+    # gpt_oss: attention sinks (a learned logit per head in the softmax, the brick's sinks),
+    # q/k/v/o biases, sliding-window layers (window sliding_window, RotatingKVCache) where
+    # layer_types says "sliding_attention" (default: every other layer), heads and scale under
+    # their own names, YaRN RoPE (the module's own object). Every MLP is MoE: its SwitchGLU
+    # experts are patched by module, router and combine stay stock.
+    "gpt_oss": BlockLayout(source="mlx_lm/models/gpt_oss.py",
+                           heads=("num_attention_heads", "num_key_value_heads"),
+                           scale="sm_scale", sinks="sinks", window_arg="sliding_window",
+                           layer_types="layer_types"),
+    # qwen3_next / qwen3_5: full-attention layers (every full_attention_interval-th) gate
+    # their output (q_proj gives each head's query then its gate; o_proj reads
+    # attention * sigmoid(gate)), per-head q/k RMSNorm, partial RoPE (the module's own rope
+    # object), heads under their own names. The other layers are Gated DeltaNet
+    # (linear_attn, no self_attn): their mixer stays stock here, their MLP is patched. MoE
+    # layers: SwitchGLU experts by module, the gated shared expert's MLP (shared_expert) as an
+    # MLP piece, router and gate stock.
+    "qwen3_next": BlockLayout(source="mlx_lm/models/qwen3_next.py",
+                              qk_norm=("q_norm", "k_norm"),
+                              heads=("num_attention_heads", "num_key_value_heads"),
+                              output_gate=True, shared_expert="shared_expert"),
+    "qwen3_5": BlockLayout(source="mlx_lm/models/qwen3_5.py", qk_norm=("q_norm", "k_norm"),
+                           heads=("num_attention_heads", "num_key_value_heads"),
+                           output_gate=True, shared_expert="shared_expert"),
+    # gemma4 (text): sliding layers (is_sliding, head_dim, window sliding_window) and global
+    # ones (global_head_dim 512, partial "proportional" RoPE: the module's own rope object),
+    # plain nn.RMSNorm (q/k norms too), weightless v_norm, scale 1.0, values = keys on global
+    # layers with attention_k_eq_v, the last num_kv_shared_layers layers attending over an
+    # earlier layer's K/V (shared_kv: the attention returns (out, (keys, values), offset)),
+    # GELU-tanh MLP. The decoder layer (sandwich norms, per-layer inputs, layer scalar, the
+    # 26B's router and experts beside the MLP) stays its own: attention and MLP are patched
+    # one by one, SwitchGLU experts by module.
+    "gemma4_text": BlockLayout(source="mlx_lm/models/gemma4_text.py",
+                               qk_norm=("q_norm", "k_norm"), activation="gelu_tanh",
+                               sliding="is_sliding", window_arg="sliding_window",
+                               shared_kv=True, unfused=_SANDWICH),
 }
 
 # model_type -> ARCHITECTURES key, for types mlx-lm builds with another type's model file
 # (mlx_lm.utils.MODEL_REMAPPING maps "mistral" to llama.py).
 # "gemma3" is the multimodal wrapper: model.layers are gemma3_text's (language_model.layers).
-ALIASES: dict[str, str] = {"mistral": "llama", "gemma3": "gemma3_text"}
+# "qwen3_5_moe" builds qwen3_5's model (its Model subclasses qwen3_5's, same layers).
+# "gemma4" is the multimodal wrapper: model.layers are gemma4_text's.
+ALIASES: dict[str, str] = {"mistral": "llama", "gemma3": "gemma3_text", "qwen3_5_moe": "qwen3_5",
+                           "gemma4": "gemma4_text"}
 
 
 def _model_args(model):
@@ -63,14 +101,33 @@ def _model_args(model):
     return getattr(lm if lm is not None else model, "args", None)
 
 
+def _layer_types(model, field: str):
+    """The per-layer attention types of ``model``: its args' ``field``, else its inner
+    model's attribute (gpt-oss fills the default alternation there), else None."""
+    types = getattr(_model_args(model), field, None)
+    if types is None:
+        lm = getattr(model, "language_model", model)
+        types = getattr(getattr(lm, "model", None), field, None)
+    return types if isinstance(types, (list, tuple)) else None
+
+
 def bind(layout: BlockLayout, model) -> BlockLayout:
-    """``layout`` with the values one model sets (the sliding-window length from its args'
-    ``layout.window_arg``; None if absent or not a positive int)."""
-    if layout.window_arg is None or model is None:
+    """``layout`` with the values one model sets: the sliding-window length from its args'
+    ``layout.window_arg`` (None if absent or not a positive int) and, with
+    ``layout.layer_types``, the indices of its ``"sliding_attention"`` layers (None if the
+    model has no such list)."""
+    if model is None:
         return layout
-    window = getattr(_model_args(model), layout.window_arg, None)
-    ok = isinstance(window, numbers.Integral) and not isinstance(window, bool) and window > 0
-    return dataclasses.replace(layout, sliding_window=int(window) if ok else None)
+    if layout.window_arg is not None:
+        window = getattr(_model_args(model), layout.window_arg, None)
+        ok = isinstance(window, numbers.Integral) and not isinstance(window, bool) and window > 0
+        layout = dataclasses.replace(layout, sliding_window=int(window) if ok else None)
+    if layout.layer_types is not None:
+        types = _layer_types(model, layout.layer_types)
+        sliding = None if types is None else frozenset(
+            i for i, t in enumerate(types) if t == "sliding_attention")
+        layout = dataclasses.replace(layout, sliding_layers=sliding)
+    return layout
 
 
 def lookup(model_type, model=None) -> tuple[str | None, BlockLayout | None]:

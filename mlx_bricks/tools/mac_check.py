@@ -218,6 +218,11 @@ def _drive_ops(backend: str) -> list[tuple[str, tuple]]:
                     lambda: attention.flash_attention(
                         qb, kvb, kvb, scale=0.1, mask="causal", window=33, softcap=50.0,
                         kv_start=mx.array([0, 37], mx.int32), backend=backend))
+                # Attention sinks (SINKS, gpt-oss): causal with a window.
+                run(f"{dn} attention D={D} mask=causal window=33 cap=None kv=None sinks",
+                    lambda: attention.flash_attention(
+                        q, kv, kv, scale=0.1, mask="causal", window=33, sinks=arr((4,), dt),
+                        backend=backend))
                 # Decode: one row and the largest row tile, causal, Q8_0 K/V.
                 for Lq, heads in ((1, (4, 4)), (8, (8, 1))):
                     for q8 in ((None, "q8_0") if D % 32 == 0 else (None,)):

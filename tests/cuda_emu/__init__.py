@@ -82,7 +82,8 @@ def _source(template) -> str:
         params += [f"const {ct}* {name}", f"const Shape {name}_shape",
                    f"const Strides {name}_strides"]
     params += ["const float* fparams", "const int32_t* iparams", "const int32_t* kv_start",
-               "const Strides kv_start_strides", f"{T}* out"]
+               "const Strides kv_start_strides", "const float* sinks",
+               "const Strides sinks_strides", f"{T}* out"]
     return "\n".join([
         '#include "warp_emu.h"',
         header,
@@ -124,6 +125,9 @@ int main(int argc, char** argv) {
   int64_t nstart; if (std::fread(&nstart, 8, 1, f) != 1) std::abort();
   auto startb = read_buf<int32_t>(f, nstart);
   Strides startst; startst.fill(0); startst[0] = 1;
+  int64_t nsink; if (std::fread(&nsink, 8, 1, f) != 1) std::abort();
+  auto sinkb = read_buf<float>(f, nsink);
+  Strides sinkst; sinkst.fill(0); sinkst[0] = 1;
   int64_t g[6]; if (std::fread(g, 8, 6, f) != 6) std::abort();
   std::fclose(f);
   const int64_t nout = g[5];
@@ -133,7 +137,7 @@ int main(int argc, char** argv) {
               uint32_t(g[4]), 4, 64, [&] {
     kernel_fn(qb.data() + qo, qs, qst, kb.data() + ko, ks, kst, vb.data() + vo, vs, vst,
               ksb.data() + kso, kss, ksst, vsb.data() + vso, vss, vsst, prm, iprm,
-              startb.data(), startst, out);
+              startb.data(), startst, sinkb.data(), sinkst, out);
   });
   FILE* o = std::fopen(argv[2], "wb");
   std::fwrite(ob.data(), 1, ob.size(), o);
@@ -160,10 +164,13 @@ def _geom(t: Tensor | None) -> bytes:
 def run_attention(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
                   v_scale: Tensor | None, fparams: np.ndarray, iparams: np.ndarray, template,
                   grid, threads: int, smem: int, out_elems: int,
-                  kv_start: np.ndarray | None = None) -> np.ndarray:
+                  kv_start: np.ndarray | None = None,
+                  sinks: np.ndarray | None = None) -> np.ndarray:
     """Run one launch; returns the raw output buffer (uint16 bits or float32). ``kv_start``:
-    the (B,) int32 first valid key per batch row (template ``KV_START``), else a (1,) dummy."""
+    the (B,) int32 first valid key per batch row (template ``KV_START``), else a (1,) dummy;
+    ``sinks``: the (Hq,) float32 sink logits (template ``SINKS``), else a (1,) dummy."""
     starts = np.zeros(1, np.int32) if kv_start is None else np.asarray(kv_start, np.int32)
+    sink = np.zeros(1, np.float32) if sinks is None else np.asarray(sinks, np.float32)
     exe = build(template)
     with tempfile.TemporaryDirectory() as tmp:
         fin, fout = Path(tmp) / "in.bin", Path(tmp) / "out.bin"
@@ -171,6 +178,7 @@ def run_attention(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
                          np.asarray(fparams, np.float32).tobytes(),
                          np.asarray(iparams, np.int32).tobytes(),
                          struct.pack("<q", starts.size), starts.tobytes(),
+                         struct.pack("<q", sink.size), sink.tobytes(),
                          struct.pack("<6q", grid[0], grid[1], grid[2], threads, smem,
                                      out_elems)])
         fin.write_bytes(blob)

@@ -20,6 +20,7 @@ from mlx_bricks import kernels
 from mlx_bricks.bricks.gemm import cuda as gemm_cuda
 from mlx_bricks.checks import dtype_name
 from mlx_bricks.bricks.gemm.cuda import max_shared_memory
+from mlx_bricks.bricks.attention.msl import sinks_input
 
 #: Head dims the CUDA twin supports.
 CUDA_HEAD_DIMS = (64, 80, 96, 128, 192, 256, 512)
@@ -144,7 +145,7 @@ def attention_params(scale: float, softcap: float | None,
 
 
 def launch_attention_cuda(q, k, v, k_scale, v_scale, *, scale, causal, window=None,
-                          softcap=None, variant=None, kv_start=None):
+                          softcap=None, variant=None, kv_start=None, sinks=None):
     """Run the CUDA attention kernel; returns (B, Hq, Lq, D) as a transposed view of a
     row-contiguous (B, Lq, Hq, D) buffer (as MLX's SDPA and the MSL brick return it).
 
@@ -164,6 +165,8 @@ def launch_attention_cuda(q, k, v, k_scale, v_scale, *, scale, causal, window=No
         kv_start: None, or an int32 (B,) array: batch row b's first valid key (the kernel's
             ``KV_START`` instantiation; clamped to 0 .. Lk in the kernel). Tiles below it are
             never loaded; the partial tile's padding keys are staged as zeros (never read).
+        sinks: None, or (Hq,) float: head h's sink logit, one more softmax column of value 0
+            (the kernel's ``SINKS`` instantiation, read in float32).
 
     Shapes and dtypes are the caller's to check (``flash_attention`` validates them); rows that
     see no key (only reachable with Lq > Lk) come out 0.
@@ -192,7 +195,7 @@ def launch_attention_cuda(q, k, v, k_scale, v_scale, *, scale, causal, window=No
         kv_start = mx.zeros((1,), mx.int32)  # never read
     (out,) = kernels.launch(
         "flash_attention", "cuda",
-        inputs=[q, k, v, k_scale, v_scale, fparams, iparams, kv_start],
+        inputs=[q, k, v, k_scale, v_scale, fparams, iparams, kv_start, sinks_input(sinks)],
         grid=(nt * -(-Lq // (64 * tile.mt)), Hq, B),
         threadgroup=(nt, 1, 1),
         output_shapes=[(B, Lq, Hq, D)],
@@ -200,7 +203,7 @@ def launch_attention_cuda(q, k, v, k_scale, v_scale, *, scale, causal, window=No
         template=[("T", q.dtype), ("D", D), ("BK", tile.bk), ("MT", tile.mt),
                   ("QREG", tile.qreg), ("CAUSAL", bool(causal) or window is not None),
                   ("WINDOW", has_window), ("SOFTCAP", softcap is not None),
-                  ("KV_Q8", kv_q8), ("KV_START", has_start)],
+                  ("KV_Q8", kv_q8), ("KV_START", has_start), ("SINKS", sinks is not None)],
         shared_memory=smem_bytes(D, q.dtype, tile, kv_q8),
     )
     return out.transpose(0, 2, 1, 3)

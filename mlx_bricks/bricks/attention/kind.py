@@ -4,7 +4,9 @@ for a ``KVCache``). Arguments as ``ops.flash_attention`` takes them: ``q, k, v, 
 kv_quant`` and optionally ``window``, ``softcap`` (mask None or ``"causal"``, bottom-right
 aligned; window None or a sliding-window length; softcap None or > 0; kv_quant None or
 ``"q8_0"``), and optionally ``kv_start`` (a padded batch: (B,) int32 first valid key per row,
-``BatchKVCache.left_padding``; its stock is the brick's MLX reference with the same mask).
+``BatchKVCache.left_padding``; its stock is the brick's MLX reference with the same mask), and
+optionally ``sinks`` ((Hq,) float attention sinks, gpt-oss: stock passes them to
+``mx.fast.scaled_dot_product_attention(..., sinks=)``, as mlx-lm's attention function does).
 
 With ``kv_quant="q8_0"`` the values are attention over the K/V's Q8_0 round trip in q's dtype,
 whichever candidate runs: stock is the brick's MLX reference (the round trip in MLX ops, then
@@ -58,7 +60,7 @@ def _dequant_kv_sdpa(args, backend, settings):
     return flash_attention_reference(q, dense_kv(args["k"], q.dtype, backend),
                                      dense_kv(args["v"], q.dtype, backend),
                                      scale=args["scale"], mask=args.get("mask"),
-                                     kv_start=args.get("kv_start"),
+                                     kv_start=args.get("kv_start"), sinks=args.get("sinks"),
                                      **{o: args.get(o) for o in _OPTIONS})
 
 
@@ -83,6 +85,8 @@ class Attention(OpKind):
         values.update({o: args[o] for o in _OPTIONS if args.get(o) is not None})
         if args.get("kv_start") is not None:
             values["padded"] = True  # a left-padded batch: its own decisions
+        if args.get("sinks") is not None:
+            values["sinks"] = True  # attention sinks: their own decisions
         return Key(self.name, flags(**values), attention_bucket(Lq, Lk), dtype_name(q.dtype),
                    "-")
 
@@ -96,7 +100,8 @@ class Attention(OpKind):
             k, v, kv_quant = dense_kv(k, q.dtype, backend), dense_kv(v, q.dtype, backend), None
         return run_flash_attention(q, k, v, scale=args["scale"], mask=args.get("mask"),
                                    kv_quant=kv_quant, kv_start=args.get("kv_start"),
-                                   backend=backend, **self._options(args))
+                                   sinks=args.get("sinks"), backend=backend,
+                                   **self._options(args))
 
     def stock(self, args):
         if (args.get("kv_quant") is not None or any(self._options(args).values())
@@ -108,7 +113,12 @@ class Attention(OpKind):
                                              scale=args["scale"], mask=args.get("mask"),
                                              kv_quant=args.get("kv_quant"),
                                              kv_start=args.get("kv_start"),
-                                             **self._options(args))
+                                             sinks=args.get("sinks"), **self._options(args))
+        if args.get("sinks") is not None:  # mlx-lm's attention function with sinks
+            return mx.fast.scaled_dot_product_attention(args["q"], args["k"], args["v"],
+                                                        scale=args["scale"],
+                                                        mask=args.get("mask"),
+                                                        sinks=args["sinks"])
         return mx.fast.scaled_dot_product_attention(args["q"], args["k"], args["v"],
                                                     scale=args["scale"], mask=args.get("mask"))
 
@@ -168,9 +178,16 @@ class Attention(OpKind):
                              mx.array(-math.inf, hp))
                 seen = mx.max(s, axis=-1, keepdims=True) != -math.inf
                 s = mx.where(seen, s, mx.array(0, hp))
-            s = s - mx.max(s, axis=-1, keepdims=True)
-            p = mx.exp(s)
-            out = (p / mx.sum(p, axis=-1, keepdims=True)) @ vh
+            if args.get("sinks") is not None:
+                # one more column per head (the sink), value 0: only in the max and the sum
+                sk = args["sinks"].astype(hp).reshape(1, -1, 1, 1)
+                m = mx.maximum(mx.max(s, axis=-1, keepdims=True), sk)
+                p = mx.exp(s - m)
+                out = (p / (mx.sum(p, axis=-1, keepdims=True) + mx.exp(sk - m))) @ vh
+            else:
+                s = s - mx.max(s, axis=-1, keepdims=True)
+                p = mx.exp(s)
+                out = (p / mx.sum(p, axis=-1, keepdims=True)) @ vh
             if args.get("kv_start") is not None:
                 out = mx.where(seen, out, mx.array(0, hp))
         return out

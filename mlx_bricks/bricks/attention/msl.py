@@ -19,7 +19,8 @@ MAX_HEAD_DIM_PER_SIMDGROUP = 128
 kernels.register(kernels.KernelSpec(
     name="flash_attention",
     body="attention.metal",
-    input_names=("q", "k", "v", "k_scale", "v_scale", "fparams", "iparams", "kv_start"),
+    input_names=("q", "k", "v", "k_scale", "v_scale", "fparams", "iparams", "kv_start",
+                 "sinks"),
     output_names=("out",),
     headers=("q8_0.h", "gemm.h", "attention.h"),
     ensure_row_contiguous=False,
@@ -103,13 +104,20 @@ def attention_tile_config(head_dim: int, dtype) -> AttentionTiles:
     return AttentionTiles(8 * wq, bk, wq, wd, shared, size)
 
 
+def sinks_input(sinks) -> mx.array:
+    """The kernels' ``sinks`` input: (Hq,) float32 (exact for every float dtype), or a (1,)
+    dummy, never read, without sinks."""
+    return mx.zeros((1,), mx.float32) if sinks is None else sinks.astype(mx.float32)
+
+
 def launch_attention(q, k, v, k_scale, v_scale, *, scale, causal, window, softcap, backend,
-                     kv_start=None):
+                     kv_start=None, sinks=None):
     """Run the MSL attention kernel on ``backend`` (metal or emulator); returns (B, Hq, Lq, D)
     as a transposed view of a (B, Lq, Hq, D) buffer. k/v are T arrays, or int8 quants with
     their float16 scales k_scale/v_scale (else None). ``kv_start``: None, or an int32 (B,)
     array, batch row b's first valid key (the kernel's ``KV_START`` instantiation; the kernel
-    clamps it to 0 .. Lk). No argument checks: the caller has done them (tests reach the
+    clamps it to 0 .. Lk). ``sinks``: None, or (Hq,) float (the ``SINKS`` instantiation, read
+    in float32). No argument checks: the caller has done them (tests reach the
     kernel's no-visible-key guard through here with Lq > Lk)."""
     B, Hq, Lq, D = q.shape
     Lk = k.shape[2]
@@ -128,7 +136,7 @@ def launch_attention(q, k, v, k_scale, v_scale, *, scale, causal, window, softca
         kv_start = mx.zeros((1,), mx.int32)  # never read
     (out,) = kernels.launch(
         "flash_attention", backend,
-        inputs=[q, k, v, k_scale, v_scale, fparams, iparams, kv_start],
+        inputs=[q, k, v, k_scale, v_scale, fparams, iparams, kv_start, sinks_input(sinks)],
         grid=(tiles.threads * n_qblocks, Hq, B),
         threadgroup=(tiles.threads, 1, 1),
         output_shapes=[(B, Lq, Hq, D)],
@@ -136,7 +144,7 @@ def launch_attention(q, k, v, k_scale, v_scale, *, scale, causal, window, softca
         template=[("T", q.dtype), ("D", D), ("BK", tiles.bk), ("WQ", tiles.wq),
                   ("WD", tiles.wd), ("KV_SHARED", tiles.kv_shared), ("CAUSAL", bool(causal)),
                   ("WINDOW", windowed), ("SOFTCAP", softcap is not None), ("KV_Q8", kv_q8),
-                  ("KV_START", has_start)],
+                  ("KV_START", has_start), ("SINKS", sinks is not None)],
     )
     return out.transpose(0, 2, 1, 3)
 

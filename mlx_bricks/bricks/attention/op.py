@@ -1,5 +1,6 @@
 """The attention brick's public op (brick 4): FlashAttention prefill (online softmax, GQA,
-Q8_0 K/V) with causal, bottom-right and sliding-window masks and logit soft-capping as kernel parameters (no score matrix).
+Q8_0 K/V) with causal, bottom-right and sliding-window masks, logit soft-capping and attention
+sinks as kernel parameters (no score matrix).
 
 The kernel (``metal_src/attention.metal``) follows FlashAttention-2 (Dao, 2023, "FlashAttention-2:
 Faster Attention with Better Parallelism and Work Partitioning"): a threadgroup takes ``bq``
@@ -7,6 +8,14 @@ query rows of one head in 8-row blocks, and K/V tiles of ``bk`` keys stream thro
 memory while the softmax is updated online in float32. For head_dim above 128 the SIMD-groups of
 a row block split head_dim (``wd`` of them), so no SIMD-group keeps more than 128 columns of Q
 and of the output accumulator in registers; see ``msl.attention_tile_config``.
+
+Attention sinks (gpt-oss; ``mx.fast.scaled_dot_product_attention(..., sinks=)``): head h has a
+learned logit ``sink_h`` that joins every row's softmax as one more column without a value,
+``out = sum_j e^(s_j - m) v_j / (e^(sink_h - m) + sum_j e^(s_j - m))``,
+``m = max(sink_h, max_j s_j)``. The online softmax therefore starts each row from the sink
+column already seen: ``m = sink_h`` and ``l = e^(sink_h - m) = 1``, ``O = 0``; every later tile
+rescales that 1 with the rest of ``l``, so the final ``O / l`` is the formula above. A row with
+no visible key keeps ``O = 0``, ``l > 0``: it gives 0, as MLX's SDPA does with sinks.
 """
 from __future__ import annotations
 
@@ -20,7 +29,7 @@ from mlx_bricks.backends import op_backend
 from mlx_bricks.bricks.attention import cuda, msl
 from mlx_bricks.bricks.attention.msl import SUPPORTED_HEAD_DIMS
 from mlx_bricks.bricks.q8_0.op import quantize_q8_0
-from mlx_bricks.checks import check_array, check_float_dtype
+from mlx_bricks.checks import FLOAT_DTYPES, check_array, check_float_dtype, dtype_name
 from mlx_bricks.formats.q8_0 import QK8_0, check_kv, check_kv_quant, kv_dense
 from mlx_bricks.runtime.variants import kernel_variants
 
@@ -60,7 +69,7 @@ REFERENCE_SCORE_BLOCK_BYTES = 16 << 20
 
 
 def flash_attention_reference(q, k, v, *, scale, mask=None, window=None, softcap=None,
-                              kv_quant=None, kv_start=None):
+                              kv_quant=None, kv_start=None, sinks=None):
     """Reference of :func:`flash_attention` in MLX ops.
 
     Without ``softcap``: ``mx.fast.scaled_dot_product_attention`` (``mask="causal"``, or with
@@ -73,7 +82,10 @@ def flash_attention_reference(q, k, v, *, scale, mask=None, window=None, softcap
     With ``kv_start`` ((B,) integer) the mask is the boolean (B, 1, Lq, Lk) array of
     :func:`batch_visible_mask` (keys ``j < kv_start[b]`` hidden on top of the causal / window
     mask) and rows that see no key give 0 (as the kernel; MLX's SDPA would give NaN or the
-    mean of V there).
+    mean of V there). With ``sinks`` ((Hq,) float): the SDPA path passes them to
+    ``mx.fast.scaled_dot_product_attention(..., sinks=)`` (in q's dtype where they are wider:
+    MLX refuses sinks that do not promote to it), the explicit path appends each head's sink
+    as one more score column (no value) before the softmax.
 
     On the CPU, where the score matrix is materialised, when it would exceed
     :data:`REFERENCE_SCORE_BLOCK_BYTES` the query rows go in blocks, each over only the keys
@@ -91,10 +103,10 @@ def flash_attention_reference(q, k, v, *, scale, mask=None, window=None, softcap
     # measured (docs/kv_cache.md); a GPU's unfused cases (some head_dims and dtypes) would gain
     # memory too, at a launch cost per block not yet measured there.
     if mx.default_device() != mx.cpu or B * Hq * Lq * Lk == 0 or Lk < Lq:
-        return _reference_attention(q, k, v, scale, mask, window, softcap, kv_start)
+        return _reference_attention(q, k, v, scale, mask, window, softcap, kv_start, sinks)
     rows = max(16, REFERENCE_SCORE_BLOCK_BYTES // (4 * B * Hq * Lk))
     if Lq <= rows:
-        return _reference_attention(q, k, v, scale, mask, window, softcap, kv_start)
+        return _reference_attention(q, k, v, scale, mask, window, softcap, kv_start, sinks)
     causal = mask == "causal"
     blocks = []
     for lo in range(0, Lq, rows):
@@ -108,7 +120,7 @@ def flash_attention_reference(q, k, v, *, scale, mask=None, window=None, softcap
         # keys are sliced from k_start: a row's first valid key moves with them
         ks = None if kv_start is None else kv_start - k_start
         blocks.append(_reference_attention(qb, k[:, :, k_start:k_end], v[:, :, k_start:k_end],
-                                           scale, mask, window, softcap, ks))
+                                           scale, mask, window, softcap, ks, sinks))
     return mx.concatenate(blocks, axis=2)
 
 
@@ -125,17 +137,22 @@ def batch_visible_mask(Lq: int, Lk: int, kv_start, causal: bool, window=None) ->
     return vis
 
 
-def _reference_attention(q, k, v, scale, mask, window, softcap, kv_start=None):
+def _reference_attention(q, k, v, scale, mask, window, softcap, kv_start=None, sinks=None):
     Lq, Lk = q.shape[2], k.shape[2]
     if kv_start is not None:
         vis = batch_visible_mask(Lq, Lk, kv_start, mask == "causal", window)
-        out = _reference_attention(q, k, v, scale, vis, None, softcap)
+        out = _reference_attention(q, k, v, scale, vis, None, softcap, sinks=sinks)
         # a row with no visible key is 0 (the kernel's guard)
         return mx.where(vis.any(axis=-1, keepdims=True), out, mx.array(0, out.dtype))
     if window is not None and mask == "causal":
         mask = causal_window_mask(Lq, Lk, window)
     if softcap is None:
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        if sinks is None:
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        if not promotes_to(sinks.dtype, q.dtype):
+            sinks = sinks.astype(q.dtype)  # MLX's SDPA takes only sinks that promote to q's
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask,
+                                                    sinks=sinks)
     B, Hq, _, D = q.shape
     Hkv = k.shape[1]
     qg = (q * scale).reshape(B, Hkv, Hq // Hkv, Lq, D)
@@ -147,7 +164,12 @@ def _reference_attention(q, k, v, scale, mask, window, softcap, kv_start=None):
         if mask.ndim == 4:  # (B, 1, Lq, Lk): broadcast over the KV heads' query groups
             mask = mx.expand_dims(mask, 2)
         s = mx.where(mask, s, mx.array(mx.finfo(s.dtype).min, s.dtype))
-    p = mx.softmax(s, axis=-1, precise=True)
+    if sinks is not None:  # one more column per head, no value: it only adds to the sum
+        col = sinks.astype(s.dtype).reshape(1, Hkv, Hq // Hkv, 1, 1)
+        s = mx.concatenate([mx.broadcast_to(col, (*s.shape[:-1], 1)), s], axis=-1)
+        p = mx.softmax(s, axis=-1, precise=True)[..., 1:]
+    else:
+        p = mx.softmax(s, axis=-1, precise=True)
     return (p @ mx.expand_dims(v, 2)).reshape(B, Hq, Lq, D)
 
 
@@ -195,7 +217,31 @@ def _check_kv_start(kv_start, B: int):
                          f"batch row), got {tuple(kv_start.shape)}")
 
 
-def _check_attention(q, k, v, scale, mask, window, softcap, kv_quant, kv_start=None):
+def promotes_to(a, b) -> bool:
+    """Whether float dtype ``a`` promotes to ``b`` under MLX's rules (``a == b``, or ``b`` is
+    float32; float16 with bfloat16 promotes to float32)."""
+    return a == b or b == mx.float32
+
+
+def _check_sinks(sinks, q):
+    if sinks is None:
+        return
+    if not isinstance(sinks, mx.array):
+        raise TypeError(f"sinks must be None or an mx.array of shape (Hq,), got "
+                        f"{type(sinks).__name__}")
+    if sinks.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"sinks must be float16, bfloat16 or float32, got "
+                        f"{dtype_name(sinks.dtype)}")
+    if not promotes_to(sinks.dtype, q.dtype):
+        raise TypeError(f"sinks ({dtype_name(sinks.dtype)}) must promote to q's dtype "
+                        f"({dtype_name(q.dtype)}), as in mx.fast.scaled_dot_product_attention")
+    if tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"sinks must have shape (Hq,) = ({q.shape[1]},) (one logit per query "
+                         f"head), got {tuple(sinks.shape)}")
+
+
+def _check_attention(q, k, v, scale, mask, window, softcap, kv_quant, kv_start=None,
+                     sinks=None):
     check_array("q", q, ndim=4)
     check_float_dtype("q", q)
     quantized = check_kv_quant(kv_quant)
@@ -226,11 +272,13 @@ def _check_attention(q, k, v, scale, mask, window, softcap, kv_quant, kv_start=N
     if quantized and D % QK8_0:
         raise ValueError(f"kv_quant='q8_0' needs head_dim % {QK8_0} == 0, got {D}")
     _check_kv_start(kv_start, B)
+    _check_sinks(sinks, q)
 
 
 def flash_attention(q, k, v, *, scale, mask=None, window=None, softcap=None, kv_quant=None,
-                    kv_start=None, backend=None):
-    """Softmax attention ``softmax(mask(softcap(q @ k.T * scale))) @ v`` on the attention brick.
+                    kv_start=None, sinks=None, backend=None):
+    """Softmax attention ``softmax(mask(softcap(q @ k.T * scale))) @ v`` on the attention brick
+    (with ``sinks``, each head's softmax has one more column, the sink, whose value is 0).
 
     Args:
         q: (B, Hq, Lq, D) float16, bfloat16 or float32; D in ``SUPPORTED_HEAD_DIMS``
@@ -263,6 +311,12 @@ def flash_attention(q, k, v, *, scale, mask=None, window=None, softcap=None, kv_
             mask mlx-lm's ``make_mask`` builds; see :func:`batch_visible_mask`). Values past
             Lk hide every key (clamped, never read). Whole K/V tiles below it are never
             loaded; a row that sees no key gives 0. Read on the device (no host sync).
+        sinks: None, or a (Hq,) float array whose dtype promotes to q's (float16 or bfloat16
+            sinks with a float32 q; q's own dtype): attention sinks (gpt-oss), head h's logit
+            ``sinks[h]`` joins the softmax of every row of that head as a column with value
+            0, compared with the final (scaled, capped) scores and itself neither scaled nor
+            capped, as ``mx.fast.scaled_dot_product_attention(..., sinks=)``. Read in float32
+            (module docstring: the online softmax starts from m = sink, l = 1).
         backend: ``None`` (auto), ``"metal"``, ``"cuda"``, ``"emulator"`` or ``"reference"``.
 
     Returns:
@@ -283,21 +337,22 @@ def flash_attention(q, k, v, *, scale, mask=None, window=None, softcap=None, kv_
     Raises:
         TypeError: non-array inputs, non-float q, k/v dtype different from q's, malformed Q8_0
             tuples, tuples without kv_quant, a non-real scale or softcap, a non-int window, a
-            kv_start that is not an integer mx.array.
+            kv_start that is not an integer mx.array, sinks that are not a float mx.array
+            promoting to q's dtype.
         ValueError: shapes that do not match, Hq % Hkv != 0, Lk < Lq, unsupported head_dim,
             an array mask or unknown mask string, window < 1 or without mask="causal",
             softcap <= 0, a non-finite scale or softcap, unknown kv_quant, a kv_start not of
-            shape (B,), or a bad backend.
+            shape (B,), sinks not of shape (Hq,), or a bad backend.
         NotImplementedError: ``backend="cuda"`` while the brick has no CUDA twin.
     """
-    _check_attention(q, k, v, scale, mask, window, softcap, kv_quant, kv_start)
+    _check_attention(q, k, v, scale, mask, window, softcap, kv_quant, kv_start, sinks)
     return run_flash_attention(q, k, v, scale=scale, mask=mask, window=window, softcap=softcap,
-                               kv_quant=kv_quant, kv_start=kv_start,
+                               kv_quant=kv_quant, kv_start=kv_start, sinks=sinks,
                                backend=op_backend("flash_attention", backend))
 
 
 def run_flash_attention(q, k, v, *, scale, mask=None, window=None, softcap=None, kv_quant=None,
-                        kv_start=None, backend: str):
+                        kv_start=None, sinks=None, backend: str):
     """:func:`flash_attention` after its checks, on the resolved ``backend`` (what the tuner
     and the Q8_0 cache call)."""
     name = backend
@@ -310,7 +365,8 @@ def run_flash_attention(q, k, v, *, scale, mask=None, window=None, softcap=None,
         kv_start = kv_start.astype(mx.int32)
     if name == "reference":
         return flash_attention_reference(q, k, v, scale=scale, mask=mask, window=window,
-                                         softcap=softcap, kv_quant=kv_quant, kv_start=kv_start)
+                                         softcap=softcap, kv_quant=kv_quant, kv_start=kv_start,
+                                         sinks=sinks)
     B, Hq, Lq, D = q.shape
     if B == 0 or Hq == 0 or Lq == 0:
         return mx.zeros(q.shape, q.dtype)
@@ -323,6 +379,7 @@ def run_flash_attention(q, k, v, *, scale, mask=None, window=None, softcap=None,
     if name == "cuda":
         return cuda.launch_attention_cuda(q, k, v, k_scale, v_scale, scale=scale,
                                           causal=mask == "causal", window=window,
-                                          softcap=softcap, kv_start=kv_start)
+                                          softcap=softcap, kv_start=kv_start, sinks=sinks)
     return msl.launch_attention(q, k, v, k_scale, v_scale, scale=scale, causal=mask == "causal",
-                                window=window, softcap=softcap, backend=name, kv_start=kv_start)
+                                window=window, softcap=softcap, backend=name, kv_start=kv_start,
+                                sinks=sinks)

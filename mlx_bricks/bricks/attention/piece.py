@@ -1,7 +1,8 @@
 """The attention brick's piece in a patched mlx-lm attention module: the arguments of the
 ``attention`` kind (before q/k/v exist: shapes only), the masking the brick takes for
-mlx-lm's mask, and the stock path (mlx-lm's attention function, or the brick's MLX reference
-where mlx-lm's module computes something that function does not: Q8_0 K/V, a soft-cap)."""
+mlx-lm's mask, and the stock path (mlx-lm's attention function, with the module's attention
+sinks where the layout has them, or the brick's MLX reference where mlx-lm's module computes
+something that function does not: Q8_0 K/V, a soft-cap)."""
 from __future__ import annotations
 
 import mlx.core as mx
@@ -44,8 +45,8 @@ def softcap_of(attn, layout):
 def masking(attn, layout, mask, window, cache=None) -> dict:
     """The brick's masking arguments for mlx-lm's ``mask`` (already accepted by the module's
     call checks): an array mask is causal (with the layer's ``window``, if any), plus the
-    layout's soft-cap. A padded batch (:func:`is_padded_batch`) adds ``kv_start =
-    cache.left_padding`` ((B,) int32, read on the device: ``make_mask`` is
+    layout's soft-cap and attention sinks. A padded batch (:func:`is_padded_batch`) adds
+    ``kv_start = cache.left_padding`` ((B,) int32, read on the device: ``make_mask`` is
     ``create_causal_mask(L, offset=_idx, left_padding=left_padding)``, bottom-right causal
     over the ``_idx + L`` keys with row b's keys below ``left_padding[b]`` hidden)."""
     out = {"mask": "causal" if isinstance(mask, mx.array) else mask}
@@ -56,6 +57,9 @@ def masking(attn, layout, mask, window, cache=None) -> dict:
     softcap = softcap_of(attn, layout)
     if softcap is not None:
         out["softcap"] = softcap
+    sinks = layout.sinks_of(attn)
+    if sinks is not None:
+        out["sinks"] = sinks
     return out
 
 
@@ -63,18 +67,23 @@ def attention_args(attn, layout, B, L, cache, dtype, mask, *, head_dim, kv_quant
                    window=None) -> dict:
     """Arguments of the attention piece before q/k/v exist (shapes only): keys are the ones
     the cache returns (the cached ones plus this chunk's); masking by :func:`masking`."""
-    kv = Act((B, attn.n_kv_heads, kv_length(cache, L), head_dim), dtype)
-    args = {"q": Act((B, attn.n_heads, L, head_dim), dtype), "k": kv, "v": kv,
-            "scale": attn.scale, "kv_quant": kv_quant}
+    kv = Act((B, layout.n_kv_heads(attn), kv_length(cache, L), head_dim), dtype)
+    args = {"q": Act((B, layout.n_heads(attn), L, head_dim), dtype), "k": kv, "v": kv,
+            "scale": layout.scale_of(attn), "kv_quant": kv_quant}
     args.update(masking(attn, layout, mask, window, cache))
     return args
 
 
 def attention_stock(attn, layout, q, k, v, mask, cache, *, kv_quant, window=None):
     """The stock path of the attention piece: mlx-lm's ``scaled_dot_product_attention`` with
-    its own mask, or, for the requested Q8_0 K/V or a soft-cap that function does not apply,
-    the brick's MLX-ops reference."""
+    its own mask (and the layout's sinks, as gpt-oss calls it), or, for the requested Q8_0 K/V
+    or a soft-cap that function does not apply, the brick's MLX-ops reference."""
+    scale = layout.scale_of(attn)
     if kv_quant is not None or layout.softcap is not None:
-        return flash_attention_reference(q, k, v, scale=attn.scale, kv_quant=kv_quant,
+        return flash_attention_reference(q, k, v, scale=scale, kv_quant=kv_quant,
                                          **masking(attn, layout, mask, window, cache))
-    return scaled_dot_product_attention(q, k, v, cache=cache, scale=attn.scale, mask=mask)
+    sinks = layout.sinks_of(attn)
+    if sinks is not None:
+        return scaled_dot_product_attention(q, k, v, cache=cache, scale=scale, mask=mask,
+                                            sinks=sinks)
+    return scaled_dot_product_attention(q, k, v, cache=cache, scale=scale, mask=mask)
