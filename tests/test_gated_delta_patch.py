@@ -52,12 +52,14 @@ def tokens(n, batch=1, seed=0):
 
 
 def assert_same_greedy(out, stock, truth):
-    """Greedy tokens equal wherever the float32 truth's top-2 gap exceeds twice stock's own
-    error in that row (a random tiny model has near-ties that bfloat16 rounding alone flips)."""
+    """Greedy tokens equal wherever the float32 truth's top-2 gap exceeds four times stock's own
+    error in that row: the dtype rule lets the patched model be twice as far from the truth as
+    stock (attention and MLP patched too), and a random tiny model has near-ties that bfloat16
+    rounding alone flips."""
     t = np.array(truth.astype(mx.float32))[0]
     noise = np.abs(np.array(stock.astype(mx.float32))[0] - t).max(-1)
     top2 = np.sort(t, -1)[:, -2:]
-    clear = (top2[:, 1] - top2[:, 0]) > 2 * noise
+    clear = (top2[:, 1] - top2[:, 0]) > 4 * noise
     a, b = np.array(mx.argmax(out, -1))[0], np.array(mx.argmax(stock, -1))[0]
     assert clear.sum() > 0 and (a[clear] == b[clear]).all()
 
@@ -77,7 +79,9 @@ def test_patched_matches_stock(model_type, dtype):
     truth = run(truth_model, toks)  # float32 stock: the truth for the half model
     stock_cache = model.make_cache()
     stock = run(model, toks, stock_cache)
-    report = patch_model(model, backend="reference")
+    # the MLPs stay stock: the Gated DeltaNet layers then see stock's inputs, so their states
+    # are compared with the recurrence's own error only (the full-attention layer is patched)
+    report = patch_model(model, backend="reference", mlp=False)
     gdn = [m for m in report.modules if m.module == "linear_attn"]
     assert len(gdn) == 3 and all(m.status == "patched" for m in gdn), report
     assert "Gated DeltaNet" in gdn[0].variant
@@ -106,7 +110,7 @@ def test_patched_matches_stock(model_type, dtype):
     stock_step = run(build(model_type, dtype), toks[:, -1:], stock_cache)
     assert mx.array_equal(mx.argmax(step, -1), mx.argmax(stock_step, -1))
     assert sum(m.stock_calls.get("decode (L == 1): stock path by design", 0) for m in gdn) == 3
-    assert unpatch_model(model) == 3
+    assert unpatch_model(model) == report.n_patched
     again = run(model, toks, model.make_cache())
     assert mx.array_equal(again, stock)
 
