@@ -322,3 +322,20 @@ def test_cuda_twin_compiles(dtype):
     assert rec[0].shared_memory <= 48 * 1024
     if cudacheck.find_nvrtc() is not None:  # what MLX compiles with
         cudacheck.compile_source_nvrtc(rec[0].source())
+
+
+def test_no_token_passes_the_state_through():
+    """T == 0 (from the kernel review): an empty output and the state unchanged."""
+    from mlx_bricks.bricks.gated_delta.op import gated_delta_chunked
+
+    B, Hk, Hv, Dk, Dv = 1, 2, 4, 16, 8
+    q = mx.zeros((B, 0, Hk, Dk))
+    k = mx.zeros((B, 0, Hk, Dk))
+    v = mx.zeros((B, 0, Hv, Dv))
+    g = mx.zeros((B, 0, Hv))
+    beta = mx.zeros((B, 0, Hv))
+    state = mx.random.normal((B, Hv, Dv, Dk))
+    y, s = gated_delta_chunked(q, k, v, g, beta, state)
+    assert y.shape == (B, 0, Hv, Dv) and mx.array_equal(s, state)
+    y, s = gated_delta_chunked(q, k, v, g, beta)
+    assert s.shape == (B, Hv, Dv, Dk) and not mx.any(s).item()

@@ -46,6 +46,8 @@ def kernel_reason(q, v, g) -> str | None:
     not a multiple of 8."""
     if g.ndim == 4:
         return "per-key-dim gates (g of shape (B, T, Hv, Dk)): the kernel takes a gate per head"
+    if q.shape[-1] == 0 or v.shape[-1] == 0:  # kernel review: no tile to compute
+        return f"empty head dim (Dk {q.shape[-1]}, Dv {v.shape[-1]})"
     if q.shape[-1] > MAX_DK:
         return f"Dk {q.shape[-1]} > {MAX_DK}: the kernel's chunk does not fit threadgroup memory"
     if q.shape[-1] % 8:

@@ -151,6 +151,10 @@ def gated_delta_chunked(q, k, v, g, beta, state=None, mask=None, *, chunk: int =
     """
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
+    if T == 0:  # no token: no output, the state passes through (as the kernels do)
+        S = (mx.zeros((B, Hv, Dv, Dk), mx.float32) if state is None
+             else state.astype(state.dtype))
+        return mx.zeros((B, 0, Hv, Dv), q.dtype), S
     r = Hv // Hk
     vectorized = g.ndim == 4
     c = int(chunk)
