@@ -37,20 +37,36 @@ PRIOR_MIN_WEIGHT = {"cuda": 4 * 2**20}
 #: Activation dtypes the prior sends to a composite on the CPU (float32's stock quantized
 #: matmul was not measured slower).
 CPU_DTYPES = ("float16", "bfloat16")
+#: The kinds whose composites the prior may choose, per backend: those measured against stock
+#: there (bench/results). CUDA: the dense GEMM family; the MoE composite (every expert
+#: dequantized) was not measured on a GPU. CPU: the MoE composite too (gpt_oss-shaped, mxfp4
+#: experts: 3.1-5.4x stock, 2026-12-05-cpu-formats*.json).
+PRIOR_KINDS = {"cuda": ("linear", "rms_norm_qkv", "swiglu_mlp"),
+               "reference": ("linear", "rms_norm_qkv", "swiglu_mlp", "moe_mlp")}
+#: Microscaled formats (mlx-lm's mxfp4 / nvfp4 / mxfp8 modes) the prior treats like 4- / 8-bit
+#: weights: on the CPU their composites ran 10-28x stock (2026-12-05-cpu-formats*.json).
+MICROSCALED_BITS = {"mxfp4": 4, "nvfp4": 4, "mxfp8": 8}
+#: Backends where the prior knows the microscaled formats (their composites measured there).
+MICROSCALED_BACKENDS = ("reference",)
 #: Composite preferred by the prior, per kind (the one that won most often in bench/results).
 PREFERRED = {"swiglu_mlp": "dequant_split"}
 
 _BITS = re.compile(r"q(\d+)g\d+")
 
 
-def _bits(weights: str) -> int | None:
-    """The largest bits of a key's weight formats (``"q4g64/q8g64"`` -> 8), None if any float."""
+def _bits(weights: str, backend: str) -> int | None:
+    """The largest bits of a key's weight formats (``"q4g64/q8g64"`` -> 8; a microscaled mode
+    counts as its bits where :data:`MICROSCALED_BACKENDS` has the backend), None if any is
+    float or unknown."""
     bits = []
     for part in weights.split("/"):
         m = _BITS.fullmatch(part)
-        if m is None:
+        if m is not None:
+            bits.append(int(m.group(1)))
+        elif part in MICROSCALED_BITS and backend in MICROSCALED_BACKENDS:
+            bits.append(MICROSCALED_BITS[part])
+        else:
             return None
-        bits.append(int(m.group(1)))
     return max(bits) if bits else None
 
 
@@ -81,9 +97,9 @@ def prior_decision(kind, args: dict, candidates: list, backend: str, full_key: s
             return Decision(full_key, STOCK, measured=measured, source="prior", note=why)
         return Decision(full_key, v.name, dict(v.kwargs), measured=measured, source="prior",
                         note=f"prior: {v.name} ({kind.name}'s rule, no build)")
-    bits = _bits(key.weights)
+    bits = _bits(key.weights, backend)
     rows_by_bits = PRIOR_MIN_ROWS.get(backend)
-    if bits is None or rows_by_bits is None:
+    if bits is None or rows_by_bits is None or kind.name not in PRIOR_KINDS.get(backend, ()):
         return Decision(full_key, STOCK, measured=measured, source="prior", note=why)
     min_rows = rows_by_bits.get(8 if bits > 4 else 4)
     rows = measured.get("M")
