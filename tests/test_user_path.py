@@ -192,6 +192,24 @@ def test_written_model_loads_in_mlx_lm(tmp_path, tokenizer_dir, name, config, bi
         up.write_model(spec, tmp_path / name, tokenizer_dir)
 
 
+def test_lm_head_rows_past_the_tokenizer_are_zero(tmp_path, tokenizer_dir):
+    # the GPU models' vocabularies are larger than the default tokenizer's 49152 ids: greedy
+    # decoding must land on ids it can print
+    import mlx.core as mx
+    from mlx_lm.utils import load
+
+    config = _small(up._SMALL_LLAMA, num_attention_heads=2, num_key_value_heads=1,
+                    vocab_size=49152 + 128)
+    up.write_model(up.ModelSpec("wide", config, dtype="float16", bits=4), tmp_path / "w",
+                   tokenizer_dir)
+    model, _ = load(str(tmp_path / "w"))
+    head = model.lm_head
+    w = mx.dequantize(head.weight, head.scales, head.biases, head.group_size, head.bits)
+    assert mx.all(w[49152:] == 0).item() and mx.any(w[:49152] != 0).item()
+    logits = model(mx.array([[1, 2, 3, 4]]))
+    assert (mx.argmax(logits[0], axis=-1) < 49152).all().item()
+
+
 def test_cpu_group_machinery_on_the_tiny_model(tmp_path, tokenizer_dir):
     """Every run kind of two prompt lengths on the tiniest model, for real: fresh processes of
     mlx-lm's generate and benchmark, stock and --use-bricks; the JSON's figures are the CLIs'

@@ -225,7 +225,9 @@ def write_model(spec: ModelSpec, path: str | os.PathLike, tokenizer: str | os.Pa
     ``spec.dtype``, quantized by ``mlx_lm.utils.quantize_model`` (what ``mlx_lm.convert -q``
     does: every layer with ``to_quantized`` whose input size the group size divides, the
     model's own ``quant_predicate``, e.g. qwen3_moe's 8-bit router) when ``spec.bits``, evaluated
-    one layer at a time (a full-size model's float weights never all exist at once), saved with
+    one layer at a time (a full-size model's float weights never all exist at once); the LM
+    head's rows past the tokenizer's vocabulary are zero (greedy decoding then picks ids the
+    tokenizer prints); saved with
     ``mlx_lm.utils.save_model`` / ``save_config`` (``config.json`` with ``"quantization"``);
     the tokenizer files of ``tokenizer`` are copied beside.
 
@@ -256,6 +258,16 @@ def write_model(spec: ModelSpec, path: str | os.PathLike, tokenizer: str | os.Pa
     model = Model(Args.from_dict(config))
     if config["model_type"] == "gemma3_text":  # tied: the checkpoint has no lm_head
         model.pop("lm_head")
+    # mlx-lm decodes greedily: a random LM head's argmax can sit on an id the tokenizer has no
+    # text for (the real vocabularies are larger than the default tokenizer's), and generate
+    # then prints no figures. Rows past the tokenizer give logit 0 instead; the GEMM's cost is
+    # the same.
+    words = _load_tokenizer(tokenizer).vocab_size
+    head = model["lm_head"] if "lm_head" in model else model.model.embed_tokens
+    if head.weight.shape[0] > words:
+        w = head.weight
+        head.weight = mx.concatenate([w[:words], mx.zeros((w.shape[0] - words, w.shape[1]),
+                                                          dtype=w.dtype)])
     model.set_dtype(getattr(mx, spec.dtype))
     if spec.bits is not None:
         model, config = quantize_model(model, config, spec.group_size, spec.bits)
