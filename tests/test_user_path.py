@@ -259,3 +259,13 @@ def test_cpu_group_machinery_on_the_tiny_model(tmp_path, tokenizer_dir):
     doc = {"models": [entry], "device": "cpu", "date": "today"}
     table = up.format_table(doc)
     assert table.count("| tiny_llama_q4 |") == 10
+
+
+def test_a_benchmark_that_measures_itself_is_run_by_the_runner(monkeypatch):
+    from mlx_bricks.bench.core import BENCHMARKS, CPU, Benchmark, run_benchmarks
+
+    monkeypatch.setitem(BENCHMARKS, "self_measured", Benchmark(
+        "self_measured", CPU, "x", None, run=lambda repeats: {"trials": repeats}))
+    monkeypatch.setattr("mlx_bricks.bench.core._status", lambda backend: (True, "here"))
+    (r,) = run_benchmarks(["self_measured"], 4)["results"]
+    assert r["trials"] == 4 and r["name"] == "self_measured" and "load_average" in r
