@@ -451,6 +451,12 @@ def run_cli(argv: list[str], *, env: dict, stdin: str | None = None, mark: str |
             "timed_out": timed_out}
 
 
+def _load() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (a shared CPU slows one process and not the next:
+    fresh-process runs are not interleaved), where the OS has them."""
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
 def _home_files(home: Path) -> int:
     return sum(len(files) for _, _, files in os.walk(home)) if home.exists() else 0
 
@@ -478,7 +484,8 @@ def run_one(kind: str, model_dir: Path, home: Path, prompt_tokens: int, prompt_t
     if bricks:
         argv.append("--use-bricks")
     entry = {"kind": kind, "cli": f"mlx_lm.{cli}", "bricks": bricks,
-             "argv": [Path(argv[0]).name, *argv[1:]], "home_files_before": _home_files(home)}
+             "argv": [Path(argv[0]).name, *argv[1:]], "home_files_before": _home_files(home),
+             "load_average": {"before": _load()}}
     home.mkdir(parents=True, exist_ok=True)
     r = run_cli(argv, env=_child_env(home), stdin=None if long_lived else prompt_text,
                 mark=LOADED_MARK[cli], timeout=timeout)
@@ -487,6 +494,7 @@ def run_one(kind: str, model_dir: Path, home: Path, prompt_tokens: int, prompt_t
         (log_dir / f"{model_dir.name}_p{prompt_tokens}_{kind}.log").write_text(
             f"$ {' '.join(entry['argv'])}\n--- stdout\n{r['stdout']}\n--- stderr\n{r['stderr']}")
     lines = [ln for ln in r["stderr"].splitlines() if ln.startswith("[mlx-bricks]")]
+    entry["load_average"]["after"] = _load()
     entry.update(wall_s=r["wall_s"], load_s=r["mark_s"], bricks_line=lines[0] if lines else None)
     try:
         if r["returncode"] != 0:
