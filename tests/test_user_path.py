@@ -60,6 +60,8 @@ def test_gpu_models_have_the_real_models_shapes():
     assert spec.config["num_hidden_layers"] == 8 and llama["num_hidden_layers"] == 32
     with pytest.raises(ValueError, match="layers must be a positive int"):
         spec.with_layers(0)
+    with pytest.raises(ValueError, match="layers must be at least 6 for gemma3_12b_q4"):
+        up.GPU_MODELS["gemma3_12b_q4"].with_layers(4)
 
 
 @pytest.mark.parametrize("tokens", [31, 48, 128, 777, 2240])

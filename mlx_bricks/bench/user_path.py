@@ -113,6 +113,10 @@ class ModelSpec:
             return self
         if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
             raise ValueError(f"layers must be a positive int or None, got {layers!r}")
+        pattern = self.config.get("sliding_window_pattern", 1)
+        if layers < pattern:  # gemma3 masks with its first global layer's cache
+            raise ValueError(f"layers must be at least {pattern} for {self.name} (one global "
+                             f"layer every {pattern}), got {layers}")
         return dataclasses.replace(self, config={**self.config, "num_hidden_layers": layers})
 
     def describe(self) -> str:
