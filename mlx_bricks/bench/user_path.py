@@ -468,8 +468,8 @@ def _home_files(home: Path) -> int:
 def run_one(kind: str, model_dir: Path, home: Path, prompt_tokens: int, prompt_text: str,
             max_tokens: int, trials: int, log_dir: Path | None = None,
             timeout: float = RUN_TIMEOUT_S) -> dict:
-    """One run (``kind`` of :data:`KINDS`, or ``cold``) in a fresh process, as its JSON entry (module
-    docstring); a failed run has ``error`` (the return code and stderr's last lines) instead of
+    """One run (``kind`` of :data:`KINDS`, or ``cold``) in a fresh process, as its JSON entry
+    (module docstring); a failed run has ``error`` (the return code and stderr's last lines) instead of
     the figures.
 
     Raises:
@@ -540,8 +540,8 @@ def run_model(spec: ModelSpec, prompts, *, max_tokens: int, trials: int, work: P
               tokenizer: Path | None = None, log_dir: Path | None = None,
               deadline: float | None = None, keep: bool = False, on_run=None) -> dict:
     """Write ``spec``'s directory under ``work`` and run every kind of :data:`KINDS` for each
-    prompt length of ``prompts`` (ascending), all with one ``MLX_BRICKS_HOME`` (``work/<name>-home``,
-    empty at the start: the first ``--use-bricks`` run is ``cold``).
+    prompt length of ``prompts`` (ascending), all with one ``MLX_BRICKS_HOME``
+    (``work/<name>-home``, empty at the start: the first ``--use-bricks`` run is ``cold``).
 
     Args:
         spec: the model.
