@@ -60,6 +60,8 @@ def test_gpu_models_have_the_real_models_shapes():
     assert spec.config["num_hidden_layers"] == 8 and llama["num_hidden_layers"] == 32
     with pytest.raises(ValueError, match="layers must be a positive int"):
         spec.with_layers(0)
+    with pytest.raises(ValueError, match="layers must be at least 6 for gemma3_12b_q4"):
+        up.GPU_MODELS["gemma3_12b_q4"].with_layers(4)
 
 
 @pytest.mark.parametrize("tokens", [31, 48, 128, 777, 2240])
@@ -192,12 +194,30 @@ def test_written_model_loads_in_mlx_lm(tmp_path, tokenizer_dir, name, config, bi
         up.write_model(spec, tmp_path / name, tokenizer_dir)
 
 
-@pytest.mark.slow
+def test_lm_head_rows_past_the_tokenizer_are_zero(tmp_path, tokenizer_dir):
+    # the GPU models' vocabularies are larger than the default tokenizer's 49152 ids: greedy
+    # decoding must land on ids it can print
+    import mlx.core as mx
+    from mlx_lm.utils import load
+
+    config = _small(up._SMALL_LLAMA, num_attention_heads=2, num_key_value_heads=1,
+                    vocab_size=49152 + 128)
+    up.write_model(up.ModelSpec("wide", config, dtype="float16", bits=4), tmp_path / "w",
+                   tokenizer_dir)
+    model, _ = load(str(tmp_path / "w"))
+    head = model.lm_head
+    w = mx.dequantize(head.weight, head.scales, head.biases, head.group_size, head.bits)
+    assert mx.all(w[49152:] == 0).item() and mx.any(w[:49152] != 0).item()
+    logits = model(mx.array([[1, 2, 3, 4]]))
+    assert (mx.argmax(logits[0], axis=-1) < 49152).all().item()
+
+
 def test_cpu_group_machinery_on_the_tiny_model(tmp_path, tokenizer_dir):
     """Every run kind of two prompt lengths on the tiniest model, for real: fresh processes of
     mlx-lm's generate and benchmark, stock and --use-bricks; the JSON's figures are the CLIs'
-    own (the token counts they print are the ones asked for)."""
-    prompts, max_tokens, trials = (40, 72), 3, 2
+    own (the token counts they print are the ones asked for). About 45 s on 2 loaded cores
+    (20 processes), so not marked slow."""
+    prompts, max_tokens, trials = (40, 72), 3, 1
     entry = up.run_model(up.TINY_LLAMA, prompts, max_tokens=max_tokens, trials=trials,
                          work=tmp_path / "work", tokenizer=tokenizer_dir,
                          log_dir=tmp_path / "logs", keep=True)
@@ -241,3 +261,13 @@ def test_cpu_group_machinery_on_the_tiny_model(tmp_path, tokenizer_dir):
     doc = {"models": [entry], "device": "cpu", "date": "today"}
     table = up.format_table(doc)
     assert table.count("| tiny_llama_q4 |") == 10
+
+
+def test_a_benchmark_that_measures_itself_is_run_by_the_runner(monkeypatch):
+    from mlx_bricks.bench.core import BENCHMARKS, CPU, Benchmark, run_benchmarks
+
+    monkeypatch.setitem(BENCHMARKS, "self_measured", Benchmark(
+        "self_measured", CPU, "x", None, run=lambda repeats: {"trials": repeats}))
+    monkeypatch.setattr("mlx_bricks.bench.core._status", lambda backend: (True, "here"))
+    (r,) = run_benchmarks(["self_measured"], 4)["results"]
+    assert r["trials"] == 4 and r["name"] == "self_measured" and "load_average" in r

@@ -332,8 +332,9 @@ def run_one(b: Benchmark, repeats: int) -> dict:
 
 def run_benchmarks(names=None, repeats: int = 3, on_result=None) -> dict:
     """Run the benchmarks ``names`` (default: all but :data:`ON_REQUEST`; group names expand)
-    and return the JSON-ready result; ``on_result(partial)``, if given, gets the result so far after each
-    benchmark (the CLI writes it, so a run stopped by a time limit keeps what it measured).
+    and return the JSON-ready result; ``on_result(partial)``, if given, gets the result so far
+    after each benchmark (the CLI writes it, so a run stopped by a time limit keeps what it
+    measured). A benchmark with ``run`` measures itself: its entry is what ``run`` returns.
 
     Returns:
         ``{"machine": ..., "mlx": version, "results": [...]}``; each result has ``name``,

@@ -113,6 +113,10 @@ class ModelSpec:
             return self
         if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
             raise ValueError(f"layers must be a positive int or None, got {layers!r}")
+        pattern = self.config.get("sliding_window_pattern", 1)
+        if layers < pattern:  # gemma3 masks with its first global layer's cache
+            raise ValueError(f"layers must be at least {pattern} for {self.name} (one global "
+                             f"layer every {pattern}), got {layers}")
         return dataclasses.replace(self, config={**self.config, "num_hidden_layers": layers})
 
     def describe(self) -> str:
@@ -225,7 +229,9 @@ def write_model(spec: ModelSpec, path: str | os.PathLike, tokenizer: str | os.Pa
     ``spec.dtype``, quantized by ``mlx_lm.utils.quantize_model`` (what ``mlx_lm.convert -q``
     does: every layer with ``to_quantized`` whose input size the group size divides, the
     model's own ``quant_predicate``, e.g. qwen3_moe's 8-bit router) when ``spec.bits``, evaluated
-    one layer at a time (a full-size model's float weights never all exist at once), saved with
+    one layer at a time (a full-size model's float weights never all exist at once); the LM
+    head's rows past the tokenizer's vocabulary are zero (greedy decoding then picks ids the
+    tokenizer prints); saved with
     ``mlx_lm.utils.save_model`` / ``save_config`` (``config.json`` with ``"quantization"``);
     the tokenizer files of ``tokenizer`` are copied beside.
 
@@ -256,6 +262,16 @@ def write_model(spec: ModelSpec, path: str | os.PathLike, tokenizer: str | os.Pa
     model = Model(Args.from_dict(config))
     if config["model_type"] == "gemma3_text":  # tied: the checkpoint has no lm_head
         model.pop("lm_head")
+    # mlx-lm decodes greedily: a random LM head's argmax can sit on an id the tokenizer has no
+    # text for (the real vocabularies are larger than the default tokenizer's), and generate
+    # then prints no figures. Rows past the tokenizer give logit 0 instead; the GEMM's cost is
+    # the same.
+    words = _load_tokenizer(tokenizer).vocab_size
+    head = model["lm_head"] if "lm_head" in model else model.model.embed_tokens
+    if head.weight.shape[0] > words:
+        w = head.weight
+        head.weight = mx.concatenate([w[:words], mx.zeros((w.shape[0] - words, w.shape[1]),
+                                                          dtype=w.dtype)])
     model.set_dtype(getattr(mx, spec.dtype))
     if spec.bits is not None:
         model, config = quantize_model(model, config, spec.group_size, spec.bits)
@@ -439,6 +455,12 @@ def run_cli(argv: list[str], *, env: dict, stdin: str | None = None, mark: str |
             "timed_out": timed_out}
 
 
+def _load() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (a shared CPU slows one process and not the next:
+    fresh-process runs are not interleaved), where the OS has them."""
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
 def _home_files(home: Path) -> int:
     return sum(len(files) for _, _, files in os.walk(home)) if home.exists() else 0
 
@@ -446,8 +468,8 @@ def _home_files(home: Path) -> int:
 def run_one(kind: str, model_dir: Path, home: Path, prompt_tokens: int, prompt_text: str,
             max_tokens: int, trials: int, log_dir: Path | None = None,
             timeout: float = RUN_TIMEOUT_S) -> dict:
-    """One run (``kind`` of :data:`KINDS`, or ``cold``) in a fresh process, as its JSON entry (module
-    docstring); a failed run has ``error`` (the return code and stderr's last lines) instead of
+    """One run (``kind`` of :data:`KINDS`, or ``cold``) in a fresh process, as its JSON entry
+    (module docstring); a failed run has ``error`` (the return code and stderr's last lines) instead of
     the figures.
 
     Raises:
@@ -466,7 +488,8 @@ def run_one(kind: str, model_dir: Path, home: Path, prompt_tokens: int, prompt_t
     if bricks:
         argv.append("--use-bricks")
     entry = {"kind": kind, "cli": f"mlx_lm.{cli}", "bricks": bricks,
-             "argv": [Path(argv[0]).name, *argv[1:]], "home_files_before": _home_files(home)}
+             "argv": [Path(argv[0]).name, *argv[1:]], "home_files_before": _home_files(home),
+             "load_average": {"before": _load()}}
     home.mkdir(parents=True, exist_ok=True)
     r = run_cli(argv, env=_child_env(home), stdin=None if long_lived else prompt_text,
                 mark=LOADED_MARK[cli], timeout=timeout)
@@ -475,6 +498,7 @@ def run_one(kind: str, model_dir: Path, home: Path, prompt_tokens: int, prompt_t
         (log_dir / f"{model_dir.name}_p{prompt_tokens}_{kind}.log").write_text(
             f"$ {' '.join(entry['argv'])}\n--- stdout\n{r['stdout']}\n--- stderr\n{r['stderr']}")
     lines = [ln for ln in r["stderr"].splitlines() if ln.startswith("[mlx-bricks]")]
+    entry["load_average"]["after"] = _load()
     entry.update(wall_s=r["wall_s"], load_s=r["mark_s"], bricks_line=lines[0] if lines else None)
     try:
         if r["returncode"] != 0:
@@ -516,8 +540,8 @@ def run_model(spec: ModelSpec, prompts, *, max_tokens: int, trials: int, work: P
               tokenizer: Path | None = None, log_dir: Path | None = None,
               deadline: float | None = None, keep: bool = False, on_run=None) -> dict:
     """Write ``spec``'s directory under ``work`` and run every kind of :data:`KINDS` for each
-    prompt length of ``prompts`` (ascending), all with one ``MLX_BRICKS_HOME`` (``work/<name>-home``,
-    empty at the start: the first ``--use-bricks`` run is ``cold``).
+    prompt length of ``prompts`` (ascending), all with one ``MLX_BRICKS_HOME``
+    (``work/<name>-home``, empty at the start: the first ``--use-bricks`` run is ``cold``).
 
     Args:
         spec: the model.

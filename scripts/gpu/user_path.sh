@@ -16,8 +16,10 @@ if ! PYTHONPATH=/tmp/site python3 -c "import mlx.core" 2>/dev/null; then
      --no-compile --target /tmp/site ./mlx_cuda_13-*.whl ./mlx-*.whl ./mlx_lm-*.whl)
 fi
 export PYTHONPATH=/tmp/site:$PWD
-python3 -c "from mlx_bricks.entry.hook import PTH_LINE, PTH_NAME; open('/tmp/site/' + PTH_NAME, 'w').write(PTH_LINE)"
+python3 -c "from mlx_bricks.entry.hook import PTH_LINE, PTH_NAME
+open('/tmp/site/' + PTH_NAME, 'w').write(PTH_LINE)"
 echo "import site; site.addsitedir('/tmp/site')" > /tmp/site/sitecustomize.py
-python3 -c "import mlx.core as mx; print('cuda:', mx.cuda.is_available(), mx.device_info().get('device_name'))"
+python3 -c "import mlx.core as mx
+print('cuda:', mx.cuda.is_available(), mx.device_info().get('device_name'))"
 exec python3 -m mlx_bricks.bench.user_path --group gpu --tokenizer .bench-tok --budget-s "$BUDGET" \
   --out-dir "${OUT:?}" "$@"
