@@ -178,7 +178,8 @@ def _block_structure(layer, layout) -> str | None:
 
 
 def _reads_affine(module, role, layout, piece=None) -> bool:
-    """Whether a linear layer the module's bricks read holds an affine-quantized weight."""
+    """Whether a linear layer the module's bricks read holds a quantized weight (affine or
+    microscaled: the composites' weights)."""
     return any(m is not None and format_of(weight_of(m)).quantized
                for m in linears(module, role, layout, piece).values())
 
@@ -263,8 +264,9 @@ def _patch_experts(report: PatchReport, i: int, layer, opts: dict, backend: str,
     call ``(x, indices)`` runs the MoE piece, ``bricks.moe.piece.MOE_PIECE``; the model's
     router, combine and shared experts stay its own), and report every ``SwitchMLP`` stock
     with the reason. With
-    ``dispatch`` None or composites only (no kernel backend: the MoE kind has no composites)
-    they are reported stock with :data:`NO_KERNEL_BACKEND`."""
+    ``dispatch`` None, or composites only (no kernel backend) and float experts (the MoE
+    kind's ``dequant`` composite applies to quantized ones), they are reported stock with
+    :data:`NO_KERNEL_BACKEND`."""
     glu, switch_mlp = switch_classes()[:2]
     for path, module in layer.named_modules():
         if not isinstance(module, (glu, switch_mlp)):
@@ -282,7 +284,9 @@ def _patch_experts(report: PatchReport, i: int, layer, opts: dict, backend: str,
             add(ModuleReport(i, MOE_PIECE.role, FALLBACK, reason=f"{where}: {reason}",
                              weights=formats))
             continue
-        if dispatch is None or dispatch.composites_only:
+        quantized = any(isinstance(getattr(module, n, None), switch_classes()[3])
+                        for n in MOE_PIECE.linears())
+        if dispatch is None or (dispatch.composites_only and not quantized):
             add(ModuleReport(i, MOE_PIECE.role, STOCK, reason=NO_KERNEL_BACKEND,
                              weights=formats))
             continue
