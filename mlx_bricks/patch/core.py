@@ -329,16 +329,17 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
     same arrays under the same names. Prefill (L > 1) is split into pieces (RMSNorm + QKV,
     attention, the out-projection, the MLP), each running its brick or mlx-lm's own stock code
     as the dispatcher decides (``tune``); decode (L == 1) and the cases the bricks do not cover
-    (array masks, caches other than ``KVCache``, non-affine quantized or LoRA/DoRA linears,
-    unknown call signatures, sliding-window layers) run the stock code, with the reason in the
-    report. MLX affine ``nn.QuantizedLinear`` projections feed the quantized bricks (docs/
-    patch.md, "Quantized models"). A brick that fails to build, or whose first output
-    disagrees with stock, is disabled for the process and its pieces run stock (the report
+    (array masks, caches other than ``KVCache``, LoRA/DoRA linears, unknown call signatures,
+    sliding-window layers) run the stock code, with the reason in the report. MLX affine
+    ``nn.QuantizedLinear`` projections feed the quantized bricks (docs/patch.md, "Quantized
+    models"); ``mxfp4`` / ``nvfp4`` / ``mxfp8`` layers and experts feed the kinds' composites
+    only (no kernel reads them; docs/formats.md). A brick that fails to build, or whose first
+    output disagrees with stock, is disabled for the process and its pieces run stock (the report
     says which and why).
 
     On a machine without a kernel backend (auto selection gave ``reference``), the modules
-    that read an MLX affine-quantized weight are patched and each of their pieces is tuned:
-    the kinds' composites ("dequantize the weight, then the stock float computation", in row
+    that read a quantized weight (MLX affine or microscaled) are patched and each of their
+    pieces is tuned: the kinds' composites ("dequantize the weight, then the stock float computation", in row
     tiles under ``dequant_cap``) are timed against stock, and whichever is faster runs (MLX
     0.32.4's CPU ``quantized_matmul`` with float16 activations is 17-57x slower than the
     dequantized float GEMM); modules with float weights only are reported ``stock`` with

@@ -101,10 +101,12 @@ def cap_of(settings: dict) -> int:
 #: ``mx.dequantize`` is one kernel: its output only.
 MX_CPU_BYTES = {2: {2: 16, 3: 73, 4: 22, 5: 108, 6: 126, 8: 31},
                 4: {2: 13, 3: 66, 4: 18, 5: 101, 6: 119, 8: 26}}
-#: The same for the microscaling modes, by mode (measured the same way, 2026-12-05: float16
-#: 18.2 / 18.2 / 6.1, float32 30.9 / 32.4 / 20.1 bytes per value, plus 10%).
-MX_CPU_BYTES_MICRO = {2: {"mxfp4": 21, "nvfp4": 21, "mxfp8": 7},
-                      4: {"mxfp4": 35, "nvfp4": 36, "mxfp8": 23}}
+#: The same for the microscaling modes, by mode: measured the same way (2026-12-05, MLX 0.32.4,
+#: 8192 x 1024 weights in 1 and 4 MiB tiles, float16 / bfloat16 / float32, the largest of 3
+#: runs: mxfp4 19.7 / 32.0, nvfp4 19.5 / 42.8, mxfp8 11.9 / 23.7 bytes per value for 2- / 4-byte
+#: outputs), plus 10%.
+MX_CPU_BYTES_MICRO = {2: {"mxfp4": 22, "nvfp4": 22, "mxfp8": 14},
+                      4: {"mxfp4": 36, "nvfp4": 48, "mxfp8": 27}}
 
 
 @dataclass(frozen=True)

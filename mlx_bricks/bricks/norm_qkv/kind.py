@@ -3,9 +3,9 @@
 as mlx-lm's ``Attention`` does. Arguments: ``x, norm_weight, eps, wq, wk, wv, bq, bk, bv,
 n_heads, n_kv_heads, head_dim``.
 
-Composites (any of q/k/v quantized, affine or microscaled): ``dequant`` / ``dequant_brick``: ``mx.fast.rms_norm``, then
-each projection's weight dequantized in row tiles and multiplied in float
-(``bricks/dequantize/composite.py``)."""
+Composites (any of q/k/v quantized, affine or microscaled): ``dequant`` / ``dequant_brick``
+(affine only): ``mx.fast.rms_norm``, then each projection's weight dequantized in row tiles and
+multiplied in float (``bricks/dequantize/composite.py``)."""
 from __future__ import annotations
 
 import mlx.core as mx
