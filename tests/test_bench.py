@@ -134,6 +134,25 @@ def test_cpu_group_runs_only_without_a_kernel_backend(monkeypatch):
                                      "(cuda status): the patch would not run on the CPU")
 
 
+def test_formats_cpu_group():
+    """The microscaled formats' CPU cases: one per mode and dtype, plus the MoE one; a case's
+    composite and stock compute the same product (the brick side is the composite)."""
+    import mlx.core as mx
+
+    from mlx_bricks.bench import formats
+    from mlx_bricks.bench.core import CPU, GROUPS
+
+    names = GROUPS["formats_cpu"]
+    assert names == [f"formats_cpu_linear_{m}_{d}" for m in ("mxfp4", "nvfp4", "mxfp8")
+                     for d in ("fp16", "bf16")] + ["formats_cpu_moe_mxfp4_bf16"]
+    assert {BENCHMARKS[n].backend for n in names} == {CPU}
+    brick, stock, info = formats._linear_setup("mxfp8", "fp32")
+    b, s = brick(), stock()
+    # float32 sums of the same exact products (K = 1024 terms)
+    assert mx.abs(b - s).max().item() <= 1e-5 * mx.abs(s).max().item()
+    assert info()["shape"] == {"M": 128, "N": 1024, "K": 1024}
+
+
 def test_cpu_e2e_case_reports_peak_memory_and_load():
     """A CPU e2e case on a tiny quantized llama (where no kernel backend exists): the
     composites run, the peaks and the load are in the result."""

@@ -230,10 +230,21 @@ def _moe_benchmarks() -> dict[str, Benchmark]:
 
 BENCHMARKS.update(_moe_benchmarks())
 
+
+def _formats_benchmarks() -> dict[str, Benchmark]:
+    """The microscaled formats' composites vs stock on the CPU: ``mlx_bricks.bench.formats``."""
+    from mlx_bricks.bench.formats import benchmarks
+
+    return benchmarks()
+
+
+BENCHMARKS.update(_formats_benchmarks())
+
 #: Names that stand for several benchmarks (``--only GROUP``).
 GROUPS: dict[str, list[str]] = {
     **{group: list(members) for group, members in CUDA_GROUPS.items()},
     "moe": [n for n in BENCHMARKS if n.startswith("moe_")],
+    "formats_cpu": [n for n in BENCHMARKS if n.startswith("formats_cpu_")],
     "e2e_llama8b_4layer": [n for n in BENCHMARKS if n.startswith("e2e_llama8b_4layer_")],
     "e2e_llama8b_4layer_float": [n for n in BENCHMARKS if n.startswith("e2e_llama8b_4layer_")
                                  and "_q" not in n],
