@@ -106,8 +106,8 @@ def dequant64(w) -> np.ndarray:
         return micro64(w)
     if not isinstance(w, QuantizedWeight):
         return to_f64(w)
-    s = np.repeat(to_f64(w.scales), w.group_size, axis=1)
-    b = np.repeat(to_f64(w.biases), w.group_size, axis=1)
+    s = np.repeat(to_f64(w.scales), w.group_size, axis=-1)
+    b = np.repeat(to_f64(w.biases), w.group_size, axis=-1)
     return s * unpack64(w) + b
 
 

@@ -33,6 +33,7 @@ from mlx_bricks.bricks.moe.op import SORT_THRESHOLD, moe_mlp, moe_mlp_reference
 from mlx_bricks.bricks.norm_qkv.kind import RMS_NORM_QKV
 from mlx_bricks.bricks.swiglu.kind import SWIGLU_MLP
 from mlx_bricks.formats import format_of
+from mlx_bricks.formats.affine import QuantizedWeight
 from mlx_bricks.formats.microscaling import MODES, MicroscaledWeight
 from mlx_bricks.patch import patch_model
 from mlx_bricks.runtime.guard import GUARD
@@ -292,14 +293,22 @@ MOE_CASES = [  # tokens, E, k, D, N, mode, dtype, activation, bias
 assert {c[0] * c[2] >= SORT_THRESHOLD for c in MOE_CASES} == {False, True}
 
 
+def _experts(shape, mode, dt, seed, global_scale):
+    """Stacked experts: microscaled (``mode`` a name) or MLX affine (``mode`` (bits, gs))."""
+    if isinstance(mode, str):
+        return microscaled(shape, mode, dt, seed, global_scale=global_scale)
+    w = randn(shape, dt, seed, scale=1.0 / math.sqrt(shape[-1]))
+    return QuantizedWeight(*mx.quantize(w, bits=mode[0], group_size=mode[1]), mode[1], mode[0])
+
+
 def _moe_case(tokens, E, k, D, N, mode, dt, activation, bias, seed, global_scale=False):
     x = randn((1, tokens, D), dt, seed)
     rng = np.random.default_rng(seed)
     idx = mx.array(np.stack([rng.choice(E, k, replace=False) for _ in range(tokens)])
                    .reshape(1, tokens, k).astype(np.int32))
-    wg = microscaled((E, N, D), mode, dt, seed + 1, global_scale=global_scale)
-    wu = microscaled((E, N, D), mode, dt, seed + 2, global_scale=global_scale)
-    wd = microscaled((E, D, N), mode, dt, seed + 3, global_scale=global_scale)
+    wg = _experts((E, N, D), mode, dt, seed + 1, global_scale)
+    wu = _experts((E, N, D), mode, dt, seed + 2, global_scale)
+    wd = _experts((E, D, N), mode, dt, seed + 3, global_scale)
     bs = ((randn((E, N), dt, seed + 4, 0.1), randn((E, N), dt, seed + 5, 0.1),
            randn((E, D), dt, seed + 6, 0.1)) if bias else (None, None, None))
     args = {"x": x, "indices": idx, "w_gate": wg, "w_up": wu, "w_down": wd,
@@ -343,6 +352,20 @@ def test_moe_composite(cap, tokens, E, k, D, N, mode, dtype, activation, bias):
     assert MOE_MLP.check(out, naive, args).ok
     # the reference backend's brick is stock's computation (no kernel reads the weights)
     assert mx.array_equal(MOE_MLP.brick(args, "reference"), naive).item()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_moe_composite_serves_affine_experts(dtype):
+    """The MoE composite also takes MLX affine experts (where no kernel backend exists it is
+    their only candidate); the kernels' tiles are still listed for them."""
+    dt = DTYPES[dtype]
+    args, ref = _moe_case(40, 4, 2, 64, 128, Q4, dt, "swiglu_oai", True, 11)
+    assert MOE_MLP.listing("emulator", dt, args)
+    names = [v.name for v in MOE_MLP.variants("reference", args=args, names=())]
+    assert names == ["dequant"]
+    (v,) = _composites(MOE_MLP, args, "reference", SMALL_CAP)
+    assert_dtype_close(v.run(args, "reference"), ref, MOE_MLP.stock(args), dtype=dt,
+                       what=f"moe q4g64 {dtype}")
 
 
 def test_moe_composite_nvfp4_global_scale():
