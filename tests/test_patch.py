@@ -429,16 +429,18 @@ def test_sliding_window_layer_falls_back_and_matches():
 
 
 def test_quantized_model_reports_fallbacks():
-    """mxfp4 is not MLX's affine format: stock with the reason (affine quantized models run the
-    bricks: tests/test_patch_quantized.py)."""
+    """1-bit affine is not a width the bricks read: stock with the reason (2-8 bit affine and
+    the microscaling modes run the bricks: tests/test_patch_quantized.py,
+    tests/test_microscaling.py)."""
     model = build_model("llama")
-    nn.quantize(model, group_size=32, bits=4, mode="mxfp4")
+    nn.quantize(model, group_size=32, bits=1)
     toks = tokens(10)
     stock = run(model, toks)
     report = patch_model(model, backend="reference")
     assert report.n_patched == 0
     assert report.n_fallback == 2 * len(model.layers)
-    assert all("QuantizedLinear (mxfp4 gs32)" in m.reason for m in report.fallbacks)
+    assert all("QuantizedLinear (q1 gs32)" in m.reason and "bits must be one of" in m.reason
+               for m in report.fallbacks)
     assert mx.array_equal(run(model, toks), stock)
     assert "QuantizedLinear" in str(report)
 

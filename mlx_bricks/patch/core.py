@@ -200,7 +200,8 @@ def _block_structure(layer, layout) -> str | None:
 
 
 def _reads_affine(module, role, layout, piece=None) -> bool:
-    """Whether a linear layer the module's bricks read holds an affine-quantized weight."""
+    """Whether a linear layer the module's bricks read holds a quantized weight (affine or
+    microscaled: the composites' weights)."""
     return any(m is not None and format_of(weight_of(m)).quantized
                for m in linears(module, role, layout, piece).values())
 
@@ -302,8 +303,9 @@ def _patch_experts(report: PatchReport, i: int, layer, opts: dict, backend: str,
     call ``(x, indices)`` runs the MoE piece, ``bricks.moe.piece.MOE_PIECE``; the model's
     router, combine and shared experts stay its own), and report every ``SwitchMLP`` stock
     with the reason. With
-    ``dispatch`` None or composites only (no kernel backend: the MoE kind has no composites)
-    they are reported stock with :data:`NO_KERNEL_BACKEND`."""
+    ``dispatch`` None, or composites only (no kernel backend) and float experts (the MoE
+    kind's ``dequant`` composite applies to quantized ones), they are reported stock with
+    :data:`NO_KERNEL_BACKEND`."""
     glu, switch_mlp = switch_classes()[:2]
     for path, module in layer.named_modules():
         if not isinstance(module, (glu, switch_mlp)):
@@ -321,7 +323,9 @@ def _patch_experts(report: PatchReport, i: int, layer, opts: dict, backend: str,
             add(ModuleReport(i, MOE_PIECE.role, FALLBACK, reason=f"{where}: {reason}",
                              weights=formats))
             continue
-        if dispatch is None or dispatch.composites_only:
+        quantized = any(isinstance(getattr(module, n, None), switch_classes()[3])
+                        for n in MOE_PIECE.linears())
+        if dispatch is None or (dispatch.composites_only and not quantized):
             add(ModuleReport(i, MOE_PIECE.role, STOCK, reason=NO_KERNEL_BACKEND,
                              weights=formats))
             continue
@@ -402,17 +406,18 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
     attention, the out-projection, the MLP), each running its brick or mlx-lm's own stock code
     as the dispatcher decides (``tune``); decode (L == 1: the model's forward switches every
     patched module to its original class, one check per forward: ``nn.gate``) and the cases
-    the bricks do not cover
-    (array masks, caches other than ``KVCache``, non-affine quantized or LoRA/DoRA linears,
+    the bricks do not cover (array masks, caches other than ``KVCache``, LoRA/DoRA linears,
     unknown call signatures, sliding-window layers) run the stock code, with the reason in the
     report. MLX affine ``nn.QuantizedLinear`` projections feed the quantized bricks (docs/
-    patch.md, "Quantized models"). A brick that fails to build, or whose first output
-    disagrees with stock, is disabled for the process and its pieces run stock (the report
+    patch.md, "Quantized models"); ``mxfp4`` / ``nvfp4`` / ``mxfp8`` layers and experts feed
+    the kinds' composites only (no kernel reads them; docs/formats.md). A brick that fails to
+    build, or whose first output disagrees with stock, is disabled for the process and its
+    pieces run stock (the report
     says which and why).
 
     On a machine without a kernel backend (auto selection gave ``reference``), the modules
-    that read an MLX affine-quantized weight are patched and each of their pieces is tuned:
-    the kinds' composites ("dequantize the weight, then the stock float computation", in row
+    that read a quantized weight (MLX affine or microscaled) are patched and each of their
+    pieces is tuned: the kinds' composites ("dequantize the weight, then the stock float computation", in row
     tiles under ``dequant_cap``) are timed against stock, and whichever is faster runs (MLX
     0.32.4's CPU ``quantized_matmul`` with float16 activations is 17-57x slower than the
     dequantized float GEMM); modules with float weights only are reported ``stock`` with
