@@ -35,14 +35,74 @@ CONFIGS = {
                    num_attention_heads=2, num_key_value_heads=1, head_dim=256,
                    rms_norm_eps=1e-6, query_pre_attn_scalar=256, attn_logit_softcapping=5.0,
                    final_logit_softcapping=30.0),
+    # NoPE on every 2nd layer (no_rope_layers [1, 0]: mlx-lm swaps in an identity rope)
+    "smollm3": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                    rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
+                    no_rope_layer_interval=2),
+    # q/k/v biases (attention_bias), no o bias
+    "seed_oss": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                     rms_norm_eps=1e-6, rope_theta=10000.0, attention_bias=True),
+    # YaRN rope, Llama-4 query scaling (a factor of 1 + 0.5 log(1 + floor(pos / 6)), so it
+    # moves within a 20-token prompt), layer 0 sliding (window 8), layer 1 global
+    "ministral3": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                       rms_norm_eps=1e-5, max_position_embeddings=4096,
+                       tie_word_embeddings=False, sliding_window=8,
+                       layer_types=["sliding_attention", "full_attention"],
+                       rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                        "original_max_position_embeddings": 6,
+                                        "beta_fast": 32.0, "beta_slow": 1.0,
+                                        "rope_theta": 1000000.0,
+                                        "llama_4_scaling_beta": 0.5}),
+    # post-norm blocks, q/k RMSNorm over all heads' width
+    "olmo2": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
+                  rope_theta=10000.0),
+    # olmo3: olmo2's blocks, layers 0-2 sliding (window 8), layer 3 global
+    "olmo3": dict(hidden_size=128, num_hidden_layers=4, intermediate_size=256,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
+                  rope_theta=10000.0, max_position_embeddings=4096, sliding_window=8),
+    # exaone4: post-norm blocks, per-head q/k norms, "LLLG": 3 sliding RoPE layers (window 8),
+    # then a global NoPE layer
+    "exaone4": dict(hidden_size=128, num_hidden_layers=4, intermediate_size=256,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                    rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096,
+                    tie_word_embeddings=True, rope_scaling=None, sliding_window=8,
+                    sliding_window_pattern="LLLG"),
+    # glm4_moe: layer 0 dense, layer 1 MoE (4 routed experts, top 2, a shared expert);
+    # partial RoPE (half of head_dim), q/k/v biases, per-head q/k norms
+    "glm4_moe": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                     max_position_embeddings=4096, moe_intermediate_size=64,
+                     norm_topk_prob=True, num_attention_heads=4, n_group=1, head_dim=64,
+                     topk_group=1, n_shared_experts=1, n_routed_experts=4,
+                     routed_scaling_factor=1.0, num_experts_per_tok=2,
+                     first_k_dense_replace=1, num_key_value_heads=2, rms_norm_eps=1e-5,
+                     rope_theta=10000.0, rope_scaling=None, use_qk_norm=True,
+                     tie_word_embeddings=False, attention_bias=True,
+                     partial_rotary_factor=0.5),
+    # llama4_text: weightless per-head q/k RMSNorm before RoPE, layer 3 NoPE
+    "llama4_text": dict(hidden_size=128, num_hidden_layers=4, intermediate_size=256,
+                        intermediate_size_mlp=256, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
+                        rope_theta=10000.0, tie_word_embeddings=False,
+                        no_rope_layers=[1, 1, 1, 0], use_qk_norm=True),
 }
+
+# Multimodal wrappers: the text model's args under text_config (vocab included).
+CONFIGS["mistral3"] = dict(text_config=dict(CONFIGS["llama"], model_type="llama",
+                                             vocab_size=VOCAB))
 
 # Parameters scaled up to sharpen attention (q_norm/k_norm: qwen3 normalises q and k per head).
 ATTENTION_SHARPEN = ("q_proj.", "k_proj.", "q_norm.", "k_norm.")
 
 # model_type -> mlx-lm module that builds it (mlx_lm.utils.MODEL_REMAPPING: mistral -> llama).
 MODULES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-           "gemma3_text": "gemma3_text", "gemma2": "gemma2"}
+           "gemma3_text": "gemma3_text", "gemma2": "gemma2", "smollm3": "smollm3",
+           "seed_oss": "seed_oss", "ministral3": "ministral3", "olmo2": "olmo2",
+           "olmo3": "olmo3", "exaone4": "exaone4", "glm4_moe": "glm4_moe",
+           "llama4_text": "llama4_text", "mistral3": "mistral3"}
 
 # Architectures whose RMSNorm computes rms_norm(x, 1 + w): their stored norm weights are the
 # effective ones minus 1.
@@ -54,6 +114,9 @@ def model_args(model_type: str, **overrides):
     module = importlib.import_module(f"mlx_lm.models.{MODULES[model_type]}")
     fields = dict(CONFIGS[MODULES[model_type]], model_type=model_type, vocab_size=VOCAB)
     fields.update(overrides)
+    if "text_config" in fields:  # a wrapper: the vocabulary is the text model's
+        del fields["vocab_size"]
+        fields["text_config"] = dict(fields["text_config"])
     return module, module.ModelArgs(**fields)
 
 

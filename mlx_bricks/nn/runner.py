@@ -44,6 +44,9 @@ class BricksState:
             for a call that could not be timed, else None.
         checking: True while :func:`check_block` times this module (its own calls then run
             the remembered choices, uncounted).
+        sliding: whether the module's layer is a sliding-window layer, where the patch decided
+            it from the layer or the model's args (``nn.calls.layer_window``); None: from the
+            attention module's ``layout.sliding`` attribute.
     """
 
     backend: str
@@ -62,6 +65,7 @@ class BricksState:
     all_stock: dict = field(default_factory=dict, repr=False)
     checked: dict = field(default_factory=dict, repr=False)
     checking: bool = False
+    sliding: bool | None = None
 
 
 def choose(state: BricksState, shape_key: tuple, pieces) -> dict:

@@ -20,17 +20,44 @@ _SANDWICH = ("the block normalises each sublayer's output too (post_attention_la
              "post_feedforward_layernorm): the unified block is pre-norm only; attention and "
              "MLP are patched one by one")
 
+
+def _calls(module: str, **digests: str) -> tuple[str, ...]:
+    """``vetted`` fingerprints (``mlx_bricks.patch.vetted``) of classes of one mlx-lm model file:
+    ``Class=sha256[:12]`` of ``Class.__call__``'s source."""
+    return tuple(f"mlx_lm.models.{module}.{cls}.__call__={d}" for cls, d in digests.items())
+
+
+# The mlx-lm 0.32.2 forwards each entry was read against (a different forward stays stock).
+_LLAMA = _calls("llama", Attention="dc1cc3af5b0a", MLP="07c9ab86cb8f",
+                TransformerBlock="61ea9549fdd9")
+
+# post-norm blocks: each sublayer's output is normalised before the residual add, the input
+# is not (olmo2, olmo3, exaone4).
+_POST_NORM = ("post-norm block (the sublayers' outputs are normalised: post_attention_layernorm, "
+              "post_feedforward_layernorm; no input norm): the unified block is pre-norm; "
+              "attention and MLP are patched one by one")
+
 ARCHITECTURES: dict[str, BlockLayout] = {
-    # llama: layers with use_sliding (layer_types "sliding_attention") get a RotatingKVCache.
-    "llama": BlockLayout(source="mlx_lm/models/llama.py", layer_sliding="use_sliding"),
-    "qwen2": BlockLayout(source="mlx_lm/models/qwen2.py"),
+    # llama: layers with use_sliding (layer_types "sliding_attention") get a RotatingKVCache
+    # of sliding_window and mlx-lm's window mask; the bricks run them with that window.
+    "llama": BlockLayout(source="mlx_lm/models/llama.py", layer_sliding="use_sliding",
+                         window_arg="sliding_window", vetted=_LLAMA),
+    "qwen2": BlockLayout(source="mlx_lm/models/qwen2.py", vetted=_calls(
+        "qwen2", Attention="b97fca5ccb66", MLP="07c9ab86cb8f", TransformerBlock="61ea9549fdd9")),
     # qwen3: per-head RMSNorm of q and k (over head_dim) before RoPE.
-    "qwen3": BlockLayout(source="mlx_lm/models/qwen3.py", qk_norm=("q_norm", "k_norm")),
+    "qwen3": BlockLayout(source="mlx_lm/models/qwen3.py", qk_norm=("q_norm", "k_norm"),
+                         vetted=_calls("qwen3", Attention="0e5c13cbedb7", MLP="07c9ab86cb8f",
+                                       TransformerBlock="61ea9549fdd9")),
     # qwen3_moe / qwen2_moe: qwen3's / qwen2's attention; a MoE layer's mlp is a sparse block
     # (router, SwitchGLU experts, qwen2_moe's shared expert): those layers are not fused, their
     # experts are patched by module.
-    "qwen3_moe": BlockLayout(source="mlx_lm/models/qwen3_moe.py", qk_norm=("q_norm", "k_norm")),
-    "qwen2_moe": BlockLayout(source="mlx_lm/models/qwen2_moe.py"),
+    "qwen3_moe": BlockLayout(source="mlx_lm/models/qwen3_moe.py", qk_norm=("q_norm", "k_norm"),
+                             vetted=_calls("qwen3_moe", Attention="8be888322dfa",
+                                           MLP="07c9ab86cb8f",
+                                           Qwen3MoeDecoderLayer="61ea9549fdd9")),
+    "qwen2_moe": BlockLayout(source="mlx_lm/models/qwen2_moe.py", vetted=_calls(
+        "qwen2_moe", Attention="b97fca5ccb66", MLP="07c9ab86cb8f",
+        Qwen2MoeDecoderLayer="61ea9549fdd9")),
     # gemma3 (text): RMSNorm of 1 + w (q/k norms too), GELU-tanh MLP, scale from
     # query_pre_attn_scalar (the module's own scale), sliding-window layers (is_sliding, a
     # RotatingKVCache of sliding_window) between global ones; embedding scaling stays in the
@@ -39,23 +66,88 @@ ARCHITECTURES: dict[str, BlockLayout] = {
                                qk_norm=("q_norm", "k_norm"), offset_norm=True,
                                activation="gelu_tanh",
                                sliding="is_sliding", window_arg="sliding_window",
-                               unfused=_SANDWICH),
+                               unfused=_SANDWICH, vetted=_calls(
+                                   "gemma3_text", Attention="6c646cd7e827",
+                                   MLP="fcd7015edea2", TransformerBlock="164ea44802f7")),
     # gemma2: 1 + w RMSNorms, GELU-tanh MLP, attention logit soft-capping
     # (attn_logit_softcapping), the causal mask passed as an array (return_array=True). mlx-lm's
     # gemma2 has no sliding-window layers (every layer attends globally), so neither do we.
     "gemma2": BlockLayout(source="mlx_lm/models/gemma2.py", offset_norm=True,
                           activation="gelu_tanh",
                           softcap="attn_logit_softcapping", causal_array=True,
-                          unfused=_SANDWICH),
+                          unfused=_SANDWICH, vetted=_calls(
+                              "gemma2", Attention="db07bda6a260", MLP="fcd7015edea2",
+                              TransformerBlock="2a2e6cf84e96")),
+    # smollm3: llama's classes; its NoPE layers (no_rope_layers) hold an identity rope object
+    # (smollm3.NoPE), which the bricks call like any rope: no RoPE on those layers.
+    "smollm3": BlockLayout(source="mlx_lm/models/smollm3.py", vetted=_LLAMA),
+    # seed_oss: qwen2's attention forward (q/k/v biases: attention_bias; o bias:
+    # attention_out_bias), llama's block and MLP.
+    "seed_oss": BlockLayout(source="mlx_lm/models/seed_oss.py", vetted=_calls(
+        "seed_oss", Attention="b97fca5ccb66", MLP="07c9ab86cb8f",
+        TransformerBlock="61ea9549fdd9")),
+    # ministral3: llama's block with an attn_scale argument (Llama-4 query scaling: the model
+    # computes 1 + beta * log(1 + floor(pos / original_max_position_embeddings)) per position
+    # and the attention multiplies the roped queries by it), YaRN rope (the module's own
+    # object), sliding-window layers (use_sliding, layer_types).
+    "ministral3": BlockLayout(source="mlx_lm/models/ministral3.py", layer_sliding="use_sliding",
+                              window_arg="sliding_window", query_scale="attn_scale",
+                              call_args=("attn_scale", "mask", "cache"), vetted=_calls(
+                                  "ministral3", Attention="c3248f2aeafd", MLP="07c9ab86cb8f",
+                                  TransformerBlock="2a679626bf7b")),
+    # olmo2: post-norm blocks; q/k RMSNorm over the full width (n_heads * head_dim) before the
+    # head split.
+    "olmo2": BlockLayout(source="mlx_lm/models/olmo2.py", qk_norm=("q_norm", "k_norm"),
+                         qk_norm_width="full", unfused=_POST_NORM, vetted=_calls(
+                             "olmo2", Attention="d8dfe3e56641", MLP="07c9ab86cb8f",
+                             TransformerBlock="938036f56fc7")),
+    # olmo3: olmo2's blocks and norms; layer_types "sliding_attention" (3 of 4 layers) get a
+    # RotatingKVCache of sliding_window and mlx-lm's window mask; head counts spelled out.
+    "olmo3": BlockLayout(source="mlx_lm/models/olmo3.py", qk_norm=("q_norm", "k_norm"),
+                         qk_norm_width="full", unfused=_POST_NORM, layer_types="layer_types",
+                         window_arg="sliding_window",
+                         heads=("num_attention_heads", "num_key_value_heads"),
+                         vetted=_calls("olmo3", Olmo3Attention="a1296d50727b",
+                                       Olmo3MLP="fcbab3148610",
+                                       Olmo3DecoderLayer="938036f56fc7")),
+    # exaone4: post-norm blocks, per-head q/k norms; local layers (is_local: sliding window,
+    # RoPE) and global layers without RoPE (use_rope False) when a sliding_window_pattern is
+    # set.
+    "exaone4": BlockLayout(source="mlx_lm/models/exaone4.py", qk_norm=("q_norm", "k_norm"),
+                           unfused=_POST_NORM, sliding="is_local", window_arg="sliding_window",
+                           rope_flag="use_rope", vetted=_calls(
+                               "exaone4", Attention="4c8b7082aad5", MLP="07c9ab86cb8f",
+                               TransformerBlock="7987ccdbd076")),
+    # glm4_moe: partial RoPE (partial_rotary_factor: the module's own nn.RoPE over the first
+    # dims), q/k/v biases, per-head q/k norms where use_qk_norm; MoE layers' routed experts
+    # (SwitchGLU) are patched by module and their shared expert as an MLP.
+    "glm4_moe": BlockLayout(source="mlx_lm/models/glm4_moe.py", qk_norm=("q_norm", "k_norm"),
+                            qk_norm_flag="use_qk_norm", shared_expert="shared_experts",
+                            vetted=_calls("glm4_moe", Attention="ea42bbe6ee7f",
+                                          MLP="d28884f84783", DecoderLayer="dec68396d250")),
+    # llama4_text: the MLP is feed_forward; a weightless per-head RMSNorm of q and k
+    # (mx.fast.rms_norm(x, None, rms_norm_eps)) before RoPE where use_qk_norm; layers with
+    # use_rope False (no_rope_layers) have no RoPE.
+    "llama4_text": BlockLayout(source="mlx_lm/models/llama4_text.py", mlp="feed_forward",
+                               inline_qk_norm="use_qk_norm", inline_qk_norm_eps="rms_norm_eps",
+                               rope_flag="use_rope", vetted=_calls(
+                                   "llama4_text", Attention="58158ceb5556",
+                                   MLP="fcbab3148610", TransformerBlock="052e2522d61d")),
 }
 
 # model_type -> ARCHITECTURES key, for types mlx-lm builds with another type's model file
-# (mlx_lm.utils.MODEL_REMAPPING maps "mistral" to llama.py).
+# (mlx_lm.utils.MODEL_REMAPPING maps "mistral", "xverse" and "iquestcoder" to llama.py).
 # "gemma3" is the multimodal wrapper: model.layers are gemma3_text's (language_model.layers).
-ALIASES: dict[str, str] = {"mistral": "llama", "gemma3": "gemma3_text"}
+ALIASES: dict[str, str] = {"mistral": "llama", "xverse": "llama", "iquestcoder": "llama",
+                           "gemma3": "gemma3_text"}
+
+#: Multimodal wrappers whose text model (``model.language_model``) may be of several types
+#: (mistral3: llama, ministral3 or mistral4): looked up by the text model's ``model_type``.
+#: mlx-lm builds "llava" with mistral3.py.
+WRAPPERS: tuple[str, ...] = ("mistral3", "llava")
 
 
-def _model_args(model):
+def model_args(model):
     """The text model's args: ``model.args``, or the wrapped ``language_model.args``."""
     lm = getattr(model, "language_model", None)
     return getattr(lm if lm is not None else model, "args", None)
@@ -66,16 +158,21 @@ def bind(layout: BlockLayout, model) -> BlockLayout:
     ``layout.window_arg``; None if absent or not a positive int)."""
     if layout.window_arg is None or model is None:
         return layout
-    window = getattr(_model_args(model), layout.window_arg, None)
+    window = getattr(model_args(model), layout.window_arg, None)
     ok = isinstance(window, numbers.Integral) and not isinstance(window, bool) and window > 0
     return dataclasses.replace(layout, sliding_window=int(window) if ok else None)
 
 
 def lookup(model_type, model=None) -> tuple[str | None, BlockLayout | None]:
     """``(architecture name, layout)`` for ``model_type``, or ``(None, None)`` if unsupported;
-    with ``model``, the layout is bound to it (:func:`bind`)."""
+    with ``model``, the layout is bound to it (:func:`bind`). A wrapper type (:data:`WRAPPERS`)
+    takes the entry of ``model.language_model.model_type`` (none without ``model``)."""
     if not isinstance(model_type, str):
         return None, None
+    if model_type in WRAPPERS:
+        model_type = getattr(getattr(model, "language_model", None), "model_type", None)
+        if not isinstance(model_type, str) or model_type in WRAPPERS:
+            return None, None
     name = ALIASES.get(model_type, model_type)
     layout = ARCHITECTURES.get(name)
     return (name, bind(layout, model)) if layout is not None else (None, None)
@@ -83,4 +180,4 @@ def lookup(model_type, model=None) -> tuple[str | None, BlockLayout | None]:
 
 def supported_model_types() -> tuple[str, ...]:
     """mlx-lm ``model_type`` values the patch knows (architectures and their aliases), sorted."""
-    return tuple(sorted([*ARCHITECTURES, *ALIASES]))
+    return tuple(sorted([*ARCHITECTURES, *ALIASES, *WRAPPERS]))

@@ -63,8 +63,9 @@ def attention_args(attn, layout, B, L, cache, dtype, mask, *, head_dim, kv_quant
                    window=None) -> dict:
     """Arguments of the attention piece before q/k/v exist (shapes only): keys are the ones
     the cache returns (the cached ones plus this chunk's); masking by :func:`masking`."""
-    kv = Act((B, attn.n_kv_heads, kv_length(cache, L), head_dim), dtype)
-    args = {"q": Act((B, attn.n_heads, L, head_dim), dtype), "k": kv, "v": kv,
+    n_heads, n_kv_heads = layout.head_counts(attn)
+    kv = Act((B, n_kv_heads, kv_length(cache, L), head_dim), dtype)
+    args = {"q": Act((B, n_heads, L, head_dim), dtype), "k": kv, "v": kv,
             "scale": attn.scale, "kv_quant": kv_quant}
     args.update(masking(attn, layout, mask, window, cache))
     return args

@@ -51,7 +51,8 @@ def qkv_args(block, layout, x, head_dim) -> dict:
     return {"x": x, "norm_weight": norm_weight(norm, layout), "eps": norm.eps,
             "wq": weight_of(qp), "wk": weight_of(kp), "wv": weight_of(vp),
             "bq": bias_of(qp), "bk": bias_of(kp), "bv": bias_of(vp),
-            "n_heads": attn.n_heads, "n_kv_heads": attn.n_kv_heads, "head_dim": head_dim}
+            **dict(zip(("n_heads", "n_kv_heads"), layout.head_counts(attn))),
+            "head_dim": head_dim}
 
 
 def qkv_stock(block, layout, x):
@@ -60,6 +61,7 @@ def qkv_stock(block, layout, x):
     attn = block[layout.attention]
     B, L, _ = x.shape
     h = block[layout.input_norm](x)
-    return (heads(attn[layout.q_proj](h), B, L, attn.n_heads),
-            heads(attn[layout.k_proj](h), B, L, attn.n_kv_heads),
-            heads(attn[layout.v_proj](h), B, L, attn.n_kv_heads))
+    n_heads, n_kv_heads = layout.head_counts(attn)
+    return (heads(attn[layout.q_proj](h), B, L, n_heads),
+            heads(attn[layout.k_proj](h), B, L, n_kv_heads),
+            heads(attn[layout.v_proj](h), B, L, n_kv_heads))
