@@ -6,6 +6,7 @@ gemma3_text: head_dim 256, one KV head, a sliding-window layer (window 8) then a
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import mlx.core as mx
@@ -91,6 +92,16 @@ CONFIGS = {
 }
 
 # Multimodal wrappers: the text model's args under text_config (vocab included).
+# llama4: 4 layers, chunked attention (chunks of 8) on layers 0-2, layer 3 NoPE and global with
+# the attention temperature (floor_scale 4 so it moves within a prompt); MoE (4 experts, top 1,
+# a shared expert) on layers 1 and 3, dense MLPs on 0 and 2.
+CONFIGS["llama4"] = dict(text_config=dict(
+    model_type="llama4_text", vocab_size=VOCAB, attention_bias=False, attention_chunk_size=8,
+    head_dim=64, hidden_size=128, interleave_moe_layer_step=2, intermediate_size=64,
+    intermediate_size_mlp=256, max_position_embeddings=4096, num_attention_heads=4,
+    num_experts_per_tok=1, num_hidden_layers=4, num_key_value_heads=2, num_local_experts=4,
+    rms_norm_eps=1e-5, rope_scaling=None, rope_theta=10000.0, use_qk_norm=True,
+    floor_scale=4, attn_scale=0.5))
 CONFIGS["mistral3"] = dict(text_config=dict(CONFIGS["llama"], model_type="llama",
                                              vocab_size=VOCAB))
 
@@ -102,7 +113,7 @@ MODULES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwe
            "gemma3_text": "gemma3_text", "gemma2": "gemma2", "smollm3": "smollm3",
            "seed_oss": "seed_oss", "ministral3": "ministral3", "olmo2": "olmo2",
            "olmo3": "olmo3", "exaone4": "exaone4", "glm4_moe": "glm4_moe",
-           "llama4_text": "llama4_text", "mistral3": "mistral3"}
+           "llama4_text": "llama4_text", "mistral3": "mistral3", "llama4": "llama4"}
 
 # Architectures whose RMSNorm computes rms_norm(x, 1 + w): their stored norm weights are the
 # effective ones minus 1.
@@ -160,7 +171,10 @@ def clone(model: nn.Module, dtype) -> nn.Module:
     reference of the same network.
     """
     module = importlib.import_module(type(model).__module__)
-    copy = module.Model(model.args)
+    args = model.args
+    if dataclasses.is_dataclass(getattr(args, "text_config", None)):  # built from a dict again
+        args = dataclasses.replace(args, text_config=dataclasses.asdict(args.text_config))
+    copy = module.Model(args)
     copy.update(tree_map(lambda a: a.astype(dtype), model.parameters()))
     mx.eval(copy.parameters())
     return copy

@@ -78,6 +78,16 @@ def _weightless(attn, layout, t):
     return mx.fast.rms_norm(t, None, eps)
 
 
+def _temperature(attn, q, offset):
+    """llama4's attention temperature tuning on its NoPE layers: the queries at positions
+    ``p = offset + 1 .. offset + L`` times ``1 + attn_scale * log(1 + floor(p / floor_scale))``
+    (float32 factors, the product cast back to q's dtype, as mlx-lm's ``llama4.Attention``)."""
+    L = q.shape[2]
+    pos = mx.arange(offset + 1, offset + L + 1)
+    scales = mx.log(mx.floor(pos / attn.floor_scale) + 1.0) * attn.attn_scale + 1.0
+    return (q * scales[:, None]).astype(q.dtype)
+
+
 def attend(attn, state: BricksState, choice, args, q, k, v, mask, cache, window=None,
            query_scale=None):
     """Q/K norms, RoPE, query scaling, KV-cache update and the attention piece, in the order
@@ -88,7 +98,8 @@ def attend(attn, state: BricksState, choice, args, q, k, v, mask, cache, window=
 
     Order: the module's q/k norms (per head, or over the full width) and llama4_text's
     weightless norm; RoPE with the module's own rope object at ``cache.offset`` (none on a
-    NoPE layer: ``layout.rope_flag``); llama4's weightless norm after RoPE; ``q * attn_scale``;
+    NoPE layer: ``layout.rope_flag``); llama4's weightless norm after RoPE; ``q * attn_scale``
+    (or llama4's temperature tuning on its NoPE layers);
     ``cache.update_and_fetch``; the attention.
 
     Returns (B, L, n_heads * head_dim), ready for the out-projection.
@@ -116,6 +127,9 @@ def attend(attn, state: BricksState, choice, args, q, k, v, mask, cache, window=
         q, k = _weightless(attn, lay, q), _weightless(attn, lay, k)
     if query_scale is not None:
         q = q * query_scale
+    elif lay.query_scale == "llama4_temperature" and attn.attn_temperature_tuning and \
+            not lay.has_rope(attn):
+        q = _temperature(attn, q, cache.offset if cache is not None else 0)
     if cache is not None:
         k, v = cache.update_and_fetch(k, v)
         if is_q8_cache(cache):  # k, v are (qs, d): only the Q8_0 readers take them

@@ -62,7 +62,13 @@ class BlockLayout:
             layer has its ``rope`` (smollm3's NoPE layers have an identity ``rope`` object).
         query_scale: ``"attn_scale"``: the module's call takes an ``attn_scale`` array (one
             factor per position, shape (L, 1)) that multiplies the queries after RoPE
-            (ministral3: Llama-4 query scaling); None: none.
+            (ministral3: Llama-4 query scaling); ``"llama4_temperature"``: on a NoPE layer
+            with ``attn_temperature_tuning``, the module scales its queries by
+            ``1 + attn_scale * log(1 + floor(position / floor_scale))`` (llama4); None: none.
+        chunked: attribute of the attention module that is True where it attends in chunks
+            (llama4's RoPE layers, ``use_rope``: a ``ChunkedKVCache`` and a block-diagonal
+            array mask, which the attention brick does not take): such modules stay stock;
+            None: none.
         call_args: the parameters of the attention's and block's ``__call__`` after ``x``
             (``("mask", "cache")``; ministral3: ``("attn_scale", "mask", "cache")``).
         shared_expert: attribute of a MoE layer's sparse block holding a dense shared expert
@@ -103,6 +109,7 @@ class BlockLayout:
     inline_qk_norm_after_rope: bool = False
     rope_flag: str | None = None
     query_scale: str | None = None
+    chunked: str | None = None
     call_args: tuple[str, ...] = ("mask", "cache")
     shared_expert: str | None = None
     vetted: tuple[str, ...] = ()

@@ -134,6 +134,9 @@ def _attention_structure(attn, layout, kv_quant) -> tuple[str | None, int]:
             return f"{name} has {rows} rows, expected n_kv_heads * head_dim = {n_kv * head_dim}", 0
     if not isinstance(getattr(attn, "scale", None), (int, float)):
         return "attention has no numeric scale", 0
+    if layout.chunked is not None and getattr(attn, layout.chunked, False):
+        return ("chunked attention (a ChunkedKVCache and a block-diagonal mask): the attention "
+                "brick takes causal and sliding-window masks only"), 0
     if layout.has_rope(attn) and not callable(getattr(attn, "rope", None)):
         return "attention has no rope module (NoPE or another position scheme)", 0
     eps = layout.inline_qk_norm_eps

@@ -133,6 +133,23 @@ ARCHITECTURES: dict[str, BlockLayout] = {
                                rope_flag="use_rope", vetted=_calls(
                                    "llama4_text", Attention="58158ceb5556",
                                    MLP="fcbab3148610", TransformerBlock="052e2522d61d")),
+    # llama4 (the multimodal wrapper; its text model is llama4.py's, not llama4_text's): the MLP
+    # is feed_forward (a MoE with a shared expert on interleave_moe_layer_step layers); RoPE
+    # layers normalise q and k with a weightless RMSNorm (eps 1e-6) after RoPE and attend in
+    # chunks (attention_chunk_size: ChunkedKVCache, a block-diagonal array mask, which the
+    # attention brick does not take: those calls run stock); every 4th layer has no RoPE and
+    # scales its queries by the attention temperature. Attention and MLP are patched one by
+    # one, so a chunked layer's MLP still runs its brick.
+    "llama4": BlockLayout(source="mlx_lm/models/llama4.py", mlp="feed_forward",
+                          inline_qk_norm="use_qk_norm", inline_qk_norm_eps=1e-6,
+                          inline_qk_norm_after_rope=True, rope_flag="use_rope",
+                          query_scale="llama4_temperature", shared_expert="shared_expert",
+                          chunked="use_rope",
+                          unfused=("chunked attention (attention_chunk_size) on the RoPE "
+                                   "layers runs stock: attention and MLP are patched one by "
+                                   "one so the MLP runs its brick"),
+                          vetted=_calls("llama4", Attention="57868f2054ac", MLP="07c9ab86cb8f",
+                                        TransformerBlock="25dbc1ed7088")),
 }
 
 # model_type -> ARCHITECTURES key, for types mlx-lm builds with another type's model file
