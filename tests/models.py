@@ -89,6 +89,27 @@ CONFIGS = {
                         num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
                         rope_theta=10000.0, tie_word_embeddings=False,
                         no_rope_layers=[1, 1, 1, 0], use_qk_norm=True),
+    # llama-shaped families a table line covers
+    "internlm3": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                      num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-6,
+                      qkv_bias=True, rope_theta=10000.0),
+    "helium": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                   num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-6,
+                   attention_bias=False, head_dim=64, max_position_embeddings=4096,
+                   mlp_bias=False, rope_theta=10000.0, tie_word_embeddings=False),
+    # the layer stack runs twice (num_loops 2, shared weights, a cache per loop)
+    "nanbeige": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                     num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+                     head_dim=64, num_loops=2),
+    # qwen3's attention, MoE layers, layer 0 sliding (window 8)
+    "mellum": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                   num_attention_heads=4, num_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=64, rms_norm_eps=1e-6, num_key_value_heads=2,
+                   head_dim=64, tie_word_embeddings=False, max_position_embeddings=4096,
+                   norm_topk_prob=True, sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention"],
+                   rope_parameters={"sliding_attention": {"rope_theta": 10000.0},
+                                    "full_attention": {"rope_theta": 500000.0}}),
 }
 
 # Multimodal wrappers: the text model's args under text_config (vocab included).
@@ -113,7 +134,9 @@ MODULES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwe
            "gemma3_text": "gemma3_text", "gemma2": "gemma2", "smollm3": "smollm3",
            "seed_oss": "seed_oss", "ministral3": "ministral3", "olmo2": "olmo2",
            "olmo3": "olmo3", "exaone4": "exaone4", "glm4_moe": "glm4_moe",
-           "llama4_text": "llama4_text", "mistral3": "mistral3", "llama4": "llama4"}
+           "llama4_text": "llama4_text", "mistral3": "mistral3", "llama4": "llama4",
+           "internlm3": "internlm3", "helium": "helium", "nanbeige": "nanbeige",
+           "mellum": "mellum"}
 
 # Architectures whose RMSNorm computes rms_norm(x, 1 + w): their stored norm weights are the
 # effective ones minus 1.

@@ -60,13 +60,17 @@ FAMILIES = {
     "glm4_moe": dict(layers=[BLOCK, {"self_attn": "P", "mlp": "F", "mlp.shared_experts": "P",
                                      "moe": "P"}]),
     "llama4_text": dict(layers=[BLOCK] * 4, nope=[3]),
+    "internlm3": dict(layers=[BLOCK, BLOCK]),
+    "helium": dict(layers=[BLOCK, BLOCK]),
+    "nanbeige": dict(layers=[BLOCK, BLOCK]),
+    "mellum": dict(layers=[{"self_attn": "P", "mlp": "F", "moe": "P"}] * 2, sliding=[0]),
     # RoPE layers 0-2 attend in chunks (stock), layer 3 is NoPE and global
     "llama4": dict(layers=[{"self_attn": "F", "mlp": "P"}, LLAMA4_MOE,
                            {"self_attn": "F", "mlp": "P"}, dict(LLAMA4_MOE, self_attn="P")],
                    nope=[3]),
 }
 # the CPU's gather_mm takes float32 only: the MoE family runs float32 (tests/test_moe_patch.py)
-FLOAT32_ONLY = ("glm4_moe", "llama4")
+FLOAT32_ONLY = ("glm4_moe", "llama4", "mellum")
 
 
 def _float64_context(arch):

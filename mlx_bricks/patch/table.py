@@ -150,6 +150,24 @@ ARCHITECTURES: dict[str, BlockLayout] = {
                                    "one so the MLP runs its brick"),
                           vetted=_calls("llama4", Attention="57868f2054ac", MLP="07c9ab86cb8f",
                                         TransformerBlock="25dbc1ed7088")),
+    # llama-shaped families whose forwards were read against the plain pre-norm layout:
+    # internlm3 (llama's forwards verbatim; q/k/v/o biases with qkv_bias), helium (qwen2's
+    # attention forward, traditional RoPE), nanbeige (the layer stack runs num_loops times
+    # with shared weights: each call is a plain block), mellum (qwen3's attention forward,
+    # MoE layers: experts by module; layer_types "sliding_attention" slide).
+    "internlm3": BlockLayout(source="mlx_lm/models/internlm3.py", vetted=_calls(
+        "internlm3", Attention="dc1cc3af5b0a", MLP="07c9ab86cb8f",
+        TransformerBlock="61ea9549fdd9")),
+    "helium": BlockLayout(source="mlx_lm/models/helium.py", vetted=_calls(
+        "helium", HeliumAttention="b97fca5ccb66", HeliumMLP="fcbab3148610",
+        HeliumDecoderLayer="61ea9549fdd9")),
+    "nanbeige": BlockLayout(source="mlx_lm/models/nanbeige.py", vetted=_calls(
+        "nanbeige", Attention="34620e412a2d", MLP="fcbab3148610",
+        TransformerBlock="dec68396d250")),
+    "mellum": BlockLayout(source="mlx_lm/models/mellum.py", qk_norm=("q_norm", "k_norm"),
+                          layer_types="layer_types", window_arg="sliding_window",
+                          vetted=_calls("mellum", Attention="0e5c13cbedb7",
+                                        MellumDecoderLayer="dec68396d250")),
 }
 
 # model_type -> ARCHITECTURES key, for types mlx-lm builds with another type's model file
