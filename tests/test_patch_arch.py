@@ -343,3 +343,53 @@ def test_layer_without_attention_is_not_called_self_attn():
     assert "self_attn" not in entries
     assert entries["mixer"].status == "fallback"
     assert entries["mixer"].reason.startswith("Mamba (ToyMambaMixer)")
+
+
+# ---------------------------------------------------------------------------------------------
+# coverage: the share of prefill FLOPs in bricks
+# ---------------------------------------------------------------------------------------------
+
+def test_prefill_flops_counts_by_hand():
+    """llama (3 layers): q/o 2*128*256, k/v 2*128*128, MLP 3*2*128*320, attention core
+    4*4*64*(20+1)/2 per token and layer; an unvetted attention's FLOPs count as stock."""
+    from mlx_lm.models import llama
+
+    from mlx_bricks.patch.coverage import prefill_flops
+
+    per_layer = 2 * 65536 + 2 * 32768 + 245760 + 4 * 4 * 64 * 21 // 2
+    attention = 2 * 65536 + 2 * 32768 + 4 * 4 * 64 * 21 // 2
+    model = build_model("llama")
+    stock = prefill_flops(model, 20)
+    assert (stock["bricks"], stock["stock"]) == (0, 3 * per_layer)
+    assert stock["lm_head"] == 2 * 128 * 256  # tied: the embedding as the head
+    model.layers[1].self_attn.__class__ = type(
+        "OwnAttention", (llama.Attention,), {"__call__": lambda s, x, mask=None, cache=None:
+                                             llama.Attention.__call__(s, x, mask, cache)})
+    patch_model(model, backend="reference")
+    got = prefill_flops(model, 20)
+    assert got["layers"] == [(per_layer, 0), (per_layer - attention, attention),
+                             (per_layer, 0)]
+    assert got["share"] == pytest.approx(1 - attention / (3 * per_layer))
+    with pytest.raises(ValueError, match="tokens"):
+        prefill_flops(model, 0)
+
+
+def test_prefill_flops_window_and_experts():
+    """A sliding layer's keys are the window's; a MoE layer counts top_k experts."""
+    from mlx_bricks.patch.coverage import prefill_flops
+
+    model = build_model("olmo3")  # layers 0-2 window 8, layer 3 global; 4 heads of 64
+    patch_model(model, backend="reference")
+    tokens = 20
+    got = prefill_flops(model, tokens)
+    core = [b - got["layers"][3][0] for b, _ in got["layers"][:3]]
+    window_keys, causal_keys = 8 - 8 * 7 / (2 * tokens), (tokens + 1) / 2
+    assert core == [int(4 * 4 * 64 * window_keys) - int(4 * 4 * 64 * causal_keys)] * 3
+    # glm4_moe: 4 experts of width 64 on hidden 128; top 2 vs top 1 adds one expert's
+    # gate, up and down per token
+    top = {}
+    for k in (1, 2):
+        moe = build_model("glm4_moe", num_experts_per_tok=k)
+        patch_model(moe, backend="reference")
+        top[k] = prefill_flops(moe, tokens)["layers"][1]
+    assert top[2][0] - top[1][0] == 3 * 2 * 128 * 64 and top[1][1] == top[2][1] == 0

@@ -1,11 +1,13 @@
 """What each supported mlx-lm architecture's decoder block looks like.
 
 One entry per ``model_type`` (mlx-lm's ``config.json`` field); the patch routine is the same for
-all of them. Biases are found on the modules themselves (qwen2 has q/k/v biases, llama has them
-with ``attention_bias``/``mlp_bias``), so they need no entry here. Neither do MoE experts: every
-mlx-lm ``SwitchGLU`` is patched by module, whatever the model_type (``patch.core``
-``_patch_experts``, ``bricks/moe/piece.py``); a model_type not listed here keeps its attention
-and dense MLPs stock.
+all of them. Entries are data (``nn.layout.BlockLayout``), each with the mlx-lm forwards it was
+read against (``vetted``: a module whose ``__call__`` is not one of them stays stock,
+``patch.vetted``). Biases are found on the modules themselves (qwen2 has q/k/v biases, llama has
+them with ``attention_bias``/``mlp_bias``), so they need no entry here. Neither do MoE experts:
+every mlx-lm ``SwitchGLU`` is patched by module, whatever the model_type (``patch.core``
+``_patch_experts``, ``bricks/moe/piece.py``); a model_type not listed here keeps its token
+mixers and dense MLPs stock.
 """
 from __future__ import annotations
 
