@@ -97,6 +97,13 @@ CONFIGS = {
                    num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-6,
                    attention_bias=False, head_dim=64, max_position_embeddings=4096,
                    mlp_bias=False, rope_theta=10000.0, tie_word_embeddings=False),
+    # granite: residual_multiplier on each sublayer's output, attention_multiplier as the
+    # attention scale (not head_dim ** -0.5)
+    "granite": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                    num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-6,
+                    logits_scaling=4.0, attention_multiplier=0.1, embedding_multiplier=2.0,
+                    residual_multiplier=0.5, max_position_embeddings=4096,
+                    attention_bias=False, mlp_bias=False, rope_theta=10000.0),
     # the layer stack runs twice (num_loops 2, shared weights, a cache per loop)
     "nanbeige": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
                      num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
@@ -136,7 +143,7 @@ MODULES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwe
            "olmo3": "olmo3", "exaone4": "exaone4", "glm4_moe": "glm4_moe",
            "llama4_text": "llama4_text", "mistral3": "mistral3", "llama4": "llama4",
            "internlm3": "internlm3", "helium": "helium", "nanbeige": "nanbeige",
-           "mellum": "mellum"}
+           "mellum": "mellum", "granite": "granite"}
 
 # Architectures whose RMSNorm computes rms_norm(x, 1 + w): their stored norm weights are the
 # effective ones minus 1.

@@ -47,20 +47,21 @@ CHUNKS = [(0, 13), (13, N_TOKENS)]  # both longer than the window (8); the secon
 # family -> per layer: the modules the report lists and their status ("P" patched, "F"
 # fallback), the layers that slide, the NoPE layers.
 BLOCK = {"block": "P"}
-POST_NORM = {"block": "F", "self_attn": "P", "mlp": "P"}
+UNFUSED = {"block": "F", "self_attn": "P", "mlp": "P"}  # attention and MLP one by one
 LLAMA4_MOE = {"self_attn": "F", "mlp": "F", "feed_forward.shared_expert": "P", "moe": "P"}
 FAMILIES = {
     "smollm3": dict(layers=[BLOCK, BLOCK], nope=[1]),
     "seed_oss": dict(layers=[BLOCK, BLOCK]),
     "ministral3": dict(layers=[BLOCK, BLOCK], sliding=[0]),
     "mistral3": dict(layers=[BLOCK] * 3),
-    "olmo2": dict(layers=[POST_NORM] * 2),
-    "olmo3": dict(layers=[POST_NORM] * 4, sliding=[0, 1, 2]),
-    "exaone4": dict(layers=[POST_NORM] * 4, sliding=[0, 1, 2], nope=[3]),
+    "olmo2": dict(layers=[UNFUSED] * 2),
+    "olmo3": dict(layers=[UNFUSED] * 4, sliding=[0, 1, 2]),
+    "exaone4": dict(layers=[UNFUSED] * 4, sliding=[0, 1, 2], nope=[3]),
     "glm4_moe": dict(layers=[BLOCK, {"self_attn": "P", "mlp": "F", "mlp.shared_experts": "P",
                                      "moe": "P"}]),
     "llama4_text": dict(layers=[BLOCK] * 4, nope=[3]),
     "internlm3": dict(layers=[BLOCK, BLOCK]),
+    "granite": dict(layers=[UNFUSED] * 2),
     "helium": dict(layers=[BLOCK, BLOCK]),
     "nanbeige": dict(layers=[BLOCK, BLOCK]),
     "mellum": dict(layers=[{"self_attn": "P", "mlp": "F", "moe": "P"}] * 2, sliding=[0]),

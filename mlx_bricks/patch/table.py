@@ -170,6 +170,16 @@ ARCHITECTURES: dict[str, BlockLayout] = {
                           layer_types="layer_types", window_arg="sliding_window",
                           vetted=_calls("mellum", Attention="0e5c13cbedb7",
                                         MellumDecoderLayer="dec68396d250")),
+    # granite: llama's attention and MLP forwards (scale = attention_multiplier, the module's
+    # own); the block multiplies each sublayer's output by residual_multiplier before the
+    # residual add: attention and MLP are patched one by one (embedding and logits scaling
+    # stay in the model's code).
+    "granite": BlockLayout(source="mlx_lm/models/granite.py",
+                           unfused=("the block scales each sublayer's output by "
+                                    "residual_multiplier before the residual add: the unified "
+                                    "block does not; attention and MLP are patched one by one"),
+                           vetted=_calls("granite", Attention="dc1cc3af5b0a",
+                                         MLP="07c9ab86cb8f")),
 }
 
 # model_type -> ARCHITECTURES key, for types mlx-lm builds with another type's model file
