@@ -394,3 +394,31 @@ def test_prefill_flops_window_and_experts():
         patch_model(moe, backend="reference")
         top[k] = prefill_flops(moe, tokens)["layers"][1]
     assert top[2][0] - top[1][0] == 3 * 2 * 128 * 64 and top[1][1] == top[2][1] == 0
+
+
+def test_q8_0_cache_routes_the_attention_file_of_a_family_built_on_llama():
+    """smollm3's and the mistral3 wrapper's attention is llama.py's: kv_cache="q8_0" routes
+    that file's attention (decode reads the Q8_0 cache) and unpatching restores it."""
+    from mlx_lm.models import llama
+
+    from mlx_bricks import make_prompt_cache
+    from mlx_bricks.cache import Q8KVCache
+
+    original = llama.scaled_dot_product_attention
+    for arch in ("smollm3", "mistral3"):
+        model = build_model(arch, mx.float32)
+        toks = tokens(N_TOKENS)
+        report = patch_model(model, backend="reference", kv_cache="q8_0")
+        assert llama.scaled_dot_product_attention is not original
+        cache = make_prompt_cache(model)
+        assert all(type(c) is Q8KVCache for c in cache)
+        prefill = run(model, toks, cache)
+        step = run(model, toks[:, -1:], cache)
+        assert cache[0].offset == N_TOKENS + 1
+        ref = run64(clone(model, mx.float64), mx.concatenate([toks, toks[:, -1:]], axis=1))
+        # Q8_0 K/V: within a loose bound of float64 (the rounding of K and V is the error)
+        assert float(mx.abs(step[:, -1] - ref[:, -1].astype(mx.float32)).max()) < 1.0
+        assert report.calls()["q8_0_cache_attention"] == len(model.layers)
+        assert prefill.shape == (1, N_TOKENS, 256)
+        unpatch_model(model)
+        assert llama.scaled_dot_product_attention is original
