@@ -82,10 +82,6 @@ def _float64_context(arch):
     return contextlib.nullcontext()
 
 
-def _layers(model):
-    return model.layers
-
-
 def check_report(report, arch):
     """The report's modules and statuses per layer, the sliding and NoPE layers."""
     spec = FAMILIES[arch]
