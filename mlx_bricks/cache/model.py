@@ -219,7 +219,8 @@ def route_attention(model):
         ValueError: none of the model's modules has ``scaled_dot_product_attention``
             (architectures whose attention does not go through ``models/base.py``).
     """
-    names = sorted({type(m).__module__ for m in model.modules()
+    modules = [model, *(model.modules() if callable(getattr(model, "modules", None)) else ())]
+    names = sorted({type(m).__module__ for m in modules
                     if getattr(sys.modules.get(type(m).__module__), "scaled_dot_product_attention",
                                None) is not None})
     if not names:
