@@ -104,6 +104,24 @@ CONFIGS = {
                     logits_scaling=4.0, attention_multiplier=0.1, embedding_multiplier=2.0,
                     residual_multiplier=0.5, max_position_embeddings=4096,
                     attention_bias=False, mlp_bias=False, rope_theta=10000.0),
+    # MoE families: olmoe (q/k norms over the full width), dots1 (qwen3's attention, layer 1
+    # MoE with a shared expert), exaone_moe (exaone4's attention, pre-norm blocks, layers 0-2
+    # sliding with RoPE, layer 3 global without; MoE on layers 1 and 3 with a shared expert)
+    "olmoe": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=64,
+                  num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-6,
+                  num_experts=4, num_experts_per_tok=2),
+    "dots1": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-6,
+                  max_position_embeddings=4096, first_k_dense_replace=1,
+                  moe_intermediate_size=64, n_routed_experts=4, n_shared_experts=1,
+                  norm_topk_prob=True, num_experts_per_tok=2, rope_theta=10000.0,
+                  routed_scaling_factor=1.0),
+    "exaone_moe": dict(hidden_size=128, num_hidden_layers=4, intermediate_size=256,
+                       moe_intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=64, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+                       rms_norm_eps=1e-6, max_position_embeddings=4096, sliding_window=8,
+                       layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                       is_moe_layer=[False, True, False, True], routed_scaling_factor=1.0),
     # the layer stack runs twice (num_loops 2, shared weights, a cache per loop)
     "nanbeige": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
                      num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
@@ -143,7 +161,8 @@ MODULES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwe
            "olmo3": "olmo3", "exaone4": "exaone4", "glm4_moe": "glm4_moe",
            "llama4_text": "llama4_text", "mistral3": "mistral3", "llama4": "llama4",
            "internlm3": "internlm3", "helium": "helium", "nanbeige": "nanbeige",
-           "mellum": "mellum", "granite": "granite"}
+           "mellum": "mellum", "granite": "granite", "olmoe": "olmoe", "dots1": "dots1",
+           "exaone_moe": "exaone_moe"}
 
 # Architectures whose RMSNorm computes rms_norm(x, 1 + w): their stored norm weights are the
 # effective ones minus 1.

@@ -180,6 +180,23 @@ ARCHITECTURES: dict[str, BlockLayout] = {
                                     "block does not; attention and MLP are patched one by one"),
                            vetted=_calls("granite", Attention="dc1cc3af5b0a",
                                          MLP="07c9ab86cb8f")),
+    # MoE families: olmoe (olmo2's full-width q/k norms in a pre-norm block; every layer's mlp
+    # is MoE), dots1 (qwen3's attention forward; MoE layers from first_k_dense_replace with a
+    # shared expert), exaone_moe (exaone4's attention forward: is_sliding_window layers slide
+    # with RoPE, the others have none; pre-norm blocks; MoE layers with a shared expert).
+    "olmoe": BlockLayout(source="mlx_lm/models/olmoe.py", qk_norm=("q_norm", "k_norm"),
+                         qk_norm_width="full", vetted=_calls(
+                             "olmoe", Attention="9e4decc7a683",
+                             TransformerBlock="0ca9f3296226")),
+    "dots1": BlockLayout(source="mlx_lm/models/dots1.py", qk_norm=("q_norm", "k_norm"),
+                         shared_expert="shared_experts", vetted=_calls(
+                             "dots1", Dots1Attention="0e5c13cbedb7", Dots1MLP="07c9ab86cb8f",
+                             Dots1DecoderLayer="dec68396d250")),
+    "exaone_moe": BlockLayout(source="mlx_lm/models/exaone_moe.py", qk_norm=("q_norm", "k_norm"),
+                              sliding="is_sliding_window", window_arg="sliding_window",
+                              rope_flag="use_rope", shared_expert="shared_experts",
+                              vetted=_calls("exaone_moe", Attention="4c8b7082aad5",
+                                            MLP="8b27d3a1b136", DecoderLayer="dec68396d250")),
 }
 
 # model_type -> ARCHITECTURES key, for types mlx-lm builds with another type's model file
