@@ -17,7 +17,7 @@ class BricksBlock:
     Prefill, for x (B, L, D), in four pieces::
 
         qkv:       q, k, v = rms_norm_qkv(x, input_norm, Wq, Wk, Wv)   # head layout (B, H, L, hd)
-                   q, k    = q_norm(q), k_norm(k)          # as the layout says (nn.attention.attend)
+                   q, k    = q_norm(q), k_norm(k)          # as the layout says (attend)
                    q, k    = rope(q, k, offset=cache.offset); q = q * attn_scale (ministral3)
                    k, v    = cache.update_and_fetch(k, v)
         attention: o       = flash_attention(q, k, v, causal)

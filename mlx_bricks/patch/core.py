@@ -47,7 +47,7 @@ from mlx_bricks.patch.report import (
     PatchReport,
     record_weight_formats,
 )
-from mlx_bricks.patch.table import model_args, lookup, supported_model_types
+from mlx_bricks.patch.table import lookup, model_args, supported_model_types
 from mlx_bricks.patch.vetted import forward_reason
 
 
@@ -214,14 +214,15 @@ def _reads_affine(module, role, layout, piece=None) -> bool:
                for m in linears(module, role, layout, piece).values())
 
 
-def layer_sliding(layer, i: int, layout, model_args) -> bool | None:
+def layer_sliding(layer, i: int, layout, args) -> bool | None:
     """Whether decoder layer ``i`` is a sliding-window layer by its own attribute
     (``layout.layer_sliding``) or the model's ``layout.layer_types`` list; None: the layout
-    marks sliding layers on the attention module (``layout.sliding``) or not at all."""
+    marks sliding layers on the attention module (``layout.sliding``) or not at all.
+    ``args``: the text model's args."""
     if layout.layer_sliding is not None:
         return bool(getattr(layer, layout.layer_sliding, False))
     if layout.layer_types is not None:
-        types = getattr(model_args, layout.layer_types, None)
+        types = getattr(args, layout.layer_types, None)
         return isinstance(types, (list, tuple)) and i < len(types) and \
             types[i] == "sliding_attention"
     return None
@@ -229,10 +230,10 @@ def layer_sliding(layer, i: int, layout, model_args) -> bool | None:
 
 def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend: str,
                  dispatch: Dispatch | None, quantized_only: bool = False,
-                 model_args=None) -> None:
+                 args=None) -> None:
     """Patch layer ``i`` (or, with ``dispatch`` None, only report what would be patched: the
     modules are then left stock with :data:`NO_KERNEL_BACKEND`; with ``quantized_only``, so
-    are the modules whose linears are all float). ``model_args``: the text model's args (a
+    are the modules whose linears are all float). ``args``: the text model's args (a
     ``layout.layer_types`` list)."""
     attention, mlp, fuse_block, kv_quant = (
         opts["attention"], opts["mlp"], opts["fuse_block"], opts["kv_quant"])
@@ -241,7 +242,7 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
     add = report.modules.append
 
     attn_reason, head_dim = _attention_structure(attn_mod, layout, kv_quant)
-    sliding = layer_sliding(layer, i, layout, model_args)
+    sliding = layer_sliding(layer, i, layout, args)
     mlp_reason = _mlp_structure(mlp_mod, layout)
     rope = ""
     if attn_mod is not None and not layout.has_rope(attn_mod):
