@@ -215,7 +215,8 @@ def test_every_entry_is_vetted_against_the_installed_mlx_lm():
     for arch in FAMILIES:
         report = patch_model(build_model(arch), backend="reference")
         assert not [m.reason for m in report.fallbacks if "vetted" in m.reason], arch
-    for arch in ("llama", "qwen2", "qwen3", "gemma3_text", "gemma2"):
+    for arch in ("llama", "qwen2", "qwen3", "gemma3_text", "gemma2", "gpt_oss", "qwen3_next",
+                 "qwen3_5", "gemma4_text"):
         report = patch_model(build_model(arch), backend="reference")
         assert not [m.reason for m in report.fallbacks if "vetted" in m.reason], arch
 

@@ -31,6 +31,12 @@ def _calls(module: str, **digests: str) -> tuple[str, ...]:
     return tuple(f"mlx_lm.models.{module}.{cls}.__call__={d}" for cls, d in digests.items())
 
 
+# qwen3_next's gated attention and its MLP (also the MoE block's shared expert); qwen3_5 and
+# qwen3_5_moe build their full-attention layers and MLPs from these classes too.
+_QWEN3_NEXT = _calls("qwen3_next", Qwen3NextAttention="ffa6d648326b",
+                     Qwen3NextMLP="07c9ab86cb8f")
+
+
 # The mlx-lm 0.32.2 forwards each entry was read against (a different forward stays stock).
 _LLAMA = _calls("llama", Attention="dc1cc3af5b0a", MLP="07c9ab86cb8f",
                 TransformerBlock="61ea9549fdd9")
@@ -90,7 +96,8 @@ ARCHITECTURES: dict[str, BlockLayout] = {
     "gpt_oss": BlockLayout(source="mlx_lm/models/gpt_oss.py",
                            heads=("num_attention_heads", "num_key_value_heads"),
                            scale="sm_scale", sinks="sinks", window_arg="sliding_window",
-                           layer_types="layer_types"),
+                           layer_types="layer_types",
+                           vetted=_calls("gpt_oss", AttentionBlock="4c91566d991a")),
     # qwen3_next / qwen3_5: full-attention layers (every full_attention_interval-th) gate
     # their output (q_proj gives each head's query then its gate; o_proj reads
     # attention * sigmoid(gate)), per-head q/k RMSNorm, partial RoPE (the module's own rope
@@ -101,10 +108,12 @@ ARCHITECTURES: dict[str, BlockLayout] = {
     "qwen3_next": BlockLayout(source="mlx_lm/models/qwen3_next.py",
                               qk_norm=("q_norm", "k_norm"),
                               heads=("num_attention_heads", "num_key_value_heads"),
-                              output_gate=True, shared_expert="shared_expert"),
+                              output_gate=True, shared_expert="shared_expert",
+                              vetted=_QWEN3_NEXT),
     "qwen3_5": BlockLayout(source="mlx_lm/models/qwen3_5.py", qk_norm=("q_norm", "k_norm"),
                            heads=("num_attention_heads", "num_key_value_heads"),
-                           output_gate=True, shared_expert="shared_expert"),
+                           output_gate=True, shared_expert="shared_expert",
+                           vetted=_QWEN3_NEXT),
     # gemma4 (text): sliding layers (is_sliding, head_dim, window sliding_window) and global
     # ones (global_head_dim 512, partial "proportional" RoPE: the module's own rope object),
     # plain nn.RMSNorm (q/k norms too), weightless v_norm, scale 1.0, values = keys on global
@@ -116,7 +125,9 @@ ARCHITECTURES: dict[str, BlockLayout] = {
     "gemma4_text": BlockLayout(source="mlx_lm/models/gemma4_text.py",
                                qk_norm=("q_norm", "k_norm"), activation="gelu_tanh",
                                sliding="is_sliding", window_arg="sliding_window",
-                               shared_kv=True, unfused=_SANDWICH),
+                               shared_kv=True, unfused=_SANDWICH, vetted=_calls(
+                                   "gemma4_text", Attention="ad9a3af24ad4",
+                                   MLP="2472cd59629f")),
     # smollm3: llama's classes; its NoPE layers (no_rope_layers) hold an identity rope object
     # (smollm3.NoPE), which the bricks call like any rope: no RoPE on those layers.
     "smollm3": BlockLayout(source="mlx_lm/models/smollm3.py", vetted=_LLAMA),
