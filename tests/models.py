@@ -6,6 +6,7 @@ gemma3_text: head_dim 256, one KV head, a sliding-window layer (window 8) then a
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import mlx.core as mx
@@ -77,7 +78,120 @@ CONFIGS = {
                         hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB,
                         sliding_window=8, sliding_window_pattern=2, rms_norm_eps=1e-6,
                         max_position_embeddings=4096),
+    # NoPE on every 2nd layer (no_rope_layers [1, 0]: mlx-lm swaps in an identity rope)
+    "smollm3": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                    rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
+                    no_rope_layer_interval=2),
+    # q/k/v biases (attention_bias), no o bias
+    "seed_oss": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                     rms_norm_eps=1e-6, rope_theta=10000.0, attention_bias=True),
+    # YaRN rope, Llama-4 query scaling (a factor of 1 + 0.5 log(1 + floor(pos / 6)), so it
+    # moves within a 20-token prompt), layer 0 sliding (window 8), layer 1 global
+    "ministral3": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                       rms_norm_eps=1e-5, max_position_embeddings=4096,
+                       tie_word_embeddings=False, sliding_window=8,
+                       layer_types=["sliding_attention", "full_attention"],
+                       rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                        "original_max_position_embeddings": 6,
+                                        "beta_fast": 32.0, "beta_slow": 1.0,
+                                        "rope_theta": 1000000.0,
+                                        "llama_4_scaling_beta": 0.5}),
+    # post-norm blocks, q/k RMSNorm over all heads' width
+    "olmo2": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
+                  rope_theta=10000.0),
+    # olmo3: olmo2's blocks, layers 0-2 sliding (window 8), layer 3 global
+    "olmo3": dict(hidden_size=128, num_hidden_layers=4, intermediate_size=256,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
+                  rope_theta=10000.0, max_position_embeddings=4096, sliding_window=8),
+    # exaone4: post-norm blocks, per-head q/k norms, "LLLG": 3 sliding RoPE layers (window 8),
+    # then a global NoPE layer
+    "exaone4": dict(hidden_size=128, num_hidden_layers=4, intermediate_size=256,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                    rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096,
+                    tie_word_embeddings=True, rope_scaling=None, sliding_window=8,
+                    sliding_window_pattern="LLLG"),
+    # glm4_moe: layer 0 dense, layer 1 MoE (4 routed experts, top 2, a shared expert);
+    # partial RoPE (half of head_dim), q/k/v biases, per-head q/k norms
+    "glm4_moe": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                     max_position_embeddings=4096, moe_intermediate_size=64,
+                     norm_topk_prob=True, num_attention_heads=4, n_group=1, head_dim=64,
+                     topk_group=1, n_shared_experts=1, n_routed_experts=4,
+                     routed_scaling_factor=1.0, num_experts_per_tok=2,
+                     first_k_dense_replace=1, num_key_value_heads=2, rms_norm_eps=1e-5,
+                     rope_theta=10000.0, rope_scaling=None, use_qk_norm=True,
+                     tie_word_embeddings=False, attention_bias=True,
+                     partial_rotary_factor=0.5),
+    # llama4_text: weightless per-head q/k RMSNorm before RoPE, layer 3 NoPE
+    "llama4_text": dict(hidden_size=128, num_hidden_layers=4, intermediate_size=256,
+                        intermediate_size_mlp=256, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
+                        rope_theta=10000.0, tie_word_embeddings=False,
+                        no_rope_layers=[1, 1, 1, 0], use_qk_norm=True),
+    # llama-shaped families a table line covers
+    "internlm3": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                      num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-6,
+                      qkv_bias=True, rope_theta=10000.0),
+    "helium": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                   num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-6,
+                   attention_bias=False, head_dim=64, max_position_embeddings=4096,
+                   mlp_bias=False, rope_theta=10000.0, tie_word_embeddings=False),
+    # granite: residual_multiplier on each sublayer's output, attention_multiplier as the
+    # attention scale (not head_dim ** -0.5)
+    "granite": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                    num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-6,
+                    logits_scaling=4.0, attention_multiplier=0.1, embedding_multiplier=2.0,
+                    residual_multiplier=0.5, max_position_embeddings=4096,
+                    attention_bias=False, mlp_bias=False, rope_theta=10000.0),
+    # MoE families: olmoe (q/k norms over the full width), dots1 (qwen3's attention, layer 1
+    # MoE with a shared expert), exaone_moe (exaone4's attention, pre-norm blocks, layers 0-2
+    # sliding with RoPE, layer 3 global without; MoE on layers 1 and 3 with a shared expert)
+    "olmoe": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=64,
+                  num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-6,
+                  num_experts=4, num_experts_per_tok=2),
+    "dots1": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-6,
+                  max_position_embeddings=4096, first_k_dense_replace=1,
+                  moe_intermediate_size=64, n_routed_experts=4, n_shared_experts=1,
+                  norm_topk_prob=True, num_experts_per_tok=2, rope_theta=10000.0,
+                  routed_scaling_factor=1.0),
+    "exaone_moe": dict(hidden_size=128, num_hidden_layers=4, intermediate_size=256,
+                       moe_intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=64, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+                       rms_norm_eps=1e-6, max_position_embeddings=4096, sliding_window=8,
+                       layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                       is_moe_layer=[False, True, False, True], routed_scaling_factor=1.0),
+    # the layer stack runs twice (num_loops 2, shared weights, a cache per loop)
+    "nanbeige": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                     num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+                     head_dim=64, num_loops=2),
+    # qwen3's attention, MoE layers, layer 0 sliding (window 8)
+    "mellum": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                   num_attention_heads=4, num_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=64, rms_norm_eps=1e-6, num_key_value_heads=2,
+                   head_dim=64, tie_word_embeddings=False, max_position_embeddings=4096,
+                   norm_topk_prob=True, sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention"],
+                   rope_parameters={"sliding_attention": {"rope_theta": 10000.0},
+                                    "full_attention": {"rope_theta": 500000.0}}),
 }
+
+# Multimodal wrappers: the text model's args under text_config (vocab included).
+# llama4: 4 layers, chunked attention (chunks of 8) on layers 0-2, layer 3 NoPE and global with
+# the attention temperature (floor_scale 4 so it moves within a prompt); MoE (4 experts, top 1,
+# a shared expert) on layers 1 and 3, dense MLPs on 0 and 2.
+CONFIGS["llama4"] = dict(text_config=dict(
+    model_type="llama4_text", vocab_size=VOCAB, attention_bias=False, attention_chunk_size=8,
+    head_dim=64, hidden_size=128, interleave_moe_layer_step=2, intermediate_size=64,
+    intermediate_size_mlp=256, max_position_embeddings=4096, num_attention_heads=4,
+    num_experts_per_tok=1, num_hidden_layers=4, num_key_value_heads=2, num_local_experts=4,
+    rms_norm_eps=1e-5, rope_scaling=None, rope_theta=10000.0, use_qk_norm=True,
+    floor_scale=4, attn_scale=0.5))
+CONFIGS["mistral3"] = dict(text_config=dict(CONFIGS["llama"], model_type="llama",
+                                             vocab_size=VOCAB))
 
 # Parameters scaled up to sharpen attention (q_norm/k_norm: qwen3 normalises q and k per head).
 ATTENTION_SHARPEN = ("q_proj.", "k_proj.", "q_norm.", "k_norm.")
@@ -85,7 +199,14 @@ ATTENTION_SHARPEN = ("q_proj.", "k_proj.", "q_norm.", "k_norm.")
 # model_type -> mlx-lm module that builds it (mlx_lm.utils.MODEL_REMAPPING: mistral -> llama).
 MODULES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
            "gemma3_text": "gemma3_text", "gemma2": "gemma2", "gpt_oss": "gpt_oss",
-           "qwen3_next": "qwen3_next", "qwen3_5": "qwen3_5", "gemma4_text": "gemma4_text"}
+           "qwen3_next": "qwen3_next", "qwen3_5": "qwen3_5", "gemma4_text": "gemma4_text",
+           "smollm3": "smollm3",
+           "seed_oss": "seed_oss", "ministral3": "ministral3", "olmo2": "olmo2",
+           "olmo3": "olmo3", "exaone4": "exaone4", "glm4_moe": "glm4_moe",
+           "llama4_text": "llama4_text", "mistral3": "mistral3", "llama4": "llama4",
+           "internlm3": "internlm3", "helium": "helium", "nanbeige": "nanbeige",
+           "mellum": "mellum", "granite": "granite", "olmoe": "olmoe", "dots1": "dots1",
+           "exaone_moe": "exaone_moe"}
 
 # Architectures whose q/k are RMS-normalised with scale 1.0 (gemma4): their scores are already
 # peaked (std ~ sqrt(head_dim)); q/k are not sharpened further.
@@ -106,6 +227,9 @@ def model_args(model_type: str, **overrides):
     fields.update(overrides)
     if MODULES[model_type] in TEXT_CONFIG:
         return module, module.ModelArgs(model_type=model_type, text_config=fields)
+    if "text_config" in fields:  # a wrapper: the vocabulary is the text model's
+        del fields["vocab_size"]
+        fields["text_config"] = dict(fields["text_config"])
     return module, module.ModelArgs(**fields)
 
 
@@ -151,7 +275,10 @@ def clone(model: nn.Module, dtype) -> nn.Module:
     reference of the same network.
     """
     module = importlib.import_module(type(model).__module__)
-    copy = module.Model(model.args)
+    args = model.args
+    if dataclasses.is_dataclass(getattr(args, "text_config", None)):  # built from a dict again
+        args = dataclasses.replace(args, text_config=dataclasses.asdict(args.text_config))
+    copy = module.Model(args)
     copy.update(tree_map(lambda a: a.astype(dtype), model.parameters()))
     mx.eval(copy.parameters())
     return copy

@@ -134,6 +134,25 @@ def test_cpu_group_runs_only_without_a_kernel_backend(monkeypatch):
                                      "(cuda status): the patch would not run on the CPU")
 
 
+def test_formats_cpu_group():
+    """The microscaled formats' CPU cases: one per mode and dtype, plus the MoE one; a case's
+    composite and stock compute the same product (the brick side is the composite)."""
+    import mlx.core as mx
+
+    from mlx_bricks.bench import formats
+    from mlx_bricks.bench.core import CPU, GROUPS
+
+    names = GROUPS["formats_cpu"]
+    assert names == [f"formats_cpu_linear_{m}_{d}" for m in ("mxfp4", "nvfp4", "mxfp8")
+                     for d in ("fp16", "bf16")] + ["formats_cpu_moe_mxfp4_bf16"]
+    assert {BENCHMARKS[n].backend for n in names} == {CPU}
+    brick, stock, info = formats._linear_setup("mxfp8", "fp32")
+    b, s = brick(), stock()
+    # float32 sums of the same exact products (K = 1024 terms)
+    assert mx.abs(b - s).max().item() <= 1e-5 * mx.abs(s).max().item()
+    assert info()["shape"] == {"M": 128, "N": 1024, "K": 1024}
+
+
 def test_cpu_e2e_case_reports_peak_memory_and_load():
     """A CPU e2e case on a tiny quantized llama (where no kernel backend exists): the
     composites run, the peaks and the load are in the result."""
@@ -258,4 +277,38 @@ def test_qwen3_moe_group_is_registered_and_builds_on_a_tiny_shape():
     assert out.shape == ref.shape == (1, 64)
     if info()["patch"]["all_stock"]:
         assert mx.array_equal(out, ref)
+    e2e._MODELS.clear()
+
+
+def test_gpt_oss_groups_are_registered_and_build_on_a_tiny_shape():
+    """``e2e_gpt_oss20b_4layer`` (kernel backend) and ``e2e_small_gpt_oss_cpu``: gpt_oss with
+    mxfp4 experts (QuantizedSwitchLinear on both sides, the rest float); the tiny model's
+    patched forward is close to stock's (the numerics: tests/test_microscaling.py)."""
+    import mlx.core as mx
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    from mlx_bricks.bench import e2e
+    from mlx_bricks.bench.core import CPU, GROUPS, KERNEL
+
+    names = GROUPS["e2e_gpt_oss20b_4layer"]
+    assert names == [f"e2e_gpt_oss20b_4layer_bf16_mxfp4_m{m}" for m in (512, 2048, 8192)]
+    assert {BENCHMARKS[n].backend for n in names} == {KERNEL}
+    cpu = GROUPS["e2e_small_gpt_oss_cpu"]
+    assert cpu == [f"e2e_small_gpt_oss_cpu_bf16_mxfp4_m{m}" for m in (128, 512)]
+    assert {BENCHMARKS[n].backend for n in cpu} == {CPU}
+    assert (e2e.GPT_OSS_20B_4LAYER.hidden, e2e.GPT_OSS_20B_4LAYER.experts,
+            e2e.GPT_OSS_20B_4LAYER.top_k) == (2880, 32, 4)
+    tiny = e2e.GptOssShape(hidden=64, intermediate=64, experts=4, top_k=2, layers=2, heads=2,
+                           kv_heads=1, head_dim=32, vocab=64)
+    patched_fwd, stock_fwd, info = e2e.setup(tiny, "bf16", 16, fmt="mxfp4")
+    stock, patched = e2e._models(tiny, "bf16", "mxfp4")
+    experts = stock.model.layers[0].mlp.experts
+    assert isinstance(experts.down_proj, QuantizedSwitchLinear)
+    assert experts.down_proj.mode == "mxfp4"
+    assert type(stock.model.layers[0].self_attn.q_proj).__name__ == "Linear"
+    out, ref = patched_fwd(), stock_fwd()
+    assert out.shape == ref.shape == (1, 64)
+    assert info()["model"]["weights"] == "mxfp4 experts"
+    scale = mx.abs(ref).max().item()
+    assert mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item() <= 0.05 * scale
     e2e._MODELS.clear()

@@ -477,9 +477,10 @@ def test_key_buckets_tokens_and_rows_per_expert():
     assert set(MOE_MLP.listing("cuda", mx.bfloat16, None)) <= set(moe_cuda.TILES)
 
 
-def test_unknown_activation_and_mxfp4_stay_stock():
-    """A SwitchGLU with another activation, and one with mxfp4 experts: stock, with the reason;
-    the model's output is stock's."""
+def test_unknown_activation_stays_stock_and_mxfp4_is_patched():
+    """A SwitchGLU with another activation: stock, with the reason; one with mxfp4 experts is
+    patched (SwitchGLU in MLX ops on reference: stock's values); the model's output is
+    stock's."""
     model = build("qwen3_moe")
 
     class Relu2(nn.Module):
@@ -493,10 +494,11 @@ def test_unknown_activation_and_mxfp4_stay_stock():
     stock = run(model, toks)
     report = patch_model(model, backend="reference")
     e0, e1 = moe_entries(report)
-    assert e0.status == e1.status == "fallback"
-    assert "activation Relu2" in e0.reason and "mxfp4" in e1.reason
-    assert report.n_patched == 0
+    assert e0.status == "fallback" and "activation Relu2" in e0.reason
+    assert e1.status == "patched" and e1.weights["gate_proj"] == "mxfp4 gs32"
+    assert report.n_patched == 1
     assert mx.array_equal(run(model, toks), stock)
+    assert report.calls()[MOE_MLP.op_name] == 1
 
 
 def test_structure_change_after_patching_runs_stock():

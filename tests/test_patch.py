@@ -410,35 +410,42 @@ def test_unpatch_restores_stock(dtype):
 # fallbacks: decided at patch time (structure) and at call time (mask, cache, arguments)
 # ---------------------------------------------------------------------------------------------
 
-def test_sliding_window_layer_falls_back_and_matches():
+def test_sliding_window_layer_runs_the_window_and_matches():
+    """llama's use_sliding layer (layer_types): the bricks run mlx-lm's window mask (prompt
+    longer than the window, prefilled in chunks into its RotatingKVCache)."""
     types = ["full_attention", "sliding_attention", "full_attention"]
     model = build_model("llama", mx.float16, layer_types=types, sliding_window=16)
     toks = tokens(40)
     cache = make_prompt_cache(model)
     assert isinstance(cache[1], RotatingKVCache)
+    ref = run64(clone(model, mx.float64), toks)
+    stock_logits = run(model, toks)
     stock = greedy(model, toks[0], prefill_step_size=24)
     report = patch_model(model, backend="reference")
+    assert_dtype_close(run(model, toks), ref, stock_logits, dtype=mx.float16,
+                       what="llama sliding layer, whole prompt")
     patched = greedy(model, toks[0], prefill_step_size=24)
     assert_same_greedy(model, mx.float16, [toks[0].tolist()], [stock], [patched])
-    attn1 = [m for m in report.layer(1) if m.module == "self_attn"][0]
-    assert attn1.status == "fallback" and "sliding-window" in attn1.reason
-    assert [m.module for m in report.layer(0)] == ["block"]
-    assert [m.status for m in report.layer(1)] == ["fallback", "patched"]
-    assert report.n_fallback == 1
+    assert [m.module for m in report.modules] == ["block"] * 3
+    assert report.n_fallback == 0 and report.runtime_fallbacks() == {}
+    assert model.layers[1]._bricks_state.sliding is True
+    assert model.layers[0]._bricks_state.sliding is False
     assert_bricks_used(report)
 
 
 def test_quantized_model_reports_fallbacks():
-    """mxfp4 is not MLX's affine format: stock with the reason (affine quantized models run the
-    bricks: tests/test_patch_quantized.py)."""
+    """1-bit affine is not a width the bricks read: stock with the reason (2-8 bit affine and
+    the microscaling modes run the bricks: tests/test_patch_quantized.py,
+    tests/test_microscaling.py)."""
     model = build_model("llama")
-    nn.quantize(model, group_size=32, bits=4, mode="mxfp4")
+    nn.quantize(model, group_size=32, bits=1)
     toks = tokens(10)
     stock = run(model, toks)
     report = patch_model(model, backend="reference")
     assert report.n_patched == 0
     assert report.n_fallback == 2 * len(model.layers)
-    assert all("QuantizedLinear (mxfp4 gs32)" in m.reason for m in report.fallbacks)
+    assert all("QuantizedLinear (q1 gs32)" in m.reason and "bits must be one of" in m.reason
+               for m in report.fallbacks)
     assert mx.array_equal(run(model, toks), stock)
     assert "QuantizedLinear" in str(report)
 
@@ -513,7 +520,21 @@ def test_array_mask_runs_stock_at_call_time():
     assert report.layer(0)[0].calls["rms_norm_qkv"] == 1
 
 
-def test_extra_keyword_arguments_pass_through():
+def vet(monkeypatch, arch, *modules):
+    """Add the forwards of ``modules`` to the ``arch`` table entry's vetted ones (a test's own
+    subclass, as if it had been read against the layout)."""
+    import dataclasses
+
+    from mlx_bricks.patch import table
+    from mlx_bricks.patch.vetted import forward_fingerprint
+
+    layout = table.ARCHITECTURES[arch]
+    extra = tuple(forward_fingerprint(m) for m in modules)
+    monkeypatch.setitem(table.ARCHITECTURES, arch,
+                        dataclasses.replace(layout, vetted=layout.vetted + extra))
+
+
+def test_extra_keyword_arguments_pass_through(monkeypatch):
     class AttentionWithGain(llama.Attention):
         def __call__(self, x, mask=None, cache=None, gain=1.0):
             return gain * super().__call__(x, mask, cache)
@@ -522,6 +543,7 @@ def test_extra_keyword_arguments_pass_through():
     for layer in model.layers:
         layer.self_attn.__class__ = AttentionWithGain
     attn = model.layers[0].self_attn
+    vet(monkeypatch, "llama", attn)  # a forward the bricks compute where gain is 1
     x = mx.random.normal((1, 5, 128), key=mx.random.key(4))
     stock = attn(x, "causal", None, gain=2.0)
     report = patch_model(model, fuse_block=False, backend="reference")
@@ -531,13 +553,14 @@ def test_extra_keyword_arguments_pass_through():
     assert mx.allclose(attn(x, "causal", None), stock / 2.0, atol=1e-5, rtol=1e-5)
 
 
-def test_unknown_call_signature_is_left_stock():
+def test_unknown_call_signature_is_left_stock(monkeypatch):
     class AttentionWithPositions(llama.Attention):
         def __call__(self, x, positions, mask=None, cache=None):
             return super().__call__(x, mask, cache)
 
     model = build_model("llama")
     model.layers[0].self_attn.__class__ = AttentionWithPositions
+    vet(monkeypatch, "llama", model.layers[0].self_attn)
     report = patch_model(model, backend="reference")
     attn0 = report.layer(0)[0]
     assert attn0.module == "self_attn" and attn0.status == "fallback"
@@ -602,14 +625,18 @@ def test_bad_arguments():
 
 
 def test_report_table_and_dict():
-    model = build_model("llama", layer_types=["full_attention", "sliding_attention",
-                                              "full_attention"], sliding_window=8)
+    class OwnAttention(llama.Attention):  # a forward the table entry was not vetted against
+        def __call__(self, x, mask=None, cache=None):
+            return super().__call__(x, mask, cache)
+
+    model = build_model("llama")
+    model.layers[1].self_attn.__class__ = OwnAttention
     report = patch_model(model, backend="reference")
     run(model, tokens(6), make_prompt_cache(model))
     assert report.backend.name == "reference" and report.backend.source == "argument"
     text = str(report)
     lines = text.splitlines()
-    assert "backend: reference" in text and "sliding-window" in text
+    assert "backend: reference" in text and "OwnAttention.__call__ is not one" in text
     for i in range(3):
         assert any(line.split()[:1] == [str(i)] for line in lines), f"no row for layer {i}"
     data = report.to_dict()

@@ -89,11 +89,14 @@ def _e2e_benchmarks() -> dict[str, Benchmark]:
         CPU_M_VALUES,
         DTYPES,
         FORMATS,
+        GPT_OSS_20B_4LAYER,
+        GPT_OSS_FORMAT,
         LLAMA_8B_4LAYER,
         M_VALUES,
         MOE_DTYPES,
         MOE_FORMATS,
         QWEN3_MOE_4LAYER,
+        SMALL_GPT_OSS,
         SMALL_LLAMA,
         setup,
     )
@@ -127,6 +130,25 @@ def _e2e_benchmarks() -> dict[str, Benchmark]:
                     lambda dtype=dtype, M=M, fmt=fmt: setup(QWEN3_MOE_4LAYER, dtype, M,
                                                             fmt=fmt),
                     min_calls=E2E_MIN_CALLS)
+    for M in M_VALUES:
+        name = f"e2e_gpt_oss20b_4layer_bf16_{GPT_OSS_FORMAT}_m{M}"
+        table[name] = Benchmark(
+            name, KERNEL,
+            f"full-model prefill, M={M} tokens, bf16, experts {GPT_OSS_FORMAT}: gpt-oss-20b-"
+            f"shaped gpt_oss, 4 layers ({GPT_OSS_20B_4LAYER.describe()}), random weights; "
+            "stock mlx-lm vs patch_model(tune='auto') (each SwitchGLU through the MoE kind's "
+            "dequant composite where faster; no kernel reads mxfp4)",
+            lambda M=M: setup(GPT_OSS_20B_4LAYER, "bf16", M, fmt=GPT_OSS_FORMAT),
+            min_calls=E2E_MIN_CALLS)
+    for M in CPU_M_VALUES:
+        name = f"e2e_small_gpt_oss_cpu_bf16_{GPT_OSS_FORMAT}_m{M}"
+        table[name] = Benchmark(
+            name, CPU,
+            f"full-model prefill on the CPU, M={M} tokens, bf16, experts {GPT_OSS_FORMAT}: "
+            f"small gpt_oss ({SMALL_GPT_OSS.layers} layers, {SMALL_GPT_OSS.describe()}), "
+            "random weights; stock mlx-lm vs patch_model(tune='auto') with no kernel backend "
+            "(the MoE composite)",
+            lambda M=M: setup(SMALL_GPT_OSS, "bf16", M, fmt=GPT_OSS_FORMAT))
     for suffix, fmt in CPU_FORMATS.items():
         for dtype in CPU_DTYPES:
             for M in CPU_M_VALUES:
@@ -211,6 +233,14 @@ def _gated_delta_benchmarks() -> dict[str, Benchmark]:
     return benchmarks()
 
 
+def _formats_benchmarks() -> dict[str, Benchmark]:
+    """The microscaled formats' composites vs stock on the CPU: ``mlx_bricks.bench.formats``."""
+    from mlx_bricks.bench.formats import benchmarks
+
+    return benchmarks()
+
+
+BENCHMARKS.update(_formats_benchmarks())
 BENCHMARKS.update(_gated_delta_benchmarks())
 
 
@@ -230,6 +260,7 @@ ON_REQUEST = frozenset(n for n in BENCHMARKS if n.startswith("user_path_"))
 GROUPS: dict[str, list[str]] = {
     **{group: list(members) for group, members in CUDA_GROUPS.items()},
     "moe": [n for n in BENCHMARKS if n.startswith("moe_")],
+    "formats_cpu": [n for n in BENCHMARKS if n.startswith("formats_cpu_")],
     "e2e_llama8b_4layer": [n for n in BENCHMARKS if n.startswith("e2e_llama8b_4layer_")],
     "e2e_llama8b_4layer_float": [n for n in BENCHMARKS if n.startswith("e2e_llama8b_4layer_")
                                  and "_q" not in n],
@@ -240,6 +271,8 @@ GROUPS: dict[str, list[str]] = {
     "user_path_cpu": [n for n in BENCHMARKS if n.startswith("user_path_cpu_")],
     "user_path_gpu": [n for n in BENCHMARKS if n.startswith("user_path_gpu_")],
     "gated_delta": [n for n in BENCHMARKS if n.startswith(("gdn_", "e2e_qwen35_"))],
+    "e2e_gpt_oss20b_4layer": [n for n in BENCHMARKS if n.startswith("e2e_gpt_oss20b_4layer_")],
+    "e2e_small_gpt_oss_cpu": [n for n in BENCHMARKS if n.startswith("e2e_small_gpt_oss_cpu_")],
 }
 
 

@@ -22,6 +22,12 @@ patch table)::
 
 The CPU cases (group ``e2e_small_llama_cpu``) run :data:`SMALL_LLAMA` where no kernel backend
 exists: the patch tunes the composites of the quantized kinds against stock there.
+
+The gpt-oss cases run mlx-lm's gpt_oss with its experts in ``mxfp4`` (as gpt-oss ships them;
+the rest bf16): :data:`GPT_OSS_20B_4LAYER` on a kernel backend (group ``e2e_gpt_oss20b_4layer``)
+and :data:`SMALL_GPT_OSS` on the CPU (``e2e_small_gpt_oss_cpu``); the patch runs each
+``SwitchGLU`` through the MoE kind's ``dequant`` composite where faster (no kernel reads mxfp4;
+the attention, with sinks, stays stock).
 """
 from __future__ import annotations
 
@@ -106,6 +112,50 @@ class Qwen3MoeShape:
                          max_position_embeddings=40960, norm_topk_prob=True)
 
 
+@dataclass(frozen=True)
+class GptOssShape:
+    """The shape of a gpt_oss model (mlx-lm ``ModelArgs`` fields): every layer a MoE layer
+    (SwigluOAI experts with biases), sliding-window layers between full ones."""
+
+    hidden: int
+    intermediate: int
+    experts: int
+    top_k: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    def describe(self) -> str:
+        return (f"hidden {self.hidden}, {self.experts} experts of {self.intermediate}, "
+                f"top-{self.top_k}, {self.heads}/{self.kv_heads} heads of {self.head_dim}, "
+                f"vocab {self.vocab}")
+
+    def model_class(self):
+        from mlx_lm.models.gpt_oss import Model
+
+        return Model
+
+    def model_args(self):
+        from mlx_lm.models.gpt_oss import ModelArgs
+
+        return ModelArgs(model_type="gpt_oss", hidden_size=self.hidden,
+                         num_hidden_layers=self.layers, intermediate_size=self.intermediate,
+                         num_local_experts=self.experts, num_experts_per_tok=self.top_k,
+                         num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+                         head_dim=self.head_dim, vocab_size=self.vocab, sliding_window=128)
+
+
+#: gpt-oss-20b's layer shapes, 4 layers (a 32000-token vocabulary as for the llama case).
+GPT_OSS_20B_4LAYER = GptOssShape(hidden=2880, intermediate=2880, experts=32, top_k=4, layers=4,
+                                 heads=64, kv_heads=8, head_dim=64, vocab=32000)
+#: A small gpt_oss for the CPU (gpt-oss-20b's expert count and top-k).
+SMALL_GPT_OSS = GptOssShape(hidden=512, intermediate=512, experts=32, top_k=4, layers=2,
+                            heads=8, kv_heads=1, head_dim=64, vocab=8192)
+#: The gpt-oss cases' expert format (a ``mx.quantize`` mode: the experts only).
+GPT_OSS_FORMAT = "mxfp4"
+
 #: Qwen3-30B-A3B's layer shapes, 4 layers (the 32000-token vocabulary as for the llama case).
 QWEN3_MOE_4LAYER = Qwen3MoeShape(hidden=2048, moe_intermediate=768, experts=128, top_k=8,
                                  layers=4, heads=32, kv_heads=4, head_dim=128, vocab=32000)
@@ -166,7 +216,16 @@ def _models(shape, dtype: str, fmt=None):
         models = [Model(shape.model_args()) for _ in range(2)]
         stock, patched = models
         stock.set_dtype(mx_dtype(dtype))
-        if fmt is not None:
+        if isinstance(fmt, str):  # a microscaling mode: the MoE experts only (gpt-oss's way)
+            from mlx_lm.models.switch_layers import SwitchLinear
+
+            from mlx_bricks.formats.microscaling import MODES
+
+            for m in models:
+                nn.quantize(m, group_size=MODES[fmt].group_size, bits=MODES[fmt].bits,
+                            mode=fmt, class_predicate=lambda p, mod: isinstance(
+                                mod, SwitchLinear))
+        elif fmt is not None:
             for m in models:
                 nn.quantize(m, group_size=fmt[1], bits=fmt[0], class_predicate=_quantized_layer)
         mx.eval(stock.parameters())
@@ -183,8 +242,9 @@ def setup(shape, dtype: str, M: int, *, tune: str = "auto", fmt=None):
         dtype: ``"bf16"`` or ``"fp16"``.
         M: prompt tokens (one chunk).
         tune: ``patch_model(tune=...)``.
-        fmt: None (float weights) or ``(bits, group_size)``: the decoder layers' linears
-            quantized with ``nn.quantize`` (MLX affine), on both sides.
+        fmt: None (float weights), ``(bits, group_size)``: the decoder layers' linears
+            quantized with ``nn.quantize`` (MLX affine), on both sides; or a microscaling mode
+            (``"mxfp4"``): the MoE experts only.
 
     Where stock's forward raises (MLX 0.32.4 CUDA's ``gather_qmm`` at 65,536 rows),
     ``bench.core.run_one`` records ``stock_error`` and reports no stock figure.
@@ -210,6 +270,7 @@ def setup(shape, dtype: str, M: int, *, tune: str = "auto", fmt=None):
         tuning = report.tuning()
         return {"model": {"shape": shape.__dict__, "dtype": dtype, "M": M,
                           "weights": "float" if fmt is None else
+                          f"{fmt} experts" if isinstance(fmt, str) else
                           f"affine {fmt[0]}-bit, group_size {fmt[1]}"},
                 "patch": {"backend": report.backend.name, "n_patched": report.n_patched,
                           "dequant_cap": report.options["dequant_cap"],

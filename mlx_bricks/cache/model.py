@@ -167,30 +167,11 @@ def q8_0_cache_attention(queries, keys, values, *, scale, mask=None, backend=Non
 _ROUTES: dict[str, list] = {}
 
 
-def route_attention(model):
-    """Make ``model``'s stock attention read :class:`Q8KVCache` layers through the bricks.
-
-    mlx-lm's attention modules call the module-level name ``scaled_dot_product_attention`` of
-    their model file (``mlx_lm/models/llama.py`` etc., imported from ``models/base.py``). This
-    replaces that name in the model's module by a function that sends a call whose ``cache`` is
-    a ``Q8KVCache`` to :func:`q8_0_cache_attention` (on the cache's ``backend``) and every other
-    call, unchanged, to the original; so it is harmless to other models of the same
-    architecture. Routes are counted per module: the original comes back when the last one is
-    undone.
-
-    Returns:
-        A function of no arguments that undoes this route (idempotent).
-
-    Raises:
-        ValueError: the model's module has no ``scaled_dot_product_attention`` (architectures
-            whose attention does not go through ``models/base.py``).
-    """
-    name = type(model).__module__
+def _route_module(name: str):
+    """Route ``name``'s ``scaled_dot_product_attention`` (counted); returns its undo."""
     module = sys.modules[name]
     if name not in _ROUTES:
-        original = getattr(module, "scaled_dot_product_attention", None)
-        if original is None:
-            raise ValueError(f"{name} has no scaled_dot_product_attention to route")
+        original = module.scaled_dot_product_attention
 
         def routed(queries, keys, values, cache, scale, mask, sinks=None):
             if isinstance(cache, Q8_CACHES):
@@ -215,5 +196,40 @@ def route_attention(model):
         if entry[1] == 0:
             module.scaled_dot_product_attention = entry[0]
             del _ROUTES[name]
+
+    return undo
+
+
+def route_attention(model):
+    """Make ``model``'s stock attention read :class:`Q8KVCache` layers through the bricks.
+
+    mlx-lm's attention modules call the module-level name ``scaled_dot_product_attention`` of
+    their model file (``mlx_lm/models/llama.py`` etc., imported from ``models/base.py``). This
+    replaces that name in every model file the model's modules come from (smollm3's and the
+    mistral3 wrapper's attention is llama.py's) by a function that sends a call whose
+    ``cache`` is a ``Q8KVCache`` to :func:`q8_0_cache_attention` (on the cache's ``backend``)
+    and every other call, unchanged, to the original; so it is harmless to other models of the
+    same architecture. Routes are counted per module: the original comes back when the last
+    one is undone.
+
+    Returns:
+        A function of no arguments that undoes this route (idempotent).
+
+    Raises:
+        ValueError: none of the model's modules has ``scaled_dot_product_attention``
+            (architectures whose attention does not go through ``models/base.py``).
+    """
+    modules = [model, *(model.modules() if callable(getattr(model, "modules", None)) else ())]
+    names = sorted({type(m).__module__ for m in modules
+                    if getattr(sys.modules.get(type(m).__module__), "scaled_dot_product_attention",
+                               None) is not None})
+    if not names:
+        raise ValueError(f"{type(model).__module__} has no scaled_dot_product_attention to "
+                         "route")
+    undos = [_route_module(name) for name in names]
+
+    def undo():
+        for u in undos:
+            u()
 
     return undo

@@ -6,13 +6,17 @@ Two formats of GEMM weights reach the bricks (``nn.Linear`` layout ``(N, K)``, `
 * MLX affine: a :class:`~mlx_bricks.formats.affine.QuantizedWeight` (``nn.QuantizedLinear``,
   ``mx.quantize``): bits 2, 3, 4, 5, 6, 8, group size 32, 64, 128.
 
+* MLX's microscaling modes: a :class:`~mlx_bricks.formats.microscaling.MicroscaledWeight`
+  (``nn.QuantizedLinear(mode=...)``, ``QuantizedSwitchLinear``): ``mxfp4``, ``nvfp4``, ``mxfp8``.
+  No kernel reads them; the kinds' ``dequant`` composites do (:attr:`Format.kernels`).
+
 K/V may come as Q8_0 blocks (``mlx_bricks.formats.q8_0``: ggml's ``block_q8_0``).
 
 :func:`format_of` gives a weight's :class:`Format`, which answers every question the bricks, the
 tuner and the patch ask of a weight: its decision key (``"float"``, ``"q4g64"``), its kernel
 inputs and template parameters per backend, the stock computation (what ``nn.Linear`` /
-``nn.QuantizedLinear`` compute) and its dense float value. Nothing else branches on "float or
-affine?".
+``nn.QuantizedLinear`` compute) and its dense float value. Nothing else branches on "float,
+affine or microscaled?".
 """
 from __future__ import annotations
 
@@ -20,7 +24,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlx_bricks.formats import microscaling
 from mlx_bricks.formats.affine import MODE, QuantizedWeight
+from mlx_bricks.formats.microscaling import MicroscaledWeight
 
 
 @dataclass(frozen=True)
@@ -28,9 +34,12 @@ class Format:
     """The storage format of one GEMM weight.
 
     Attributes:
-        bits: 0 for a float weight, else the affine width (2, 3, 4, 5, 6, 8).
-        group_size: 0 for a float weight, else the affine group size (32, 64, 128).
-        mode: the quantization mode (``"affine"``; the only one the bricks read).
+        bits: 0 for a float weight, else the width (affine: 2, 3, 4, 5, 6, 8; the
+            microscaling modes: 4 or 8).
+        group_size: 0 for a float weight, else the group size (affine: 32, 64, 128; mxfp4 and
+            mxfp8: 32, nvfp4: 16).
+        mode: the quantization mode: ``"affine"`` (float weights too), ``"mxfp4"``,
+            ``"nvfp4"``, ``"mxfp8"``.
     """
 
     bits: int = 0
@@ -39,23 +48,49 @@ class Format:
 
     @property
     def quantized(self) -> bool:
-        """True for an affine-quantized weight."""
+        """True for a quantized weight (affine or microscaled): what the ``dequant``
+        composites apply to."""
         return self.bits != 0
 
     @property
+    def microscaled(self) -> bool:
+        """True for ``mxfp4``, ``nvfp4`` or ``mxfp8`` (``formats.microscaling``)."""
+        return microscaling.is_microscaled_mode(self.mode)
+
+    @property
+    def kernels(self) -> bool:
+        """Whether the MSL and CUDA kernels read this format (float and MLX affine; the
+        microscaling modes reach the bricks through their composites only)."""
+        return not self.microscaled
+
+    @property
     def key(self) -> str:
-        """The decision-key spelling: ``"float"`` or ``"q<bits>g<group_size>"``."""
+        """The decision-key spelling: ``"float"``, ``"q<bits>g<group_size>"`` or the mode
+        (``"mxfp4"``: its bits and group size are the mode's)."""
+        if self.microscaled:
+            return self.mode
         return f"q{self.bits}g{self.group_size}" if self.quantized else "float"
 
     def __str__(self) -> str:
+        if self.microscaled:
+            return f"{self.mode} gs{self.group_size}"
         return f"q{self.bits} gs{self.group_size}" if self.quantized else "float"
+
+    def _no_kernel(self, what: str) -> None:
+        if self.microscaled:
+            raise ValueError(f"{what}: no kernel reads {self.mode} weights (the composites do)")
 
     # --- kernel inputs ---------------------------------------------------------------------
 
     def msl_inputs(self, weight) -> tuple[list, dict]:
         """The MSL kernels' inputs ``[w, scales, biases]`` and template flags ``BITS``,
         ``GROUP_SIZE``, row-contiguous; a float weight stands in for the absent scales and
-        biases (the kernel is compiled without them and never reads them)."""
+        biases (the kernel is compiled without them and never reads them).
+
+        Raises:
+            ValueError: a microscaled weight (no kernel reads one).
+        """
+        self._no_kernel("msl_inputs")
         if self.quantized:
             arrays = [mx.contiguous(a) for a in (weight.w, weight.scales, weight.biases)]
             return arrays, {"BITS": self.bits, "GROUP_SIZE": self.group_size}
@@ -69,7 +104,9 @@ class Format:
 
         Raises:
             TypeError: a float weight, or affine scales, of another dtype than ``dtype``.
+            ValueError: a microscaled weight (no kernel reads one).
         """
+        self._no_kernel("cuda_inputs")
         if self.quantized:
             if weight.scales.dtype != dtype:
                 raise TypeError(f"{name}.scales is {weight.scales.dtype} but x is {dtype}; the "
@@ -85,7 +122,10 @@ class Format:
 
     def matmul_t(self, x, weight):
         """``x @ W.T`` the stock way: ``mx.quantized_matmul(..., transpose=True)`` for an affine
-        weight (what ``nn.QuantizedLinear`` calls), the float product otherwise."""
+        weight (what ``nn.QuantizedLinear`` calls; with ``mode`` for a microscaled one), the
+        float product otherwise."""
+        if self.microscaled:
+            return microscaling.matmul_t(x, weight)
         if self.quantized:
             return mx.quantized_matmul(x, weight.w, weight.scales, weight.biases,
                                        transpose=True, group_size=self.group_size,
@@ -102,7 +142,8 @@ class Format:
         return y if bias is None else y + bias
 
     def dense(self, weight):
-        """The ``(N, K)`` float weight (``mx.dequantize`` for an affine one: scales' dtype)."""
+        """The ``(N, K)`` float weight (``mx.dequantize``: of the scales' dtype for an affine
+        one, float32 for a microscaled one, where its values are exact)."""
         return weight.dequantize() if self.quantized else weight
 
 
@@ -111,7 +152,10 @@ FLOAT = Format()
 
 
 def format_of(weight) -> Format:
-    """The :class:`Format` of ``weight`` (an ``mx.array`` or a ``QuantizedWeight``)."""
+    """The :class:`Format` of ``weight`` (an ``mx.array``, a ``QuantizedWeight`` or a
+    ``MicroscaledWeight``)."""
+    if isinstance(weight, MicroscaledWeight):
+        return Format(weight.bits, weight.group_size, weight.mode)
     if isinstance(weight, QuantizedWeight):
         return Format(weight.bits, weight.group_size, weight.mode)
     return FLOAT
@@ -128,6 +172,12 @@ def formats_key(*weights) -> str:
     recipe's v_proj), so ops whose weights differ in any one format get their own decisions."""
     keys = [format_of(w).key for w in weights]
     return keys[0] if len(set(keys)) == 1 else "/".join(keys)
+
+
+def kernel_readable(*weights) -> bool:
+    """Whether the kernels read every one of ``weights`` (:attr:`Format.kernels`): a kind
+    lists no kernel variant otherwise, and its composites compete with stock alone."""
+    return all(format_of(w).kernels for w in weights if w is not None)
 
 
 def widest_bits(*weights) -> int | None:

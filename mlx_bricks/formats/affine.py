@@ -10,8 +10,9 @@ weight ``(N, K)`` becomes
 * value ``w[n, k] = scales[n, k // group_size] * q[n, k] + biases[n, k // group_size]``.
 
 Bits 2, 3, 4, 5, 6 and 8 and group sizes 32, 64 and 128 are what the bricks read (MLX's affine
-set). Other modes (``mxfp4``, ``nvfp4``, ``mxfp8``) are not affine: :func:`as_weight` refuses
-them with a ``ValueError`` and the patch keeps such layers stock with the reason.
+set). Other modes (``mxfp4``, ``nvfp4``, ``mxfp8``) are not affine: they are
+``formats.microscaling``'s; the kernel ops' :func:`as_weight` refuses them with a
+``ValueError``, and the patch feeds such layers to the kinds' ``dequant`` composites only.
 """
 from __future__ import annotations
 
@@ -79,10 +80,10 @@ class QuantizedWeight:
         """The float dtype of the dequantized weight (``scales.dtype``)."""
         return self.scales.dtype
 
-    def dequantize(self) -> mx.array:
-        """``(N, K)`` float weight of ``scales.dtype`` (``mx.dequantize``)."""
+    def dequantize(self, dtype=None) -> mx.array:
+        """``(N, K)`` float weight of ``dtype`` (None: ``scales.dtype``; ``mx.dequantize``)."""
         return mx.dequantize(self.w, self.scales, self.biases, group_size=self.group_size,
-                             bits=self.bits)
+                             bits=self.bits, dtype=dtype)
 
     def check(self, name: str = "weight", K: int | None = None, rows: str = "N") -> None:
         """Validate the fields (and, when ``K`` is given, that the weight is ``(rows, K)``).
@@ -94,8 +95,9 @@ class QuantizedWeight:
                 divide K, or scales/biases of the wrong shape; the message names the field.
         """
         if self.mode != MODE:
-            raise ValueError(f"{name}.mode must be 'affine' for the bricks, got {self.mode!r} "
-                             "(mxfp4 / nvfp4 / mxfp8 keep the stock path)")
+            raise ValueError(f"{name}.mode must be 'affine' for the kernels, got {self.mode!r} "
+                             "(mxfp4 / nvfp4 / mxfp8 reach the bricks through the dequant "
+                             "composites only)")
         for field_name in ("bits", "group_size"):
             v = getattr(self, field_name)
             if isinstance(v, bool) or not isinstance(v, numbers.Integral):
@@ -149,6 +151,11 @@ def as_weight(value, name: str = "weight", K: int | None = None, rows: str = "N"
     """
     if isinstance(value, mx.array):
         return value
+    from mlx_bricks.formats.microscaling import MicroscaledWeight
+
+    if isinstance(value, MicroscaledWeight):
+        raise ValueError(f"{name} is {value.mode}: the kernels read float and MLX affine weights "
+                         "(microscaled weights reach the bricks through the dequant composites)")
     if not isinstance(value, QuantizedWeight):
         import mlx.nn as nn
 

@@ -39,6 +39,7 @@ from mlx.nn.layers.distributed import (
 from mlx_bricks.checks import dtype_name
 from mlx_bricks.formats import format_of
 from mlx_bricks.formats.affine import MODE, QuantizedWeight
+from mlx_bricks.formats.microscaling import MicroscaledWeight, is_microscaled_mode, layer_reason
 
 #: Column-sharded layers (output rows split across the group; identity forward on the input).
 COLUMN_SHARDED = (AllToShardedLinear, QuantizedAllToShardedLinear)
@@ -100,8 +101,11 @@ def reduce_partial(linear, y, residual=None):
 
 def weight_of(linear):
     """The weight a brick takes from a linear layer: the array, or a ``QuantizedWeight`` for an
-    ``nn.QuantizedLinear`` or a quantized tensor-parallel linear (its local shard)."""
+    affine ``nn.QuantizedLinear`` or a quantized tensor-parallel linear (its local shard), a
+    ``MicroscaledWeight`` for one in ``mxfp4`` / ``nvfp4`` / ``mxfp8``."""
     if isinstance(linear, nn.QuantizedLinear) or type(linear) in QUANTIZED_SHARDED:
+        if is_microscaled_mode(getattr(linear, "mode", MODE)):
+            return MicroscaledWeight.from_module(linear)
         return QuantizedWeight.from_module(linear)
     return linear.weight
 
@@ -135,15 +139,17 @@ def quantized_reason(name: str, module) -> str | None:
     """Why the bricks cannot read the ``nn.QuantizedLinear`` ``module`` (None if they can).
 
     The bricks read MLX's affine format (``mlx_bricks.formats.affine``): bits 2, 3, 4, 5, 6, 8
-    and group_size 32, 64, 128. The other modes (``mxfp4``, ``nvfp4``, ``mxfp8``: shared
-    exponents, no biases) keep the stock path.
+    and group_size 32, 64, 128, and the microscaling modes ``mxfp4``, ``nvfp4``, ``mxfp8``
+    (``mlx_bricks.formats.microscaling``: through the kinds' composites only, no kernel).
     """
     mode = getattr(module, "mode", MODE)
     cls = "nn.QuantizedLinear" if type(module) is nn.QuantizedLinear else type(module).__name__
     what = f"{name} is {cls} ({format_name(module)})"
+    if is_microscaled_mode(mode):
+        r = layer_reason(name, module)
+        return None if r is None else f"{what}: {r}"
     if mode != MODE:
-        return (f"{what}: the bricks read MLX affine weights only (mxfp4 / nvfp4 / mxfp8 keep "
-                "the stock path)")
+        return f"{what}: mode {mode!r} is not one the bricks read"
     try:
         QuantizedWeight.from_module(module).check(name)
     except (TypeError, ValueError) as e:
@@ -155,7 +161,8 @@ def linear_reason(name: str, module, dtype=None) -> str | None:
     """Why ``module`` cannot feed a brick (None if it can).
 
     It can when it is a plain ``nn.Linear``, or an ``nn.QuantizedLinear`` in MLX's affine
-    format (:func:`quantized_reason`), whose arrays have the input's ``dtype`` (when given):
+    format or a microscaling mode (:func:`quantized_reason`), whose float arrays have the
+    input's ``dtype`` (when given; a microscaled layer's uint8 scales are codes, not floats):
     the bricks compute in one dtype, so a quantized weight's ``scales`` and ``biases`` (the
     dtype its tiles are dequantized to) and a layer's ``bias`` must be the activations' dtype
     (``formats.check_weight``). MLX's tensor-parallel linears (``AllToShardedLinear``,
@@ -167,7 +174,8 @@ def linear_reason(name: str, module, dtype=None) -> str | None:
         r = quantized_reason(name, module)
         if r is not None:
             return r
-        arrays = ("scales", "biases", "bias")
+        micro = is_microscaled_mode(getattr(module, "mode", MODE))
+        arrays = ("bias",) if micro else ("scales", "biases", "bias")
     elif type(module) is nn.Linear or is_float_sharded(module):
         arrays = ("weight", "bias")
     elif module is None:

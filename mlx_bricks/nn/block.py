@@ -6,6 +6,7 @@ from mlx_bricks.bricks.norm_qkv import piece as qkv_piece
 from mlx_bricks.bricks.swiglu import piece as mlp_piece
 from mlx_bricks.bricks.attention import piece as attention_piece
 from mlx_bricks.nn.attention import admit, attend, attention_args
+from mlx_bricks.nn.calls import call_args, split_call
 from mlx_bricks.nn.runner import all_stock, check_block, choose, run_piece
 from mlx_bricks.runtime.kind import Act
 
@@ -16,8 +17,9 @@ class BricksBlock:
     Prefill, for x (B, L, D), in four pieces::
 
         qkv:       q, k, v = rms_norm_qkv(x, input_norm, Wq, Wk, Wv)   # head layout (B, H, L, hd)
-                   q, k    = q_norm(q), k_norm(k)                       # qwen3 only
-                   q, k    = rope(q, k, offset=cache.offset); k, v = cache.update_and_fetch(k, v)
+                   q, k    = q_norm(q), k_norm(k)          # as the layout says (attend)
+                   q, k    = rope(q, k, offset=cache.offset); q = q * attn_scale (ministral3)
+                   k, v    = cache.update_and_fetch(k, v)
         attention: o       = flash_attention(q, k, v, causal)
         o_proj:    h       = linear(o, Wo, residual=x)
         mlp:       out     = swiglu_mlp(rms_norm(h, post_attention_norm), W_gate, W_up, W_down,
@@ -37,13 +39,16 @@ class BricksBlock:
     ``qwen2.py``, ``qwen3.py``; the same math with the pieces fused into the bricks.
     """
 
-    def __call__(self, x, mask=None, cache=None, *args, **kwargs):
+    def __call__(self, x, *args, **kwargs):
         state = self._bricks_state
         lay = state.layout
         attn = self[lay.attention]
-        stock, window, shape_key, q8 = admit(self, state, attn, x, mask, cache, args, kwargs)
+        values, rest, rest_kwargs = split_call(lay.call_args, args, kwargs)
+        mask, cache = values.get("mask"), values.get("cache")
+        stock, window, shape_key, q8 = admit(self, state, attn, x, mask, cache, rest,
+                                             rest_kwargs, values)
         if stock:
-            return super().__call__(x, mask, cache, *args, **kwargs)
+            return super().__call__(x, *args, **kwargs)
 
         B, L, D = x.shape
         mlp = self[lay.mlp]
@@ -59,7 +64,7 @@ class BricksBlock:
 
         def pieces():
             h = Act((B, L, D), x.dtype)
-            o = Act((B, L, lay.n_heads(attn) * state.head_dim), x.dtype)
+            o = Act((B, L, lay.head_counts(attn)[0] * state.head_dim), x.dtype)
             return {"qkv": (qkv_piece.KIND, qkv_args()),
                     **({} if q8 else {"attention": (attention_piece.KIND, att_args())}),
                     "o_proj": (lin, linear_piece.linear_args(op, o, residual=x)),
@@ -69,17 +74,18 @@ class BricksBlock:
         # different numbers of collectives on the ranks, so it is not weighed whole
         sharded = linear_piece.is_row_sharded(op) or linear_piece.is_row_sharded(
             mlp[lay.down_proj])
+        base = super(BricksBlock, self).__call__
         choices = check_block(state, shape_key, choose(state, shape_key, pieces),
-                              cache, lambda c: self(x, mask, c),
-                              lambda c: super(BricksBlock, self).__call__(x, mask, c), L,
+                              cache, lambda c: self(x, *call_args(lay.call_args, values, c)),
+                              lambda c: base(x, *call_args(lay.call_args, values, c)), L,
                               repeatable=not sharded)
         if all_stock(state, choices, shape_key):
-            return super().__call__(x, mask, cache)
+            return super().__call__(x, *args, **kwargs)
 
         q, k, v = run_piece(state, "qkv", choices["qkv"], qkv_piece.KIND, qkv_args,
                             lambda: qkv_piece.qkv_stock(self, lay, x))
         o = attend(attn, state, choices.get("attention"), att_args, q, k, v, mask, cache,
-                   window)
+                   window, values.get("attn_scale"))
         # A row-sharded o/down: the piece gives the local partial product; finish all-sums
         # it, adds the bias, then the residual once (as the stock layer and block do).
         h = linear_piece.finish(op, run_piece(state, "o_proj", choices["o_proj"], lin,

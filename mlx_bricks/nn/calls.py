@@ -27,25 +27,18 @@ def is_q8_cache(cache) -> bool:
     return type(cache) is _Q8KVCache[0]
 
 
-def layer_window(attn, layout, layer=None) -> tuple[int | None, str | None]:
+def layer_window(attn, layout, sliding=None) -> tuple[int | None, str | None]:
     """``(window, reason)`` of an attention module: ``(None, None)`` on a global layer,
-    ``(layout.sliding_window, None)`` on a sliding-window layer (``layout.sliding`` set on the
-    module, or decoder layer index ``layer`` in ``layout.sliding_layers``), ``(None, reason)``
-    when the window length or the layer types are unknown."""
-    if layout.layer_types is not None:
-        if layout.sliding_layers is None:
-            return None, (f"the model has no per-layer attention types ({layout.layer_types}):"
-                          " which layers slide is unknown")
-        if layer not in layout.sliding_layers:
-            return None, None
-        if layout.sliding_window is None:
-            return None, (f"sliding-window layer ({layout.layer_types}[{layer}]): the model's "
-                          f"args have no {layout.window_arg or 'window length'}")
-        return layout.sliding_window, None
-    if layout.sliding is None or not getattr(attn, layout.sliding, False):
+    ``(layout.sliding_window, None)`` on a sliding-window layer, ``(None, reason)`` when the
+    window length is unknown. ``sliding``: whether the layer slides, decided at patch time from
+    the layer or the model's args (``BricksState.sliding``); None: ``layout.sliding`` set on
+    the module."""
+    if sliding is None:
+        sliding = layout.sliding is not None and bool(getattr(attn, layout.sliding, False))
+    if not sliding:
         return None, None
     if layout.sliding_window is None:
-        return None, (f"sliding-window layer ({layout.sliding}=True): the model's args have no "
+        return None, ("sliding-window layer: the model's args have no "
                       f"{layout.window_arg or 'window length'}")
     return layout.sliding_window, None
 
@@ -176,6 +169,27 @@ def call_reason(x, mask, cache, args, kwargs, window=None, causal_array=False,
     if cache is not None and type(cache) is not KVCache and not is_q8_cache(cache):
         return f"cache is {type(cache).__name__}, not KVCache or Q8KVCache"
     return None
+
+
+def split_call(names: tuple[str, ...], args, kwargs) -> tuple[dict, tuple, dict]:
+    """``(values, rest, rest_kwargs)``: a module call's arguments after ``x`` bound to the
+    layout's ``names`` (``BlockLayout.call_args``: positionally, then by keyword; None where
+    not given), and the arguments left over (a leftover sends the call to the stock path)."""
+    values = dict(zip(names, args))
+    rest_kwargs = {}
+    for k, v in kwargs.items():
+        if k in names and k not in values:
+            values[k] = v
+        else:
+            rest_kwargs[k] = v
+    for n in names:
+        values.setdefault(n, None)
+    return values, tuple(args[len(names):]), rest_kwargs
+
+
+def call_args(names: tuple[str, ...], values: dict, cache) -> tuple:
+    """The positional arguments after ``x`` of a call with ``values`` and ``cache``."""
+    return tuple(cache if n == "cache" else values[n] for n in names)
 
 
 def piece_call_reason(x, args, kwargs) -> str | None:

@@ -22,9 +22,9 @@ class BlockLayout:
         offset_norm: the model's RMSNorms compute ``mx.fast.rms_norm(x, 1 + weight, eps)``
             (gemma: the checkpoint stores ``w - 1``) with the model file's own ``RMSNorm``
             class; False: ``nn.RMSNorm``.
-        layer_sliding: attribute of a decoder layer that is True on a sliding-window layer the
-            patch leaves stock (llama's ``use_sliding``: its layers get a ``RotatingKVCache``);
-            None: no such layers.
+        layer_sliding: attribute of a decoder layer that is True on a sliding-window layer
+            (llama's, ministral3's ``use_sliding``: those layers get a ``RotatingKVCache`` of
+            ``window_arg`` and mlx-lm's window mask); None: no such attribute.
         activation: the MLP's gate activation, ``"silu"`` or ``"gelu_tanh"`` (gemma's
             ``nn.gelu_approx``; ``bricks.swiglu.variants.ACTIVATIONS``).
         sliding: attribute of the attention module that is True on sliding-window layers the
@@ -41,7 +41,7 @@ class BlockLayout:
         causal_array: the model passes its causal mask as mlx-lm's boolean
             ``create_causal_mask`` array (gemma2: ``return_array=True``), taken as causal.
         heads: attributes of the attention module holding the query and KV head counts
-            (mlx-lm's llama: ``n_heads``, ``n_kv_heads``; gpt-oss, qwen3_next:
+            (mlx-lm's llama: ``n_heads``, ``n_kv_heads``; gpt-oss, qwen3_next, olmo3:
             ``num_attention_heads``, ``num_key_value_heads``).
         scale: attribute of the attention module holding the score scale (gpt-oss:
             ``sm_scale``).
@@ -51,17 +51,12 @@ class BlockLayout:
         output_gate: the attention's output is gated (qwen3_next, qwen3_5): ``q_proj`` gives,
             per head, ``head_dim`` query columns then ``head_dim`` gate columns, and
             ``o_proj`` reads ``attention * sigmoid(gate)``.
-        layer_types: field of the model's args (or attribute of its inner model) listing
-            each layer's attention type (gpt-oss: ``layer_types``); layers whose entry is
-            ``"sliding_attention"`` run with ``sliding_window``. :func:`mlx_bricks.patch.table.
-            bind` resolves it into ``sliding_layers`` for one model.
-        sliding_layers: indices of the sliding-window layers (bound from ``layer_types``), or
-            None while unknown (then every layer of a ``layer_types`` layout runs stock, with
-            the reason).
-        shared_expert: attribute of a MoE block holding its shared expert, a plain MLP of the
-            layout's linears whose output the block gates itself (qwen3_next:
-            ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``): patched as an MLP piece;
-            None: left as the block runs it.
+        layer_types: field of the model's args (else attribute of its inner model: gpt-oss
+            fills the default alternation there) listing each layer's attention type; a layer
+            whose type is ``"sliding_attention"`` runs with ``sliding_window`` (gpt-oss, olmo3,
+            mellum). Resolved per layer at patch time (``patch.core.layer_sliding`` into
+            ``BricksState.sliding``); a model without the list keeps those attentions stock,
+            with the reason. None: not used.
         shared_kv: the attention is gemma4's: called ``(x, mask, cache, shared_kv=None,
             offset=None)``, it returns ``(out, (keys, values), offset)``; a layer whose
             ``has_kv`` attribute is False has no k/v projections and attends over the
@@ -70,6 +65,40 @@ class BlockLayout:
             projection); values go through the weightless ``v_norm``.
         has_kv, k_eq_v, v_norm: the attention module's attributes of the above (``shared_kv``
             only).
+        qk_norm_width: ``"head"``: ``qk_norm`` normalises each head's head_dim values (qwen3);
+            ``"full"``: all heads' values of a token together, before the head split (olmo2,
+            olmo3: ``q_norm`` has ``n_heads * head_dim`` weights).
+        qk_norm_flag: attribute of the attention module that is False where the module has
+            no ``qk_norm`` modules (glm4_moe's ``use_qk_norm``); None: always present.
+        inline_qk_norm: attribute of the attention module that is True where its forward
+            normalises q and k per head with a weightless ``mx.fast.rms_norm(x, None, eps)``
+            (llama4's ``use_qk_norm``); None: no such step.
+        inline_qk_norm_eps: that norm's eps: a number, or the attention module's attribute
+            that holds it (llama4_text: ``"rms_norm_eps"``).
+        inline_qk_norm_after_rope: the weightless norm comes after RoPE (llama4) instead of
+            before it (llama4_text).
+        rope_flag: attribute of the attention module that is False on a layer without RoPE
+            (NoPE: llama4's, exaone4's ``use_rope``; such a module has no ``rope``); None: every
+            layer has its ``rope`` (smollm3's NoPE layers have an identity ``rope`` object).
+        query_scale: ``"attn_scale"``: the module's call takes an ``attn_scale`` array (one
+            factor per position, shape (L, 1)) that multiplies the queries after RoPE
+            (ministral3: Llama-4 query scaling); ``"llama4_temperature"``: on a NoPE layer
+            with ``attn_temperature_tuning``, the module scales its queries by
+            ``1 + attn_scale * log(1 + floor(position / floor_scale))`` (llama4); None: none.
+        chunked: attribute of the attention module that is True where it attends in chunks
+            (llama4's RoPE layers, ``use_rope``: a ``ChunkedKVCache`` and a block-diagonal
+            array mask, which the attention brick does not take): such modules stay stock;
+            None: none.
+        call_args: the parameters of the attention's and block's ``__call__`` after ``x``
+            (``("mask", "cache")``; ministral3: ``("attn_scale", "mask", "cache")``).
+        shared_expert: attribute of a MoE layer's sparse block (one holding ``SwitchGLU`` /
+            ``SwitchMLP`` experts) holding its dense shared expert, a plain MLP of the layout's
+            linears whose output the block combines itself (glm4_moe, dots1: ``shared_experts``;
+            qwen3_next: ``shared_expert``, gated by ``sigmoid(shared_expert_gate(x))``): patched
+            as an MLP piece, reported as ``<mlp>.<shared_expert>``; None: none.
+        vetted: ``"<module>.<Class>.__call__=<sha256 prefix>"`` of each mlx-lm forward this
+            entry was checked against (``mlx_bricks.patch.vetted``): a block, attention or MLP
+            whose ``__call__`` is not one of them stays stock with the reason.
     """
 
     source: str
@@ -99,12 +128,21 @@ class BlockLayout:
     sinks: str | None = None
     output_gate: bool = False
     layer_types: str | None = None
-    sliding_layers: frozenset | None = None
-    shared_expert: str | None = None
     shared_kv: bool = False
     has_kv: str = "has_kv"
     k_eq_v: str = "use_k_eq_v"
     v_norm: str = "v_norm"
+    qk_norm_width: str = "head"
+    qk_norm_flag: str | None = None
+    inline_qk_norm: str | None = None
+    inline_qk_norm_eps: str | float = 1e-6
+    inline_qk_norm_after_rope: bool = False
+    rope_flag: str | None = None
+    query_scale: str | None = None
+    chunked: str | None = None
+    call_args: tuple[str, ...] = ("mask", "cache")
+    shared_expert: str | None = None
+    vetted: tuple[str, ...] = ()
 
     @property
     def attention_linears(self) -> tuple[str, str, str, str]:
@@ -132,17 +170,9 @@ class BlockLayout:
 
     def qk_norms_of(self, attn) -> tuple[str, ...]:
         """The per-head norms this attention module applies (k's only where it owns K/V)."""
-        if self.qk_norm is None:
+        if not self.has_qk_norm(attn):
             return ()
         return self.qk_norm if self.owns_kv(attn) else self.qk_norm[:1]
-
-    def n_heads(self, attn):
-        """The attention module's query head count (None if it has none)."""
-        return getattr(attn, self.heads[0], None)
-
-    def n_kv_heads(self, attn):
-        """The attention module's KV head count (None if it has none)."""
-        return getattr(attn, self.heads[1], None)
 
     def scale_of(self, attn):
         """The attention module's score scale (None if it has none)."""
@@ -151,6 +181,20 @@ class BlockLayout:
     def sinks_of(self, attn):
         """The attention module's sink logits (``sinks`` set), else None."""
         return None if self.sinks is None else getattr(attn, self.sinks, None)
+
+    def head_counts(self, attn) -> tuple[int, int]:
+        """``(n_heads, n_kv_heads)`` of an attention module (None where missing)."""
+        return getattr(attn, self.heads[0], None), getattr(attn, self.heads[1], None)
+
+    def has_qk_norm(self, attn) -> bool:
+        """Whether ``attn`` normalises q and k with its ``qk_norm`` modules (``qk_norm`` set
+        and, with ``qk_norm_flag``, the module's flag True)."""
+        return self.qk_norm is not None and (
+            self.qk_norm_flag is None or bool(getattr(attn, self.qk_norm_flag, False)))
+
+    def has_rope(self, attn) -> bool:
+        """Whether ``attn`` applies its ``rope`` (False on a ``rope_flag`` NoPE layer)."""
+        return self.rope_flag is None or bool(getattr(attn, self.rope_flag, False))
 
     @property
     def module(self) -> str:

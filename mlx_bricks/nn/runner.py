@@ -46,6 +46,9 @@ class BricksState:
             the remembered choices, uncounted).
         gate: the model's ``nn.gate.DecodeGate`` (decode forwards run this module's original
             class and are counted there until :meth:`DecodeGate.flush`), or None.
+        sliding: whether the module's layer is a sliding-window layer, where the patch decided
+            it from the layer or the model's args (``nn.calls.layer_window``); None: from the
+            attention module's ``layout.sliding`` attribute.
     """
 
     backend: str
@@ -65,6 +68,7 @@ class BricksState:
     checked: dict = field(default_factory=dict, repr=False)
     checking: bool = False
     gate: object = field(default=None, repr=False)
+    sliding: bool | None = None
 
 
 def choose(state: BricksState, shape_key: tuple, pieces) -> dict:

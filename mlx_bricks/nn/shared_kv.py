@@ -64,7 +64,7 @@ class BricksSharedKVAttention:
             return stock()
         B, L, _ = x.shape
         hd = state.head_dim
-        n_heads, n_kv = lay.n_heads(self), lay.n_kv_heads(self)
+        n_heads, n_kv = lay.head_counts(self)
         names = lay.attention_linears_of(self)
         lin = linear_piece.KIND
 

@@ -23,7 +23,7 @@ def attention_reason(attn, layout, dtype=None) -> str | None:
         if r is not None:
             return r
     r = attention_sharding_reason(attn, layout)
-    if r is None and layout.qk_norm is not None:
+    if r is None and layout.has_qk_norm(attn):
         for n in layout.qk_norms_of(attn):
             r = rms_norm_reason(n, getattr(attn, n, None), layout, dtype)
             if r is not None:

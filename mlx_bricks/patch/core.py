@@ -51,7 +51,8 @@ from mlx_bricks.patch.report import (
     PatchReport,
     record_weight_formats,
 )
-from mlx_bricks.patch.table import lookup, supported_model_types
+from mlx_bricks.patch.table import layer_types, lookup, supported_model_types
+from mlx_bricks.patch.vetted import forward_reason
 
 
 _BLOCK_BRICKS = (RMS_NORM_QKV.op_name, ATTENTION.op_name, LINEAR.op_name,
@@ -92,7 +93,10 @@ def _signature_reason(module, names: tuple[str, ...]) -> str | None:
 
 
 def describe_rope(rope) -> str:
-    """How the bricks apply this rope object (always the module's own object)."""
+    """How the bricks apply this rope object (always the module's own object); None: a layer
+    without RoPE (NoPE)."""
+    if rope is None:
+        return "NoPE: no rope on this layer"
     if type(rope) is nn.RoPE:
         return (f"nn.RoPE(dims={rope.dims}, traditional={rope.traditional}, base={rope.base}, "
                 f"scale={rope.scale}) via mx.fast.rope")
@@ -119,7 +123,7 @@ def _attention_structure(attn, layout, kv_quant) -> tuple[str | None, int]:
         r = rms_norm_reason(name, getattr(attn, name, None), layout)
         if r is not None:
             return r, 0
-    n_heads, n_kv = layout.n_heads(attn), layout.n_kv_heads(attn)
+    n_heads, n_kv = layout.head_counts(attn)
     if not (isinstance(n_heads, int) and isinstance(n_kv, int) and n_heads > 0 and n_kv > 0):
         return f"attention has no integer {' / '.join(layout.heads)}", 0
     if n_heads % n_kv:
@@ -143,17 +147,25 @@ def _attention_structure(attn, layout, kv_quant) -> tuple[str | None, int]:
         if sinks is None or tuple(getattr(sinks, "shape", ())) != (n_heads,):
             return (f"attention's {layout.sinks} is not a ({n_heads},) array (one sink logit "
                     "per query head)"), 0
-    if not callable(getattr(attn, "rope", None)):
+    if layout.chunked is not None and getattr(attn, layout.chunked, False):
+        return ("chunked attention (a ChunkedKVCache and a block-diagonal mask): the attention "
+                "brick takes causal and sliding-window masks only"), 0
+    if layout.has_rope(attn) and not callable(getattr(attn, "rope", None)):
         return "attention has no rope module (NoPE or another position scheme)", 0
     if layout.shared_kv and layout.owns_kv(attn) and not callable(getattr(attn, layout.v_norm,
                                                                           None)):
         return f"attention has no {layout.v_norm} module (gemma4's value norm)", 0
+    eps = layout.inline_qk_norm_eps
+    if layout.inline_qk_norm is not None and getattr(attn, layout.inline_qk_norm, False) and \
+            not isinstance(getattr(attn, eps, None) if isinstance(eps, str) else eps, float):
+        return f"attention's weightless QK-norm has no float eps ({eps})", 0
     if head_dim not in SUPPORTED_HEAD_DIMS:
         dims = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
         return f"head_dim {head_dim} is not supported by the attention brick ({dims})", 0
     if kv_quant == "q8_0" and head_dim % QK8_0:
         return f"kv_quant='q8_0' needs head_dim % {QK8_0} == 0, head_dim is {head_dim}", 0
-    return _signature_reason(attn, ("mask", "cache")), head_dim
+    return (forward_reason(attn, layout, layout.attention)
+            or _signature_reason(attn, layout.call_args)), head_dim
 
 
 def sinks_reason(attn, layout=None) -> str | None:
@@ -174,10 +186,29 @@ def _mlp_structure(mlp, layout) -> str | None:
     if is_patched(mlp):
         return "module is already patched"
     if isinstance(mlp, nn.Module) and has_experts(mlp):
-        return ("MoE block (router and experts, not a dense MLP): its SwitchGLU experts are "
-                "patched by module (the moe entry); router, combine and shared experts stay "
-                "stock")
-    return MLP_PIECE.reason(mlp, layout) or _signature_reason(mlp, ())
+        return moe_block_reason(mlp, layout)
+    return (MLP_PIECE.reason(mlp, layout) or forward_reason(mlp, layout, layout.mlp)
+            or _signature_reason(mlp, ()))
+
+
+def moe_block_reason(mlp, layout=None) -> str:
+    """The report's words for a MoE block in a layer's MLP slot: which of its parts run the
+    bricks (``SwitchGLU`` experts by module, a layout's dense shared expert) and which stay
+    stock (``SwitchMLP`` experts, the router, the combine)."""
+    glu, switch_mlp = switch_classes()[:2]
+    kinds = {type(m) for _, m in mlp.named_modules() if isinstance(m, (glu, switch_mlp))}
+    parts = []
+    if any(issubclass(k, glu) for k in kinds):
+        parts.append("its SwitchGLU experts are patched by module (the moe entries)")
+    if any(issubclass(k, switch_mlp) for k in kinds):
+        parts.append("its SwitchMLP experts stay stock (the MoE brick is gated: SwitchGLU only)")
+    shared = getattr(layout, "shared_expert", None)
+    if shared is not None and getattr(mlp, shared, None) is not None:
+        parts.append(f"its shared expert ({shared}) is patched as an MLP (its own entry)")
+        rest = "router and combine stay stock"
+    else:
+        rest = "router, combine and any shared expert stay stock"
+    return f"MoE block (router and experts, not a dense MLP): {'; '.join(parts)}; {rest}"
 
 
 def _block_structure(layer, layout) -> str | None:
@@ -196,20 +227,37 @@ def _block_structure(layer, layout) -> str | None:
         r = rms_norm_reason(name, getattr(layer, name, None), layout)
         if r is not None:
             return r
-    return _signature_reason(layer, ("mask", "cache"))
+    return forward_reason(layer, layout, "block") or _signature_reason(layer, layout.call_args)
 
 
 def _reads_affine(module, role, layout, piece=None) -> bool:
-    """Whether a linear layer the module's bricks read holds an affine-quantized weight."""
+    """Whether a linear layer the module's bricks read holds a quantized weight (affine or
+    microscaled: the composites' weights)."""
     return any(m is not None and format_of(weight_of(m)).quantized
                for m in linears(module, role, layout, piece).values())
 
 
+def layer_sliding(layer, i: int, layout, types) -> bool | None:
+    """Whether decoder layer ``i`` is a sliding-window layer by its own attribute
+    (``layout.layer_sliding``) or the model's ``layout.layer_types`` list; None: the layout
+    marks sliding layers on the attention module (``layout.sliding``) or not at all.
+    ``types``: the model's per-layer types (``patch.table.layer_types``; None where unknown:
+    then the attention stays stock, see :func:`_patch_layer`)."""
+    if layout.layer_sliding is not None:
+        return bool(getattr(layer, layout.layer_sliding, False))
+    if layout.layer_types is not None:
+        return isinstance(types, (list, tuple)) and i < len(types) and \
+            types[i] == "sliding_attention"
+    return None
+
+
 def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend: str,
-                 dispatch: Dispatch | None, quantized_only: bool = False) -> None:
+                 dispatch: Dispatch | None, quantized_only: bool = False,
+                 types=None) -> None:
     """Patch layer ``i`` (or, with ``dispatch`` None, only report what would be patched: the
     modules are then left stock with :data:`NO_KERNEL_BACKEND`; with ``quantized_only``, so
-    are the modules whose linears are all float)."""
+    are the modules whose linears are all float). ``types``: the model's per-layer attention
+    types where the layout has ``layer_types`` (``patch.table.layer_types``)."""
     attention, mlp, fuse_block, kv_quant = (
         opts["attention"], opts["mlp"], opts["fuse_block"], opts["kv_quant"])
     attn_mod = getattr(layer, layout.attention, None)
@@ -217,10 +265,10 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
     add = report.modules.append
 
     attn_reason, head_dim = _attention_structure(attn_mod, layout, kv_quant)
-    if attn_reason is None and layout.layer_sliding and getattr(layer, layout.layer_sliding,
-                                                                  False):
-        attn_reason = (f"sliding-window layer ({layout.layer_sliding}=True): the attention "
-                       "brick has no window mask and mlx-lm gives this layer a RotatingKVCache")
+    sliding = layer_sliding(layer, i, layout, types)
+    if attn_reason is None and layout.layer_types is not None and types is None:
+        attn_reason = (f"the model has no per-layer attention types ({layout.layer_types}): "
+                       "which layers slide is unknown")
     if attn_reason is None and layout.shared_kv and opts["kv_cache"] == "q8_0":
         attn_reason = ("gemma4's shared K/V with kv_cache='q8_0': the Q8_0 cache readers do not "
                        "take K/V handed between layers")
@@ -228,8 +276,11 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
         attn_reason = ("attention sinks with kv_cache='q8_0': the Q8_0 cache readers (decode) "
                        "have no sinks")
     mlp_reason = _mlp_structure(mlp_mod, layout)
-    rope = describe_rope(attn_mod.rope) if attn_mod is not None and callable(
-        getattr(attn_mod, "rope", None)) else ""
+    rope = ""
+    if attn_mod is not None and not layout.has_rope(attn_mod):
+        rope = describe_rope(None)
+    elif attn_mod is not None and callable(getattr(attn_mod, "rope", None)):
+        rope = describe_rope(attn_mod.rope)
     attn_variant = f"kv_quant={kv_quant or 'none'}"
     if opts["kv_cache"] == "q8_0":
         attn_variant = "kv_cache=q8_0"
@@ -249,7 +300,7 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
             return
         st = BricksState(backend=backend, layer=i, role=role, layout=layout,
                          head_dim=head_dim, kv_quant=kv_quant, piece=piece,
-                         dispatch=dispatch)
+                         dispatch=dispatch, sliding=sliding)
         attach(module, mixin, st)
         if opts["kv_cache"] == "q8_0" and ATTENTION.op_name in bricks:
             bricks = (*bricks, "q8_0_cache_attention")
@@ -265,6 +316,9 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
 
     if not attention:
         add(ModuleReport(i, "self_attn", DISABLED, reason="attention=False"))
+    elif attn_mod is None:
+        _mixer_entries(report, i, layer, f"the {report.architecture} entry has no brick for "
+                       f"it (no {layout.attention!r} on this layer)")
     elif attn_reason is not None:
         add(ModuleReport(i, "self_attn", FALLBACK, reason=attn_reason, rope=rope))
     else:
@@ -278,16 +332,18 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
     else:
         patch(mlp_mod, BricksPiece, MLP_PIECE.role, MLP_PIECE.bricks, mlp_variant,
               piece=MLP_PIECE)
-    shared = (getattr(mlp_mod, layout.shared_expert, None)
-              if mlp and layout.shared_expert is not None and mlp_reason is not None else None)
-    if isinstance(shared, nn.Module):  # a MoE block's shared expert: a plain MLP it gates
-        role = layout.shared_expert
-        reason = "module is already patched" if is_patched(shared) else (
-            MLP_PIECE.reason(shared, layout) or _signature_reason(shared, ()))
-        if reason is not None:
-            add(ModuleReport(i, role, FALLBACK, reason=reason))
+    shared = getattr(mlp_mod, layout.shared_expert, None) if layout.shared_expert else None
+    if shared is not None and isinstance(mlp_mod, nn.Module) and has_experts(mlp_mod):
+        where = f"{layout.mlp}.{layout.shared_expert}"
+        shared_reason = _mlp_structure(shared, layout)
+        if not mlp:
+            add(ModuleReport(i, where, DISABLED, reason="mlp=False"))
+        elif shared_reason is not None:
+            add(ModuleReport(i, where, FALLBACK, reason=shared_reason))
         else:
-            patch(shared, BricksPiece, role, MLP_PIECE.bricks, mlp_variant, piece=MLP_PIECE)
+            patch(shared, BricksPiece, MLP_PIECE.role, MLP_PIECE.bricks, mlp_variant,
+                  piece=MLP_PIECE)
+            report.modules[-1].module = where
 
 
 def has_experts(layer) -> bool:
@@ -302,8 +358,9 @@ def _patch_experts(report: PatchReport, i: int, layer, opts: dict, backend: str,
     call ``(x, indices)`` runs the MoE piece, ``bricks.moe.piece.MOE_PIECE``; the model's
     router, combine and shared experts stay its own), and report every ``SwitchMLP`` stock
     with the reason. With
-    ``dispatch`` None or composites only (no kernel backend: the MoE kind has no composites)
-    they are reported stock with :data:`NO_KERNEL_BACKEND`."""
+    ``dispatch`` None, or composites only (no kernel backend) and float experts (the MoE
+    kind's ``dequant`` composite applies to quantized ones), they are reported stock with
+    :data:`NO_KERNEL_BACKEND`."""
     glu, switch_mlp = switch_classes()[:2]
     for path, module in layer.named_modules():
         if not isinstance(module, (glu, switch_mlp)):
@@ -321,7 +378,9 @@ def _patch_experts(report: PatchReport, i: int, layer, opts: dict, backend: str,
             add(ModuleReport(i, MOE_PIECE.role, FALLBACK, reason=f"{where}: {reason}",
                              weights=formats))
             continue
-        if dispatch is None or dispatch.composites_only:
+        quantized = any(isinstance(getattr(module, n, None), switch_classes()[3])
+                        for n in MOE_PIECE.linears())
+        if dispatch is None or (dispatch.composites_only and not quantized):
             add(ModuleReport(i, MOE_PIECE.role, STOCK, reason=NO_KERNEL_BACKEND,
                              weights=formats))
             continue
@@ -374,14 +433,48 @@ def _patch_gated_delta(report: PatchReport, i: int, layer, opts: dict, backend: 
                          state=st))
 
 
+#: Class-name marks of a decoder layer's token mixer, most specific first, and the words the
+#: report uses for them.
+_MIXER_KINDS = (("GatedDeltaNet", "Gated DeltaNet"), ("Mamba", "Mamba"),
+                ("ShortConv", "short-conv"), ("LinearAttention", "linear attention"),
+                ("Attention", "attention"), ("Attn", "attention"))
+
+
+def layer_mixers(layer) -> list[tuple[str, str, str]]:
+    """``(attribute, kind, class name)`` of each token mixer among ``layer``'s direct children
+    (attention, Gated DeltaNet, Mamba, short-conv), by class name (:data:`_MIXER_KINDS`)."""
+    out = []
+    for name, child in layer.children().items():
+        if not isinstance(child, nn.Module):
+            continue
+        cls = type(child).__name__
+        kind = next((k for mark, k in _MIXER_KINDS if mark.lower() in cls.lower()), None)
+        if kind is not None:
+            out.append((name, kind, cls))
+    return out
+
+
+def _mixer_entries(report: PatchReport, i: int, layer, reason: str) -> None:
+    """One stock entry per token mixer of layer ``i``, named by its attribute and kind (a layer
+    without attention is not reported as a ``self_attn`` fallback); Gated DeltaNet mixers
+    have their own entries (:func:`_patch_gated_delta`)."""
+    mixers = layer_mixers(layer)
+    if not mixers and not has_gated_delta(layer):
+        report.modules.append(ModuleReport(i, "mixer", FALLBACK,
+                                           reason=f"no known token mixer: {reason}"))
+    for name, kind, cls in mixers:
+        if calls_gated_delta(getattr(layer, name)):
+            continue  # patched by module, with its own entry (_patch_gated_delta)
+        why = (sinks_reason(getattr(layer, name)) if kind == "attention" else None) or reason
+        report.modules.append(ModuleReport(i, name, FALLBACK, reason=f"{kind} ({cls}): {why}"))
+
+
 def _unlisted_layer(report: PatchReport, i: int, layer, model_type) -> None:
-    """The attention entry of layer ``i`` of a model whose ``model_type`` is not in the patch
-    table (its MoE experts are patched by module): stock, with the reason."""
-    attn = getattr(layer, "self_attn", None)
-    reason = sinks_reason(attn) or (
-        f"model_type {model_type!r} is not in the patch table: attention and dense MLPs stay "
-        "stock (its MoE experts, SwitchGLU, are patched by module)")
-    report.modules.append(ModuleReport(i, "self_attn", FALLBACK, reason=reason))
+    """The mixer entries of layer ``i`` of a model whose ``model_type`` is not in the patch
+    table (its SwitchGLU experts are patched by module): stock, with the reason."""
+    _mixer_entries(report, i, layer,
+                   f"model_type {model_type!r} is not in the patch table: its token mixers "
+                   "and dense MLPs stay stock")
 
 
 def _check_flag(name, value):
@@ -402,17 +495,18 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
     attention, the out-projection, the MLP), each running its brick or mlx-lm's own stock code
     as the dispatcher decides (``tune``); decode (L == 1: the model's forward switches every
     patched module to its original class, one check per forward: ``nn.gate``) and the cases
-    the bricks do not cover
-    (array masks, caches other than ``KVCache``, non-affine quantized or LoRA/DoRA linears,
+    the bricks do not cover (array masks, caches other than ``KVCache``, LoRA/DoRA linears,
     unknown call signatures, sliding-window layers) run the stock code, with the reason in the
     report. MLX affine ``nn.QuantizedLinear`` projections feed the quantized bricks (docs/
-    patch.md, "Quantized models"). A brick that fails to build, or whose first output
-    disagrees with stock, is disabled for the process and its pieces run stock (the report
+    patch.md, "Quantized models"); ``mxfp4`` / ``nvfp4`` / ``mxfp8`` layers and experts feed
+    the kinds' composites only (no kernel reads them; docs/formats.md). A brick that fails to
+    build, or whose first output disagrees with stock, is disabled for the process and its
+    pieces run stock (the report
     says which and why).
 
     On a machine without a kernel backend (auto selection gave ``reference``), the modules
-    that read an MLX affine-quantized weight are patched and each of their pieces is tuned:
-    the kinds' composites ("dequantize the weight, then the stock float computation", in row
+    that read a quantized weight (MLX affine or microscaled) are patched and each of their
+    pieces is tuned: the kinds' composites ("dequantize the weight, then the stock float computation", in row
     tiles under ``dequant_cap``) are timed against stock, and whichever is faster runs (MLX
     0.32.4's CPU ``quantized_matmul`` with float16 activations is 17-57x slower than the
     dequantized float GEMM); modules with float weights only are reported ``stock`` with
@@ -532,8 +626,10 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
             None, "model", FALLBACK, reason="model has no list of decoder layers (model.layers)"))
     else:
         report.n_layers = len(layers)
+        types = layer_types(model, layout.layer_types) if layout.layer_types else None
         for i, layer in enumerate(layers):
-            _patch_layer(report, i, layer, layout, opts, choice.name, dispatch, no_kernels)
+            _patch_layer(report, i, layer, layout, opts, choice.name, dispatch, no_kernels,
+                         types)
             _patch_gated_delta(report, i, layer, opts, choice.name, dispatch)
             _patch_experts(report, i, layer, opts, choice.name, dispatch, layout)
         record_weight_formats(report, layers, layout)

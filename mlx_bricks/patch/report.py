@@ -103,16 +103,22 @@ def summarize_formats(formats: dict) -> str:
 
 def record_weight_formats(report: "PatchReport", layers, layout) -> None:
     """Fill ``weights`` of every layer entry of ``report`` from the model's ``layers`` (the
-    modules as they are at patch time)."""
+    modules as they are at patch time; a MoE block's shared expert, ``"mlp.shared_experts"``,
+    read as an MLP)."""
+    shared = f"{layout.mlp}.{layout.shared_expert}" if layout.shared_expert else None
     for m in report.modules:
-        if m.layer is None or m.module not in ("block", "self_attn", "mlp"):
+        if m.layer is None or m.module not in ("block", "self_attn", "mlp", shared):
             continue
         layer = layers[m.layer]
-        module = {"block": layer, "self_attn": getattr(layer, layout.attention, None),
-                  "mlp": getattr(layer, layout.mlp, None)}[m.module]
+        if m.module == shared:
+            sparse = getattr(layer, layout.mlp, None)
+            module, role = getattr(sparse, layout.shared_expert, None), "mlp"
+        else:
+            module, role = {"block": layer, "self_attn": getattr(layer, layout.attention, None),
+                            "mlp": getattr(layer, layout.mlp, None)}[m.module], m.module
         if module is not None:
-            piece = MLP_PIECE if m.module == MLP_PIECE.role else None
-            formats = weight_formats(module, m.module, layout, piece)
+            piece = MLP_PIECE if role == MLP_PIECE.role else None
+            formats = weight_formats(module, role, layout, piece)
             # a module with none of the layout's linears (a MoE block in the mlp slot) has none
             m.weights = {} if set(formats.values()) == {"missing"} else formats
 

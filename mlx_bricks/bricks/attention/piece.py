@@ -67,8 +67,9 @@ def attention_args(attn, layout, B, L, cache, dtype, mask, *, head_dim, kv_quant
                    window=None) -> dict:
     """Arguments of the attention piece before q/k/v exist (shapes only): keys are the ones
     the cache returns (the cached ones plus this chunk's); masking by :func:`masking`."""
-    kv = Act((B, layout.n_kv_heads(attn), kv_length(cache, L), head_dim), dtype)
-    args = {"q": Act((B, layout.n_heads(attn), L, head_dim), dtype), "k": kv, "v": kv,
+    n_heads, n_kv_heads = layout.head_counts(attn)
+    kv = Act((B, n_kv_heads, kv_length(cache, L), head_dim), dtype)
+    args = {"q": Act((B, n_heads, L, head_dim), dtype), "k": kv, "v": kv,
             "scale": layout.scale_of(attn), "kv_quant": kv_quant}
     args.update(masking(attn, layout, mask, window, cache))
     return args

@@ -7,7 +7,10 @@ At prefill sizes dequantizing a weight costs O(N K) against the GEMM's O(M N K),
 on for the same reason). Each quantized kind (``linear``, ``rms_norm_qkv``, ``swiglu_mlp``)
 registers two such composites beside its kernels (:func:`dequant_composites`): one on
 ``mx.dequantize`` (every backend, the CPU included) and one on the dequantize brick (where the
-backend has its kernel); the tuner weighs them against stock like any other variant.
+backend has its kernel, for MLX affine weights); the tuner weighs them against stock like any
+other variant. Weights in MLX's microscaling modes (``mxfp4``, ``nvfp4``, ``mxfp8``:
+``formats.microscaling``) have no kernel: the ``mx.dequantize`` composite is their only
+candidate besides stock.
 
 The cap (:func:`resolve_cap`): ``patch_model(dequant_cap=...)``, else ``MLX_BRICKS_DEQUANT_CAP``,
 else :data:`DEFAULT_CAP_MIB`, in MiB (any number > 0; fractions allowed). A call's weights are
@@ -31,6 +34,7 @@ import mlx.core as mx
 from mlx_bricks.bricks.dequantize.op import has_kernel, run_dequantize
 from mlx_bricks.formats import FLOAT, format_of
 from mlx_bricks.formats.affine import QuantizedWeight
+from mlx_bricks.formats.microscaling import MicroscaledWeight
 from mlx_bricks.runtime.kind import Composite
 
 #: Environment variable of the cap, in MiB.
@@ -113,39 +117,56 @@ def cap_of(settings: dict) -> int:
 #: ``mx.dequantize`` is one kernel: its output only.
 MX_CPU_BYTES = {2: {2: 16, 3: 73, 4: 22, 5: 108, 6: 126, 8: 31},
                 4: {2: 13, 3: 66, 4: 18, 5: 101, 6: 119, 8: 26}}
+#: The same for the microscaling modes, by mode: measured the same way (2026-12-05, MLX 0.32.4,
+#: 8192 x 1024 weights in 1 and 4 MiB tiles, float16 / bfloat16 / float32, the largest of 3
+#: runs: mxfp4 19.7 / 32.0, nvfp4 19.5 / 42.8, mxfp8 11.9 / 23.7 bytes per value for 2- / 4-byte
+#: outputs), plus 10%.
+MX_CPU_BYTES_MICRO = {2: {"mxfp4": 22, "nvfp4": 22, "mxfp8": 14},
+                      4: {"mxfp4": 36, "nvfp4": 48, "mxfp8": 27}}
 
 
 @dataclass(frozen=True)
 class Dequantizer:
-    """How a composite dequantizes a tile: ``fn(QuantizedWeight, dtype, backend) -> (n, K)``
-    and ``peak(bits, dtype) -> bytes per value`` alive while it runs (its output included):
-    what a tile's rows are counted at against the cap."""
+    """How a composite dequantizes a tile: ``fn(weight, dtype, backend) -> (n, K)`` (a
+    ``QuantizedWeight`` or, for ``mx``, a ``MicroscaledWeight``) and ``peak(bits, dtype,
+    mode="affine") -> bytes per value`` alive while it runs (its output included): what a
+    tile's rows are counted at against the cap."""
 
     fn: Callable
     peak: Callable
 
 
-def _mx_peak(bits: int, dtype) -> int:
+def _mx_peak(bits: int, dtype, mode: str = "affine") -> int:
     if mx.default_device() == mx.cpu:
-        return MX_CPU_BYTES[4 if dtype.size == 4 else 2][bits]
+        size = 4 if dtype.size == 4 else 2
+        if mode in MX_CPU_BYTES_MICRO[size]:
+            return MX_CPU_BYTES_MICRO[size][mode]
+        return MX_CPU_BYTES[size][bits]
     return dtype.size
 
 
-#: The dequantizers of the composites: ``mx.dequantize`` and the dequantize brick (one
-#: kernel writing its output).
+#: The dequantizers of the composites: ``mx.dequantize`` (every format) and the dequantize
+#: brick (one kernel writing its output; MLX affine only).
 DEQUANTIZERS = {
-    "mx": Dequantizer(lambda q, dtype, backend: mx.dequantize(
-        q.w, q.scales, q.biases, group_size=q.group_size, bits=q.bits, dtype=dtype), _mx_peak),
-    "brick": Dequantizer(run_dequantize, lambda bits, dtype: dtype.size),
+    "mx": Dequantizer(lambda q, dtype, backend: q.dequantize(dtype), _mx_peak),
+    "brick": Dequantizer(run_dequantize, lambda bits, dtype, mode="affine": dtype.size),
 }
 
 
 def quantized(*weights) -> bool:
-    """Whether any of ``weights`` is affine-quantized (where the composites apply)."""
+    """Whether any of ``weights`` is quantized, affine or microscaled (where the composites
+    apply)."""
     return any(format_of(w).quantized for w in weights)
 
 
+def brick_reads(args: dict) -> bool:
+    """Whether the dequantize brick reads every weight of ``args`` (none is microscaled)."""
+    return not any(isinstance(v, MicroscaledWeight) for v in args.values())
+
+
 def _rows(weight, n0: int, n1: int):
+    if isinstance(weight, MicroscaledWeight):
+        return weight.rows(n0, n1)
     if isinstance(weight, QuantizedWeight):
         return QuantizedWeight(weight.w[n0:n1], weight.scales[n0:n1], weight.biases[n0:n1],
                                weight.group_size, weight.bits, weight.mode)
@@ -199,6 +220,8 @@ IN_FLIGHT = InFlight()
 
 def _after(weight, dep):
     """``weight`` (its arrays) evaluated only after ``dep``."""
+    if isinstance(weight, MicroscaledWeight):
+        return weight.with_arrays(mx.depends(weight.arrays(), [dep]))
     if isinstance(weight, QuantizedWeight):
         return QuantizedWeight(*mx.depends([weight.w, weight.scales, weight.biases], [dep]),
                                weight.group_size, weight.bits, weight.mode)
@@ -209,6 +232,9 @@ def _stack(parts: list):
     """Row blocks of one format stacked into one weight (gate and up side by side)."""
     if len(parts) == 1:
         return parts[0]
+    if isinstance(parts[0], MicroscaledWeight):
+        return parts[0].with_arrays([mx.concatenate([a.arrays()[i] for a in parts])
+                                     for i in range(2)])
     if isinstance(parts[0], QuantizedWeight):
         p = parts[0]
         return QuantizedWeight(*(mx.concatenate([getattr(q, f) for q in parts])
@@ -248,9 +274,10 @@ class DenseTiles:
         for w in weights:
             f = format_of(w)
             if f.quantized:
-                total += self.dequantizer.peak(f.bits, dtype)
-                if len(weights) > 1:  # the stacked packed rows, scales and biases
-                    total += f.bits / 8 + 2 * w.scales.dtype.size / f.group_size
+                total += self.dequantizer.peak(f.bits, dtype, f.mode)
+                if len(weights) > 1:  # the stacked packed rows, scales and biases (if any)
+                    fields = 1 if f.microscaled else 2
+                    total += f.bits / 8 + fields * w.scales.dtype.size / f.group_size
             elif len(weights) > 1:
                 total += dtype.size
         return total
@@ -277,7 +304,7 @@ class DenseTiles:
             dep = x if self.last is None else self.last
             parts = [_after(p, dep) for p in parts]
             w = _stack(parts)
-            if isinstance(w, QuantizedWeight):
+            if format_of(w).quantized:
                 w = self.dequantizer.fn(w, dtype, self.backend)
             y = FLOAT.linear(x, w, _stacked_bias(biases, n0, n1, dtype))
             parts = mx.split(y, len(weights), axis=-1) if len(weights) > 1 else [y]
@@ -294,7 +321,8 @@ def dequant_composites(fn, applies, *, suffix: str = "", kwargs: dict | None = N
     """The two composites of a quantized kind computing ``fn(args, tiles)`` (``tiles`` a
     :class:`DenseTiles`): ``"dequant" + suffix`` on ``mx.dequantize``, applying wherever
     ``applies(args)`` (every backend), and ``"dequant_brick" + suffix`` on the dequantize
-    brick, applying where the backend also has its kernel. ``kwargs``: what the composites
+    brick, applying where the backend also has its kernel and no weight is microscaled
+    (:func:`brick_reads`). ``kwargs``: what the composites
     record (e.g. the SwiGLU style, ``{"variant": "fused"}``)."""
     def run(how):
         def composite(args, backend, settings):
@@ -304,6 +332,6 @@ def dequant_composites(fn, applies, *, suffix: str = "", kwargs: dict | None = N
     kw = dict(kwargs or {})
     return (Composite(f"dequant{suffix}", run("mx"), lambda args, backend: applies(args), kw),
             Composite(f"dequant_brick{suffix}", run("brick"),
-                      lambda args, backend: has_kernel(backend) and applies(args), kw,
-                      builds=True))
+                      lambda args, backend: has_kernel(backend) and brick_reads(args)
+                      and applies(args), kw, builds=True))
 

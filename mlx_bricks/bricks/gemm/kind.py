@@ -3,9 +3,10 @@
 ``mx.quantized_matmul(..., transpose=True)`` for an affine weight), plus the block's residual
 add. Arguments: ``x, weight, bias, residual`` (weight an array or a ``QuantizedWeight``).
 
-Composites (affine weights): ``dequant`` / ``dequant_brick``, the weight dequantized in row
-tiles (``mx.dequantize`` / the dequantize brick), then ``nn.Linear``'s float computation
-(``bricks/dequantize/composite.py``)."""
+Composites (affine and microscaled weights): ``dequant`` / ``dequant_brick`` (affine only),
+the weight dequantized in row tiles (``mx.dequantize`` / the dequantize brick), then
+``nn.Linear``'s float computation (``bricks/dequantize/composite.py``). A microscaled weight
+(``mxfp4``, ``nvfp4``, ``mxfp8``) has no kernel variant."""
 from __future__ import annotations
 
 import math
@@ -13,7 +14,7 @@ import math
 from mlx_bricks.bricks.dequantize.composite import dequant_composites, quantized
 from mlx_bricks.bricks.gemm.op import run_linear, tile_names
 from mlx_bricks.checks import dtype_name
-from mlx_bricks.formats import dense, format_of, formats_key
+from mlx_bricks.formats import dense, format_of, formats_key, kernel_readable
 from mlx_bricks.runtime.kind import Key, TokenRowsKind, flags, high_precision, register_kind
 from mlx_bricks.tune.buckets import m_bucket
 
@@ -51,6 +52,8 @@ class Linear(TokenRowsKind):
         return y if res is None else res + y  # the block's "h = x + r"
 
     def listing(self, backend, dtype, args):
+        if args is not None and not kernel_readable(args["weight"]):
+            return ()  # a microscaled weight (mxfp4, nvfp4, mxfp8): the composites only
         bits = None if args is None else (format_of(args["weight"]).bits or None)
         return tile_names(backend, dtype, bits)
 

@@ -12,7 +12,10 @@ The key: E, N, D, top-k, biases and the activation; the bucket of the tokens
 (``tune.buckets.m_bucket``) and of the mean rows per expert ``tokens * k / E`` (the same edges,
 ``rpe``): a grouped GEMM's tile choice follows the rows per expert, stock's ``gather_mm`` the
 tokens; dtype; the three weight formats. Kernel variants: the brick's tiles (``moe.msl.TILES`` on
-metal / emulator, ``moe.cuda.tile_names`` on cuda); on ``reference`` none. No composites.
+metal / emulator, ``moe.cuda.tile_names`` on cuda); on ``reference`` none; none either where an
+expert weight is microscaled (``mxfp4``, ``nvfp4``, ``mxfp8``: no kernel reads them). Composite:
+``dequant`` (any expert weight quantized, affine or microscaled; ``bricks/moe/composite.py``),
+the experts dequantized in tiles under the cap, then ``gather_mm``.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import math
 import mlx.core as mx
 
 from mlx_bricks.bricks.moe import cuda, msl
+from mlx_bricks.bricks.moe.composite import COMPOSITES
 from mlx_bricks.bricks.moe.op import (
     SWIGLU_OAI_ALPHA,
     SWIGLU_OAI_LIMIT,
@@ -31,7 +35,8 @@ from mlx_bricks.bricks.moe.op import (
     weight_format,
 )
 from mlx_bricks.checks import dtype_name
-from mlx_bricks.formats import dense, format_of, formats_key
+from mlx_bricks.formats import dense, format_of, formats_key, kernel_readable
+from mlx_bricks.formats.microscaling import MicroscaledWeight
 from mlx_bricks.runtime.kind import Key, OpKind, flags, high_precision, register_kind
 from mlx_bricks.tune.buckets import M_EDGES, m_bucket
 
@@ -72,8 +77,11 @@ def _activation_hp(act: str, g, u, alpha, limit):
 
 
 def _experts_dense(weight, experts):
-    """The float ``(rows, N, K)`` weights of ``experts`` (one per row): an affine weight's fields
-    are gathered before ``mx.dequantize``, so only the experts the rows use are dequantized."""
+    """The float ``(rows, N, K)`` weights of ``experts`` (one per row): a quantized weight's
+    fields are gathered before ``mx.dequantize``, so only the experts the rows use are
+    dequantized (a microscaled one in float32, where its values are exact)."""
+    if isinstance(weight, MicroscaledWeight):
+        return dense(weight.take(experts))
     if format_of(weight).quantized:
         weight = dataclasses.replace(weight, w=weight.w[experts], scales=weight.scales[experts],
                                      biases=None if weight.biases is None
@@ -89,6 +97,7 @@ class MoeMLP(OpKind):
     name = "moe_mlp"
     op_name = name
     activations = ("x",)
+    composites = COMPOSITES
 
     def key(self, args):
         x, idx = args["x"], args["indices"]
@@ -108,6 +117,8 @@ class MoeMLP(OpKind):
                    dtype_name(x.dtype), formats_key(*(args[w] for w in _WEIGHTS)))
 
     def brick(self, args, backend, **kwargs):
+        if backend == "reference" and not kernel_readable(*(args[w] for w in _WEIGHTS)):
+            return self.stock(args)  # moe_mlp's reference path, which takes no microscaled one
         return moe_mlp(args["x"], args["indices"], *(args[w] for w in _WEIGHTS),
                        **{b: args.get(b) for b in _BIASES}, **_act_kwargs(args),
                        check_indices=False, backend=backend, **kwargs)
@@ -120,7 +131,9 @@ class MoeMLP(OpKind):
     def listing(self, backend, dtype, args):
         """The brick's tiles on ``backend``: every MSL tile on metal / emulator; on cuda the
         tiles this GPU runs for the weights' widths (none for float32: no CUDA twin); none on
-        ``reference`` or any other backend."""
+        ``reference`` or any other backend, nor for a microscaled expert weight."""
+        if args is not None and not kernel_readable(*(args[w] for w in _WEIGHTS)):
+            return ()
         if backend in ("metal", "emulator"):
             return tuple(msl.TILES)
         if backend == "cuda" and dtype != mx.float32:

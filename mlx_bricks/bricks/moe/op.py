@@ -46,6 +46,7 @@ from mlx_bricks.checks import (
 from mlx_bricks.bricks.moe import cuda, msl
 from mlx_bricks.formats import format_of
 from mlx_bricks.formats.affine import MODE, QuantizedWeight
+from mlx_bricks.formats.microscaling import MicroscaledWeight, gather_matmul_t, is_microscaled_mode
 from mlx_bricks.bricks.swiglu.variants import ACTIVATIONS as SWIGLU_ACTIVATIONS
 
 #: The experts' activations by name, and the kernels' ``ACT`` template value: the SwiGLU brick's
@@ -110,6 +111,10 @@ def as_expert_weight(value, name: str = "weight"):
     if isinstance(value, mx.array):
         check_array(name, value, ndim=3)
         return value
+    if isinstance(value, MicroscaledWeight):
+        raise ValueError(f"{name} is {value.mode}: the MoE kernels read float and MLX affine "
+                         "experts (microscaled experts reach the brick through its dequant "
+                         "composite)")
     if not isinstance(value, QuantizedWeight):
         from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
@@ -122,6 +127,25 @@ def as_expert_weight(value, name: str = "weight"):
                             f"SwitchLinear or a QuantizedSwitchLinear, got {type(value).__name__}")
     _check_quantized_experts(name, value)
     return value
+
+
+def stacked_weight(value, name: str = "weight"):
+    """``value`` as the MoE kind takes a stacked expert weight: :func:`as_expert_weight`, and
+    also a ``QuantizedSwitchLinear`` in a microscaling mode (``mxfp4``, ``nvfp4``, ``mxfp8``),
+    or a 3-D :class:`~mlx_bricks.formats.microscaling.MicroscaledWeight`, checked (what the
+    kind's ``dequant`` composite and stock read; no kernel does).
+
+    Raises:
+        TypeError, ValueError: as :func:`as_expert_weight`, or a microscaled weight that
+            ``MicroscaledWeight.check`` refuses (3-D).
+    """
+    if not isinstance(value, MicroscaledWeight) and is_microscaled_mode(
+            getattr(value, "mode", None)) and not isinstance(value, QuantizedWeight):
+        value = MicroscaledWeight.from_module(value)
+    if isinstance(value, MicroscaledWeight):
+        value.check(name, ndim=3)
+        return value
+    return as_expert_weight(value, name)
 
 
 def expert_inputs(weight) -> tuple[list, int, int]:
@@ -148,8 +172,11 @@ def switch_linear_reference(x, weight, bias, indices, sorted_indices: bool):
     ``gather_mm(x, weight.T)`` or ``gather_qmm(..., transpose=True)`` with ``rhs_indices``,
     then ``+ bias[indices]``. x: (..., 1, K) rows; returns (..., 1, N). On the CPU, whose
     ``gather_mm`` takes float32 only, a float16 / bfloat16 float weight is gathered
-    (``weight[indices]``) and multiplied instead: the same products."""
-    if format_of(weight).quantized:
+    (``weight[indices]``) and multiplied instead: the same products. A microscaled weight:
+    ``gather_qmm`` with its mode and global scale (``formats.microscaling``)."""
+    if isinstance(weight, MicroscaledWeight):
+        y = gather_matmul_t(x, weight, indices, sorted_indices)
+    elif format_of(weight).quantized:
         y = mx.gather_qmm(x, weight.w, weight.scales, weight.biases, rhs_indices=indices,
                           transpose=True, group_size=weight.group_size, bits=weight.bits,
                           mode=weight.mode, sorted_indices=sorted_indices)

@@ -15,9 +15,10 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlx_bricks.bricks.moe.kind import MOE_MLP
-from mlx_bricks.bricks.moe.op import as_expert_weight, expert_shape
+from mlx_bricks.bricks.moe.op import expert_shape, stacked_weight
 from mlx_bricks.checks import dtype_name
 from mlx_bricks.formats.affine import MODE
+from mlx_bricks.formats.microscaling import is_microscaled_mode
 from mlx_bricks.formats.layers import bias_of
 
 #: The projections of ``SwitchGLU`` (fixed names, whatever the architecture).
@@ -69,22 +70,27 @@ def expert_format_name(layer) -> str:
 def expert_reason(name: str, layer, dtype=None) -> str | None:
     """Why the switch layer ``name`` cannot feed the MoE brick for inputs of ``dtype`` (None:
     it can): a plain ``SwitchLinear``, or a ``QuantizedSwitchLinear`` in MLX's affine format
-    without a global scale, its arrays of the input's dtype."""
+    without a global scale or in a microscaling mode (``mxfp4``, ``nvfp4`` with or without its
+    global scale, ``mxfp8``: the kind's ``dequant`` composite only, no kernel), its float
+    arrays of the input's dtype."""
     _, _, linear, quantized = switch_classes()
     if layer is None:
         return f"{name} is missing"
     if type(layer) is quantized:
-        if getattr(layer, "mode", MODE) != MODE or getattr(layer, "global_scale", None) \
-                is not None:
+        mode = getattr(layer, "mode", MODE)
+        if is_microscaled_mode(mode):
+            arrays = ("bias",)  # the scales are uint8 codes
+        elif mode != MODE or getattr(layer, "global_scale", None) is not None:
             return (f"{name} is QuantizedSwitchLinear ({expert_format_name(layer)}): the MoE "
-                    "brick reads MLX affine weights only (mxfp4 / nvfp4 / mxfp8 stay stock)")
-        arrays = ("scales", "biases", "bias")
+                    "brick reads MLX affine and microscaled (mxfp4 / nvfp4 / mxfp8) weights")
+        else:
+            arrays = ("scales", "biases", "bias")
     elif type(layer) is linear:
         arrays = ("weight", "bias")
     else:
         return f"{name} is {type(layer).__name__}, not SwitchLinear or QuantizedSwitchLinear"
     try:
-        as_expert_weight(layer, name)
+        stacked_weight(layer, name)
     except (TypeError, ValueError) as e:
         return f"{name}: {e}"
     if dtype is not None:
@@ -112,10 +118,10 @@ def moe_reason(module, dtype=None) -> str | None:
         reason = expert_reason(n, getattr(module, n, None), dtype)
         if reason is not None:
             return reason
-    E, N, D = expert_shape(as_expert_weight(module.gate_proj))
+    E, N, D = expert_shape(stacked_weight(module.gate_proj))
     want = {"gate_proj": (E, N, D), "up_proj": (E, N, D), "down_proj": (E, D, N)}
     for n in LINEARS[1:]:
-        got = expert_shape(as_expert_weight(getattr(module, n)))
+        got = expert_shape(stacked_weight(getattr(module, n)))
         if got != want[n]:
             return f"{n} has expert shape {got}, expected {want[n]} (gate_proj's {(E, N, D)})"
     return None
@@ -127,7 +133,7 @@ def moe_args(module, x, indices) -> dict:
     args = {"x": x, "indices": indices}
     for w, b, n in zip(("w_gate", "w_up", "w_down"), ("b_gate", "b_up", "b_down"), LINEARS):
         layer = getattr(module, n)
-        args[w], args[b] = as_expert_weight(layer, n), bias_of(layer)
+        args[w], args[b] = stacked_weight(layer, n), bias_of(layer)
     if act != "silu":  # SwiGLU experts keep their arguments (and tuning keys)
         args["activation"] = act
         args.update(act_kwargs)

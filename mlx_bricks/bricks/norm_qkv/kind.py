@@ -3,9 +3,9 @@
 as mlx-lm's ``Attention`` does. Arguments: ``x, norm_weight, eps, wq, wk, wv, bq, bk, bv,
 n_heads, n_kv_heads, head_dim``.
 
-Composites (any of q/k/v affine): ``dequant`` / ``dequant_brick``: ``mx.fast.rms_norm``, then
-each projection's weight dequantized in row tiles and multiplied in float
-(``bricks/dequantize/composite.py``)."""
+Composites (any of q/k/v quantized, affine or microscaled): ``dequant`` / ``dequant_brick``
+(affine only): ``mx.fast.rms_norm``, then each projection's weight dequantized in row tiles and
+multiplied in float (``bricks/dequantize/composite.py``)."""
 from __future__ import annotations
 
 import mlx.core as mx
@@ -14,7 +14,7 @@ from mlx_bricks.bricks.dequantize.composite import dequant_composites, quantized
 from mlx_bricks.bricks.norm_qkv.msl import QKV_SPEC
 from mlx_bricks.bricks.norm_qkv.op import run_rms_norm_qkv, tile_names
 from mlx_bricks.checks import dtype_name
-from mlx_bricks.formats import dense, format_of, formats_key, widest_bits
+from mlx_bricks.formats import dense, format_of, formats_key, kernel_readable, widest_bits
 from mlx_bricks.runtime.kind import Key, OpKind, flags, high_precision, register_kind
 from mlx_bricks.tune.buckets import m_bucket
 
@@ -64,6 +64,8 @@ class RmsNormQKV(OpKind):
         return tuple(out)
 
     def listing(self, backend, dtype, args):
+        if args is not None and not kernel_readable(args["wq"], args["wk"], args["wv"]):
+            return ()  # a microscaled projection: the composites only
         bits = None if args is None else widest_bits(args["wq"], args["wk"], args["wv"])
         return tile_names(backend, dtype, bits)
 

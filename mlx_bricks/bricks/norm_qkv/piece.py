@@ -51,7 +51,7 @@ def qkv_args(block, layout, x, head_dim) -> dict:
     return {"x": x, "norm_weight": norm_weight(norm, layout), "eps": norm.eps,
             "wq": weight_of(qp), "wk": weight_of(kp), "wv": weight_of(vp),
             "bq": bias_of(qp), "bk": bias_of(kp), "bv": bias_of(vp),
-            "n_heads": layout.n_heads(attn), "n_kv_heads": layout.n_kv_heads(attn),
+            **dict(zip(("n_heads", "n_kv_heads"), layout.head_counts(attn))),
             "head_dim": head_dim}
 
 
@@ -61,7 +61,7 @@ def qkv_stock(block, layout, x):
     attn = block[layout.attention]
     B, L, _ = x.shape
     h = block[layout.input_norm](x)
-    n, nkv = layout.n_heads(attn), layout.n_kv_heads(attn)
-    return (heads(attn[layout.q_proj](h), B, L, n),
-            heads(attn[layout.k_proj](h), B, L, nkv),
-            heads(attn[layout.v_proj](h), B, L, nkv))
+    n_heads, n_kv_heads = layout.head_counts(attn)
+    return (heads(attn[layout.q_proj](h), B, L, n_heads),
+            heads(attn[layout.k_proj](h), B, L, n_kv_heads),
+            heads(attn[layout.v_proj](h), B, L, n_kv_heads))

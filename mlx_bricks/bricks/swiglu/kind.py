@@ -7,8 +7,9 @@ Settings (``patch_model(mlp_variant=...)``): ``{"variant": "fused" | "split", "f
 the variant the untuned rules run, and whether the caller asked for it (tuning then weighs only
 that variant against stock).
 
-Composites (any of gate/up/down affine; ``bricks/dequantize/composite.py``), each on
-``mx.dequantize`` and on the dequantize brick: ``dequant_fused`` / ``dequant_brick_fused``, one
+Composites (any of gate/up/down quantized, affine or microscaled;
+``bricks/dequantize/composite.py``), each on ``mx.dequantize`` and (affine) on the dequantize
+brick: ``dequant_fused`` / ``dequant_brick_fused``, one
 float GEMM per row tile on gate and up dequantized side by side (gate and up of one format),
 and ``dequant_split`` / ``dequant_brick_split``, a GEMM per projection; then the activation and
 the down projection the same way. They record ``{"variant": style}``, so a fixed
@@ -24,7 +25,7 @@ import mlx.nn as nn
 from mlx_bricks.bricks.dequantize.composite import dequant_composites, quantized
 from mlx_bricks.bricks.swiglu.op import run_swiglu_mlp, variant_for, variant_names
 from mlx_bricks.checks import dtype_name
-from mlx_bricks.formats import dense, format_of, formats_key, same_format
+from mlx_bricks.formats import dense, format_of, formats_key, kernel_readable, same_format
 from mlx_bricks.runtime.kind import Key, TokenRowsKind, flags, high_precision, register_kind
 from mlx_bricks.tune.buckets import m_bucket
 
@@ -109,7 +110,10 @@ class SwigluMLP(TokenRowsKind):
 
     def listing(self, backend, dtype, args):
         """The variants, without ``fused`` when gate and up differ in format: the fused kernel
-        stages both with one loader."""
+        stages both with one loader; none when a weight is microscaled (no kernel reads it)."""
+        if args is not None and not kernel_readable(args["w_gate"], args["w_up"],
+                                                    args["w_down"]):
+            return ()
         names = variant_names(backend, dtype)
         if args is None or same_format(args["w_gate"], args["w_up"]):
             return names

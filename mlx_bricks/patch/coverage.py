@@ -1,0 +1,135 @@
+"""How much of a model's prefill arithmetic the patch puts in bricks: a FLOP count per decoder
+layer, split by whether the module computing it is patched.
+
+Counted per prompt token at prompt length ``tokens`` (one sequence, no cache):
+
+- every ``nn.Linear`` / ``nn.QuantizedLinear`` of a layer: ``2 * in * out``;
+- MoE experts (``SwitchGLU``: gate, up, down; ``SwitchMLP``: fc1, fc2): ``2 * in * out`` per
+  projection times the tokens' experts (``top_k``);
+- the attention core of each module with q/k/v projections: ``4 * n_heads * head_dim * keys``
+  (scores and the weighted sum), ``keys`` the average number of keys a query sees: ``(tokens +
+  1) / 2`` causal, ``w - w (w - 1) / (2 tokens)`` for a sliding window ``w < tokens``.
+
+Norms, RoPE, routers' softmax/top-k, activations and recurrent mixers' state updates (Gated
+DeltaNet, Mamba: only their projections are counted) are left out: a few percent at most of a
+transformer layer. The embedding lookup costs nothing; the LM head (``2 * D * vocab`` per token)
+is reported apart (mlx-lm computes it for every prompt token). A module is "in bricks" when it
+or an enclosing module of its layer is patched (``nn.is_patched``); the count does not know
+which calls fall back at run time (decode, masks, caches: the report's ``stock_calls``).
+"""
+from __future__ import annotations
+
+import mlx.nn as nn
+
+from mlx_bricks.nn import is_patched
+
+_HEADS = ("n_heads", "num_attention_heads", "num_heads")
+_TOP_K = ("num_experts_per_tok", "top_k", "num_experts_per_token", "k")
+
+
+def _linear_flops(m) -> int:
+    """``2 * in * out`` of one ``nn.Linear`` / ``nn.QuantizedLinear`` (per token)."""
+    w = m.weight
+    if isinstance(m, nn.QuantizedLinear):
+        return 2 * w.shape[0] * w.shape[1] * 32 // m.bits
+    return 2 * w.shape[0] * w.shape[1]
+
+
+def _switch_flops(m, top_k: int) -> int:
+    """Per token: each expert projection ``(E, out, in)`` times ``top_k`` experts."""
+    total = 0
+    for _, child in m.named_modules():
+        w = child.get("weight") if isinstance(child, dict) else None
+        if w is not None and w.ndim == 3 and child is not m:
+            cols = w.shape[2] * 32 // child.bits if hasattr(child, "bits") else w.shape[2]
+            total += 2 * w.shape[1] * cols * top_k
+    return total
+
+
+def _keys(tokens: int, window) -> float:
+    if window is None or window >= tokens:
+        return (tokens + 1) / 2
+    return window - window * (window - 1) / (2 * tokens)
+
+
+def _attention_core(m, tokens: int, window) -> int:
+    """Scores and weighted sum of an attention module with ``q_proj`` (per token)."""
+    heads = next((getattr(m, a) for a in _HEADS if isinstance(getattr(m, a, None), int)), None)
+    q = m.get("q_proj")
+    if heads is None or not hasattr(q, "weight"):
+        return 0
+    head_dim = q.weight.shape[0] // heads  # rows: the output width, packed or not
+    return int(4 * heads * head_dim * _keys(tokens, window))
+
+
+def _top_k(parent, default) -> int:
+    for a in _TOP_K:
+        v = getattr(parent, a, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return default
+
+
+def prefill_flops(model, tokens: int = 2048) -> dict:
+    """FLOPs per prompt token of ``model``'s decoder layers, split by patched or not.
+
+    Args:
+        model: an mlx-lm model (patched or not) with ``layers``; its weights are only looked
+            at for their shapes (a model built lazily at full size is not evaluated).
+        tokens: the prompt length the attention core is averaged over (> 0).
+
+    Returns:
+        ``{"bricks": F, "stock": F, "share": bricks / (bricks + stock), "lm_head": F,
+        "layers": [(bricks, stock) per layer]}`` with F in FLOPs per token.
+
+    Raises:
+        ValueError: ``tokens`` is not a positive int, or the model has no ``layers``.
+    """
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0:
+        raise ValueError(f"tokens must be a positive int, got {tokens!r}")
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, (list, tuple)):
+        raise ValueError("model has no list of decoder layers (model.layers)")
+    from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+
+    from mlx_bricks.patch.table import model_args
+
+    args = model_args(model)
+    default_k = _top_k(args, 1)
+    per_layer = []
+    for layer in layers:
+        counts = [0, 0]  # bricks, stock
+
+        def walk(m, patched, parent):
+            patched = patched or is_patched(m)
+            if isinstance(m, (SwitchGLU, SwitchMLP)):
+                counts[0 if patched else 1] += _switch_flops(m, _top_k(parent, default_k))
+                return
+            if isinstance(m, (nn.Linear, nn.QuantizedLinear)):
+                counts[0 if patched else 1] += _linear_flops(m)
+                return
+            if isinstance(m, dict) and "q_proj" in m and "k_proj" in m:
+                state = m.__dict__.get("_bricks_state")
+                window = None
+                if state is not None:
+                    from mlx_bricks.nn.calls import layer_window
+
+                    window = layer_window(m, state.layout, state.sliding)[0]
+                counts[0 if patched else 1] += _attention_core(m, tokens, window)
+            for child in m.children().values():
+                for c in child if isinstance(child, (list, tuple)) else [child]:
+                    if isinstance(c, nn.Module):
+                        walk(c, patched, m)
+
+        walk(layer, False, None)
+        per_layer.append(tuple(counts))
+    bricks = sum(b for b, _ in per_layer)
+    stock = sum(s for _, s in per_layer)
+    head = getattr(model, "lm_head", None) or getattr(getattr(model, "language_model", None),
+                                                      "lm_head", None)
+    lm_head = _linear_flops(head) if isinstance(head, (nn.Linear, nn.QuantizedLinear)) else 0
+    if not lm_head and args is not None:
+        lm_head = 2 * getattr(args, "hidden_size", 0) * getattr(args, "vocab_size", 0)
+    total = bricks + stock
+    return {"bricks": bricks, "stock": stock, "share": bricks / total if total else 0.0,
+            "lm_head": lm_head, "layers": per_layer}
