@@ -344,3 +344,22 @@ def test_server_on_the_cpu_serves_from_the_prior_at_once(monkeypatch):
     assert report.dispatch.mode == "cached"
     run(model, tokens(24))
     assert {d["source"] for d in report.tuning()["decisions"]} == {"prior"}
+
+
+def test_prior_knows_the_microscaled_formats_only_where_measured():
+    from mlx_bricks.bricks.gemm.piece import linear_args
+
+    k = KINDS["linear"]
+    cands = [c.bind({}) for c in k.composites]
+    layer = nn.QuantizedLinear(1024, 1024, group_size=32, bits=4, mode="mxfp4")
+    args = linear_args(layer, Act((1, 128, 1024), mx.float16))
+    assert k.key(args).weights == "mxfp4"
+    free = [c for c in cands if c.name == "dequant"]
+    assert prior.prior_decision(k, args, free, "reference", "x").winner == "dequant"
+    # CUDA: the composites of these formats were not measured there yet
+    big = linear_args(nn.QuantizedLinear(4096, 4096, group_size=32, bits=4, mode="mxfp4"),
+                      Act((1, 2048, 4096), mx.bfloat16))
+    assert prior.prior_decision(k, big, free, "cuda", "x").winner == STOCK
+    # the MoE composite: chosen by prior on the CPU only
+    assert "moe_mlp" in prior.PRIOR_KINDS["reference"]
+    assert "moe_mlp" not in prior.PRIOR_KINDS["cuda"]
