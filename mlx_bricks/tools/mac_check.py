@@ -122,6 +122,7 @@ def _drive_ops(backend: str) -> list[tuple[str, tuple]]:
     from mlx_bricks.bricks.attention import op as attention
     from mlx_bricks.bricks.decode import op as decode
     from mlx_bricks.bricks.dequantize import op as dequantize
+    from mlx_bricks.bricks.gated_delta import op as gdn
     from mlx_bricks.bricks.gemm import op as gemm
     from mlx_bricks.bricks.moe import msl as moe_msl
     from mlx_bricks.bricks.moe import op as moe
@@ -261,6 +262,12 @@ def _drive_ops(backend: str) -> list[tuple[str, tuple]]:
                                                 experts(128, 256), arr((E, 128, 256), dt),
                                                 experts(256, 128), check_indices=False,
                                                 backend=backend))
+            # Gated DeltaNet: a chunk tail (T = 40), GQA (2 key / 4 value heads), a state
+            run(f"{dn} gated_delta",
+                lambda: gdn.gated_delta(arr((1, 40, 2, 64), dt), arr((1, 40, 2, 64), dt),
+                                        arr((1, 40, 4, 32), dt), -mx.ones((1, 40, 4), dt),
+                                        0.5 * mx.ones((1, 40, 4), dt),
+                                        mx.zeros((1, 4, 32, 64), mx.float32), backend=backend))
             run(f"{dn} q8_0",
                 lambda: q8_0.dequantize_q8_0(*q8_0.quantize_q8_0(arr((4, 64), dt),
                                                                  backend=backend),
