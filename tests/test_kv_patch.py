@@ -102,3 +102,17 @@ def test_kv_cache_bad_input():
         patch_model(model, kv_cache="q4_0", backend="reference")
     with pytest.raises(ValueError, match="kv_quant and kv_cache='q8_0' exclude each other"):
         patch_model(model, kv_cache="q8_0", kv_quant="q8_0", backend="reference")
+
+
+def test_a_dropped_model_gives_its_route_back():
+    # A model discarded without unpatch_model (a server swapping models) must not leave its
+    # route on mlx-lm's model file.
+    import gc
+
+    before = _routes()
+    model = tiny_llama(seed=6)
+    patch_model(model, kv_cache="q8_0", backend="reference")
+    assert _routes() == before + 1
+    del model
+    gc.collect()
+    assert _routes() == before

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import weakref
 
 import mlx.nn as nn
 
@@ -658,7 +659,10 @@ def _route_q8_0_cache(model, report: PatchReport, backend: str) -> None:
     from mlx_bricks import cache as kv
 
     kv.register_with_mlx_lm()  # so mlx-lm's load_prompt_cache can rebuild Q8KVCache
-    object.__setattr__(model, "_bricks_kv_undo", kv.route_attention(model))
+    undo = kv.route_attention(model)
+    object.__setattr__(model, "_bricks_kv_undo", undo)
+    # a model dropped without unpatch_model (a server swapping models) gives its route back
+    weakref.finalize(model, undo)
     report.kv_caches = [(p.layer, p.kind, p.reason)
                         for p in kv.plan_prompt_cache(model, "q8_0", backend=backend)]
 
