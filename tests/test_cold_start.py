@@ -363,3 +363,87 @@ def test_prior_knows_the_microscaled_formats_only_where_measured():
     # the MoE composite: chosen by prior on the CPU only
     assert "moe_mlp" in prior.PRIOR_KINDS["reference"]
     assert "moe_mlp" not in prior.PRIOR_KINDS["cuda"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the first-token guard: a one-shot process's prompt too short to pay the first-prefill cost
+
+
+def _llama3_8b_q4_bytes(layers: int) -> int:
+    """Bytes of Llama-3-8B's affine 4-bit gs64 dense linears (float16 scales and biases)."""
+    per_layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336  # q o, k v, gate up down
+    return layers * per_layer * (4 + 2 * 16 / 64) // 8
+
+
+def test_first_token_guard_matches_the_h100_measurements():
+    # bench/results/2026-12-05-h100-user-path.json and issue 33's in-process figures: 8 layers
+    # at 2,240 tokens were later than stock, 32 layers at 2,048 tokens too; 32 layers win from
+    # two chunks on (0.62 + 0.08 s vs 0.48 + 0.24 s at 4,096 tokens).
+    eight, full = (prior.min_prompt_tokens("cuda", _llama3_8b_q4_bytes(n)) for n in (8, 32))
+    assert eight > 2240 and 2048 < full <= 4096
+    assert prior.min_prompt_tokens("cuda", 0) == float("inf")  # nothing the prior speeds up
+    assert prior.min_prompt_tokens("reference", 10**9) == 0  # no one-off cost measured
+    assert prior.min_prompt_tokens("metal", 10**9) == 0
+
+
+def test_quantized_linear_bytes_counts_each_dense_linear_once():
+    model = _quantized_llama(layers=2)
+    args = model.args
+    h, i = args.hidden_size, args.intermediate_size
+    q, kv = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim
+    elements = 2 * (2 * h * q + 2 * h * kv + 3 * h * i)  # two layers: q o, k v, gate up down
+    # 4-bit weights, one float16 scale and bias per 64 weights
+    assert prior.quantized_linear_bytes([model, *model.layers]) == elements // 2 + (
+        elements // 64) * 2 * 2
+    assert prior.quantized_linear_bytes([build_model("llama", mx.float16)]) == 0
+
+
+def test_first_token_guard_runs_a_short_prompt_stock_once_per_cold_process(monkeypatch, capsys):
+    import importlib
+
+    from mlx_bricks.entry.session import Session, _FirstTokenGuard
+    from mlx_bricks.nn import gate as gate_mod
+
+    if backend_status("metal")[0] or backend_status("cuda")[0]:
+        pytest.skip("the CPU path (the guard's cost is set for 'reference' here)")
+    mlx_generate = importlib.import_module("mlx_lm.generate")  # the module, not the function
+    # a one-off cost on the CPU backend such that this model pays from 16 tokens
+    model = _quantized_llama(layers=2)
+    qbytes = prior.quantized_linear_bytes(model.layers)
+    monkeypatch.setitem(prior.FIRST_PREFILL_S, "reference", 1.0)
+    monkeypatch.setitem(prior.SAVED_S_PER_TOKEN_GIB, "reference", 2**30 / (16 * qbytes))
+    monkeypatch.setattr(gate_mod, "WARM", set())
+    stock_model = _quantized_llama(layers=2)
+    session = Session("generate", argv=[])
+    session.args = argparse.Namespace(bricks_kv="fp16", bricks_mlp_variant="auto",
+                                      bricks_backend=None, bricks_tune="cached", verbose=True)
+    report = session.patch(model, "tiny")
+    capsys.readouterr()
+    gate = gate_mod.model_gate(model)
+    assert gate.min_prompt == pytest.approx(16)
+    step = _FirstTokenGuard(session, mlx_generate.generate_step)
+
+    def greedy(m, prompt, n=4, generate_step=mlx_generate.generate_step):
+        gen = generate_step(prompt, m, max_tokens=n, prompt_cache=make_prompt_cache(m))
+        return [int(t) for t, _ in gen]
+
+    short, long = tokens(10, seed=3)[0], tokens(24, seed=4)[0]
+    # a cold process: the 10-token prompt runs stock (its 9-token prefill forward included)
+    assert greedy(model, short, generate_step=step) == greedy(stock_model, short)
+    assert "linear" not in report.calls()
+    assert report.stock_calls()[gate_mod.FIRST_TOKEN] == len(model.layers)
+    assert capsys.readouterr().err.count("prompt of 10 tokens: stock prefill") == 1
+    # a prompt that pays runs the bricks, and warms the backend for every later prompt
+    out = greedy(model, long, generate_step=step)
+    assert report.calls()["linear"] == len(model.layers) and "reference" in gate_mod.WARM
+    assert out == greedy(stock_model, long)
+    greedy(model, short, generate_step=step)
+    assert report.calls()["linear"] == 2 * len(model.layers)
+    assert capsys.readouterr().err == ""  # said once
+    unpatch_model(model)
+
+
+def test_first_token_guard_is_on_for_one_shot_commands_only():
+    from mlx_bricks.entry.commands import COMMANDS
+
+    assert {n for n, c in COMMANDS.items() if c.first_token} == {"generate", "chat"}

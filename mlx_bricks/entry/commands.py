@@ -26,17 +26,21 @@ class Command:
             command warms up before it measures (``benchmark``).
         tune_at_load: measure the missing decisions right after loading, before the first
             request, then serve from them (``--bricks-tune auto`` or ``force``; the server).
+        first_token: the first-token guard (``nn.gate``): a prompt too short to pay for the
+            bricks' one-off first-prefill cost in a fresh process runs stock (commands a user
+            runs once per prompt: ``generate``, and ``chat``'s first turns).
     """
 
-    __slots__ = ("name", "module", "announce", "tune", "tune_at_load")
+    __slots__ = ("name", "module", "announce", "tune", "tune_at_load", "first_token")
 
     def __init__(self, name: str, announce: str = "stderr", tune: str = "cached",
-                 tune_at_load: bool = False):
+                 tune_at_load: bool = False, first_token: bool = False):
         self.name = name
         self.module = f"mlx_lm.{name}"
         self.announce = announce
         self.tune = tune
         self.tune_at_load = tune_at_load
+        self.first_token = first_token
 
     def __repr__(self) -> str:
         return f"Command({self.name!r}, announce={self.announce!r}, tune={self.tune!r})"
@@ -44,9 +48,9 @@ class Command:
 
 #: name -> Command, for every command the hook serves.
 COMMANDS = {c.name: c for c in (
-    Command("generate"),
+    Command("generate", first_token=True),
     Command("server", announce="log", tune="auto", tune_at_load=True),
-    Command("chat"),
+    Command("chat", first_token=True),
     Command("benchmark", tune="auto"),
 )}
 #: module name (``"mlx_lm.server"``) -> Command.

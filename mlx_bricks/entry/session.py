@@ -14,6 +14,11 @@ restored afterwards):
   ``generate_step`` and ``BatchGenerator`` build the caches nobody passed): a model patched with
   ``kv_cache="q8_0"`` gets ``mlx_bricks.make_prompt_cache``'s Q8_0 cache, any other mlx-lm's.
 
+* ``generate_step`` and ``speculative_generate_step`` in ``mlx_lm.generate`` (commands with
+  ``Command.first_token``): each prompt's length goes to the model's gate first, so a prompt
+  too short to pay for the bricks' one-off first-prefill cost runs stock
+  (``tune.prior.min_prompt_tokens``) and the line says so.
+
 This works for any command of ``mlx_bricks.entry.commands.COMMANDS`` because mlx-lm's CLIs share
 that shape (``main()``, argparse, the module's own ``load`` name); nothing here names a command.
 """
@@ -31,6 +36,8 @@ from mlx_bricks.entry.resolve import check_model_type, default_model_dir, resolv
 
 #: mlx-lm's module whose ``generate_step`` and ``BatchGenerator`` make the caches callers omit.
 GENERATE_MODULE = "mlx_lm.generate"
+#: Its per-prompt generators (first arguments: the prompt's tokens, the model).
+PROMPT_STEPS = ("generate_step", "speculative_generate_step")
 #: The loaders a command module may hold (each swapped where present).
 LOADERS = ("load", "sharded_load")
 #: ``--model`` help while the flags are on (mlx-lm's names its own default).
@@ -149,6 +156,27 @@ class _BricksPromptCache:
         return self._stock(model, max_kv_size=max_kv_size)
 
 
+class _FirstTokenGuard:
+    """Stands in for ``generate_step`` / ``speculative_generate_step``: tells the model's gate
+    the prompt's length before the original generator starts (``nn.gate``'s first-token
+    guard); says once per session when a prompt runs stock because of it."""
+
+    def __init__(self, session: "Session", step):
+        self._session = session
+        self._step = step
+
+    def __call__(self, prompt, model, *args, **kwargs):
+        from mlx_bricks.nn.gate import model_gate
+
+        gate = model_gate(model)
+        if gate is not None and gate.min_prompt:
+            embeddings = kwargs.get("input_embeddings")
+            n = int(prompt.size) if embeddings is None else int(embeddings.shape[0])
+            if gate.expect_prompt(n):
+                self._session.announce_guard(gate, n)
+        return self._step(prompt, model, *args, **kwargs)
+
+
 class Session:
     """One run of an mlx-lm command with the mlx-bricks flags (module docstring).
 
@@ -180,6 +208,7 @@ class Session:
         self.parser: argparse.ArgumentParser | None = None
         self.loaded: list[tuple[str, object]] = []
         self._swapped: list[tuple[object, str, object]] = []
+        self._guard_announced = False
 
     # --- the command's parser --------------------------------------------------------------
 
@@ -273,12 +302,43 @@ class Session:
                 self._tune_at_load(model, report)
             else:  # no kernel backend: the CPU prior is measured (tune/prior.py); no waiting
                 report.dispatch.mode = "cached"
+        if self.command.first_token:
+            self._guard_first_token(model, report)
         self.loaded.append((path, report))
         if self.command.announce == "log":  # the per-layer report only with --bricks-report
             LOG.info("[mlx-bricks] %s: %s", path, summary_line(report))
         elif getattr(a, "verbose", True):
             print(f"[mlx-bricks] {summary_line(report)}", file=sys.stderr, flush=True)
         return report
+
+    @staticmethod
+    def _guard_first_token(model, report) -> None:
+        """Set the model's first-token guard: the shortest prompt whose first bricks prefill in
+        this process is expected no later than stock's (``tune.prior.min_prompt_tokens``)."""
+        from mlx_bricks.nn.gate import model_gate
+        from mlx_bricks.tune.prior import min_prompt_tokens, quantized_linear_bytes
+
+        gate = model_gate(model)
+        if gate is not None:
+            gate.min_prompt = min_prompt_tokens(
+                report.backend.name, quantized_linear_bytes(m for m, _, _ in gate.modules))
+
+    def announce_guard(self, gate, tokens: int) -> None:
+        """Say (once per session) that a prompt of ``tokens`` runs stock because of the
+        first-token guard."""
+        if self._guard_announced or not getattr(self.args, "verbose", True):
+            return
+        self._guard_announced = True
+        pays = (f"they pay from about {gate.min_prompt:,.0f} tokens for this model"
+                if gate.min_prompt != float("inf") else
+                "nothing they would run here is measured faster for this model's weights")
+        line = (f"[mlx-bricks] prompt of {tokens:,} tokens: stock prefill (the bricks' first "
+                f"prefill in a fresh process on {gate.backend} costs more than it saves; "
+                f"{pays}; tune/prior.py)")
+        if self.command.announce == "log":
+            LOG.info(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
 
     def _tune_at_load(self, model, report) -> None:
         """Take every piece's decision for one chunk per M bucket now (cached ones are read,
@@ -320,9 +380,14 @@ class Session:
         for name in LOADERS:
             if hasattr(module, name):
                 self._swap(module, name, _PatchingLoad(self, getattr(module, name)))
-        for m in dict.fromkeys((module, importlib.import_module(GENERATE_MODULE))):
+        generate = importlib.import_module(GENERATE_MODULE)
+        for m in dict.fromkeys((module, generate)):
             if hasattr(m, "make_prompt_cache"):
                 self._swap(m, "make_prompt_cache", _BricksPromptCache(m.make_prompt_cache))
+        if self.command.first_token:
+            for name in PROMPT_STEPS:
+                if hasattr(generate, name):
+                    self._swap(generate, name, _FirstTokenGuard(self, getattr(generate, name)))
         reported = []
         restore = self._report_on_interrupt(reported)
         try:

@@ -11,6 +11,11 @@ per generated sequence, and nothing per token.
 Decode forwards are counted once, on the gate, and added to each gated module's
 ``stock[DECODE]`` counter when a report reads it (:meth:`DecodeGate.flush`), so reports count as
 before.
+
+The same switch serves a one-shot process's prompt that the bricks would make later (the
+first-token guard, ``tune.prior.min_prompt_tokens``): :meth:`DecodeGate.expect_prompt` tells the
+gate how long the coming prompt is; below ``min_prompt`` tokens, while the backend has not yet
+run a bricks prefill in this process, that prompt's prefill runs the stock classes too.
 """
 from __future__ import annotations
 
@@ -18,26 +23,50 @@ import mlx.nn as nn
 
 from mlx_bricks.nn.calls import DECODE
 
+#: Stock-call reason of a prompt the first-token guard kept stock.
+FIRST_TOKEN = ("prompt kept stock: the bricks' first prefill in this process would cost more "
+               "than it saves (first-token guard, tune/prior.py)")
+#: Backends that have run a bricks prefill in this process: their one-off first-use cost is
+#: paid, so the first-token guard no longer applies to them.
+WARM: set[str] = set()
+
 
 class DecodeGate:
     """The patched modules of one model and which classes they run now.
 
     Args:
         modules: the patched modules (their current classes are the bricks classes).
+        backend: the name of the backend their bricks run on (the first-token guard's key).
 
     Attributes:
         prefill: True while the modules run their bricks classes.
         decode_forwards: decode forwards not yet added to the modules' counters.
         suspended: while True, forwards switch nothing (``patch.stock_path`` A/B timing).
+        min_prompt: the first-token guard (0: off): a prompt announced by
+            :meth:`expect_prompt` with fewer tokens runs stock while ``backend`` is not
+            :data:`WARM` (``float("inf")``: every such prompt).
+        stock_prompt: True while the announced prompt runs stock.
+        stock_prompt_forwards: its prefill forwards not yet added to the counters.
     """
 
-    def __init__(self, modules):
+    def __init__(self, modules, backend: str | None = None):
         self.modules = [(m, type(m), type(m)._bricks_base) for m in modules]
+        self.backend = backend
         self.prefill = True
         self.decode_forwards = 0
         self.suspended = False
+        self.min_prompt = 0
+        self.stock_prompt = False
+        self.stock_prompt_forwards = 0
         for m, _, _ in self.modules:
             m._bricks_state.gate = self
+
+    def expect_prompt(self, tokens: int) -> bool:
+        """Announce the next prompt's length in tokens (``generate_step`` does, through the
+        session); returns True when its prefill will run the stock classes (the guard)."""
+        self.stock_prompt = bool(self.min_prompt) and self.backend not in WARM and (
+            tokens < self.min_prompt)
+        return self.stock_prompt
 
     def forward(self, inputs) -> None:
         """Called once per model forward with the model's first argument: token ids
@@ -48,10 +77,13 @@ class DecodeGate:
         decode = shape is not None and len(shape) >= 2 and shape[1] == 1
         if decode:
             self.decode_forwards += 1
-            if self.prefill:
-                self.switch(prefill=False)
-        elif not self.prefill:
-            self.switch(prefill=True)
+        elif self.stock_prompt:
+            self.stock_prompt_forwards += 1
+        else:
+            WARM.add(self.backend)
+        bricks = not decode and not self.stock_prompt
+        if bricks != self.prefill:
+            self.switch(prefill=bricks)
 
     def switch(self, prefill: bool) -> None:
         """Give every gated module its bricks class (``prefill``) or its original class."""
@@ -60,11 +92,14 @@ class DecodeGate:
         self.prefill = prefill
 
     def flush(self) -> None:
-        """Add the decode forwards counted so far to each module's ``stock[DECODE]``."""
-        n, self.decode_forwards = self.decode_forwards, 0
-        if n:
-            for m, _, _ in self.modules:
-                m._bricks_state.stock[DECODE] += n
+        """Add the decode (and guarded prefill) forwards counted so far to each module's stock
+        counters."""
+        for reason, n in ((DECODE, self.decode_forwards),
+                          (FIRST_TOKEN, self.stock_prompt_forwards)):
+            if n:
+                for m, _, _ in self.modules:
+                    m._bricks_state.stock[reason] += n
+        self.decode_forwards = self.stock_prompt_forwards = 0
 
 
 class BricksModel:
@@ -79,9 +114,9 @@ class BricksModel:
 _CLASSES: dict[type, type] = {}
 
 
-def gate_model(model: nn.Module, modules) -> DecodeGate | None:
-    """Put the decode gate on ``model`` over its patched ``modules``; None (nothing done) when
-    there are none. Undone by :func:`ungate_model`."""
+def gate_model(model: nn.Module, modules, backend: str | None = None) -> DecodeGate | None:
+    """Put the decode gate on ``model`` over its patched ``modules`` (bricks on ``backend``);
+    None (nothing done) when there are none. Undone by :func:`ungate_model`."""
     modules = list(modules)
     if not modules:
         return None
@@ -92,7 +127,7 @@ def gate_model(model: nn.Module, modules) -> DecodeGate | None:
         _CLASSES[base] = type(base.__name__, (BricksModel, base),
                               {"_bricks_base": base, "__module__": base.__module__,
                                "__qualname__": base.__qualname__})
-    gate = DecodeGate(modules)
+    gate = DecodeGate(modules, backend)
     model.__class__ = _CLASSES[base]
     object.__setattr__(model, "_bricks_gate", gate)  # kept out of the parameter tree
     return gate

@@ -641,7 +641,7 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
     if kv_cache == "q8_0" and layout is not None:
         _route_q8_0_cache(model, report, choice.name)
     # decode: one check per forward switches the patched modules to their stock classes
-    gate_model(model, [m for m in model.modules() if is_patched(m)])
+    gate_model(model, [m for m in model.modules() if is_patched(m)], choice.name)
     object.__setattr__(model, "_bricks_report", report)
     return report
 

@@ -51,6 +51,17 @@ MICROSCALED_BACKENDS = ("reference",)
 #: Composite preferred by the prior, per kind (the one that won most often in bench/results).
 PREFERRED = {"swiglu_mlp": "dequant_split"}
 
+#: The first-token guard (one-shot commands; ``nn.gate``): seconds by which a process's first
+#: bricks prefill is later than stock's beyond what its GEMMs save, per backend. H100, MLX 0.32.4,
+#: Llama-3-8B-shaped 4-bit: 32 layers, first 2,048-token call 0.62 s vs stock 0.48 s, later
+#: calls 0.08 vs 0.24 s (one-off ~0.30 s); 8 layers, fresh ``mlx_lm.generate`` processes,
+#: 2,240 tokens: TTFT 0.77-0.86 s vs stock 0.63 s (bench/results/2026-12-05-h100-user-path.json).
+#: Backends not listed have no measured one-off cost (the CPU: its first run is 32x stock).
+FIRST_PREFILL_S = {"cuda": 0.30}
+#: Seconds the bricks save per prompt token and GiB of affine-quantized linear weights once
+#: warm: the 32-layer figures above, 0.16 s per 2,048 tokens over 3.66 GiB of 4-bit gs64 weights.
+SAVED_S_PER_TOKEN_GIB = {"cuda": 21e-6}
+
 _BITS = re.compile(r"q(\d+)g\d+")
 
 
@@ -150,3 +161,41 @@ def without_builds(decision: Decision, free: set[str], full_key: str) -> Decisio
                         decision.measured, source="cache", note=note)
     return Decision(full_key, STOCK, {}, ratio, decision.stock_s, decision.variants,
                     decision.measured, source="cache", note=note)
+
+
+def min_prompt_tokens(backend: str, quantized_bytes: int) -> float:
+    """The shortest prompt whose first bricks prefill in a process is expected to come no later
+    than stock's: ``FIRST_PREFILL_S / (SAVED_S_PER_TOKEN_GIB x GiB of quantized weights)``.
+
+    Args:
+        backend: the bricks' backend name (``"cuda"``, ``"metal"``, ``"reference"``).
+        quantized_bytes: bytes (packed weights, scales, biases) of the patched modules'
+            quantized dense linears (MoE experts excluded: the CUDA prior keeps them stock).
+
+    Returns:
+        0 where no one-off cost was measured (every prompt runs the bricks),
+        ``float("inf")`` where nothing the bricks do is measured to save time (no quantized
+        weights), else the token count (a float).
+    """
+    cost = FIRST_PREFILL_S.get(backend)
+    if not cost:
+        return 0
+    rate = SAVED_S_PER_TOKEN_GIB[backend] * quantized_bytes / 2**30
+    return cost / rate if rate > 0 else float("inf")
+
+
+def quantized_linear_bytes(modules) -> int:
+    """Bytes of the affine-quantized dense linears (``nn.QuantizedLinear``: packed weight,
+    scales, biases) inside ``modules``, each counted once (what :func:`min_prompt_tokens`
+    weighs)."""
+    import mlx.nn as nn
+
+    seen: set[int] = set()
+    total = 0
+    for module in modules:
+        for sub in module.modules():
+            if isinstance(sub, nn.QuantizedLinear) and id(sub) not in seen:
+                seen.add(id(sub))
+                total += sum(getattr(sub, n).nbytes for n in ("weight", "scales", "biases")
+                             if getattr(sub, n, None) is not None)
+    return total
