@@ -61,7 +61,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from mlx_bricks import home as _home
-from mlx_bricks.cudacheck import CUDA_TYPES, DEFAULT_HEADER
+from mlx_bricks.cudacheck import CUDA_TYPES, DEFAULT_HEADER, template_lines
 
 #: Environment switch: ``0`` / ``off`` / ``false`` / ``no`` turn the build cache off.
 ENV_VAR = "MLX_BRICKS_CUDA_CACHE"
@@ -293,16 +293,7 @@ def translation_unit(func_name: str, header: str, body: str, inputs, output_name
             shape_args.append((i, "ndim"))
             params.append(f"    int {name}_ndim_arg")
             locals_.append(f"  const int {name}_ndim = {name}_ndim_arg;\n")
-    consts = []
-    for name, value in template:
-        if isinstance(value, bool):
-            consts.append(f"  constexpr bool {name} = {'true' if value else 'false'};\n")
-        elif isinstance(value, int):
-            consts.append(f"  constexpr int {name} = {value};\n")
-        else:
-            consts.append(f"  using {name} = {ctype(value)};\n")
-    if consts:
-        consts.append("\n")
+    consts = template_lines(template, ctype)
     source = "".join([
         DEFAULT_HEADER, header,
         "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n",

@@ -47,6 +47,22 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("mlx.core.", "")
 
 
+def template_lines(template, ctype=None) -> list[str]:
+    """The constants MLX's ``build_kernel`` declares at the top of a kernel body for its
+    ``template``: ``constexpr`` ints and bools, ``using`` for dtypes (``ctype(dtype)``: the CUDA
+    type's name; default :data:`CUDA_TYPES`); a blank line after them."""
+    ctype = ctype or (lambda d: CUDA_TYPES[_dtype_name(d)])
+    lines = []
+    for name, value in template:
+        if isinstance(value, bool):
+            lines.append(f"  constexpr bool {name} = {'true' if value else 'false'};\n")
+        elif isinstance(value, int):
+            lines.append(f"  constexpr int {name} = {value};\n")
+        else:
+            lines.append(f"  using {name} = {ctype(value)};\n")
+    return lines + ["\n"] if lines else lines
+
+
 def generated_source(func_name: str, header: str, body: str, inputs, output_names,
                      output_dtypes, template=()) -> str:
     """The CUDA source ``mx.fast.cuda_kernel`` builds (MLX 0.32 ``build_kernel``).
@@ -73,16 +89,7 @@ def generated_source(func_name: str, header: str, body: str, inputs, output_name
     for i, (name, dtype) in enumerate(zip(output_names, output_dtypes)):
         end = ",\n" if i < len(output_names) - 1 else ") {\n"
         sig.append(f"    {CUDA_TYPES[_dtype_name(dtype)]}* {name}{end}")
-    consts = []
-    for name, value in template:
-        if isinstance(value, bool):
-            consts.append(f"  constexpr bool {name} = {'true' if value else 'false'};\n")
-        elif isinstance(value, int):
-            consts.append(f"  constexpr int {name} = {value};\n")
-        else:
-            consts.append(f"  using {name} = {CUDA_TYPES[_dtype_name(value)]};\n")
-    if consts:
-        consts.append("\n")
+    consts = template_lines(template)
     return "".join(lines + sig + consts + [body, "\n}\n\n} // namespace mlx::core::cu\n"])
 
 

@@ -57,15 +57,13 @@ def kernel_reason(q, v, g) -> str | None:
     return None
 
 
-def launch_gated_delta(q, k, v, g, beta, state, *, backend: str):
-    """Run the kernel on ``backend`` (metal or emulator); arguments checked by the op
-    (scalar gates, Dk <= MAX_DK, Dv a multiple of 8, a float32 state). Returns
-    ``(y, state)``."""
+def launch_kwargs(q, k, v, g, beta, state) -> dict:
+    """The kernel call's arguments (inputs, geometry, outputs, template), shared by the MSL
+    kernel and the CUDA twin (``cuda.py``)."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
     dvb = value_block(Dv)
-    y, s = kernels.launch(
-        "gated_delta", backend,
+    return dict(
         inputs=[q, k, v, g.astype(mx.float32), beta.astype(mx.float32),
                 state.astype(mx.float32), mx.array([T], mx.int32)],
         grid=(THREADS * (Dv // dvb), Hv, B), threadgroup=(THREADS, 1, 1),
@@ -74,4 +72,11 @@ def launch_gated_delta(q, k, v, g, beta, state, *, backend: str):
         template=[("InT", q.dtype), ("DK", Dk), ("DV", Dv), ("HK", Hk), ("HV", Hv),
                   ("C", CHUNK), ("DVB", dvb), ("NT", THREADS)],
     )
+
+
+def launch_gated_delta(q, k, v, g, beta, state, *, backend: str):
+    """Run the kernel on ``backend`` (metal or emulator); arguments checked by the op
+    (scalar gates, Dk <= MAX_DK, Dv a multiple of 8, a float32 state). Returns
+    ``(y, state)``."""
+    y, s = kernels.launch("gated_delta", backend, **launch_kwargs(q, k, v, g, beta, state))
     return y, s
