@@ -184,7 +184,7 @@ CONFIGS = {
 # the attention temperature (floor_scale 4 so it moves within a prompt); MoE (4 experts, top 1,
 # a shared expert) on layers 1 and 3, dense MLPs on 0 and 2.
 CONFIGS["llama4"] = dict(text_config=dict(
-    model_type="llama4_text", vocab_size=VOCAB, attention_bias=False, attention_chunk_size=8,
+    model_type="llama4_text", vocab_size=VOCAB, attention_bias=False, attention_chunk_size=16,
     head_dim=64, hidden_size=128, interleave_moe_layer_step=2, intermediate_size=64,
     intermediate_size_mlp=256, max_position_embeddings=4096, num_attention_heads=4,
     num_experts_per_tok=1, num_hidden_layers=4, num_key_value_heads=2, num_local_experts=4,

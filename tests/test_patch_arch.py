@@ -70,10 +70,11 @@ FAMILIES = {
     "helium": dict(layers=[BLOCK, BLOCK]),
     "nanbeige": dict(layers=[BLOCK, BLOCK]),
     "mellum": dict(layers=[{"self_attn": "P", "mlp": "F", "moe": "P"}] * 2, sliding=[0]),
-    # RoPE layers 0-2 attend in chunks (stock), layer 3 is NoPE and global
-    "llama4": dict(layers=[{"self_attn": "F", "mlp": "P"}, LLAMA4_MOE,
-                           {"self_attn": "F", "mlp": "P"}, dict(LLAMA4_MOE, self_attn="P")],
-                   nope=[3]),
+    # RoPE layers 0-2 attend in chunks of 16 (a call across a chunk boundary runs stock: the
+    # whole 20-token prompt and the 13:20 chunk), layer 3 is NoPE and global
+    "llama4": dict(layers=[UNFUSED, dict(LLAMA4_MOE, self_attn="P"),
+                           UNFUSED, dict(LLAMA4_MOE, self_attn="P")],
+                   nope=[3], runtime="across a chunk boundary"),
 }
 # the CPU's gather_mm takes float32 only: the MoE family runs float32 (tests/test_moe_patch.py)
 FLOAT32_ONLY = ("glm4_moe", "llama4", "mellum", "olmoe", "dots1", "exaone_moe")
@@ -98,7 +99,9 @@ def check_report(report, arch):
         if m.module in ("block", "self_attn") and m.status == "patched":
             assert m.state.sliding in (None, m.layer in spec.get("sliding", ()))
             assert ("NoPE" in m.rope) == (m.layer in spec.get("nope", ())), (m.layer, m.rope)
-    assert report.runtime_fallbacks() == {}
+    allowed = spec.get("runtime")
+    assert all(allowed is not None and allowed in r for r in report.runtime_fallbacks()), \
+        report.runtime_fallbacks()
     assert_bricks_used(report)
 
 
@@ -441,3 +444,55 @@ def test_q8_0_cache_routes_the_attention_file_of_a_family_built_on_llama():
         assert routes() == before
         if before == 0:
             assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention
+
+
+def test_llama4_chunked_attention_runs_the_brick_within_one_chunk():
+    """llama4's RoPE layers attend in chunks of 16 (tiny config): a call whose queries and keys
+    lie in one chunk is plain causal and runs the attention brick; one across a boundary (12:20,
+    and every call once the cache holds a previous chunk) runs mlx-lm's block-diagonal mask."""
+    from mlx_lm.models.cache import ChunkedKVCache
+
+    model = build_model("llama4", mx.float32)
+    toks = tokens(40)
+    with _float64_context("llama4"):
+        m64 = clone(model, mx.float64)
+        chunks = [(0, 12), (12, 20), (20, 32), (32, 40)]
+        refs = run_chunks(m64, run64, toks, chunks)
+    stock = run_chunks(model, run, toks, chunks)
+    report = patch_model(model, backend="reference")
+    chunked = [m for m in report.modules if m.module == "self_attn" and m.layer != 3]
+    cache = make_prompt_cache(model)
+    assert type(cache[0]) is ChunkedKVCache
+    calls = []
+    for (a, b), s, r in zip(chunks, stock, refs):
+        out = run(model, toks[:, a:b], cache)
+        assert_dtype_close(out, r, s, dtype=mx.float32, what=f"llama4 chunk {a}:{b}")
+        calls.append([m.state.calls["flash_attention"] for m in chunked])
+    assert calls == [[1] * 3, [1] * 3, [1] * 3, [1] * 3]  # only the first chunk's call
+    boundary = [r for r in report.runtime_fallbacks() if "across a chunk boundary" in r]
+    assert sum(report.runtime_fallbacks()[r] for r in boundary) == 3 * 3
+    # the NoPE global layer runs the brick on every chunk
+    (nope,) = [m for m in report.modules if m.module == "self_attn" and m.layer == 3]
+    assert nope.state.calls["flash_attention"] == len(chunks)
+    unpatch_model(model)
+
+
+def test_chunked_reason():
+    from mlx_lm.models.cache import ChunkedKVCache, KVCache
+
+    from mlx_bricks.nn.calls import chunked_reason
+
+    def cache_at(offset, start=0):
+        c = ChunkedKVCache(16)
+        c.offset, c.start_position = offset, start
+        return c
+
+    mask = lambda L, n: mx.ones((L, n), dtype=mx.bool_)  # noqa: E731
+    assert chunked_reason(mask(16, 16), None, 16, 16) is None
+    assert "boundary" in chunked_reason(mask(17, 17), None, 17, 16)
+    assert chunked_reason(mask(4, 14), cache_at(10), 4, 16) is None
+    assert "boundary" in chunked_reason(mask(4, 16), cache_at(13), 4, 16)
+    assert "boundary" in chunked_reason(mask(2, 18), cache_at(32, start=16), 2, 16)
+    assert "not mlx-lm's (4, 14)" in chunked_reason(mask(4, 13), cache_at(10), 4, 16)
+    assert "not mlx-lm's" in chunked_reason("causal", cache_at(10), 4, 16)
+    assert "not ChunkedKVCache" in chunked_reason(mask(4, 4), KVCache(), 4, 16)

@@ -29,9 +29,11 @@ def admit(module, state: BricksState, attn, x, mask, cache, args, kwargs, extra=
     (``{"attn_scale": array}``). ``keys``: the key count where the keys do not come from
     ``cache`` (gemma4's shared K/V; part of the call shape then).
     """
-    window, reason = layer_window(attn, state.layout, state.sliding)
-    reason = reason or call_reason(x, mask, cache, args, kwargs, window,
-                                   state.layout.causal_array, keys)
+    lay = state.layout
+    window, reason = layer_window(attn, lay, state.sliding)
+    chunk = lay.chunk_size if lay.chunked and getattr(attn, lay.chunked, False) else None
+    reason = reason or call_reason(x, mask, cache, args, kwargs, window, lay.causal_array,
+                                   keys, chunk)
     if reason is None and state.layout.query_scale == "attn_scale":
         reason = _attn_scale_reason((extra or {}).get("attn_scale"), x)
     shape_key = q8 = None

@@ -7,7 +7,7 @@ import functools
 import weakref
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import BatchKVCache, ChunkedKVCache, KVCache, RotatingKVCache
 
 from mlx_bricks.bricks.attention.piece import kv_length
 from mlx_bricks.checks import FLOAT_DTYPES, dtype_name
@@ -143,12 +143,32 @@ def cache_offset(cache) -> int:
     return cache._idx if type(cache) is BatchKVCache else cache.offset
 
 
+def chunked_reason(mask, cache, L: int, chunk: int) -> str | None:
+    """A chunked-attention call (llama4's RoPE layers: ``ChunkedKVCache``, the mask
+    ``(block_pos == 0) & (key <= query)`` over the keys from ``cache.start_position``): None
+    when the queries and keys all lie in one chunk of ``chunk`` tokens, where that mask is
+    plain bottom-right causal; a call across a chunk boundary runs stock."""
+    if cache is not None and type(cache) is not ChunkedKVCache:
+        return f"cache is {type(cache).__name__} on a chunked-attention layer, not ChunkedKVCache"
+    start = 0 if cache is None else cache.start_position
+    end = L if cache is None else cache.offset + L
+    if start // chunk != (end - 1) // chunk:
+        return (f"chunked attention across a chunk boundary (keys {start}..{end - 1}, chunks "
+                f"of {chunk}): the block-diagonal mask runs stock")
+    want = (L, end - start)
+    if isinstance(mask, mx.array) and mask.dtype == mx.bool_ and tuple(mask.shape) == want:
+        return None
+    what = f"an array {tuple(mask.shape)}" if isinstance(mask, mx.array) else repr(mask)
+    return f"mask is {what}: not mlx-lm's {want} chunked-attention mask"
+
+
 def call_reason(x, mask, cache, args, kwargs, window=None, causal_array=False,
-                keys=None) -> str | None:
+                keys=None, chunk=None) -> str | None:
     """Per-call conditions shared by attention and block (cheap checks first); ``window``:
     the layer's sliding window (:func:`layer_window`), ``causal_array``: the layout's (both
     accept mlx-lm's array masks, :func:`_array_mask_reason`); ``keys``: the key count when
-    the keys do not come from ``cache`` (gemma4's shared K/V)."""
+    the keys do not come from ``cache`` (gemma4's shared K/V); ``chunk``: the chunk length of
+    a chunked-attention layer (:func:`chunked_reason`)."""
     if args or kwargs:
         extra = [f"{len(args)} extra positional"] if args else []
         extra += sorted(kwargs)
@@ -159,6 +179,8 @@ def call_reason(x, mask, cache, args, kwargs, window=None, causal_array=False,
         return DECODE
     if x.dtype not in FLOAT_DTYPES:
         return f"input dtype {dtype_name(x.dtype)} is not float16/bfloat16/float32"
+    if chunk is not None:
+        return chunked_reason(mask, cache, x.shape[1], chunk)
     if type(cache) is BatchKVCache:
         return _batch_mask_reason(x, mask, cache, window)
     if window is not None or causal_array:

@@ -87,8 +87,12 @@ class BlockLayout:
             ``1 + attn_scale * log(1 + floor(position / floor_scale))`` (llama4); None: none.
         chunked: attribute of the attention module that is True where it attends in chunks
             (llama4's RoPE layers, ``use_rope``: a ``ChunkedKVCache`` and a block-diagonal
-            array mask, which the attention brick does not take): such modules stay stock;
-            None: none.
+            array mask); a call whose queries and keys all lie in one chunk is plain causal
+            and runs the brick, one that crosses a chunk boundary runs stock
+            (``nn.calls.chunked_reason``); None: none.
+        chunk_arg: field of the model's args with the chunk length (``attention_chunk_size``);
+            :func:`mlx_bricks.patch.table.bind` copies its value into ``chunk_size``.
+        chunk_size: the chunk length in tokens, or None (chunked modules then stay stock).
         call_args: the parameters of the attention's and block's ``__call__`` after ``x``
             (``("mask", "cache")``; ministral3: ``("attn_scale", "mask", "cache")``).
         shared_expert: attribute of a MoE layer's sparse block (one holding ``SwitchGLU`` /
@@ -140,6 +144,8 @@ class BlockLayout:
     rope_flag: str | None = None
     query_scale: str | None = None
     chunked: str | None = None
+    chunk_arg: str | None = None
+    chunk_size: int | None = None
     call_args: tuple[str, ...] = ("mask", "cache")
     shared_expert: str | None = None
     vetted: tuple[str, ...] = ()

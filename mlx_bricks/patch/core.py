@@ -148,9 +148,10 @@ def _attention_structure(attn, layout, kv_quant) -> tuple[str | None, int]:
         if sinks is None or tuple(getattr(sinks, "shape", ())) != (n_heads,):
             return (f"attention's {layout.sinks} is not a ({n_heads},) array (one sink logit "
                     "per query head)"), 0
-    if layout.chunked is not None and getattr(attn, layout.chunked, False):
-        return ("chunked attention (a ChunkedKVCache and a block-diagonal mask): the attention "
-                "brick takes causal and sliding-window masks only"), 0
+    if layout.chunked is not None and getattr(attn, layout.chunked, False) and \
+            layout.chunk_size is None:
+        return (f"chunked attention without a chunk length ({layout.chunk_arg} in the model's "
+                "args): which calls stay within one chunk is unknown"), 0
     if layout.has_rope(attn) and not callable(getattr(attn, "rope", None)):
         return "attention has no rope module (NoPE or another position scheme)", 0
     if layout.shared_kv and layout.owns_kv(attn) and not callable(getattr(attn, layout.v_norm,

@@ -186,18 +186,18 @@ ARCHITECTURES: dict[str, BlockLayout] = {
     # llama4 (the multimodal wrapper; its text model is llama4.py's, not llama4_text's): the MLP
     # is feed_forward (a MoE with a shared expert on interleave_moe_layer_step layers); RoPE
     # layers normalise q and k with a weightless RMSNorm (eps 1e-6) after RoPE and attend in
-    # chunks (attention_chunk_size: ChunkedKVCache, a block-diagonal array mask, which the
-    # attention brick does not take: those calls run stock); every 4th layer has no RoPE and
-    # scales its queries by the attention temperature. Attention and MLP are patched one by
-    # one, so a chunked layer's MLP still runs its brick.
+    # chunks (attention_chunk_size: ChunkedKVCache, a block-diagonal array mask: a call within
+    # one chunk is plain causal and runs the brick, one across a chunk boundary runs stock);
+    # every 4th layer has no RoPE and scales its queries by the attention temperature.
+    # Attention and MLP are patched one by one.
     "llama4": BlockLayout(source="mlx_lm/models/llama4.py", mlp="feed_forward",
                           inline_qk_norm="use_qk_norm", inline_qk_norm_eps=1e-6,
                           inline_qk_norm_after_rope=True, rope_flag="use_rope",
                           query_scale="llama4_temperature", shared_expert="shared_expert",
-                          chunked="use_rope",
+                          chunked="use_rope", chunk_arg="attention_chunk_size",
                           unfused=("chunked attention (attention_chunk_size) on the RoPE "
-                                   "layers runs stock: attention and MLP are patched one by "
-                                   "one so the MLP runs its brick"),
+                                   "layers runs stock across a chunk boundary: attention and "
+                                   "MLP are patched one by one so the MLP runs its brick"),
                           vetted=_calls("llama4", Attention="57868f2054ac", MLP="07c9ab86cb8f",
                                         TransformerBlock="25dbc1ed7088")),
     # llama-shaped families whose forwards were read against the plain pre-norm layout:
@@ -279,14 +279,23 @@ def layer_types(model, field: str):
 
 
 def bind(layout: BlockLayout, model) -> BlockLayout:
-    """``layout`` with the values one model sets (the sliding-window length from its args'
-    ``layout.window_arg``; None if absent or not a positive int). Which layers slide is
-    decided per layer at patch time (``patch.core.layer_sliding``)."""
-    if layout.window_arg is None or model is None:
+    """``layout`` with the values one model sets: the sliding-window length from its args'
+    ``layout.window_arg``, the attention chunk length from ``layout.chunk_arg`` (each None if
+    absent or not a positive int). Which layers slide is decided per layer at patch time
+    (``patch.core.layer_sliding``)."""
+    if model is None:
         return layout
-    window = getattr(model_args(model), layout.window_arg, None)
-    ok = isinstance(window, numbers.Integral) and not isinstance(window, bool) and window > 0
-    return dataclasses.replace(layout, sliding_window=int(window) if ok else None)
+
+    def positive(field):
+        value = getattr(model_args(model), field, None) if field is not None else None
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
+        return int(value) if ok else None
+
+    if layout.window_arg is not None:
+        layout = dataclasses.replace(layout, sliding_window=positive(layout.window_arg))
+    if layout.chunk_arg is not None:
+        layout = dataclasses.replace(layout, chunk_size=positive(layout.chunk_arg))
+    return layout
 
 
 def lookup(model_type, model=None) -> tuple[str | None, BlockLayout | None]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention
-from mlx_lm.models.cache import BatchKVCache, RotatingKVCache
+from mlx_lm.models.cache import BatchKVCache, ChunkedKVCache, RotatingKVCache
 
 from mlx_bricks.bricks.attention.kind import ATTENTION
 from mlx_bricks.bricks.attention.op import flash_attention_reference
@@ -20,13 +20,16 @@ KIND = ATTENTION
 def kv_length(cache, L: int) -> int:
     """Keys ``cache.update_and_fetch`` returns for L new tokens (``RotatingKVCache`` with
     ``keep == 0``: at most ``max_size - 1`` earlier ones, in temporal order; ``BatchKVCache``:
-    every row's ``_idx`` positions, left padding included)."""
+    every row's ``_idx`` positions, left padding included; ``ChunkedKVCache``: those from its
+    ``start_position`` on)."""
     if cache is None:
         return L
     if type(cache) is RotatingKVCache:
         return min(cache.offset, cache.max_size - 1) + L
     if type(cache) is BatchKVCache:
         return cache._idx + L
+    if type(cache) is ChunkedKVCache:  # keys from start_position on (maybe_trim_front)
+        return cache.offset - cache.start_position + L
     return cache.offset + L
 
 
