@@ -441,6 +441,12 @@ def test_first_token_guard_runs_a_short_prompt_stock_once_per_cold_process(monke
     assert report.calls()["linear"] == 2 * len(model.layers)
     assert capsys.readouterr().err == ""  # said once
     unpatch_model(model)
+    # --bricks-tune auto / force ask for the bricks: no guard (off patches nothing here)
+    for tune in ("auto", "force"):
+        session.args.bricks_tune = tune
+        session.patch(model, "tiny")
+        assert gate_mod.model_gate(model).min_prompt == 0, tune
+        unpatch_model(model)
 
 
 def test_first_token_guard_is_on_for_one_shot_commands_only():

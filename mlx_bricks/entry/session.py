@@ -314,12 +314,14 @@ class Session:
     @staticmethod
     def _guard_first_token(model, report) -> None:
         """Set the model's first-token guard: the shortest prompt whose first bricks prefill in
-        this process is expected no later than stock's (``tune.prior.min_prompt_tokens``)."""
+        this process is expected no later than stock's (``tune.prior.min_prompt_tokens``).
+        Only with ``--bricks-tune cached`` (the default here): ``auto``, ``force`` and ``off``
+        ask for the bricks to be measured or run."""
         from mlx_bricks.nn.gate import model_gate
         from mlx_bricks.tune.prior import min_prompt_tokens, quantized_linear_bytes
 
         gate = model_gate(model)
-        if gate is not None:
+        if gate is not None and report.options.get("tune") == "cached":
             gate.min_prompt = min_prompt_tokens(
                 report.backend.name, quantized_linear_bytes(m for m, _, _ in gate.modules))
 
