@@ -26,6 +26,10 @@
 #   attn-tests     the attention, decode and KV-cache tests on cuda (padded-batch kv_start too)
 #   e2e-quant-rest the 8-bit M=8192 case and the bf16 float model in one process
 #   peak-probe     where the quantized composites' extra peak memory comes from (peak_probe.py)
+#   first-call     fresh-process prefill of a 32-layer 8B 4-bit model in 4 chunks of 2,048,
+#                  stock vs patched (tune cached), per layer (scripts/gpu/first_call.py)
+#   bench-gdn      Gated DeltaNet recurrence and 4-layer Qwen3.5-35B-A3B-shaped prefill, 2k/8k
+#   e2e-gpt-oss    4-layer gpt-oss-20b-shaped prefill (MXFP4 experts), M=2048
 #   shard          2 NCCL ranks (needs kind nvidia-h200-x2; NVLink multicast off)
 #   all-tests      the whole default suite on the GPU machine
 set -uo pipefail
@@ -88,6 +92,16 @@ for s in "$@"; do
         peak-probe) step peak-probe 200 python3 scripts/gpu/peak_probe.py "$OUT/peak_probe.json" \
             512 2048 8192 ;;
         shard) step shard 560 $PYT -m gpu tests/test_shard_gpu.py ;;
+        first-call) step first-call 200 bash -c 'F=$OUT/first_call.jsonl; [ -d /tmp/m32 ] ||
+            python3 scripts/gpu/first_call.py write /tmp/m32 || exit 1
+            for m in stock stock bricks stock bricks; do
+              FIRST_CALL_CHUNKS=4 python3 scripts/gpu/first_call.py run /tmp/m32 $m >> $F || exit 1
+            done; cat $F' ;;
+        bench-gdn) step bench-gdn 300 $BENCH --repeats 5 --only gdn_recurrence_bf16_t2048 \
+            gdn_recurrence_bf16_t8192 e2e_qwen35_35b_4layer_bf16_t2048 \
+            e2e_qwen35_35b_4layer_bf16_t8192 --out "$OUT/gdn.json" ;;
+        e2e-gpt-oss) step e2e-gpt-oss 200 $BENCH --repeats 5 --only \
+            e2e_gpt_oss20b_4layer_bf16_mxfp4_m2048 --out "$OUT/e2e_gpt_oss.json" ;;
         all-tests) step all-tests 500 $PYT -n 8 -m "not slow" tests ;;
         *) echo "unknown step $s"; exit 2 ;;
     esac
