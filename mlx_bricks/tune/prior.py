@@ -56,8 +56,12 @@ PREFERRED = {"swiglu_mlp": "dequant_split"}
 #: Llama-3-8B-shaped 4-bit: 32 layers, first 2,048-token call 0.62 s vs stock 0.48 s, later
 #: calls 0.08 vs 0.24 s (one-off ~0.30 s); 8 layers, fresh ``mlx_lm.generate`` processes,
 #: 2,240 tokens: TTFT 0.77-0.86 s vs stock 0.63 s (bench/results/2026-12-05-h100-user-path.json).
-#: Backends not listed have no measured one-off cost (the CPU: its first run is 32x stock).
-FIRST_PREFILL_S = {"cuda": 0.30}
+#: 2026-12-06, two H100s, fresh processes, 32 layers, the first layer of the first 2,048-token
+#: call: 0.36-0.39 s vs stock 0.175 s, and 0.67 vs 0.30-0.31 s (one-off 0.19-0.36 s; the first
+#: cuBLAS GEMM alone 0.083 s; bench/results/2026-12-06-h100-first-call.jsonl): 0.40 keeps stock
+#: wherever the bricks could come later. Backends not listed have no measured one-off cost (the
+#: CPU: its first run is 32x stock).
+FIRST_PREFILL_S = {"cuda": 0.40}
 #: Seconds the bricks save per prompt token and GiB of affine-quantized linear weights once
 #: warm: the 32-layer figures above, 0.16 s per 2,048 tokens over 3.66 GiB of 4-bit gs64 weights.
 SAVED_S_PER_TOKEN_GIB = {"cuda": 21e-6}
