@@ -2,7 +2,8 @@
 
 Issue 33: in one fresh process with cached decisions, the first 2,048-token prefill of a
 32-layer 8B-shaped 4-bit model took 0.62 s against stock's 0.48 s, later ones 0.08 vs 0.24 s.
-This splits that one-off cost: per-layer times of the first three prefills (``mx.eval`` after
+This splits that one-off cost: call times of four prefills (three prompts of
+FIRST_CALL_CHUNKS calls when it is above 1), per-layer times of the first two (``mx.eval`` after
 each layer), stock and patched (``tune="cached"``, empty decision cache: the prior), each in its
 own fresh process; and, in another fresh process, the first and second call of each op the
 composites and stock run (``mx.dequantize``, the bfloat16 GEMM, ``mx.quantized_matmul``) at the
