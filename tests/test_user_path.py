@@ -232,7 +232,7 @@ def test_cpu_group_machinery_on_the_tiny_model(tmp_path, tokenizer_dir):
         assert item["prefill_chunks"] == up.prefill_chunks(item["tokens"])
         by = {r["kind"]: r for r in item["runs"]}
         for kind, r in by.items():
-            assert "error" not in r, r
+            assert "error" not in r, f"{kind}: {r['error']}"
             assert r["prompt_tokens"] == item["tokens"]
             assert r["prompt_tps"] > 0 and r["generation_tps"] > 0 and r["peak_memory_gb"] > 0
             assert r["ttft_s"] == pytest.approx(item["tokens"] / r["prompt_tps"])
@@ -256,11 +256,42 @@ def test_cpu_group_machinery_on_the_tiny_model(tmp_path, tokenizer_dir):
             assert item["ratios"][kind]["prompt_tps"] == pytest.approx(
                 by[kind]["prompt_tps"] / by[base]["prompt_tps"])
     first, second = entry["prompts"]
-    assert first["runs"][1]["home_files_before"] == 0  # cold: an empty home
+    # cold: an empty home (unless the run was retried: its first try wrote there)
+    assert first["runs"][1]["home_files_before"] == 0 or "retried" in first["runs"][1]
     assert second["runs"][1]["home_files_before"] > 0  # the first prompt's decisions are there
     doc = {"models": [entry], "device": "cpu", "date": "today"}
     table = up.format_table(doc)
     assert table.count("| tiny_llama_q4 |") == 10
+
+
+@pytest.mark.parametrize("first_end, retried", [
+    ("import os, signal; os.kill(os.getpid(), signal.SIGABRT)", True),  # as glibc's heap check
+    ("import sys; sys.exit(3)", False),  # an error of the CLI's own is the run's result
+])
+def test_a_run_killed_by_a_signal_runs_once_more(tmp_path, tokenizer_dir, tokenizer, monkeypatch,
+                                                 first_end, retried):
+    import signal
+
+    model_dir = tmp_path / "tiny"
+    up.write_model(up.TINY_LLAMA, model_dir, tokenizer_dir)
+    real, argvs = up.run_cli, []
+
+    def first_one_ends(argv, **kw):
+        argvs.append(argv)
+        return real([sys.executable, "-c", first_end] if len(argvs) == 1 else argv, **kw)
+
+    monkeypatch.setattr(up, "run_cli", first_one_ends)
+    r = up.run_one("stock", model_dir, tmp_path / "home", 40, up.make_prompt(tokenizer, 40),
+                   max_tokens=2, trials=1)
+    if retried:
+        assert len(argvs) == 2 and argvs[0] == argvs[1]
+        assert r["retried"]["returncode"] == -signal.SIGABRT and "error" not in r
+        assert r["prompt_tokens"] == 40 and r["generation_tps"] > 0
+        table = up.format_table({"models": [{"model": {"name": "tiny"}, "prompts": [
+            {"tokens": 40, "runs": [r], "ratios": {}}]}]})
+        assert f"stock (2nd try: the 1st exited {-signal.SIGABRT})" in table
+    else:
+        assert len(argvs) == 1 and "retried" not in r and r["error"].startswith("exit 3")
 
 
 def test_a_benchmark_that_measures_itself_is_run_by_the_runner(monkeypatch):
