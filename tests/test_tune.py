@@ -360,11 +360,20 @@ def test_tuner_with_no_variant_and_decision_round_trip():
 
 
 def test_time_interleaved_calls_per_eval_and_errors():
+    import time
+
     a = mx.random.normal((64, 64))
-    t = time_interleaved({"small": lambda: a + 1, "big": lambda: (a @ a, a)}, repeats=3,
+
+    def slow():  # one call takes longer than the target: one call per evaluation
+        time.sleep(0.02)
+        return a @ a, a
+
+    # A sleep, not a big GEMM: on a loaded machine a small op may time slower than a big one.
+    t = time_interleaved({"small": lambda: a + 1, "slow": slow}, repeats=3, target_s=0.01,
                          max_calls=16)
-    assert set(t.runs) == {"small", "big"} and all(len(r) == 3 for r in t.runs.values())
-    assert 1 <= t.calls["big"] <= t.calls["small"] <= 16
+    assert set(t.runs) == {"small", "slow"} and all(len(r) == 3 for r in t.runs.values())
+    assert t.calls["slow"] == 1 <= t.calls["small"] <= 16
+    assert min(t.runs["slow"]) >= 0.02
     t = time_interleaved({"one": lambda: a + 1}, repeats=1, max_bytes=1)
     assert t.calls["one"] == 1  # memory bound
     with pytest.raises(ValueError, match="repeats"):
