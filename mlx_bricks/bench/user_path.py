@@ -495,7 +495,7 @@ def run_one(kind: str, model_dir: Path, home: Path, prompt_tokens: int, prompt_t
     r = run_cli(argv, env=_child_env(home), stdin=None if long_lived else prompt_text,
                 mark=LOADED_MARK[cli], timeout=timeout)
     if r["returncode"] < 0 and not r["timed_out"]:
-        # Killed by a signal (once in ~1,000 CPU runs here: glibc's heap check aborting, after the
+        # Killed by a signal (once in ~1,400 CPU runs here: glibc's heap check aborting, after the
         # CLI had printed its figures): run it once more and keep the first run's end in
         # ``retried`` (a retried cold run finds what the first one wrote: ``home_files_before``).
         entry["retried"] = {"returncode": r["returncode"],
