@@ -492,8 +492,12 @@ def run_one(kind: str, model_dir: Path, home: Path, prompt_tokens: int, prompt_t
              "argv": [Path(argv[0]).name, *argv[1:]], "home_files_before": _home_files(home),
              "load_average": {"before": _load()}}
     home.mkdir(parents=True, exist_ok=True)
-    r = run_cli(argv, env=_child_env(home), stdin=None if long_lived else prompt_text,
-                mark=LOADED_MARK[cli], timeout=timeout)
+
+    def launch():
+        return run_cli(argv, env=_child_env(home), stdin=None if long_lived else prompt_text,
+                       mark=LOADED_MARK[cli], timeout=timeout)
+
+    r = launch()
     if r["returncode"] < 0 and not r["timed_out"]:
         # Killed by a signal (once in ~1,400 CPU runs here: glibc's heap check aborting, after the
         # CLI had printed its figures): run it once more and keep the first run's end in
@@ -502,8 +506,7 @@ def run_one(kind: str, model_dir: Path, home: Path, prompt_tokens: int, prompt_t
                             "stderr_tail": r["stderr"].strip().splitlines()[-5:],
                             "wall_s": r["wall_s"]}
         entry["home_files_before"] = _home_files(home)
-        r = run_cli(argv, env=_child_env(home), stdin=None if long_lived else prompt_text,
-                    mark=LOADED_MARK[cli], timeout=timeout)
+        r = launch()
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
         (log_dir / f"{model_dir.name}_p{prompt_tokens}_{kind}.log").write_text(
