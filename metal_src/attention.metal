@@ -2,28 +2,31 @@
 // bottom-right and sliding-window masks as parameters (whole K/V tiles outside them skipped),
 // logit soft-capping, GQA and Q8_0 K/V. Headers: q8_0.h, gemm.h, attention.h.
 //
-// Template: T (dtype of q, of k/v unless KV_Q8, and of out), D (head_dim, multiple of 8 * WD),
-// BK (keys per K/V tile, multiple of 8), WQ (8-row query blocks per threadgroup), WD (SIMD-groups
+// Template: T (dtype of q, of k/v unless KV_Q8, and of out), D (head_dim of q and k, multiple
+// of 8 * WD), DV (head_dim of v and out, multiple of 8 * WD: D for plain attention, less for
+// multi-head latent attention, e.g. 192 / 128), BK (keys per K/V tile, multiple of 8), WQ (8-row query blocks per threadgroup), WD (SIMD-groups
 // splitting D: each owns D / WD columns of Q and O), KV_SHARED (K and V take turns in one
 // threadgroup buffer), CAUSAL (bottom-right aligned), WINDOW (sliding window, needs CAUSAL),
 // SOFTCAP (s = cap * tanh(s / cap)), KV_Q8 (k/v are Q8_0), KV_START (per-batch-row first valid
 // key: a left-padded batch), SINKS (a learned logit per query head in the softmax, gpt-oss).
 // Inputs (any strides):
 //   q (B, Hq, Lq, D) T
-//   k, v (B, Hkv, Lk, D): T, or int8 quants when KV_Q8
-//   k_scale, v_scale (B, Hkv, Lk, D / 32) half Q8_0 scales when KV_Q8, else (1, 1, 1, 1) dummies
+//   k (B, Hkv, Lk, D), v (B, Hkv, Lk, DV): T, or int8 quants when KV_Q8
+//   k_scale (B, Hkv, Lk, D / 32), v_scale (B, Hkv, Lk, DV / 32) half Q8_0 scales when KV_Q8,
+//     else (1, 1, 1, 1) dummies
 //   fparams (3,) float: scale (multiplier of q . k), softcap, 1 / softcap
 //   iparams (1,) int: window (query at position p sees keys p - window + 1 .. p)
 //   kv_start (B,) int, any stride, when KV_START (else a (1,) dummy, never read): keys
 //     j < kv_start[b] are masked for every head and query of batch row b (clamped to 0 .. Lk)
 //   sinks (Hq,) float, any stride, when SINKS (else a (1,) dummy, never read): head h's softmax
 //     has one more column of score sinks[h] and value 0
-// Output: out (B, Lq, Hq, D) T, every element written.
+// Output: out (B, Lq, Hq, DV) T, every element written.
 // Grid: (32 * WQ * WD * ceil(Lq / (8 * WQ)), Hq, B) threads; threadgroup (32 * WQ * WD, 1, 1).
 //
 // SIMD-group sg owns query rows 8 (sg / WD) .. + 7 of the threadgroup's block and head_dim
-// columns (sg % WD) * D / WD .. + D / WD - 1: its Q slice and O accumulator stay in float
-// simdgroup matrices (D / WD <= 128, so at most 2 x 32 floats a lane). With WD > 1 the
+// columns (sg % WD) * D / WD .. + D / WD - 1 of Q and (sg % WD) * DV / WD .. + DV / WD - 1 of O:
+// its Q slice and O accumulator stay in float simdgroup matrices (DV <= D and D / WD <= 128, so
+// at most 2 x 32 floats a lane). With WD > 1 the
 // SIMD-groups of one row block each compute a partial Q K^T over their columns, exchange them
 // through threadgroup memory and sum them in the same order, so all of them run the same online
 // softmax on the same scores and then multiply P by their own V columns.
@@ -34,18 +37,24 @@ constexpr int DS = D / WD;  // head_dim columns per SIMD-group
 constexpr int DF = DS / 8;
 constexpr int KF = BK / 8;
 constexpr int VW = 16 / int(sizeof(T));
+constexpr int DVS = DV / WD;  // value (output) columns per SIMD-group
+constexpr int DVF = DVS / 8;
 constexpr int LD = D + VW;  // K and V tiles: [key][d], rows padded by 16 bytes
+constexpr int LDV = DV + VW;
 constexpr int KV_TILE = BK * LD;
-constexpr int KV_BUFS = KV_SHARED ? 1 : 2;
+constexpr int V_TILE = BK * LDV;
+// K and V side by side, or taking turns in one buffer of the larger (KV_SHARED)
+constexpr int KV_ELEMS = KV_SHARED ? (KV_TILE > V_TILE ? KV_TILE : V_TILE) : KV_TILE + V_TILE;
 constexpr int S_PART = WD > 1 ? NSG * 8 * BK : 1;  // partial scores, float
 static_assert(D % (8 * WD) == 0 && BK % 8 == 0, "D / WD and BK must be multiples of 8");
-static_assert(!KV_Q8 || D % QK8_0 == 0, "Q8_0 K/V needs D % 32 == 0");
+static_assert(DV % (8 * WD) == 0 && DV <= D, "DV / WD must be a multiple of 8, DV <= D");
+static_assert(!KV_Q8 || (D % QK8_0 == 0 && DV % QK8_0 == 0), "Q8_0 K/V needs D, DV % 32 == 0");
 static_assert(!WINDOW || CAUSAL, "the sliding window needs the causal mask");
-static_assert(KV_BUFS * KV_TILE * int(sizeof(T)) + (WD > 1 ? S_PART * 4 : 0) <= ATTN_TG_LIMIT,
+static_assert(KV_ELEMS * int(sizeof(T)) + (WD > 1 ? S_PART * 4 : 0) <= ATTN_TG_LIMIT,
               "threadgroup memory over the limit: lower BK or set KV_SHARED");
 
 // Declared as 16-byte chunks so the 128-bit threadgroup stores are aligned.
-threadgroup bricks::Vec128<T> kv_store[KV_BUFS * KV_TILE / VW];
+threadgroup bricks::Vec128<T> kv_store[KV_ELEMS / VW];
 threadgroup float s_part[S_PART];
 threadgroup T* k_tile = reinterpret_cast<threadgroup T*>(kv_store);
 threadgroup T* v_tile = k_tile + (KV_SHARED ? 0 : KV_TILE);
@@ -72,6 +81,7 @@ const int tid = int(thread_index_in_threadgroup);
 const int sg = int(simdgroup_index_in_threadgroup);
 const int wq = sg / WD;
 const int d0 = (sg % WD) * DS;
+const int dv0 = (sg % WD) * DVS;
 const int row0 = qblock * BQ + 8 * wq;
 const int fr = attn_frag_row(lane);
 const int fc = attn_frag_col(lane);
@@ -133,7 +143,9 @@ if constexpr (KV_Q8) {
 // This SIMD-group's Q slice as raw float fragments: scores are scaled after the product, so
 // the dot product rounds as a plain q . k does (see the softmax below).
 attn_frag qf[DF];
-attn_frag of[DF];
+attn_frag of[DVF];
+ATTN_UNROLL
+for (int i = 0; i < DVF; ++i) attn_set(of[i], 0.0f, 0.0f);
 ATTN_UNROLL
 for (int i = 0; i < DF; ++i) {
   float e0 = 0.0f;
@@ -144,7 +156,6 @@ for (int i = 0; i < DF; ++i) {
     e1 = float(q[o + q_strides[3]]);
   }
   attn_set(qf[i], e0, e1);
-  attn_set(of[i], 0.0f, 0.0f);
 }
 
 // Running row max of the scaled (and capped) scores and row sum of exp(s - m_run). With SINKS
@@ -157,7 +168,7 @@ for (int t = t_begin; t < t_end; ++t) {
   const int kv0 = t * BK;
 
   attn_stage_tile<T, D, BK, LD, NT>(k_tile, ksrc, kv0, kv_lo, Lk, tid);
-  if (!KV_SHARED) attn_stage_tile<T, D, BK, LD, NT>(v_tile, vsrc, kv0, kv_lo, Lk, tid);
+  if (!KV_SHARED) attn_stage_tile<T, DV, BK, LDV, NT>(v_tile, vsrc, kv0, kv_lo, Lk, tid);
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
   // A row block whose rows see no key of this tile skips it (uniform within the row block,
@@ -208,7 +219,7 @@ for (int t = t_begin; t < t_end; ++t) {
   if (KV_SHARED) {
     // V takes K's place once every SIMD-group is done reading K.
     if (WD == 1) threadgroup_barrier(mem_flags::mem_threadgroup);
-    attn_stage_tile<T, D, BK, LD, NT>(v_tile, vsrc, kv0, kv_lo, Lk, tid);
+    attn_stage_tile<T, DV, BK, LDV, NT>(v_tile, vsrc, kv0, kv_lo, Lk, tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 
@@ -263,14 +274,14 @@ for (int t = t_begin; t < t_end; ++t) {
     l_run = l_run * factor + l_tile;
     m_run = m_new;
 
-    // O = O * factor + P V over this SIMD-group's columns.
+    // O = O * factor + P V over this SIMD-group's value columns.
     ATTN_UNROLL
-    for (int i = 0; i < DF; ++i) {
+    for (int i = 0; i < DVF; ++i) {
       of[i].thread_elements()[0] *= factor;
       of[i].thread_elements()[1] *= factor;
       ATTN_UNROLL
       for (int j = 0; j < KF; ++j) {
-        const int a = (j * 8 + fr) * LD + d0 + i * 8 + fc;
+        const int a = (j * 8 + fr) * LDV + dv0 + i * 8 + fc;
         attn_frag vf;
         attn_set(vf, float(v_tile[a]), float(v_tile[a + 1]));
         simdgroup_multiply_accumulate(of[i], sf[j], vf, of[i]);
@@ -280,14 +291,14 @@ for (int t = t_begin; t < t_end; ++t) {
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 
-// out[b, qrow, h, d0 + ...] = O / l; a row that saw no key (l = 0) gives 0 instead of 0 / 0
+// out[b, qrow, h, dv0 + ...] = O / l; a row that saw no key (l = 0) gives 0 instead of 0 / 0
 // (a NaN l, from a NaN score, stays NaN); with SINKS such a row has O = 0, l = 1: 0 too.
 if (qrow < Lq) {
   const bool any = l_run != 0.0f;
   const uint64_t row = (uint64_t(b) * uint64_t(Lq) + uint64_t(qrow)) * uint64_t(Hq) + uint64_t(h);
-  const uint64_t o = row * D + d0;
+  const uint64_t o = row * DV + dv0;
   ATTN_UNROLL
-  for (int i = 0; i < DF; ++i) {
+  for (int i = 0; i < DVF; ++i) {
     out[o + i * 8 + fc] = T(any ? of[i].thread_elements()[0] / l_run : 0.0f);
     out[o + i * 8 + fc + 1] = T(any ? of[i].thread_elements()[1] / l_run : 0.0f);
   }

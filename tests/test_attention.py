@@ -569,7 +569,7 @@ def test_kernel_refuses_tiles_over_32kb():
                     mx.zeros((1,), F32)],
             grid=(256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(1, 8, 1, 512)],
             output_dtypes=[F32],
-            template=[("T", F32), ("D", 512), ("BK", 8), ("WQ", 2), ("WD", 4),
+            template=[("T", F32), ("D", 512), ("DV", 512), ("BK", 8), ("WQ", 2), ("WD", 4),
                       ("KV_SHARED", False), ("CAUSAL", False), ("WINDOW", False),
                       ("SOFTCAP", False), ("KV_Q8", False), ("KV_START", False),
                       ("SINKS", False)])

@@ -82,6 +82,9 @@ class Attention(OpKind):
         Hkv, Lk = k.shape[1], k.shape[2]
         values = dict(head_dim=D, gqa=Hq // Hkv, kv_quant=args.get("kv_quant") or "none",
                       mask=args.get("mask") or "none")
+        v = args["v"][0] if isinstance(args["v"], tuple) else args["v"]
+        if v.shape[3] != D:
+            values["dv"] = v.shape[3]  # v narrower than q/k (multi-head latent attention)
         values.update({o: args[o] for o in _OPTIONS if args.get(o) is not None})
         if args.get("kv_start") is not None:
             values["padded"] = True  # a left-padded batch: its own decisions

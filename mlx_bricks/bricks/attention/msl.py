@@ -55,17 +55,22 @@ class AttentionTiles(NamedTuple):
 
 
 def attention_threadgroup_bytes(head_dim: int, itemsize: int, bk: int, wq: int, wd: int,
-                                kv_shared: bool) -> int:
-    """Threadgroup memory of the attention kernel, bytes: K and V tiles of ``bk`` keys with rows
-    of ``head_dim`` elements padded by 16 bytes (one buffer when ``kv_shared``), plus
-    ``wq * wd * 8 * bk`` float32 partial scores when ``wd > 1``."""
-    tile = bk * (head_dim + 16 // itemsize) * itemsize
+                                kv_shared: bool, dv: int | None = None) -> int:
+    """Threadgroup memory of the attention kernel, bytes: a K tile of ``bk`` keys with rows of
+    ``head_dim`` elements and a V tile with rows of ``dv`` (default ``head_dim``) elements, rows
+    padded by 16 bytes (one buffer of the larger when ``kv_shared``), plus ``wq * wd * 8 * bk``
+    float32 partial scores when ``wd > 1``."""
+    pad = 16 // itemsize
+    k_tile = bk * (head_dim + pad) * itemsize
+    v_tile = bk * ((head_dim if dv is None else dv) + pad) * itemsize
     partial = wq * wd * 8 * bk * 4 if wd > 1 else 0
-    return (1 if kv_shared else 2) * tile + partial
+    return (max(k_tile, v_tile) if kv_shared else k_tile + v_tile) + partial
 
 
-def attention_tile_config(head_dim: int, dtype) -> AttentionTiles:
-    """Tile sizes of the attention kernel for ``head_dim`` and the q dtype.
+def attention_tile_config(head_dim: int, dtype, dv: int | None = None) -> AttentionTiles:
+    """Tile sizes of the attention kernel for ``head_dim`` (of q and k), the q dtype and ``dv``
+    (head_dim of v, default ``head_dim``; smaller in multi-head latent attention: its V tile is
+    narrower, so the same tiles fit).
 
     Rule (not tuned on hardware): ``wd`` is the fewest SIMD-groups that keep each one's
     head_dim slice at most 128 (1 up to 128, 2 for 192 and 256, 4 for 512), ``wq`` 4 row blocks
@@ -92,7 +97,7 @@ def attention_tile_config(head_dim: int, dtype) -> AttentionTiles:
     shared = False
 
     def nbytes():
-        return attention_threadgroup_bytes(head_dim, itemsize, bk, wq, wd, shared)
+        return attention_threadgroup_bytes(head_dim, itemsize, bk, wq, wd, shared, dv)
 
     if nbytes() > THREADGROUP_MEMORY_LIMIT:
         shared = True
@@ -112,16 +117,17 @@ def sinks_input(sinks) -> mx.array:
 
 def launch_attention(q, k, v, k_scale, v_scale, *, scale, causal, window, softcap, backend,
                      kv_start=None, sinks=None):
-    """Run the MSL attention kernel on ``backend`` (metal or emulator); returns (B, Hq, Lq, D)
-    as a transposed view of a (B, Lq, Hq, D) buffer. k/v are T arrays, or int8 quants with
+    """Run the MSL attention kernel on ``backend`` (metal or emulator); returns (B, Hq, Lq, Dv)
+    as a transposed view of a (B, Lq, Hq, Dv) buffer (Dv: v's head_dim, D or less). k/v are T
+    arrays, or int8 quants with
     their float16 scales k_scale/v_scale (else None). ``kv_start``: None, or an int32 (B,)
     array, batch row b's first valid key (the kernel's ``KV_START`` instantiation; the kernel
     clamps it to 0 .. Lk). ``sinks``: None, or (Hq,) float (the ``SINKS`` instantiation, read
     in float32). No argument checks: the caller has done them (tests reach the
     kernel's no-visible-key guard through here with Lq > Lk)."""
     B, Hq, Lq, D = q.shape
-    Lk = k.shape[2]
-    tiles = attention_tile_config(D, q.dtype)
+    Lk, Dv = k.shape[2], v.shape[3]
+    tiles = attention_tile_config(D, q.dtype, Dv)
     kv_q8 = k_scale is not None
     if not kv_q8:
         k_scale = v_scale = mx.zeros((1, 1, 1, 1), mx.float16)  # never read; 4-D strides
@@ -139,9 +145,9 @@ def launch_attention(q, k, v, k_scale, v_scale, *, scale, causal, window, softca
         inputs=[q, k, v, k_scale, v_scale, fparams, iparams, kv_start, sinks_input(sinks)],
         grid=(tiles.threads * n_qblocks, Hq, B),
         threadgroup=(tiles.threads, 1, 1),
-        output_shapes=[(B, Lq, Hq, D)],
+        output_shapes=[(B, Lq, Hq, Dv)],
         output_dtypes=[q.dtype],
-        template=[("T", q.dtype), ("D", D), ("BK", tiles.bk), ("WQ", tiles.wq),
+        template=[("T", q.dtype), ("D", D), ("DV", Dv), ("BK", tiles.bk), ("WQ", tiles.wq),
                   ("WD", tiles.wd), ("KV_SHARED", tiles.kv_shared), ("CAUSAL", bool(causal)),
                   ("WINDOW", windowed), ("SOFTCAP", softcap is not None), ("KV_Q8", kv_q8),
                   ("KV_START", has_start), ("SINKS", sinks is not None)],

@@ -27,7 +27,7 @@ import mlx.core as mx
 from mlx_bricks import kernels
 from mlx_bricks.backends import op_backend
 from mlx_bricks.bricks.attention import cuda, msl
-from mlx_bricks.bricks.attention.msl import SUPPORTED_HEAD_DIMS
+from mlx_bricks.bricks.attention.msl import SUPPORTED_HEAD_DIMS, attention_tile_config
 from mlx_bricks.bricks.q8_0.op import quantize_q8_0
 from mlx_bricks.checks import FLOAT_DTYPES, check_array, check_float_dtype, dtype_name
 from mlx_bricks.formats.q8_0 import QK8_0, check_kv, check_kv_quant, kv_dense
@@ -170,7 +170,7 @@ def _reference_attention(q, k, v, scale, mask, window, softcap, kv_start=None, s
         p = mx.softmax(s, axis=-1, precise=True)[..., 1:]
     else:
         p = mx.softmax(s, axis=-1, precise=True)
-    return (p @ mx.expand_dims(v, 2)).reshape(B, Hq, Lq, D)
+    return (p @ mx.expand_dims(v, 2)).reshape(B, Hq, Lq, v.shape[-1])
 
 
 def _check_real(name, value, what):
@@ -240,6 +240,21 @@ def _check_sinks(sinks, q):
                          f"head), got {tuple(sinks.shape)}")
 
 
+def _check_value_dim(Dv: int, D: int, quantized: bool):
+    """v's head_dim: D, or (multi-head latent attention) a smaller one the kernel's SIMD-groups
+    split as they split D (``Dv`` in ``SUPPORTED_HEAD_DIMS``, a multiple of ``8 * wd``)."""
+    if Dv == D:
+        return
+    wd = attention_tile_config(D, mx.float16).wd if D in SUPPORTED_HEAD_DIMS else 1
+    if Dv not in SUPPORTED_HEAD_DIMS or Dv > D or Dv % (8 * wd):
+        raise ValueError(
+            f"v's head_dim {Dv} differs from q/k's {D}: it must be one of "
+            f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}, at most {D} and a multiple of "
+            f"{8 * wd}")
+    if quantized and Dv % QK8_0:
+        raise ValueError(f"kv_quant='q8_0' needs v's head_dim % {QK8_0} == 0, got {Dv}")
+
+
 def _check_attention(q, k, v, scale, mask, window, softcap, kv_quant, kv_start=None,
                      sinks=None):
     check_array("q", q, ndim=4)
@@ -250,12 +265,14 @@ def _check_attention(q, k, v, scale, mask, window, softcap, kv_quant, kv_start=N
     _check_real("scale", scale, "a Python float")
     _check_masking(mask, window, softcap)
     B, Hq, Lq, D = q.shape
-    if ks != vs:
-        raise ValueError(f"k and v must have the same shape, got {ks} and {vs}")
+    if ks[:3] != vs[:3]:
+        raise ValueError(f"k and v must have the same shape but for v's head_dim "
+                         f"(B, Hkv, Lk equal), got {ks} and {vs}")
     if ks[0] != B or ks[3] != D:
         raise ValueError(
-            f"k and v must have shape (B={B}, Hkv, Lk, D={D}) to match q {tuple(q.shape)}, got {ks}"
+            f"k must have shape (B={B}, Hkv, Lk, D={D}) to match q {tuple(q.shape)}, got {ks}"
         )
+    _check_value_dim(vs[3], D, quantized)
     Hkv, Lk = ks[1], ks[2]
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"q's heads ({Hq}) must be a multiple of k/v's heads ({Hkv}) for GQA")
@@ -283,10 +300,13 @@ def flash_attention(q, k, v, *, scale, mask=None, window=None, softcap=None, kv_
     Args:
         q: (B, Hq, Lq, D) float16, bfloat16 or float32; D in ``SUPPORTED_HEAD_DIMS``
             (64, 80, 96, 128, 192, 256, 512).
-        k, v: (B, Hkv, Lk, D) of q's dtype, ``Hq % Hkv == 0`` (GQA: query head h reads KV head
-            ``h // (Hq // Hkv)``), ``Lk >= Lq``. With ``kv_quant="q8_0"`` each may instead be
-            a Q8_0 tuple ``(qs, d)``: qs int8 (B, Hkv, Lk, D), d float16 (B, Hkv, Lk, D // 32)
-            as :func:`quantize_q8_0` returns (a Q8_0 KV cache).
+        k: (B, Hkv, Lk, D), v: (B, Hkv, Lk, Dv), of q's dtype, ``Hq % Hkv == 0`` (GQA: query
+            head h reads KV head ``h // (Hq // Hkv)``), ``Lk >= Lq``. ``Dv`` is D, or a
+            smaller head_dim of ``SUPPORTED_HEAD_DIMS`` that is a multiple of 8 times the
+            kernel's head_dim split (multi-head latent attention: D = 192 = 128 + 64 rope
+            columns, Dv = 128). With ``kv_quant="q8_0"`` each may instead be a Q8_0 tuple
+            ``(qs, d)``: qs int8 (B, Hkv, Lk, D), d float16 (B, Hkv, Lk, D // 32) as
+            :func:`quantize_q8_0` returns (a Q8_0 KV cache).
         scale: Python float multiplying ``q @ k.T`` (any finite value: ``D ** -0.5``, or
             Gemma's ``query_pre_attn_scalar ** -0.5``).
         mask: None or ``"causal"``, aligned bottom-right as in
@@ -320,8 +340,8 @@ def flash_attention(q, k, v, *, scale, mask=None, window=None, softcap=None, kv_
         backend: ``None`` (auto), ``"metal"``, ``"cuda"``, ``"emulator"`` or ``"reference"``.
 
     Returns:
-        (B, Hq, Lq, D) array of q's dtype. On metal/emulator it is a transposed view of a
-        row-contiguous (B, Lq, Hq, D) buffer, as MLX's SDPA returns it, so mlx-lm's
+        (B, Hq, Lq, Dv) array of q's dtype. On metal/emulator it is a transposed view of a
+        row-contiguous (B, Lq, Hq, Dv) buffer, as MLX's SDPA returns it, so mlx-lm's
         ``out.transpose(0, 2, 1, 3).reshape(B, L, -1)`` before o_proj needs no copy. The
         reference backend returns whatever :func:`flash_attention_reference` returns.
 
@@ -339,7 +359,8 @@ def flash_attention(q, k, v, *, scale, mask=None, window=None, softcap=None, kv_
             tuples, tuples without kv_quant, a non-real scale or softcap, a non-int window, a
             kv_start that is not an integer mx.array, sinks that are not a float mx.array
             promoting to q's dtype.
-        ValueError: shapes that do not match, Hq % Hkv != 0, Lk < Lq, unsupported head_dim,
+        ValueError: shapes that do not match, Hq % Hkv != 0, Lk < Lq, unsupported head_dim
+            (of q/k, or of v: see ``v`` above),
             an array mask or unknown mask string, window < 1 or without mask="causal",
             softcap <= 0, a non-finite scale or softcap, unknown kv_quant, a kv_start not of
             shape (B,), sinks not of shape (Hq,), or a bad backend.
@@ -369,7 +390,8 @@ def run_flash_attention(q, k, v, *, scale, mask=None, window=None, softcap=None,
                                          sinks=sinks)
     B, Hq, Lq, D = q.shape
     if B == 0 or Hq == 0 or Lq == 0:
-        return mx.zeros(q.shape, q.dtype)
+        Dv = (v[0] if isinstance(v, tuple) else v).shape[3]
+        return mx.zeros((B, Hq, Lq, Dv), q.dtype)
     k_scale = v_scale = None
     if kv_quant == "q8_0":
         # Quantize with the backend's own kernel where it has one (the same ggml rounding).
@@ -377,9 +399,15 @@ def run_flash_attention(q, k, v, *, scale, mask=None, window=None, softcap=None,
         k, k_scale = k if isinstance(k, tuple) else quantize_q8_0(k, backend=qb)
         v, v_scale = v if isinstance(v, tuple) else quantize_q8_0(v, backend=qb)
     if name == "cuda":
-        return cuda.launch_attention_cuda(q, k, v, k_scale, v_scale, scale=scale,
-                                          causal=mask == "causal", window=window,
-                                          softcap=softcap, kv_start=kv_start, sinks=sinks)
+        Dv = v.shape[3]
+        if Dv != D:  # the CUDA twin takes one head_dim: V padded with zero columns, cut after
+            v = mx.pad(v, [(0, 0), (0, 0), (0, 0), (0, D - Dv)])
+            if v_scale is not None:
+                v_scale = mx.pad(v_scale, [(0, 0), (0, 0), (0, 0), (0, (D - Dv) // QK8_0)])
+        out = cuda.launch_attention_cuda(q, k, v, k_scale, v_scale, scale=scale,
+                                         causal=mask == "causal", window=window,
+                                         softcap=softcap, kv_start=kv_start, sinks=sinks)
+        return out if Dv == D else out[..., :Dv]
     return msl.launch_attention(q, k, v, k_scale, v_scale, scale=scale, causal=mask == "causal",
                                 window=window, softcap=softcap, backend=name, kv_start=kv_start,
                                 sinks=sinks)
