@@ -179,6 +179,51 @@ CONFIGS = {
                                     "full_attention": {"rope_theta": 500000.0}}),
 }
 
+# Multi-head latent attention (bricks/mla): kv_lora_rank 256 > (nope + v) / 2, so a prompt from
+# an empty cache decompresses (the bricks) and a short second turn absorbs (op.choose_form);
+# DeepSeek-V3's sizes (rank 512, head widths 192 / 128) on deepseek_v3, 96 / 64 elsewhere;
+# deepseek_v32's indexer keeps 64 keys (longer calls select: stock); layer 0 dense, layer 1
+# MoE (4 experts, top 2, a shared expert) where the family has MoE.
+_MLA = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=192, num_attention_heads=4,
+            num_key_value_heads=4, kv_lora_rank=256, q_lora_rank=96, qk_rope_head_dim=32,
+            qk_nope_head_dim=64, v_head_dim=64, rms_norm_eps=1e-6, rope_theta=10000.0,
+            max_position_embeddings=4096)
+_MLA_MOE = dict(moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
+                n_shared_experts=1, first_k_dense_replace=1)
+_YARN = {"type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32,
+         "beta_slow": 1, "original_max_position_embeddings": 64}
+CONFIGS.update({
+    "deepseek_v3": dict(_MLA, **_MLA_MOE, kv_lora_rank=512, qk_rope_head_dim=64,
+                        qk_nope_head_dim=128, v_head_dim=128, rope_scaling=_YARN),
+    "deepseek_v32": dict(_MLA, **_MLA_MOE, index_head_dim=32, index_n_heads=2, index_topk=64,
+                         rope_scaling=_YARN),
+    "deepseek_v2": dict(_MLA, **_MLA_MOE, rope_scaling=_YARN, topk_method="greedy"),
+    "glm4_moe_lite": dict(_MLA, **_MLA_MOE),
+    "mistral4": dict(_MLA, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
+                     n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.0,
+                     norm_topk_prob=True, topk_group=1, n_group=1,
+                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                      "original_max_position_embeddings": 6,
+                                      "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "llama_4_scaling_beta": 0.5}),
+    "minicpm3": dict({k: v for k, v in _MLA.items() if k != "v_head_dim"}, hidden_size=256, dim_model_base=256, scale_depth=1.4, scale_emb=12,
+                     rope_scaling={"original_max_position_embeddings": 4096,
+                                   "short_factor": [1.0] * 16, "long_factor": [1.0] * 16}),
+    "youtu_llm": dict(_MLA),
+    "kimi_linear": dict({k: v for k, v in _MLA.items()
+                         if k not in ("q_lora_rank", "max_position_embeddings")}, head_dim=64, model_max_length=4096, num_experts=4,
+                        moe_intermediate_size=64, num_experts_per_token=2,
+                        num_shared_experts=1, first_k_dense_replace=1, mla_use_nope=True,
+                        linear_attn_config={"kda_layers": [1], "num_heads": 4, "head_dim": 32,
+                                            "short_conv_kernel_size": 4}),
+    "bailing_hybrid": dict(_MLA, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+                           moe_intermediate_size=64, n_group=1, topk_group=1,
+                           first_k_dense_replace=1, layer_group_size=1, group_norm_size=1,
+                           routed_scaling_factor=1.0, head_dim=64),
+})
+MLA_TYPES = ("deepseek_v3", "deepseek_v32", "deepseek_v2", "glm4_moe_lite", "mistral4",
+             "minicpm3", "youtu_llm", "kimi_linear", "bailing_hybrid")
+
 # Multimodal wrappers: the text model's args under text_config (vocab included).
 # llama4: 4 layers, chunked attention (chunks of 8) on layers 0-2, layer 3 NoPE and global with
 # the attention temperature (floor_scale 4 so it moves within a prompt); MoE (4 experts, top 1,
@@ -194,7 +239,7 @@ CONFIGS["mistral3"] = dict(text_config=dict(CONFIGS["llama"], model_type="llama"
                                              vocab_size=VOCAB))
 
 # Parameters scaled up to sharpen attention (q_norm/k_norm: qwen3 normalises q and k per head).
-ATTENTION_SHARPEN = ("q_proj.", "k_proj.", "q_norm.", "k_norm.")
+ATTENTION_SHARPEN = ("q_proj.", "k_proj.", "q_norm.", "k_norm.", "q_b_proj.", "embed_q.")
 
 # model_type -> mlx-lm module that builds it (mlx_lm.utils.MODEL_REMAPPING: mistral -> llama).
 MODULES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -206,7 +251,7 @@ MODULES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwe
            "llama4_text": "llama4_text", "mistral3": "mistral3", "llama4": "llama4",
            "internlm3": "internlm3", "helium": "helium", "nanbeige": "nanbeige",
            "mellum": "mellum", "granite": "granite", "olmoe": "olmoe", "dots1": "dots1",
-           "exaone_moe": "exaone_moe"}
+           "exaone_moe": "exaone_moe", **{t: t for t in MLA_TYPES}}
 
 # Architectures whose q/k are RMS-normalised with scale 1.0 (gemma4): their scores are already
 # peaked (std ~ sqrt(head_dim)); q/k are not sharpened further.

@@ -183,7 +183,7 @@ def test_mistral3_wrapper_of_ministral3():
 
 def test_wrapper_of_unknown_text_model_is_stock():
     model = build_model("mistral3")
-    model.language_model.model_type = "mistral4"  # an MLA text model: not in the table
+    model.language_model.model_type = "unknown_text"  # a text model the table lacks
     report = patch_model(model, backend="reference")
     assert report.architecture is None and report.n_patched == 0
     assert "'mistral3' is not in the patch table" in report.fallbacks[0].reason

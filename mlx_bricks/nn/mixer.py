@@ -16,6 +16,15 @@ mixer kind in ``mlx_bricks/bricks/<brick>/piece.py``, listed in ``patch/mixers.p
   norms, out-projection); returns the module's output;
 * ``kind``, ``role``, ``bricks``, ``watched``, ``linears()``, ``reason()`` as for every piece.
 
+A mixer of several pieces (multi-head latent attention: its projections on the GEMM brick, its
+core on the attention brick) gives instead of ``placeholders`` / ``prologue`` / ``epilogue``:
+
+* ``pieces(module, inputs, call) -> {name: (kind, args)}``: every piece this call shape runs
+  (arguments as shapes), chosen together and remembered under ``shape_key``;
+* ``forward(module, inputs, call, run) -> output``: the module's computation, each piece
+  through ``run(name, kind, args, stock)`` (``args()`` builds the brick's arguments,
+  ``stock()`` is the module's own code for it; ``nn.runner.run_piece``).
+
 Decode (one token) runs the module's own ``__call__`` after a single length check (and the
 model's decode gate normally switches the class away before that: ``nn.gate``).
 """
@@ -70,10 +79,14 @@ class BricksMixer:
             state.stock[reason] += 1
             return super().__call__(inputs, *args, **kwargs)
         kind = piece.kind
-        choices = choose(state, shape_key, lambda: {
+        several = getattr(piece, "pieces", None)
+        choices = choose(state, shape_key, lambda: several(self, inputs, call) if several else {
             piece.role: (kind, piece.placeholders(self, inputs, call))})
         if all_stock(state, choices, shape_key):
             return super().__call__(inputs, *args, **kwargs)
+        if several is not None:
+            return piece.forward(self, inputs, call, lambda name, k, a, stock: run_piece(
+                state, name, choices[name], k, a, stock))
         op_args, ctx = piece.prologue(self, inputs, call)
         out = run_piece(state, piece.role, choices[piece.role], kind,
                         lambda: op_args, lambda: kind.stock(op_args))

@@ -12,6 +12,7 @@ piece object in its brick package and one line in :data:`MIXERS`.
 from __future__ import annotations
 
 from mlx_bricks.bricks.gated_delta.piece import GDN_PIECE
+from mlx_bricks.bricks.mla.piece import MLA_PIECE, MLA_SCALED_PIECE
 from mlx_bricks.bricks.moe.piece import MOE_PIECE, activation_of, switch_classes
 from mlx_bricks.nn import BricksMixer, BricksPiece, BricksState, attach, is_patched
 from mlx_bricks.patch.report import DISABLED, FALLBACK, PATCHED, STOCK, ModuleReport
@@ -19,7 +20,7 @@ from mlx_bricks.patch.vetted import forward_fingerprint, signature_reason
 from mlx_bricks.runtime.dispatch import NO_KERNEL_BACKEND, Dispatch
 
 #: The token-mixer pieces patched by module, in the order a module is matched against them.
-MIXERS = (GDN_PIECE,)
+MIXERS = (GDN_PIECE, MLA_PIECE, MLA_SCALED_PIECE)
 
 
 def has_experts(layer) -> bool:

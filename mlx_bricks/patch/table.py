@@ -35,6 +35,10 @@ _QWEN3_NEXT = _calls("qwen3_next", Qwen3NextAttention="ffa6d648326b",
                      Qwen3NextMLP="07c9ab86cb8f")
 
 
+# DeepSeek-V3's dense SwiGLU MLP (also its MoE layers' shared experts; mistral4 builds its MLPs
+# from this class).
+_DEEPSEEK_V3_MLP = _calls("deepseek_v3", DeepseekV3MLP="d28884f84783")
+
 # The mlx-lm 0.32.2 forwards each entry was read against (a different forward stays stock).
 _LLAMA = _calls("llama", Attention="dc1cc3af5b0a", MLP="07c9ab86cb8f",
                 TransformerBlock="61ea9549fdd9")
@@ -243,6 +247,41 @@ ARCHITECTURES: dict[str, BlockLayout] = {
                               rope_flag="use_rope", shared_expert="shared_experts",
                               vetted=_calls("exaone_moe", Attention="4c8b7082aad5",
                                             MLP="8b27d3a1b136", DecoderLayer="dec68396d250")),
+    # Multi-head latent attention families (docs/mla.md): the MLA module (self_attn, or
+    # Bailing's attention) is patched by module (patch.modules.MIXERS: bricks/mla), so these
+    # entries are for the rest of the block: dense SwiGLU MLPs, MoE layers' shared experts
+    # (SwitchGLU experts by module; routers stay stock). DeepSeek-V3.2's sparse attention
+    # (indexer) is part of its MLA module.
+    "deepseek_v2": BlockLayout(source="mlx_lm/models/deepseek_v2.py",
+                               shared_expert="shared_experts",
+                               vetted=_calls("deepseek_v2", DeepseekV2MLP="d28884f84783")),
+    "deepseek_v3": BlockLayout(source="mlx_lm/models/deepseek_v3.py",
+                               shared_expert="shared_experts", vetted=_DEEPSEEK_V3_MLP),
+    "deepseek_v32": BlockLayout(source="mlx_lm/models/deepseek_v32.py",
+                                shared_expert="shared_experts",
+                                vetted=_calls("deepseek_v32", DeepseekV32MLP="d28884f84783")),
+    "glm4_moe_lite": BlockLayout(source="mlx_lm/models/glm4_moe_lite.py",
+                                 shared_expert="shared_experts",
+                                 vetted=_calls("glm4_moe_lite", Glm4MoeLiteMLP="d28884f84783")),
+    # mistral4 (the text model of mistral3's wrapper): DeepSeek-V3's MLP class
+    "mistral4": BlockLayout(source="mlx_lm/models/mistral4.py", shared_expert="shared_experts",
+                            call_args=("attn_scale", "mask", "cache"),
+                            vetted=_DEEPSEEK_V3_MLP),
+    "minicpm3": BlockLayout(source="mlx_lm/models/minicpm3.py",
+                            vetted=_calls("minicpm3", MLP="8b27d3a1b136")),
+    "youtu_llm": BlockLayout(source="mlx_lm/models/youtu_llm.py",
+                             vetted=_calls("youtu_llm", YoutuLLMMLP="07c9ab86cb8f")),
+    # kimi_linear / bailing_moe_v3 / bailing_hybrid: their linear-attention layers are not
+    # MLA (stock here unless a mixer of patch.modules takes them)
+    "kimi_linear": BlockLayout(source="mlx_lm/models/kimi_linear.py",
+                               shared_expert="shared_experts",
+                               vetted=_calls("kimi_linear", KimiMLP="fcbab3148610")),
+    "bailing_moe_v3": BlockLayout(source="mlx_lm/models/bailing_moe_v3.py",
+                                  attention="attention", shared_expert="shared_experts",
+                                  vetted=_calls("bailing_moe_v3", BailingMLP="fcbab3148610")),
+    "bailing_hybrid": BlockLayout(source="mlx_lm/models/bailing_hybrid.py",
+                                  attention="attention", shared_expert="shared_experts",
+                                  vetted=_calls("bailing_hybrid", MLP="fcbab3148610")),
 }
 
 # model_type -> ARCHITECTURES key, for types mlx-lm builds with another type's model file
@@ -250,9 +289,10 @@ ARCHITECTURES: dict[str, BlockLayout] = {
 # "gemma3" is the multimodal wrapper: model.layers are gemma3_text's (language_model.layers).
 # "qwen3_5_moe" builds qwen3_5's model (its Model subclasses qwen3_5's, same layers).
 # "gemma4" is the multimodal wrapper: model.layers are gemma4_text's.
+# "glm_moe_dsa" (GLM-5) builds deepseek_v32's model (its Model subclasses DeepSeek-V3.2's).
 ALIASES: dict[str, str] = {"mistral": "llama", "xverse": "llama", "iquestcoder": "llama",
                            "gemma3": "gemma3_text", "qwen3_5_moe": "qwen3_5",
-                           "gemma4": "gemma4_text"}
+                           "gemma4": "gemma4_text", "glm_moe_dsa": "deepseek_v32"}
 
 #: Multimodal wrappers whose text model (``model.language_model``) may be of several types
 #: (mistral3: llama, ministral3 or mistral4): looked up by the text model's ``model_type``.

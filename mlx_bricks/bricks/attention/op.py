@@ -240,7 +240,7 @@ def _check_sinks(sinks, q):
                          f"head), got {tuple(sinks.shape)}")
 
 
-def _check_value_dim(Dv: int, D: int, quantized: bool):
+def check_value_dim(Dv: int, D: int, quantized: bool):
     """v's head_dim: D, or (multi-head latent attention) a smaller one the kernel's SIMD-groups
     split as they split D (``Dv`` in ``SUPPORTED_HEAD_DIMS``, a multiple of ``8 * wd``)."""
     if Dv == D:
@@ -272,7 +272,7 @@ def _check_attention(q, k, v, scale, mask, window, softcap, kv_quant, kv_start=N
         raise ValueError(
             f"k must have shape (B={B}, Hkv, Lk, D={D}) to match q {tuple(q.shape)}, got {ks}"
         )
-    _check_value_dim(vs[3], D, quantized)
+    check_value_dim(vs[3], D, quantized)
     Hkv, Lk = ks[1], ks[2]
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"q's heads ({Hq}) must be a multiple of k/v's heads ({Hkv}) for GQA")

@@ -1,0 +1,1 @@
+"""DeepSeek sparse attention (DSA): the lightning indexer's step in a patched MLA module."""

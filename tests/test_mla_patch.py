@@ -1,0 +1,145 @@
+"""Multi-head latent attention families patched by module (bricks/mla): tiny random models of
+each (tests/models.py ``MLA_TYPES``) from mlx-lm's own classes, patched vs stock.
+
+A 50-token prompt whole and in three chunks through the model's own cache: 0:5 and 5:47
+decompress (the attention brick over the chunk's and the cached keys), 47:50 absorbs (a short
+turn over the cache: ``op.choose_form``). Logits follow the dtype-scaled rule against a float64
+run of the same weights (MoE experts through gathered weights), the cache holds what stock
+writes, greedy tokens equal stock's (up to a float64 tie), decode is stock and counted,
+unpatching gives stock's logits bit for bit, and the report says what runs.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_bricks.bricks.mla.family import facts_of
+from mlx_bricks.bricks.mla.forward import form_of
+from mlx_bricks.bricks.mla.piece import base_class
+from mlx_bricks.nn.calls import DECODE
+from mlx_bricks.patch import patch_model, unpatch_model
+from tests.models import MLA_TYPES, build_model, tokens
+from tests.test_patch import assert_same_greedy, greedy, run, run64
+from tests.tolerance import assert_dtype_close
+
+N_TOKENS = 50
+CHUNKS = [(0, 5), (5, 47), (47, N_TOKENS)]
+ABSORBED = "attention: absorbed form (fewer FLOPs than decompressing the cache)"
+# overrides that leave every layer dense (the CPU's gather_mm is float32 only: half-precision
+# runs of these families keep their MoE layers out)
+DENSE = {"kimi_linear": dict(first_k_dense_replace=2), "youtu_llm": {}, "minicpm3": {}}
+# MLA layers per family (kimi_linear: layer 0 is Kimi Delta Attention, stock here)
+MLA_LAYERS = {"kimi_linear": [1]}
+
+
+def dense(arch):
+    return DENSE.get(arch, dict(first_k_dense_replace=2))
+
+
+def clone64(model):
+    """A float64 stock copy of ``model`` (same file and args: ``args`` or ``config``)."""
+    module = importlib.import_module(type(model).__module__)
+    args = getattr(model, "args", None) or model.config
+    copy = module.Model(args)
+    copy.update(tree_map(lambda a: a.astype(mx.float64), model.parameters()))
+    mx.eval(copy.parameters())
+    return copy
+
+
+@contextlib.contextmanager
+def float64_experts():
+    from tests.test_moe_patch import _gathered_switch
+
+    with _gathered_switch():
+        yield
+
+
+def chunks(model, runner, toks):
+    cache = make_prompt_cache(model)
+    return [runner(model, toks[:, a:b], cache) for a, b in CHUNKS], cache
+
+
+def mla_modules(report):
+    return [m for m in report.modules if m.module == "mla"]
+
+
+def mla_module(layer):
+    return layer.get("self_attn", layer.get("attention"))
+
+
+def form(module, L, offset):
+    """The form a call of ``L`` tokens over ``offset`` cached ones attends in."""
+    facts = facts_of(base_class(module))
+    return form_of(module, facts, L, offset)
+
+
+def check_family(arch, backend, dtype, **overrides):
+    model = build_model(arch, dtype, **overrides)
+    toks = tokens(N_TOKENS)
+    with float64_experts():
+        m64 = clone64(model)
+        refs, _ = chunks(m64, run64, toks)
+        ref_whole = run64(m64, toks)
+    stock, stock_cache = chunks(model, run, toks)
+    stock_whole = run(model, toks)
+    stock_greedy = greedy(model, toks[0], n=6, prefill_step_size=CHUNKS[1][1])
+
+    report = patch_model(model, backend=backend)
+    mla = mla_modules(report)
+    want = MLA_LAYERS.get(arch, list(range(len(model.layers))))
+    assert [m.layer for m in mla] == want and all(m.status == "patched" for m in mla), report
+    what = f"{arch} {backend} {dtype}"
+    assert_dtype_close(run(model, toks), ref_whole, stock_whole, dtype=dtype,
+                       what=f"{what} whole prompt")
+    got, cache = chunks(model, run, toks)
+    for (a, b), p, s, r in zip(CHUNKS, got, stock, refs):
+        assert_dtype_close(p, r, s, dtype=dtype, what=f"{what} chunk {a}:{b}")
+    # the cache holds what stock writes (same layout; values within the dtype's rounding of
+    # the inputs the patched layers passed on)
+    for c, s in zip(cache, stock_cache):
+        for (name, a), (_, b) in zip(tree_flatten(c.state), tree_flatten(s.state)):
+            if isinstance(a, mx.array):
+                assert a.shape == b.shape and a.dtype == b.dtype, (what, name)
+                scale = max(1.0, float(mx.abs(b.astype(mx.float32)).max()))
+                err = float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max())
+                assert err <= 0.05 * scale, (what, name, err)
+    for m in mla:
+        attn = mla_module(model.layers[m.layer])
+        forms = [form(attn, b - a, a) for a, b in [(0, N_TOKENS), *CHUNKS]]
+        latent = facts_of(base_class(attn)).cache == "latent"  # kv caches are decompressed already
+        assert forms == ["decompressed"] * 3 + ["absorbed" if latent else "decompressed"]
+        assert m.calls["flash_attention"] == forms.count("decompressed"), m.calls
+        assert m.calls["linear"] > 0 and m.stock_calls.get(ABSORBED, 0) == forms.count(
+            "absorbed"), m.stock_calls
+    # decode: mlx-lm's absorbed step, counted
+    step = run(model, toks[:, -1:], cache)
+    assert step.shape[1] == 1
+    assert all(m.stock_calls.get(DECODE) == 1 for m in mla_modules(report))
+    patched_greedy = greedy(model, toks[0], n=6, prefill_step_size=CHUNKS[1][1])
+    if dtype == mx.float32:
+        assert patched_greedy == stock_greedy
+    else:
+        assert_same_greedy(model, dtype, [toks[0].tolist()], [stock_greedy], [patched_greedy])
+    assert unpatch_model(model) == report.n_patched
+    assert mx.array_equal(run(model, toks), stock_whole).item()
+    return report
+
+
+@pytest.mark.parametrize("arch", MLA_TYPES)
+def test_family_float32_reference(arch):
+    check_family(arch, "reference", mx.float32)
+
+
+@pytest.mark.parametrize("arch", MLA_TYPES)
+def test_family_bfloat16_reference(arch):
+    check_family(arch, "reference", mx.bfloat16, **dense(arch))
+
+
+@pytest.mark.parametrize("arch", MLA_TYPES)
+def test_family_bfloat16_emulator(arch):
+    check_family(arch, "emulator", mx.bfloat16, **dense(arch))
