@@ -220,9 +220,36 @@ CONFIGS.update({
                            moe_intermediate_size=64, n_group=1, topk_group=1,
                            first_k_dense_replace=1, layer_group_size=1, group_norm_size=1,
                            routed_scaling_factor=1.0, head_dim=64),
+    "bailing_moe_v3": dict({k: v for k, v in _MLA.items() if k != "num_key_value_heads"},
+                           num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+                           moe_intermediate_size=64, moe_shared_expert_intermediate_size=64,
+                           n_group=1, topk_group=1, first_k_dense_replace=1,
+                           layer_group_size=1, routed_scaling_factor=1.0, head_dim=64),
+    # two MLA modules and two dense MLPs per layer around a MoE with 2 identity experts
+    "longcat_flash": dict(hidden_size=128, ffn_hidden_size=192, moe_topk=2,
+                          expert_ffn_hidden_size=64, n_routed_experts=4, zero_expert_num=2,
+                          num_layers=2, max_position_embeddings=4096, num_attention_heads=4,
+                          kv_lora_rank=256, q_lora_rank=96, qk_rope_head_dim=32,
+                          qk_nope_head_dim=64, v_head_dim=64, routed_scaling_factor=1.0,
+                          rms_norm_eps=1e-6, rope_theta=10000.0, mla_scale_q_lora=True,
+                          mla_scale_kv_lora=True, attention_method="MLA",
+                          zero_expert_type="identity", attention_bias=False),
+    # Kimi K3 (text_config): NoPE MLA with an output gate (every layer MLA: no KDA layer)
+    "kimi_k3": dict(text_config=dict(
+        model_type="kimi_k3", vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, intermediate_size=192,
+        linear_attn_config={"kda_layers": [], "num_heads": 4, "head_dim": 32,
+                            "short_conv_kernel_size": 4},
+        q_lora_rank=96, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
+        v_head_dim=64, mla_use_output_gate=True, num_experts=4, num_experts_per_token=2,
+        num_shared_experts=1, moe_intermediate_size=64, first_k_dense_replace=1)),
 })
+CONFIGS["longcat_flash_ngram"] = dict(CONFIGS["longcat_flash"], ngram_vocab_size_ratio=2,
+                                      emb_neighbor_num=2, emb_split_num=2)
+del CONFIGS["longcat_flash_ngram"]["attention_method"]
 MLA_TYPES = ("deepseek_v3", "deepseek_v32", "deepseek_v2", "glm4_moe_lite", "mistral4",
-             "minicpm3", "youtu_llm", "kimi_linear", "bailing_hybrid")
+             "minicpm3", "youtu_llm", "kimi_linear", "bailing_hybrid", "bailing_moe_v3",
+             "longcat_flash", "longcat_flash_ngram", "kimi_k3")
 
 # Multimodal wrappers: the text model's args under text_config (vocab included).
 # llama4: 4 layers, chunked attention (chunks of 8) on layers 0-2, layer 3 NoPE and global with

@@ -23,7 +23,7 @@ from mlx_bricks.bricks.mla.forward import form_of
 from mlx_bricks.bricks.mla.piece import base_class
 from mlx_bricks.nn.calls import DECODE
 from mlx_bricks.patch import patch_model, unpatch_model
-from tests.models import MLA_TYPES, build_model, tokens
+from tests.models import CONFIGS, MLA_TYPES, build_model, tokens
 from tests.test_patch import assert_same_greedy, greedy, run, run64
 from tests.tolerance import assert_dtype_close
 
@@ -32,13 +32,26 @@ CHUNKS = [(0, 5), (5, 47), (47, N_TOKENS)]
 ABSORBED = "attention: absorbed form (fewer FLOPs than decompressing the cache)"
 # overrides that leave every layer dense (the CPU's gather_mm is float32 only: half-precision
 # runs of these families keep their MoE layers out)
-DENSE = {"kimi_linear": dict(first_k_dense_replace=2), "youtu_llm": {}, "minicpm3": {}}
-# MLA layers per family (kimi_linear: layer 0 is Kimi Delta Attention, stock here)
-MLA_LAYERS = {"kimi_linear": [1]}
+DENSE = {"kimi_linear": dict(first_k_dense_replace=2), "youtu_llm": {}, "minicpm3": {},
+         "kimi_k3": dict(text_config=dict(CONFIGS["kimi_k3"]["text_config"],
+                                          first_k_dense_replace=2))}
+# every layer of these has a MoE: they run float32 (the CPU's gather_mm)
+MOE_ONLY = ("longcat_flash", "longcat_flash_ngram")
+# MLA layers per family (kimi_linear: layer 0 is Kimi Delta Attention, stock here; LongCat:
+# two MLA modules a layer)
+MLA_LAYERS = {"kimi_linear": [1], "longcat_flash": [0, 0, 1, 1],
+              "longcat_flash_ngram": [0, 0, 1, 1]}
 
 
 def dense(arch):
     return DENSE.get(arch, dict(first_k_dense_replace=2))
+
+
+def half(arch):
+    """The half-precision test's dtype and overrides (float32 where every layer is MoE)."""
+    if arch in MOE_ONLY:
+        return mx.float32, {}
+    return mx.bfloat16, dense(arch)
 
 
 def clone64(model):
@@ -68,8 +81,12 @@ def mla_modules(report):
     return [m for m in report.modules if m.module == "mla"]
 
 
-def mla_module(layer):
-    return layer.get("self_attn", layer.get("attention"))
+def mla_module(model, entry):
+    """The module of a report entry (its path leads its variant: ``self_attn.0: MLA, ...``)."""
+    m = model.layers[entry.layer]
+    for part in entry.variant.split(":")[0].split("."):
+        m = m[int(part)] if part.isdigit() else m[part]
+    return m
 
 
 def form(module, L, offset):
@@ -109,7 +126,7 @@ def check_family(arch, backend, dtype, **overrides):
                 err = float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max())
                 assert err <= 0.05 * scale, (what, name, err)
     for m in mla:
-        attn = mla_module(model.layers[m.layer])
+        attn = mla_module(model, m)
         forms = [form(attn, b - a, a) for a, b in [(0, N_TOKENS), *CHUNKS]]
         latent = facts_of(base_class(attn)).cache == "latent"  # kv caches are decompressed already
         assert forms == ["decompressed"] * 3 + ["absorbed" if latent else "decompressed"]
@@ -137,9 +154,11 @@ def test_family_float32_reference(arch):
 
 @pytest.mark.parametrize("arch", MLA_TYPES)
 def test_family_bfloat16_reference(arch):
-    check_family(arch, "reference", mx.bfloat16, **dense(arch))
+    dtype, overrides = half(arch)
+    check_family(arch, "reference", dtype, **overrides)
 
 
 @pytest.mark.parametrize("arch", MLA_TYPES)
 def test_family_bfloat16_emulator(arch):
-    check_family(arch, "emulator", mx.bfloat16, **dense(arch))
+    dtype, overrides = half(arch)
+    check_family(arch, "emulator", dtype, **overrides)

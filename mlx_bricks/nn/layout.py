@@ -100,6 +100,9 @@ class BlockLayout:
             linears whose output the block combines itself (glm4_moe, dots1: ``shared_experts``;
             qwen3_next: ``shared_expert``, gated by ``sigmoid(shared_expert_gate(x))``): patched
             as an MLP piece, reported as ``<mlp>.<shared_expert>``; None: none.
+        mlp_list: attribute of the decoder layer holding a list of further dense MLPs of the
+            layout's linears (LongCat-Flash's ``mlps``, beside its MoE ``mlp``), each patched
+            as an MLP piece, reported as ``<mlp_list>.<j>``; None: none.
         vetted: ``"<module>.<Class>.__call__=<sha256 prefix>"`` of each mlx-lm forward this
             entry was checked against (``mlx_bricks.patch.vetted``): a block, attention or MLP
             whose ``__call__`` is not one of them stays stock with the reason.
@@ -148,6 +151,7 @@ class BlockLayout:
     chunk_size: int | None = None
     call_args: tuple[str, ...] = ("mask", "cache")
     shared_expert: str | None = None
+    mlp_list: str | None = None
     vetted: tuple[str, ...] = ()
 
     @property

@@ -307,18 +307,20 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
     else:
         patch(mlp_mod, BricksPiece, MLP_PIECE.role, MLP_PIECE.bricks, mlp_variant,
               piece=MLP_PIECE)
-    shared = getattr(mlp_mod, layout.shared_expert, None) if layout.shared_expert else None
-    if shared is not None and isinstance(mlp_mod, nn.Module) and has_experts(mlp_mod):
-        where = f"{layout.mlp}.{layout.shared_expert}"
-        shared_reason = _mlp_structure(shared, layout)
-        if not mlp:
-            add(ModuleReport(i, where, DISABLED, reason="mlp=False"))
-        elif shared_reason is not None:
-            add(ModuleReport(i, where, FALLBACK, reason=shared_reason))
+    def dense(where, module):  # a dense MLP beside the layer's mlp, as an MLP piece
+        why = _mlp_structure(module, layout) if mlp else "mlp=False"
+        if why is not None:
+            add(ModuleReport(i, where, FALLBACK if mlp else DISABLED, reason=why))
         else:
-            patch(shared, BricksPiece, MLP_PIECE.role, MLP_PIECE.bricks, mlp_variant,
+            patch(module, BricksPiece, MLP_PIECE.role, MLP_PIECE.bricks, mlp_variant,
                   piece=MLP_PIECE)
             report.modules[-1].module = where
+
+    shared = getattr(mlp_mod, layout.shared_expert, None) if layout.shared_expert else None
+    if shared is not None and isinstance(mlp_mod, nn.Module) and has_experts(mlp_mod):
+        dense(f"{layout.mlp}.{layout.shared_expert}", shared)
+    for j, extra in enumerate(getattr(layer, layout.mlp_list or "", None) or ()):
+        dense(f"{layout.mlp_list}.{j}", extra)
 
 
 #: Class-name marks of a decoder layer's token mixer, most specific first, and the words the

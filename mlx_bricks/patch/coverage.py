@@ -8,7 +8,12 @@ Counted per prompt token at prompt length ``tokens`` (one sequence, no cache):
   projection times the tokens' experts (``top_k``);
 - the attention core of each module with q/k/v projections: ``4 * n_heads * head_dim * keys``
   (scores and the weighted sum), ``keys`` the average number of keys a query sees: ``(tokens +
-  1) / 2`` causal, ``w - w (w - 1) / (2 tokens)`` for a sliding window ``w < tokens``.
+  1) / 2`` causal, ``w - w (w - 1) / (2 tokens)`` for a sliding window ``w < tokens``;
+- a multi-head latent attention module (``bricks.mla.piece.prefill_flops``): its projections,
+  the key and value decompressions, DeepSeek-V3.2's indexer and the core ``2 * n_heads *
+  (q_head + v_head) * keys``, each part counted where it runs (the key decompression and the
+  indexer's key projection stay stock; a call whose keys exceed the indexer's top-k runs
+  stock whole).
 
 Norms, RoPE, routers' softmax/top-k, activations and recurrent mixers' state updates (Gated
 DeltaNet, Mamba: only their projections are counted) are left out: a few percent at most of a
@@ -21,6 +26,8 @@ from __future__ import annotations
 
 import mlx.nn as nn
 
+from mlx_bricks.bricks.mla.piece import is_mla
+from mlx_bricks.bricks.mla.piece import prefill_flops as mla_prefill_flops
 from mlx_bricks.nn import is_patched
 
 _HEADS = ("n_heads", "num_attention_heads", "num_heads")
@@ -102,6 +109,10 @@ def prefill_flops(model, tokens: int = 2048) -> dict:
 
         def walk(m, patched, parent):
             patched = patched or is_patched(m)
+            if is_mla(m):  # multi-head latent attention (bricks/mla): its own count
+                done = mla_prefill_flops(m, tokens, patched, _linear_flops)
+                counts[0], counts[1] = counts[0] + done[0], counts[1] + done[1]
+                return
             if isinstance(m, (SwitchGLU, SwitchMLP)):
                 counts[0 if patched else 1] += _switch_flops(m, _top_k(parent, default_k))
                 return
@@ -133,3 +144,46 @@ def prefill_flops(model, tokens: int = 2048) -> dict:
     total = bricks + stock
     return {"bricks": bricks, "stock": stock, "share": bricks / total if total else 0.0,
             "lm_head": lm_head, "layers": per_layer}
+
+
+def build_lazy(model_type: str, fields: dict):
+    """An mlx-lm model of ``model_type`` with ``fields`` (its ``ModelArgs``), weights never
+    evaluated (MLX is lazy: a real-size model costs no memory until run)."""
+    import importlib
+
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    name = MODEL_REMAPPING.get(model_type, model_type)
+    module = importlib.import_module(f"mlx_lm.models.{name}")
+    return module.Model(module.ModelArgs.from_dict({"model_type": model_type, **fields}))
+
+
+def main(argv=None) -> int:
+    """``python -m mlx_bricks.patch.coverage [--tokens N] [LABEL ...]``: the share of each
+    real-size model's prefill FLOPs (``patch.real_sizes``) in bricks once patched, as JSON
+    lines (label, model_type, source of the sizes, share, the stock part per token)."""
+    import argparse
+    import json
+
+    from mlx_bricks.patch.core import patch_model
+    from mlx_bricks.patch.real_sizes import REAL_SIZES
+
+    parser = argparse.ArgumentParser(prog="python -m mlx_bricks.patch.coverage",
+                                     description=main.__doc__)
+    parser.add_argument("--tokens", type=int, default=2048, help="prompt length (2048)")
+    parser.add_argument("labels", nargs="*", help=f"models (default all: {list(REAL_SIZES)})")
+    args = parser.parse_args(argv)
+    for label in args.labels or REAL_SIZES:
+        model_type, fields, source = REAL_SIZES[label]
+        model = build_lazy(model_type, fields)
+        patch_model(model, backend="reference", tune="off")
+        f = prefill_flops(model, args.tokens)
+        print(json.dumps({"model": label, "model_type": model_type, "sizes": source,
+                          "tokens": args.tokens, "share": round(f["share"], 4),
+                          "gflop_per_token": round((f["bricks"] + f["stock"]) / 1e9, 3),
+                          "stock_gflop_per_token": round(f["stock"] / 1e9, 4)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -271,6 +271,12 @@ ARCHITECTURES: dict[str, BlockLayout] = {
                             vetted=_calls("minicpm3", MLP="8b27d3a1b136")),
     "youtu_llm": BlockLayout(source="mlx_lm/models/youtu_llm.py",
                              vetted=_calls("youtu_llm", YoutuLLMMLP="07c9ab86cb8f")),
+    # longcat_flash: two MLA modules (self_attn[0], self_attn[1]) and two dense MLPs (mlps)
+    # per layer around one MoE (mlp, identity "zero" experts); the MLA list has no single
+    # attribute, so the entry names none ("mla_list"): its modules are patched by module.
+    "longcat_flash": BlockLayout(source="mlx_lm/models/longcat_flash.py", attention="mla_list",
+                                 mlp_list="mlps", vetted=_calls(
+                                     "longcat_flash", LongcatFlashMLP="fcbab3148610")),
     # kimi_linear / bailing_moe_v3 / bailing_hybrid: their linear-attention layers are not
     # MLA (stock here unless a mixer of patch.modules takes them)
     "kimi_linear": BlockLayout(source="mlx_lm/models/kimi_linear.py",
@@ -289,10 +295,12 @@ ARCHITECTURES: dict[str, BlockLayout] = {
 # "gemma3" is the multimodal wrapper: model.layers are gemma3_text's (language_model.layers).
 # "qwen3_5_moe" builds qwen3_5's model (its Model subclasses qwen3_5's, same layers).
 # "gemma4" is the multimodal wrapper: model.layers are gemma4_text's.
-# "glm_moe_dsa" (GLM-5) builds deepseek_v32's model (its Model subclasses DeepSeek-V3.2's).
+# "glm_moe_dsa" (GLM-5) builds deepseek_v32's model (its Model subclasses DeepSeek-V3.2's);
+# "longcat_flash_ngram" stacks longcat_flash's decoder layers (n-gram embeddings in front).
 ALIASES: dict[str, str] = {"mistral": "llama", "xverse": "llama", "iquestcoder": "llama",
                            "gemma3": "gemma3_text", "qwen3_5_moe": "qwen3_5",
-                           "gemma4": "gemma4_text", "glm_moe_dsa": "deepseek_v32"}
+                           "gemma4": "gemma4_text", "glm_moe_dsa": "deepseek_v32",
+                           "longcat_flash_ngram": "longcat_flash"}
 
 #: Multimodal wrappers whose text model (``model.language_model``) may be of several types
 #: (mistral3: llama, ministral3 or mistral4): looked up by the text model's ``model_type``.

@@ -247,3 +247,44 @@ MLA_PIECE = MLAPiece(("mask", "cache"))
 """DeepSeek-V2/V3/V3.2, GLM-4.7-Flash, Kimi, LongCat, Bailing, MiniCPM3, Youtu-LLM MLA."""
 MLA_SCALED_PIECE = MLAPiece(("attn_scale", "mask", "cache"))
 """mistral4's MLA (called with the Llama-4 query scaling)."""
+
+
+def prefill_flops(m, tokens: int, patched: bool, linear_flops) -> tuple[float, float]:
+    """``(in bricks, stock)`` FLOPs per prompt token of MLA module ``m`` in a prefill of
+    ``tokens`` tokens from an empty cache (``patch.coverage``; ``linear_flops(layer)``: its
+    ``2 * in * out``). Bricks, where ``patched`` and the module runs the piece: the
+    projections, the value decompression over all heads (where ``unembed_out`` is float or
+    affine) and the attention core ``2 H (dn + dr + dv)`` per visible key (``(tokens + 1) / 2``
+    on average). Stock: the key decompression ``2 H r dn`` (``embed_q``, a batched product),
+    DeepSeek-V3.2's indexer key projection (its query and weight projections are not computed
+    while the keys fit ``index_topk``); everything when unpatched, for an unknown module, or
+    when the indexer selects (more than ``index_topk`` keys: mlx-lm's sparse path, over
+    ``min(position + 1, index_topk)`` keys a query, plus the indexer's scores)."""
+    facts = facts_of(base_class(m))
+    if facts is None:
+        return 0.0, sum(linear_flops(c) for _, c in m.named_modules()
+                        if isinstance(c, (nn.Linear, nn.QuantizedLinear)))
+    H, r, dn, dr, dv = dims(m, facts)
+    proj = sum(linear_flops(m[n]) for n in projections(m, facts))
+    keys = (tokens + 1) / 2
+    bricks, stock = float(proj), 0.0
+    if facts.cache == "latent":
+        stock += 2 * H * r * dn
+        if value_weight(m, H) is not None:
+            bricks += 2 * H * r * dv
+        else:
+            stock += 2 * H * r * dv
+    if facts.indexer:
+        idx = m.indexer
+        top = idx.index_topk
+        if tokens > top:  # mlx-lm's sparse path: every part of the module stock
+            keys = (top * (top + 1) / 2 + (tokens - top) * top) / tokens
+            scored = (tokens + 1) / 2
+            stock += sum(linear_flops(idx[n]) for n in ("wq_b", "wk", "weights_proj"))
+            stock += 2 * idx.n_heads * idx.head_dim * scored
+            return 0.0, stock + bricks + 2 * H * (dn + dr + dv) * keys
+        stock += linear_flops(idx.wk)
+    bricks += 2 * H * (dn + dr + dv) * keys
+    if not patched:
+        return 0.0, bricks + stock
+    return bricks, stock
