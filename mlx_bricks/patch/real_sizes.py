@@ -76,4 +76,12 @@ REAL_SIZES: dict[str, tuple[str, dict, str]] = {
                             "num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4}),
         "approximate"),
     "Ling (bailing_moe_v3)": ("bailing_moe_v3", {}, "mlx-lm defaults"),
+    "LongCat-Flash (560B)": ("longcat_flash", dict(
+        vocab_size=131072, hidden_size=6144, num_layers=28, num_attention_heads=64,
+        kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, ffn_hidden_size=12288, expert_ffn_hidden_size=2048,
+        n_routed_experts=512, zero_expert_num=256, moe_topk=12, routed_scaling_factor=6.0,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=10000000.0,
+        mla_scale_q_lora=True, mla_scale_kv_lora=True, attention_method="MLA",
+        zero_expert_type="identity", attention_bias=False), "approximate"),
 }
