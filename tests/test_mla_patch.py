@@ -162,3 +162,23 @@ def test_family_bfloat16_reference(arch):
 def test_family_bfloat16_emulator(arch):
     dtype, overrides = half(arch)
     check_family(arch, "emulator", dtype, **overrides)
+
+
+def test_q8_0_cache_option_keeps_the_latent_cache():
+    """kv_cache="q8_0" gives MLA layers mlx-lm's KVCache (latents and rope keys are not K/V
+    the Q8_0 readers take), so prefill and decode compute what stock does."""
+    from mlx_bricks import make_prompt_cache as bricks_cache
+
+    model = build_model("deepseek_v3", mx.float32)
+    toks = tokens(12)
+    stock_cache = make_prompt_cache(model)
+    stock = run(model, toks, stock_cache)
+    stock_step = run(model, toks[:, -1:], stock_cache)
+    report = patch_model(model, backend="reference", kv_cache="q8_0")
+    assert all(kind == "KVCache" and "latent" in why for _, kind, why in report.kv_caches)
+    cache = bricks_cache(model)
+    assert all(type(c).__name__ == "KVCache" for c in cache)
+    assert mx.allclose(run(model, toks, cache), stock, atol=2e-4, rtol=2e-4).item()
+    assert mx.allclose(run(model, toks[:, -1:], cache), stock_step, atol=2e-4,
+                       rtol=2e-4).item()
+    unpatch_model(model)

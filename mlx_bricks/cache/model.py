@@ -52,6 +52,14 @@ def _head_dim(model, i: int) -> int | None:
     return None
 
 
+def _latent(model, i: int, n: int) -> bool:
+    """Whether layer ``i`` (of ``n`` cache entries) attends with multi-head latent attention."""
+    from mlx_bricks.bricks.mla.piece import is_mla
+
+    layers = getattr(model, "layers", ())
+    return n == len(layers) and any(is_mla(m) for _, m in layers[i].named_modules())
+
+
 def _stock_reason(c) -> str:
     if isinstance(c, _mlx_cache.RotatingKVCache):
         return (f"RotatingKVCache(max_size={c.max_size}) kept: a sliding-window (or max_kv_size) "
@@ -84,6 +92,9 @@ def plan_prompt_cache(model, kv: str = "q8_0", *, max_kv_size: int | None = None
             plan.append(LayerCache(i, c, "kv='fp16': mlx-lm's cache"))
         elif type(c) is not _mlx_cache.KVCache:
             plan.append(LayerCache(i, c, _stock_reason(c)))
+        elif _latent(model, i, len(stock)):
+            plan.append(LayerCache(i, c, "KVCache kept: multi-head latent attention caches "
+                                         "latents and rope keys, not K/V"))
         else:
             hd = _head_dim(model, i) if len(stock) == len(getattr(model, "layers", ())) else None
             if hd is not None and hd % QK8_0:
