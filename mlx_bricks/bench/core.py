@@ -240,8 +240,16 @@ def _formats_benchmarks() -> dict[str, Benchmark]:
     return benchmarks()
 
 
+def _mla_benchmarks() -> dict[str, Benchmark]:
+    """The DeepSeek-V3-shaped prefill and decode, the small CPU case: ``bench.mla``."""
+    from mlx_bricks.bench.mla import benchmarks
+
+    return benchmarks()
+
+
 BENCHMARKS.update(_formats_benchmarks())
 BENCHMARKS.update(_gated_delta_benchmarks())
+BENCHMARKS.update(_mla_benchmarks())
 
 
 def _user_path_benchmarks() -> dict[str, Benchmark]:
@@ -271,6 +279,7 @@ GROUPS: dict[str, list[str]] = {
     "user_path_cpu": [n for n in BENCHMARKS if n.startswith("user_path_cpu_")],
     "user_path_gpu": [n for n in BENCHMARKS if n.startswith("user_path_gpu_")],
     "gated_delta": [n for n in BENCHMARKS if n.startswith(("gdn_", "e2e_qwen35_"))],
+    "e2e_deepseek_v3_4layer": [n for n in BENCHMARKS if n.startswith("e2e_deepseek_v3_4layer_")],
     "e2e_gpt_oss20b_4layer": [n for n in BENCHMARKS if n.startswith("e2e_gpt_oss20b_4layer_")],
     "e2e_small_gpt_oss_cpu": [n for n in BENCHMARKS if n.startswith("e2e_small_gpt_oss_cpu_")],
 }
