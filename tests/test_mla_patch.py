@@ -182,3 +182,54 @@ def test_q8_0_cache_option_keeps_the_latent_cache():
     assert mx.allclose(run(model, toks[:, -1:], cache), stock_step, atol=2e-4,
                        rtol=2e-4).item()
     unpatch_model(model)
+
+
+@pytest.mark.parametrize("backend", ["reference", "emulator"])
+def test_quantized_mla_reads_every_projection_quantized(backend):
+    """nn.quantize (4-bit gs64) on the tiny deepseek_v3, MultiLinear included: every linear
+    piece and the value decompression get a QuantizedWeight (the latter as one (H * dv, r)
+    weight), the key decompression stays the module's quantized product; logits within the
+    dtype rule of stock's against a float64 run of the dequantized weights."""
+    import mlx.nn as nn
+    from mlx_lm.models.mla import QuantizedMultiLinear
+
+    from mlx_bricks.bricks.mla.forward import value_weight
+    from mlx_bricks.formats.affine import QuantizedWeight
+
+    model = build_model("deepseek_v3", mx.bfloat16, q_lora_rank=128, **dense("deepseek_v3"))
+    nn.quantize(model, group_size=64, bits=4)
+    attn = model.layers[0].self_attn
+    assert isinstance(attn.unembed_out, QuantizedMultiLinear)
+    w = value_weight(attn, 4)
+    assert isinstance(w, QuantizedWeight) and w.shape == (4 * 128, 512)
+    dense64 = model.__class__(model.args)  # float64 of the dequantized weights
+    dense64.update(dequantized(model))
+    mx.eval(dense64.parameters())
+    toks = tokens(20)
+    ref = run64(dense64, toks)
+    stock = run(model, toks)
+    report = patch_model(model, backend=backend)
+    out = run(model, toks)
+    assert_dtype_close(out, ref, stock, dtype=mx.bfloat16, what=f"q4 {backend}")
+    for m in mla_modules(report):
+        assert m.calls["linear"] == 5 and m.calls["flash_attention"] == 1, m.calls
+    unpatch_model(model)
+
+
+def dequantized(model):
+    """``model``'s parameters with every quantized layer (linears, MultiLinear, experts)
+    replaced by its float64 dequantized weight (as a float model of the same class has)."""
+    from mlx.utils import tree_unflatten
+
+    flat = dict(tree_flatten(model.parameters()))
+    out = {}
+    for name, a in flat.items():
+        base = name.rsplit(".", 1)[0]
+        if name.endswith(".scales") or name.endswith(".biases") and f"{base}.scales" in flat:
+            continue
+        if name.endswith(".weight") and f"{base}.scales" in flat:
+            layer = dict(model.named_modules())[base]
+            a = mx.dequantize(a, flat[f"{base}.scales"], flat.get(f"{base}.biases"),
+                              group_size=layer.group_size, bits=layer.bits)
+        out[name] = a.astype(mx.float64)
+    return tree_unflatten(list(out.items()))
