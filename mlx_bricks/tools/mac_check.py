@@ -70,7 +70,7 @@ def expected_threadgroup_bytes(kernel: str, template: dict, dtype_size: int) -> 
 
         return attention_threadgroup_bytes(template["D"], dtype_size, template["BK"],
                                            template["WQ"], template["WD"],
-                                           template["KV_SHARED"])
+                                           template["KV_SHARED"], template.get("DV"))
     if kernel == "moe_route":
         from mlx_bricks.bricks.moe.msl import route_threadgroup_bytes
 
@@ -224,6 +224,13 @@ def _drive_ops(backend: str) -> list[tuple[str, tuple]]:
                     lambda: attention.flash_attention(
                         q, kv, kv, scale=0.1, mask="causal", window=33, sinks=arr((4,), dt),
                         backend=backend))
+            # Multi-head latent attention's value heads narrower than q/k (DV < D).
+            for D, Dv in ((192, 128), (96, 64), (256, 128)):
+                q, k, v = arr((1, 4, 40, D), dt), arr((1, 4, 70, D), dt), arr((1, 4, 70, Dv), dt)
+                run(f"{dn} attention D={D} Dv={Dv} mask=causal",
+                    lambda: attention.flash_attention(q, k, v, scale=0.1, mask="causal",
+                                                      backend=backend))
+            for D in attention_msl.SUPPORTED_HEAD_DIMS:
                 # Decode: one row and the largest row tile, causal, Q8_0 K/V.
                 for Lq, heads in ((1, (4, 4)), (8, (8, 1))):
                     for q8 in ((None, "q8_0") if D % 32 == 0 else (None,)):
