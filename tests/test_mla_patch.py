@@ -233,3 +233,25 @@ def dequantized(model):
                               group_size=layer.group_size, bits=layer.bits)
         out[name] = a.astype(mx.float64)
     return tree_unflatten(list(out.items()))
+
+
+def test_batch_of_two_and_a_cache_with_earlier_turns():
+    """Two sequences at once, and a prompt cache holding an earlier turn (prefill continues
+    from mlx-lm's own cache state): logits by the dtype rule against float64."""
+    model = build_model("deepseek_v3", mx.float32)
+    toks = tokens(30, batch=2)
+    m64 = clone64(model)
+    with float64_experts():
+        c64 = make_prompt_cache(m64)
+        ref = [run64(m64, toks[:, :18], c64), run64(m64, toks[:, 18:], c64)]
+    c = make_prompt_cache(model)
+    stock = [run(model, toks[:, :18], c), run(model, toks[:, 18:], c)]
+    report = patch_model(model, backend="reference")
+    c = make_prompt_cache(model)
+    got = [run(model, toks[:, :18], c), run(model, toks[:, 18:], c)]
+    for p, s, r in zip(got, stock, ref):
+        assert_dtype_close(p, r, s, dtype=mx.float32, what="batch 2")
+    # the first turn on the bricks, the second (12 over 18 cached) absorbed: fewer FLOPs
+    assert all(m.calls["flash_attention"] == 1 and m.stock_calls[ABSORBED] == 1
+               for m in mla_modules(report))
+    unpatch_model(model)
