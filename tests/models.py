@@ -177,6 +177,41 @@ CONFIGS = {
                    layer_types=["sliding_attention", "full_attention"],
                    rope_parameters={"sliding_attention": {"rope_theta": 10000.0},
                                     "full_attention": {"rope_theta": 500000.0}}),
+    # gated-delta hybrids: layers 0-2 a gated-delta mixer (2 heads of 32; olmo_hybrid 2/4 heads
+    # of 32/16), layer 3 attention (MLA for kimi_linear, kimi_k3, bailing_moe_v3; olmo_hybrid
+    # a post-norm full attention); MoE on layers 1-3 (4 experts, top 2, a shared expert)
+    "kimi_linear": dict(hidden_size=64, num_hidden_layers=4, intermediate_size=96,
+                        num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+                        rope_theta=10000.0, rms_norm_eps=1e-6, model_max_length=4096,
+                        linear_attn_config={"num_heads": 2, "head_dim": 32,
+                                            "short_conv_kernel_size": 4,
+                                            "kda_layers": [1, 2, 3]},
+                        num_experts=4, moe_intermediate_size=32, kv_lora_rank=32,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                        num_experts_per_token=2, num_shared_experts=1,
+                        first_k_dense_replace=1),
+    "kimi_k3": dict(hidden_size=64, num_hidden_layers=4, intermediate_size=96,
+                    num_attention_heads=2, num_key_value_heads=2, rms_norm_eps=1e-6,
+                    linear_attn_config={"num_heads": 2, "head_dim": 32,
+                                        "short_conv_kernel_size": 4, "kda_layers": [1, 2, 3]},
+                    q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                    v_head_dim=16, num_experts=4, moe_intermediate_size=32,
+                    num_experts_per_token=2, num_shared_experts=1, first_k_dense_replace=1),
+    "bailing_moe_v3": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                           moe_shared_expert_intermediate_size=32, num_hidden_layers=4,
+                           num_attention_heads=2, num_experts=4, num_experts_per_tok=2,
+                           num_shared_experts=1, first_k_dense_replace=1, n_group=2,
+                           topk_group=1, routed_scaling_factor=1.0, head_dim=32,
+                           q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                           qk_rope_head_dim=8, v_head_dim=16, rope_theta=10000.0,
+                           max_position_embeddings=4096),
+    "olmo_hybrid": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                        rms_norm_eps=1e-6, max_position_embeddings=4096,
+                        linear_num_key_heads=2, linear_num_value_heads=4,
+                        linear_key_head_dim=32, linear_value_head_dim=16,
+                        linear_conv_kernel_dim=4, linear_allow_neg_eigval=True,
+                        tie_word_embeddings=False, attention_bias=False),
 }
 
 # Multimodal wrappers: the text model's args under text_config (vocab included).
@@ -206,14 +241,15 @@ MODULES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwe
            "llama4_text": "llama4_text", "mistral3": "mistral3", "llama4": "llama4",
            "internlm3": "internlm3", "helium": "helium", "nanbeige": "nanbeige",
            "mellum": "mellum", "granite": "granite", "olmoe": "olmoe", "dots1": "dots1",
-           "exaone_moe": "exaone_moe"}
+           "exaone_moe": "exaone_moe", "kimi_linear": "kimi_linear", "kimi_k3": "kimi_k3",
+           "bailing_moe_v3": "bailing_moe_v3", "olmo_hybrid": "olmo_hybrid"}
 
 # Architectures whose q/k are RMS-normalised with scale 1.0 (gemma4): their scores are already
 # peaked (std ~ sqrt(head_dim)); q/k are not sharpened further.
 NO_SHARPEN = ("gemma4_text",)
 
 # Model types whose ModelArgs wrap the text model's fields in ``text_config``.
-TEXT_CONFIG = ("qwen3_5",)
+TEXT_CONFIG = ("qwen3_5", "kimi_k3")
 
 # Architectures whose RMSNorm computes rms_norm(x, 1 + w): their stored norm weights are the
 # effective ones minus 1.

@@ -291,7 +291,7 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
 
     if not attention:
         add(ModuleReport(i, "self_attn", DISABLED, reason="attention=False"))
-    elif attn_mod is None:
+    elif attn_mod is None or mixer_piece(attn_mod) is not None:  # mixers: patch.modules
         _mixer_entries(report, i, layer, f"the {report.architecture} entry has no brick for "
                        f"it (no {layout.attention!r} on this layer)")
     elif attn_reason is not None:

@@ -11,6 +11,7 @@ piece object in its brick package and one line in :data:`MIXERS`.
 """
 from __future__ import annotations
 
+from mlx_bricks.bricks.gated_delta.mixers import KDA_PIECE, OLMO_GDN_PIECE
 from mlx_bricks.bricks.gated_delta.piece import GDN_PIECE
 from mlx_bricks.bricks.moe.piece import MOE_PIECE, activation_of, switch_classes
 from mlx_bricks.nn import BricksMixer, BricksPiece, BricksState, attach, is_patched
@@ -18,8 +19,9 @@ from mlx_bricks.patch.report import DISABLED, FALLBACK, PATCHED, STOCK, ModuleRe
 from mlx_bricks.patch.vetted import forward_fingerprint, signature_reason
 from mlx_bricks.runtime.dispatch import NO_KERNEL_BACKEND, Dispatch
 
-#: The token-mixer pieces patched by module, in the order a module is matched against them.
-MIXERS = (GDN_PIECE,)
+#: The token-mixer pieces patched by module, in the order a module is matched against them
+#: (the Gated DeltaNet piece last: it claims every module that calls ``gated_delta_update``).
+MIXERS = (KDA_PIECE, OLMO_GDN_PIECE, GDN_PIECE)
 
 
 def has_experts(layer) -> bool:

@@ -45,6 +45,11 @@ _POST_NORM = ("post-norm block (the sublayers' outputs are normalised: post_atte
               "post_feedforward_layernorm; no input norm): the unified block is pre-norm; "
               "attention and MLP are patched one by one")
 
+# hybrid blocks whose attention slot holds a token mixer (Kimi Delta Attention) or an MLA
+# module: no unified block.
+_HYBRID = ("the attention slot holds a Kimi Delta Attention mixer (patched by module) or an MLA "
+           "attention (no brick reads it): the MLP is patched alone")
+
 ARCHITECTURES: dict[str, BlockLayout] = {
     # llama: layers with use_sliding (layer_types "sliding_attention") get a RotatingKVCache
     # of sliding_window and mlx-lm's window mask; the bricks run them with that window.
@@ -243,6 +248,31 @@ ARCHITECTURES: dict[str, BlockLayout] = {
                               rope_flag="use_rope", shared_expert="shared_experts",
                               vetted=_calls("exaone_moe", Attention="4c8b7082aad5",
                                             MLP="8b27d3a1b136", DecoderLayer="dec68396d250")),
+    # Hybrid models with gated-delta mixers (patched by module: patch.modules.MIXERS, whatever
+    # the entry; kimi_linear / kimi_k3 / bailing_moe_v3 keep a Kimi Delta Attention module or
+    # an MLA module in the attention slot): these entries add their MLPs (MoE layers:
+    # SwitchGLU experts by module, the shared expert as an MLP) and, for olmo_hybrid, the
+    # full-attention layers. MLA attention stays stock with the reason (no brick reads it).
+    # olmo_hybrid: Gated DeltaNet layers (linear_attn, pre-norm) and every 4th a full-attention
+    # layer as olmo3's (post-norm, q/k RMSNorm over the full width, the module's own rope).
+    "olmo_hybrid": BlockLayout(source="mlx_lm/models/olmo_hybrid.py",
+                               qk_norm=("q_norm", "k_norm"), qk_norm_width="full",
+                               unfused=_POST_NORM,
+                               heads=("num_attention_heads", "num_key_value_heads"),
+                               vetted=_calls("olmo_hybrid", Attention="c2cd52b867c7",
+                                             MLP="55221eab7185")),
+    "kimi_linear": BlockLayout(source="mlx_lm/models/kimi_linear.py", unfused=_HYBRID,
+                               shared_expert="shared_experts",
+                               vetted=_calls("kimi_linear", KimiMLP="fcbab3148610")),
+    "bailing_moe_v3": BlockLayout(source="mlx_lm/models/bailing_moe_v3.py",
+                                  attention="attention", unfused=_HYBRID,
+                                  shared_expert="shared_experts",
+                                  vetted=_calls("bailing_moe_v3", BailingMLP="fcbab3148610")),
+    # kimi_k3: its MLPs, shared experts and routed experts use SiTU (beta tanh(g / beta)
+    # sigmoid(g) x), which no brick computes: they stay stock with the reason (the MLP
+    # forward is not vetted); its KDA mixers run the brick.
+    "kimi_k3": BlockLayout(source="mlx_lm/models/kimi_k3.py", unfused=_HYBRID,
+                           shared_expert="shared_experts", vetted=()),
 }
 
 # model_type -> ARCHITECTURES key, for types mlx-lm builds with another type's model file
