@@ -229,18 +229,20 @@ def test_kind_check_on_model_like_gates(dtype, vectorized):
 # the kernels: the MSL kernel (metal, emulator), its CUDA twin (cuda; tests/cuda_emu on the CPU)
 
 
-KERNEL_CASES = [  # (B, T, Hk, Hv, Dk, Dv, dtype, state, mask)
-    (1, 1, 1, 1, 32, 8, F32, True, False),
-    (1, 3, 1, 2, 32, 16, F16, False, False),
-    (1, 37, 2, 4, 32, 16, BF16, True, False),  # two full chunks and a partial one
-    (2, 20, 1, 2, 64, 24, F32, True, True),  # a padded batch, Dv of 8-column blocks
+KERNEL_CASES = [  # (B, T, Hk, Hv, Dk, Dv, dtype, state, mask, a gate per key dim)
+    (1, 1, 1, 1, 32, 8, F32, True, False, False),
+    (1, 3, 1, 2, 32, 16, F16, False, False, False),
+    (1, 37, 2, 4, 32, 16, BF16, True, False, False),  # two full chunks and a partial one
+    (2, 20, 1, 2, 64, 24, F32, True, True, False),  # a padded batch, Dv of 8-column blocks
+    (1, 19, 1, 2, 32, 16, BF16, True, False, True),  # per key dim: chunks of 8
+    (2, 13, 2, 2, 64, 8, F32, True, True, True),  # per key dim, a padded batch
 ]
 
 
 def _kernel_check(run, case):
-    B, T, Hk, Hv, Dk, Dv, dtype, state, masked = case
+    B, T, Hk, Hv, Dk, Dv, dtype, state, masked, vec = case
     args = inputs(B=B, T=T, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, dtype=dtype, state=state,
-                  decay=(0.5, 1.0), seed=T)
+                  decay=(0.5, 1.0), seed=T, vectorized=vec)
     mask = None
     if masked:
         m = np.ones((B, T), bool)
@@ -269,7 +271,7 @@ def test_kernel_reasons():
     from mlx_bricks.bricks.gated_delta import msl
 
     a = inputs(T=4, vectorized=True)
-    assert "per-key-dim" in msl.kernel_reason(a["q"], a["v"], a["g"])
+    assert msl.kernel_reason(a["q"], a["v"], a["g"]) is None  # a gate per key dim runs it
     a = inputs(T=4, Dk=256, Dv=16)
     assert "Dk 256" in msl.kernel_reason(a["q"], a["v"], a["g"])
     a = inputs(T=4, Dv=12)
@@ -301,19 +303,22 @@ def test_cuda_twin_emulated(case):
 
 
 @pytest.mark.parametrize("dtype", [BF16, F32])
-def test_cuda_twin_compiles(dtype):
+@pytest.mark.parametrize("vec", [False, True])
+def test_cuda_twin_compiles(dtype, vec):
     """The twin compiles with nvcc for sm_90a and sm_80 as MLX would build it (Qwen3.5's
-    shapes), in registers (no local memory), its shared memory within the 48 KB a block gets
-    without opting in."""
+    shapes; ``vec``: Kimi-Linear's, 32 heads of 128 with a gate per key dim), in registers (no
+    local memory), its shared memory within the 48 KB a block gets without opting in."""
     from mlx_bricks import cudacheck
     from mlx_bricks.bricks.gated_delta import cuda as gdn_cuda
     from mlx_bricks.bricks.gated_delta.op import run_kernel
 
     if cudacheck.find_nvcc() is None:
         pytest.skip("nvcc not found")
+    hk = 32 if vec else 16
     args = {n: mx.zeros(s, dt) for n, s, dt in (
-        ("q", (1, 64, 16, 128), dtype), ("k", (1, 64, 16, 128), dtype),
-        ("v", (1, 64, 32, 128), dtype), ("g", (1, 64, 32), F32), ("beta", (1, 64, 32), F32))}
+        ("q", (1, 64, hk, 128), dtype), ("k", (1, 64, hk, 128), dtype),
+        ("v", (1, 64, 32, 128), dtype), ("g", (1, 64, 32, 128) if vec else (1, 64, 32), F32),
+        ("beta", (1, 64, 32), F32))}
     with cudacheck.recorded_launches(gdn_cuda) as rec:
         run_kernel(**args, backend="cuda")
     assert [r.name for r in rec] == ["gated_delta"]

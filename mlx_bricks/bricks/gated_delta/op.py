@@ -134,7 +134,7 @@ def gated_delta(q, k, v, g, beta, state=None, mask=None, *, chunk: int = CHUNK,
             ``msl.CHUNK``).
         backend: ``None`` (auto) or a name of ``mlx_bricks.backends.BACKENDS``: ``metal`` /
             ``emulator`` run the MSL kernel, ``cuda`` its twin, where the kernel computes the
-            arguments (``msl.kernel_reason``: a gate per head, Dk <= 128, Dv a multiple of
+            arguments (``msl.kernel_reason``: Dk <= 128 and a multiple of 8, Dv a multiple of
             8); ``reference`` and the other cases run the chunked composite in MLX ops.
 
     Returns:
@@ -161,7 +161,8 @@ def run_kernel(q, k, v, g, beta, state=None, mask=None, *, backend: str):
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
     if mask is not None:
-        g = mx.where(mask[:, :, None], g.astype(mx.float32), 1.0)
+        keep = mask[:, :, None, None] if g.ndim == 4 else mask[:, :, None]
+        g = mx.where(keep, g.astype(mx.float32), 1.0)
         beta = mx.where(mask[:, :, None], beta.astype(mx.float32), 0.0)
     s = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32) if state is None else state
     if backend == "cuda":
