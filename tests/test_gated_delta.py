@@ -12,6 +12,7 @@ import pytest
 from mlx_bricks.bricks.gated_delta.op import (
     CHUNK,
     gated_delta,
+    gated_delta_blas,
     gated_delta_chunked,
     gated_delta_gates,
     gated_delta_stock,
@@ -19,6 +20,14 @@ from mlx_bricks.bricks.gated_delta.op import (
 from tests.tolerance import assert_dtype_close
 
 F16, BF16, F32 = mx.float16, mx.bfloat16, mx.float32
+#: The composites: the chunked form in MLX ops and in NumPy (float32 through its BLAS).
+COMPOSITES = {"chunked": gated_delta_chunked, "blas": gated_delta_blas}
+
+
+@pytest.fixture(params=list(COMPOSITES))
+def composite(request):
+    """The op's composites by name (the kernels: KERNEL_CASES below)."""
+    return COMPOSITES[request.param]
 
 
 def gated_delta64(q, k, v, g, beta, state=None, mask=None):
@@ -65,8 +74,8 @@ def inputs(B=1, T=70, Hk=2, Hv=4, Dk=32, Dv=16, dtype=F32, vectorized=False, dec
                 state=None if s is None else arr(s, F32))
 
 
-def check(args, *, chunk=CHUNK, mask=None, what=""):
-    y, S = gated_delta(**args, mask=mask, chunk=chunk)
+def check(args, *, fn=gated_delta, chunk=CHUNK, mask=None, what=""):
+    y, S = fn(**args, mask=mask, chunk=chunk)
     np64 = {n: None if a is None else np.array(a.astype(F32)) for n, a in args.items()}
     y64, S64 = gated_delta64(**np64, mask=None if mask is None else np.array(mask))
     ny, nS = gated_delta_stock(**args, mask=mask)
@@ -85,29 +94,31 @@ def check(args, *, chunk=CHUNK, mask=None, what=""):
 
 
 @pytest.mark.parametrize("T", [1, 2, 3, 63, 64, 65, 130])
-def test_lengths_and_chunk_boundaries(T):
-    check(inputs(T=T), what=f"T={T}")
+def test_lengths_and_chunk_boundaries(T, composite):
+    check(inputs(T=T), fn=composite, what=f"T={T}")
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16, F32])
 @pytest.mark.parametrize("vectorized", [False, True])
-def test_dtypes_and_gatings(dtype, vectorized):
-    check(inputs(T=77, dtype=dtype, vectorized=vectorized), chunk=32,
+def test_dtypes_and_gatings(dtype, vectorized, composite):
+    check(inputs(T=77, dtype=dtype, vectorized=vectorized), fn=composite, chunk=32,
           what=f"{dtype} vec={vectorized}")
 
 
 @pytest.mark.parametrize("decay", [(0.0, 1e-3), (0.999, 1.0), (1.0, 1.0)])
 @pytest.mark.parametrize("vectorized", [False, True])
-def test_decay_extremes(decay, vectorized):
-    check(inputs(T=45, decay=decay, vectorized=vectorized), chunk=16, what=f"decay {decay}")
+def test_decay_extremes(decay, vectorized, composite):
+    check(inputs(T=45, decay=decay, vectorized=vectorized), fn=composite, chunk=16,
+          what=f"decay {decay}")
 
 
-def test_decay_exactly_zero():
-    args = inputs(T=40)
+@pytest.mark.parametrize("vectorized", [False, True])
+def test_decay_exactly_zero(vectorized, composite):
+    args = inputs(T=40, vectorized=vectorized)
     g = np.array(args["g"])
     g[:, ::7] = 0.0
     args["g"] = mx.array(g)
-    check(args, chunk=16, what="g=0")
+    check(args, fn=composite, chunk=16, what="g=0")
 
 
 @pytest.mark.parametrize("beta", [0.0, 1.0, 2.0])
@@ -118,36 +129,40 @@ def test_beta_constants(beta):
 
 
 @pytest.mark.parametrize("Hk,Hv", [(1, 1), (2, 2), (1, 4), (16, 32)])
-def test_head_ratios(Hk, Hv):
-    check(inputs(B=2, T=20, Hk=Hk, Hv=Hv, Dk=16, Dv=8), chunk=8, what=f"{Hk}/{Hv}")
+def test_head_ratios(Hk, Hv, composite):
+    check(inputs(B=2, T=20, Hk=Hk, Hv=Hv, Dk=16, Dv=8, vectorized=Hk == 1), fn=composite,
+          chunk=8, what=f"{Hk}/{Hv}")
 
 
-def test_no_initial_state():
-    check(inputs(T=33, state=False), chunk=16, what="state=None")
+@pytest.mark.parametrize("vectorized", [False, True])
+def test_no_initial_state(vectorized, composite):
+    check(inputs(T=33, state=False, vectorized=vectorized), fn=composite, chunk=16,
+          what="state=None")
 
 
-def test_two_prefills_equal_one():
+@pytest.mark.parametrize("vectorized", [False, True])
+def test_two_prefills_equal_one(vectorized, composite):
     """A prompt continued over two prefills (the state handed over) == one prefill."""
-    args = inputs(T=100)
-    y, S = gated_delta(**args)
+    args = inputs(T=100, vectorized=vectorized)
+    y, S = composite(**args)
     first = {n: a[:, :37] if n != "state" else a for n, a in args.items()}
-    y1, S1 = gated_delta(**first)
+    y1, S1 = composite(**first)
     second = {n: a[:, 37:] if n != "state" else S1 for n, a in args.items()}
-    y2, S2 = gated_delta(**second)
+    y2, S2 = composite(**second)
     np.testing.assert_allclose(np.array(mx.concatenate([y1, y2], 1)), np.array(y), atol=2e-5)
     np.testing.assert_allclose(np.array(S2), np.array(S), atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("vectorized", [False, True])
-def test_padding_mask(vectorized):
+def test_padding_mask(vectorized, composite):
     """Left padding (mlx-lm's ArraysCache mask): masked tokens keep the state, give y = 0."""
     args = inputs(B=3, T=30, vectorized=vectorized)
     mask = np.ones((3, 30), bool)
     mask[1, :7] = False
     mask[2, :29] = False
     m = mx.array(mask)
-    check(args, chunk=8, mask=m, what="mask")
-    y, _ = gated_delta(**args, mask=m, chunk=8)
+    check(args, fn=composite, chunk=8, mask=m, what="mask")
+    y, _ = composite(**args, mask=m, chunk=8)
     assert float(mx.abs(y[1, :7]).max()) == 0.0
 
 
@@ -171,13 +186,82 @@ def test_gates_match_mlx_lm():
         np.testing.assert_allclose(np.array(S), np.array(Ss), atol=1e-4, rtol=1e-4)
 
 
-def test_chunk_sizes_agree():
-    args = inputs(T=90)
-    ref, Sref = gated_delta_chunked(**args, chunk=1)
-    for c in (5, 32, 128):
-        y, S = gated_delta_chunked(**args, chunk=c)
-        np.testing.assert_allclose(np.array(y), np.array(ref), atol=2e-5)
-        np.testing.assert_allclose(np.array(S), np.array(Sref), atol=2e-5)
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_per_key_dim_gates_match_mlx_lm(lower_bound):
+    """Kimi Delta Attention's gates (a (B, T, H, Dk) projection, A_log (H, 1), dt_bias (H, Dk);
+    bailing_moe_v3's and kimi_k3's lower bound) + gated_delta == gated_delta_update."""
+    from mlx_lm.models.gated_delta import gated_delta_update
+
+    rng = np.random.default_rng(4)
+    args = inputs(T=21, Hk=2, Hv=2, Dk=16, Dv=16, dtype=BF16)
+    a = mx.array(rng.standard_normal((1, 21, 2, 16)).astype(np.float32)).astype(BF16)
+    b = mx.array(rng.standard_normal((1, 21, 2)).astype(np.float32)).astype(BF16)
+    A_log = mx.array(np.log(rng.uniform(1, 16, (2, 1))).astype(np.float32))
+    dt_bias = mx.array(rng.standard_normal((2, 16)).astype(np.float32))
+    g, beta = gated_delta_gates(a, b, A_log, dt_bias, lower_bound=lower_bound)
+    assert g.shape == (1, 21, 2, 16)
+    for fn in COMPOSITES.values():
+        y, S = fn(args["q"], args["k"], args["v"], g, beta, args["state"])
+        ys, Ss = gated_delta_update(args["q"], args["k"], args["v"], a, b, A_log, dt_bias,
+                                    args["state"], lower_bound=lower_bound)
+        np.testing.assert_allclose(np.array(y.astype(F32)), np.array(ys.astype(F32)),
+                                   atol=2e-2, rtol=2e-2)
+        np.testing.assert_allclose(np.array(S), np.array(Ss), atol=1e-4, rtol=1e-4)
+
+
+def test_chunk_sizes_agree(composite):
+    for vectorized in (False, True):
+        args = inputs(T=90, vectorized=vectorized)
+        ref, Sref = composite(**args, chunk=1)
+        for c in (5, 32, 128):
+            y, S = composite(**args, chunk=c)
+            np.testing.assert_allclose(np.array(y), np.array(ref), atol=2e-5)
+            np.testing.assert_allclose(np.array(S), np.array(Sref), atol=2e-5)
+
+
+def mixed_decays(args, seed=0):
+    """``args`` (a gate per key dim) with a quarter of the key dims decaying hard (g in
+    [0, 0.05]), a quarter moderately ([0.5, 0.7]: a chunk of 128 spans e^-60 there), half
+    barely ([0.99, 1])."""
+    rng = np.random.default_rng(seed)
+    g = np.array(args["g"])
+    Dk = g.shape[-1]
+    parts = (0.0, 0.05), (0.5, 0.7), (0.99, 1.0), (0.99, 1.0)
+    for i, lohi in enumerate(parts):
+        sl = slice(i * Dk // 4, (i + 1) * Dk // 4)
+        g[..., sl] = rng.uniform(*lohi, g[..., sl].shape)
+    return {**args, "g": mx.array(g.astype(np.float32))}
+
+
+@pytest.mark.parametrize("chunk", [64, 128])
+def test_per_key_dim_strong_decay_long_chunks(chunk, composite):
+    """Long chunks with key dims decaying at very different rates (the per-dim cumulative decay
+    spans e^-3000 to ~1 inside one chunk) against float64."""
+    check(mixed_decays(inputs(B=1, T=200, Dk=32, vectorized=True)), fn=composite, chunk=chunk,
+          what=f"mixed decays C={chunk}")
+
+
+@pytest.mark.parametrize("leaf", [1, 4, 64])
+@pytest.mark.parametrize("namespace", ["MLX", "NUMPY"])
+def test_decayed_products_against_pairs(leaf, namespace):
+    """``chunked.decayed_products`` (recursive halving, factors <= 1) == the products formed
+    pair by pair in float64, with log decays down to -3000 inside the block."""
+    from mlx_bricks.bricks.gated_delta import chunked
+
+    o = getattr(chunked, namespace)
+    rng = np.random.default_rng(leaf)
+    n, D = 64, 12
+    x, k = rng.standard_normal((2, 3, n, D)), rng.standard_normal((2, 3, n, D))
+    lg = np.concatenate([rng.uniform(-60, -1, (2, 3, n, D // 3)),
+                         rng.uniform(-0.05, 0, (2, 3, n, D - D // 3))], axis=-1)
+    L = np.cumsum(lg, axis=-2)
+    causal = np.tril(np.ones((n, n), bool))[:, :, None]
+    d = np.exp(np.where(causal, L[..., :, None, :] - L[..., None, :, :], -np.inf))
+    want = (x[..., :, None, :] * k[..., None, :, :] * np.where(d < np.exp(-16.0), 0.0, d)).sum(-1)
+    arr = (lambda a: mx.array(a.astype(np.float32))) if namespace == "MLX" else \
+        (lambda a: a.astype(np.float32))
+    got = np.array(chunked.decayed_products(o, arr(x), arr(k), arr(L), leaf))
+    np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max(), rtol=1e-4)
 
 
 def test_bad_arguments():
@@ -265,6 +349,14 @@ def _kernel_check(run, case):
 def test_kernel(kernel_backend, case):
     """The op on every backend (reference: the composite) against the float64 recurrence."""
     _kernel_check(lambda a, m: gated_delta(**a, mask=m, backend=kernel_backend), case)
+
+
+def test_kernel_per_key_dim_mixed_decays(kernel_backend):
+    """The kernel with key dims decaying at very different rates, against float64."""
+    import functools
+
+    check(mixed_decays(inputs(T=40, Dk=32, vectorized=True)),
+          fn=functools.partial(gated_delta, backend=kernel_backend), what="kernel, mixed decays")
 
 
 def test_kernel_reasons():
