@@ -155,3 +155,31 @@ def test_unknown_forward_stays_stock():
     assert "forward the patch does not know" in mixers(report)[1].reason
     disabled = patch_model(model, backend="reference", attention=False)
     assert {m.status for m in mixers(disabled)} == {"disabled"}
+
+
+def test_coverage_counts_the_mixers():
+    """patch.coverage: a patched KDA mixer's recurrence (6 Hv Dk Dv per token) is in bricks,
+    its own projections too and also apart (mixer_linears); the MLA layer stays stock."""
+    import mlx.nn as nn
+
+    from mlx_bricks.patch.coverage import prefill_flops
+
+    model = build_model("kimi_linear")
+    patch_model(model, backend="reference")
+    f = prefill_flops(model, 20)
+    kda = [layer.self_attn for layer in model.layers[:3]]
+    linears = sum(2 * m.weight.shape[0] * m.weight.shape[1] for a in kda
+                  for _, m in a.named_modules() if isinstance(m, nn.Linear))
+    assert f["mixer_linears"] == linears
+    assert f["by_class"]["KimiDeltaAttention"] == [linears + 3 * 6 * 2 * 32 * 32, 0]
+    assert f["by_class"]["KimiMLAAttention"][0] == 0 < f["by_class"]["KimiMLAAttention"][1]
+
+
+def test_coverage_command(capsys):
+    """``python -m mlx_bricks.patch.coverage MODEL_TYPE``: a real-size model (never evaluated),
+    its share in bricks and what stays stock."""
+    from mlx_bricks.patch.coverage import _main
+
+    assert _main(["bailing_moe_v3", "--tokens", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "bailing_moe_v3" in out and "in bricks" in out and "stock: BailingMLA" in out

@@ -10,8 +10,14 @@ Counted per prompt token at prompt length ``tokens`` (one sequence, no cache):
   (scores and the weighted sum), ``keys`` the average number of keys a query sees: ``(tokens +
   1) / 2`` causal, ``w - w (w - 1) / (2 tokens)`` for a sliding window ``w < tokens``.
 
-Norms, RoPE, routers' softmax/top-k, activations and recurrent mixers' state updates (Gated
-DeltaNet, Mamba: only their projections are counted) are left out: a few percent at most of a
+- the recurrence of a gated-delta mixer (a module of a ``patch.modules.MIXERS`` piece that
+  knows its heads): ``6 * Hv * Dk * Dv`` (the state's products with k and q and its rank-1
+  update, per value head), in bricks when the mixer is patched. A patched mixer's own
+  projections run mlx-lm's linears inside it (stock GEMMs): they count as in bricks like the
+  rest of a patched module and are also reported apart (``mixer_linears``).
+
+Norms, RoPE, routers' softmax/top-k, activations and other recurrent mixers' state updates
+(Mamba: only their projections are counted) are left out: a few percent at most of a
 transformer layer. The embedding lookup costs nothing; the LM head (``2 * D * vocab`` per token)
 is reported apart (mlx-lm computes it for every prompt token). A module is "in bricks" when it
 or an enclosing module of its layer is patched (``nn.is_patched``); the count does not know
@@ -62,6 +68,11 @@ def _attention_core(m, tokens: int, window) -> int:
     return int(4 * heads * head_dim * _keys(tokens, window))
 
 
+def _class_name(m) -> str:
+    """``m``'s mlx-lm class name (a patched module's class is the bricks class over it)."""
+    return getattr(type(m), "_bricks_base", type(m)).__name__
+
+
 def _top_k(parent, default) -> int:
     for a in _TOP_K:
         v = getattr(parent, a, None)
@@ -80,7 +91,8 @@ def prefill_flops(model, tokens: int = 2048) -> dict:
 
     Returns:
         ``{"bricks": F, "stock": F, "share": bricks / (bricks + stock), "lm_head": F,
-        "layers": [(bricks, stock) per layer]}`` with F in FLOPs per token.
+        "layers": [(bricks, stock) per layer], "mixer_linears": F, "by_class": {class name
+        of a layer's child: [bricks, stock]}}`` with F in FLOPs per token.
 
     Raises:
         ValueError: ``tokens`` is not a positive int, or the model has no ``layers``.
@@ -92,36 +104,53 @@ def prefill_flops(model, tokens: int = 2048) -> dict:
         raise ValueError("model has no list of decoder layers (model.layers)")
     from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
+    from mlx_bricks.patch.modules import mixer_piece
     from mlx_bricks.patch.table import model_args
 
     args = model_args(model)
     default_k = _top_k(args, 1)
     per_layer = []
+    mixer_linears = 0
+    by_class: dict[str, list[int]] = {}
     for layer in layers:
         counts = [0, 0]  # bricks, stock
 
-        def walk(m, patched, parent):
+        def add(flops, patched, top):
+            counts[0 if patched else 1] += flops
+            by_class.setdefault(top, [0, 0])[0 if patched else 1] += flops
+
+        def walk(m, patched, parent, top, in_mixer=False):
+            nonlocal mixer_linears
             patched = patched or is_patched(m)
+            piece = mixer_piece(m)
+            if piece is not None and hasattr(piece, "heads"):
+                try:
+                    _, hv, dk, dv, _ = piece.heads(m)
+                    add(6 * hv * dk * dv, patched, top)
+                    in_mixer = patched
+                except (AttributeError, TypeError):  # not a module the piece knows
+                    pass
             if isinstance(m, (SwitchGLU, SwitchMLP)):
-                counts[0 if patched else 1] += _switch_flops(m, _top_k(parent, default_k))
+                add(_switch_flops(m, _top_k(parent, default_k)), patched, top)
                 return
             if isinstance(m, (nn.Linear, nn.QuantizedLinear)):
-                counts[0 if patched else 1] += _linear_flops(m)
+                add(_linear_flops(m), patched, top)
+                mixer_linears += _linear_flops(m) if in_mixer else 0
                 return
-            if isinstance(m, dict) and "q_proj" in m and "k_proj" in m:
+            if piece is None and isinstance(m, dict) and "q_proj" in m and "k_proj" in m:
                 state = m.__dict__.get("_bricks_state")
                 window = None
                 if state is not None:
                     from mlx_bricks.nn.calls import layer_window
 
                     window = layer_window(m, state.layout, state.sliding)[0]
-                counts[0 if patched else 1] += _attention_core(m, tokens, window)
+                add(_attention_core(m, tokens, window), patched, top)
             for child in m.children().values():
                 for c in child if isinstance(child, (list, tuple)) else [child]:
                     if isinstance(c, nn.Module):
-                        walk(c, patched, m)
+                        walk(c, patched, m, _class_name(c) if m is layer else top, in_mixer)
 
-        walk(layer, False, None)
+        walk(layer, False, None, _class_name(layer))
         per_layer.append(tuple(counts))
     bricks = sum(b for b, _ in per_layer)
     stock = sum(s for _, s in per_layer)
@@ -132,4 +161,50 @@ def prefill_flops(model, tokens: int = 2048) -> dict:
         lm_head = 2 * getattr(args, "hidden_size", 0) * getattr(args, "vocab_size", 0)
     total = bricks + stock
     return {"bricks": bricks, "stock": stock, "share": bricks / total if total else 0.0,
-            "lm_head": lm_head, "layers": per_layer}
+            "lm_head": lm_head, "layers": per_layer, "mixer_linears": mixer_linears,
+            "by_class": by_class}
+
+
+def _main(argv) -> int:
+    """``python -m mlx_bricks.patch.coverage [MODEL_TYPE ...] [--tokens N]``: patch each
+    family's real-size model (``patch.real_sizes``, never evaluated) as a kernel backend would
+    (``backend="reference"``: every module the structure admits) and print its prefill FLOP
+    share in bricks, the share of the patched mixers' own projections, and what stays stock
+    (by class, with the report's reasons)."""
+    import argparse
+    from collections import Counter
+
+    from mlx_bricks.patch.core import patch_model
+    from mlx_bricks.patch.real_sizes import REAL_SIZES, build
+
+    p = argparse.ArgumentParser(prog="python -m mlx_bricks.patch.coverage")
+    p.add_argument("model_types", nargs="*", default=list(REAL_SIZES))
+    p.add_argument("--tokens", type=int, default=2048)
+    a = p.parse_args(argv)
+    for mt in a.model_types:
+        if mt not in REAL_SIZES:
+            p.error(f"no real-size entry for {mt!r} (known: {', '.join(REAL_SIZES)})")
+        name, source, _ = REAL_SIZES[mt]
+        model = build(mt)
+        report = patch_model(model, backend="reference", tune="off")
+        f = prefill_flops(model, a.tokens)
+        total = f["bricks"] + f["stock"]
+        print(f"{mt}: {name} ({source}), {len(f['layers'])} layers, {a.tokens} tokens")
+        print(f"  decoder-layer prefill: {total / 1e9:.2f} GFLOP/token, in bricks "
+              f"{100 * f['share']:.1f}% (of which the patched mixers' own projections, stock "
+              f"GEMMs inside them: {100 * f['mixer_linears'] / total:.1f}%); LM head "
+              f"{f['lm_head'] / 1e9:.2f} GFLOP/token apart")
+        for cls, (b, s) in sorted(f["by_class"].items(), key=lambda kv: -kv[1][1]):
+            if s:
+                print(f"  stock: {cls} {100 * s / total:.1f}%")
+        reasons = Counter(f"{m.module}: {m.reason}" for m in report.modules
+                          if m.status != "patched" and m.reason)
+        for reason, n in reasons.most_common():
+            print(f"    {n} x {reason[:150]}")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_main(sys.argv[1:]))
