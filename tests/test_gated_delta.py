@@ -166,47 +166,36 @@ def test_padding_mask(vectorized, composite):
     assert float(mx.abs(y[1, :7]).max()) == 0.0
 
 
-def test_gates_match_mlx_lm():
-    """gated_delta_gates + gated_delta == mlx-lm's gated_delta_update (its CPU loop)."""
+GATE_CASES = [  # (Hk, Hv, Dk, gate per key dim, gated_delta_update keyword arguments)
+    (2, 4, 32, False, {}),
+    (2, 4, 32, False, {"allow_neg_eigval": True}),  # olmo_hybrid: beta in [0, 2]
+    (2, 2, 16, True, {}),  # kimi_linear: A_log (H, 1), dt_bias (H, Dk)
+    (2, 2, 16, True, {"lower_bound": -5.0}),  # bailing_moe_v3, kimi_k3's gate_lower_bound
+]
+
+
+@pytest.mark.parametrize("case", GATE_CASES, ids=str)
+def test_gates_match_mlx_lm(case, composite):
+    """gated_delta_gates + the composite == mlx-lm's gated_delta_update (its CPU loop), for a
+    gate per head (qwen3_5, olmo_hybrid) and per key dim (Kimi Delta Attention)."""
     from mlx_lm.models.gated_delta import gated_delta_update
 
+    Hk, Hv, Dk, vec, kwargs = case
     rng = np.random.default_rng(3)
-    args = inputs(T=25, dtype=BF16)
-    a = mx.array(rng.standard_normal((1, 25, 4)).astype(np.float32)).astype(BF16)
-    b = mx.array(rng.standard_normal((1, 25, 4)).astype(np.float32)).astype(BF16)
-    A_log = mx.array(np.log(rng.uniform(1, 16, 4)).astype(np.float32))
-    dt_bias = mx.ones(4)
-    for neg in (False, True):
-        g, beta = gated_delta_gates(a, b, A_log, dt_bias, allow_neg_eigval=neg)
-        y, S = gated_delta(args["q"], args["k"], args["v"], g, beta, args["state"])
-        ys, Ss = gated_delta_update(args["q"], args["k"], args["v"], a, b, A_log, dt_bias,
-                                    args["state"], allow_neg_eigval=neg)
-        np.testing.assert_allclose(np.array(y.astype(F32)), np.array(ys.astype(F32)),
-                                   atol=2e-2, rtol=2e-2)
-        np.testing.assert_allclose(np.array(S), np.array(Ss), atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("lower_bound", [None, -5.0])
-def test_per_key_dim_gates_match_mlx_lm(lower_bound):
-    """Kimi Delta Attention's gates (a (B, T, H, Dk) projection, A_log (H, 1), dt_bias (H, Dk);
-    bailing_moe_v3's and kimi_k3's lower bound) + gated_delta == gated_delta_update."""
-    from mlx_lm.models.gated_delta import gated_delta_update
-
-    rng = np.random.default_rng(4)
-    args = inputs(T=21, Hk=2, Hv=2, Dk=16, Dv=16, dtype=BF16)
-    a = mx.array(rng.standard_normal((1, 21, 2, 16)).astype(np.float32)).astype(BF16)
-    b = mx.array(rng.standard_normal((1, 21, 2)).astype(np.float32)).astype(BF16)
-    A_log = mx.array(np.log(rng.uniform(1, 16, (2, 1))).astype(np.float32))
-    dt_bias = mx.array(rng.standard_normal((2, 16)).astype(np.float32))
-    g, beta = gated_delta_gates(a, b, A_log, dt_bias, lower_bound=lower_bound)
-    assert g.shape == (1, 21, 2, 16)
-    for fn in COMPOSITES.values():
-        y, S = fn(args["q"], args["k"], args["v"], g, beta, args["state"])
-        ys, Ss = gated_delta_update(args["q"], args["k"], args["v"], a, b, A_log, dt_bias,
-                                    args["state"], lower_bound=lower_bound)
-        np.testing.assert_allclose(np.array(y.astype(F32)), np.array(ys.astype(F32)),
-                                   atol=2e-2, rtol=2e-2)
-        np.testing.assert_allclose(np.array(S), np.array(Ss), atol=1e-4, rtol=1e-4)
+    args = inputs(T=25, Hk=Hk, Hv=Hv, Dk=Dk, Dv=16, dtype=BF16)
+    a_shape, A_shape = ((1, 25, Hv, Dk), (Hv, 1)) if vec else ((1, 25, Hv), (Hv,))
+    a = mx.array(rng.standard_normal(a_shape).astype(np.float32)).astype(BF16)
+    b = mx.array(rng.standard_normal((1, 25, Hv)).astype(np.float32)).astype(BF16)
+    A_log = mx.array(np.log(rng.uniform(1, 16, A_shape)).astype(np.float32))
+    dt_bias = mx.array(rng.standard_normal((Hv, Dk) if vec else (Hv,)).astype(np.float32))
+    g, beta = gated_delta_gates(a, b, A_log, dt_bias, **kwargs)
+    assert g.shape == a_shape
+    y, S = composite(args["q"], args["k"], args["v"], g, beta, args["state"])
+    ys, Ss = gated_delta_update(args["q"], args["k"], args["v"], a, b, A_log, dt_bias,
+                                args["state"], **kwargs)
+    np.testing.assert_allclose(np.array(y.astype(F32)), np.array(ys.astype(F32)), atol=2e-2,
+                               rtol=2e-2)
+    np.testing.assert_allclose(np.array(S), np.array(Ss), atol=1e-4, rtol=1e-4)
 
 
 def test_chunk_sizes_agree(composite):
@@ -438,3 +427,16 @@ def test_no_token_passes_the_state_through():
     assert y.shape == (B, 0, Hv, Dv) and mx.array_equal(s, state)
     y, s = gated_delta_chunked(q, k, v, g, beta)
     assert s.shape == (B, Hv, Dv, Dk) and not mx.any(s).item()
+
+
+def test_one_blas_thread_restores_the_count():
+    """The blas composite runs NumPy's OpenBLAS on one thread and gives the count back."""
+    from mlx_bricks.bricks.gated_delta.op import _openblas_threads, one_blas_thread
+
+    fns = _openblas_threads()
+    if fns is None:
+        pytest.skip("NumPy has no bundled OpenBLAS here")
+    before = fns[0]()
+    with one_blas_thread():
+        assert fns[0]() == 1
+    assert fns[0]() == before
