@@ -268,6 +268,10 @@ def _drive_ops(backend: str) -> list[tuple[str, tuple]]:
                                         arr((1, 40, 4, 32), dt), -mx.ones((1, 40, 4), dt),
                                         0.5 * mx.ones((1, 40, 4), dt),
                                         mx.zeros((1, 4, 32, 64), mx.float32), backend=backend))
+            run(f"{dn} gated_delta per key dim",  # Kimi Delta Attention: the VEC kernel
+                lambda: gdn.gated_delta(arr((1, 40, 2, 64), dt), arr((1, 40, 2, 64), dt),
+                                        arr((1, 40, 2, 32), dt), mx.ones((1, 40, 2, 64), dt),
+                                        0.5 * mx.ones((1, 40, 2), dt), backend=backend))
             run(f"{dn} q8_0",
                 lambda: q8_0.dequantize_q8_0(*q8_0.quantize_q8_0(arr((4, 64), dt),
                                                                  backend=backend),

@@ -7,10 +7,10 @@ Arguments as the op takes them: ``q, k, v, g, beta`` and optionally ``state``, `
 key: Hk, Hv, Dk, Dv, the gating (``vec``: per key dim), whether a state and a mask come in; the
 bucket of the tokens ``B * T`` (``tune.buckets.m_bucket``); q's dtype. Kernel variant:
 ``kernel`` (the MSL kernel on metal / emulator, its CUDA twin on cuda; a gate per head or
-per key dim, Dk <= 128); two composites: ``chunked`` (the op's chunked form in MLX ops), offered on every
-backend, and ``blas`` (the same form in NumPy float32 through its BLAS), offered where MLX runs
-on the CPU; so on a machine without a kernel backend the tuner weighs both against stock's
-token loop.
+per key dim, Dk <= 128); two composites: ``chunked`` (the op's chunked form in MLX ops),
+offered on every backend, and ``blas`` (the same form in NumPy float32 through its BLAS),
+offered where MLX runs on the CPU; so on a machine without a kernel backend the tuner weighs
+both against stock's token loop.
 """
 from __future__ import annotations
 

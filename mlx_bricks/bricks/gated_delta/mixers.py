@@ -88,7 +88,7 @@ def _kimi_gate_out(m, x, y, gate):
     return m.o_proj(out.reshape(x.shape[0], x.shape[1], -1))
 
 
-def _kimi_linear_epilogue(m, x, y, cache):
+def _kimi_linear_epilogue(m, x, y):
     return _kimi_gate_out(m, x, y, m.g_b_proj(m.g_a_proj(x)))
 
 
@@ -109,7 +109,7 @@ def _kimi_k3_prologue(m, x, mask, cache):
                                  m.lower_bound))
 
 
-def _kimi_k3_epilogue(m, x, y, cache):
+def _kimi_k3_epilogue(m, x, y):
     gate = m.g_proj(x) if m.use_full_rank_gate else m.g_b_proj(m.g_a_proj(x))
     return _kimi_gate_out(m, x, y, gate)
 
@@ -123,7 +123,7 @@ def _bailing_prologue(m, x, mask, cache):
     return (q, k, v, *_kda_gates(m, a, m.b_proj(x).astype(mx.float32), m.lower_bound))
 
 
-def _bailing_epilogue(m, x, y, cache):
+def _bailing_epilogue(m, x, y):
     gate, = _split_heads(m, x, m.g_proj(x))
     out = m.o_norm(y)
     out = out * mx.sigmoid(gate.astype(mx.float32)).astype(out.dtype)
@@ -143,7 +143,7 @@ def _olmo_prologue(m, x, mask, cache):
                                allow_neg_eigval=m.allow_neg_eigval))
 
 
-def _olmo_epilogue(m, x, y, cache):
+def _olmo_epilogue(m, x, y):
     gate = m.g_proj(x).reshape(-1, m.head_v_dim)
     out = m.o_norm(y.reshape(-1, m.head_v_dim), gate)
     return m.o_proj(out.reshape(x.shape[0], x.shape[1], -1))
@@ -165,8 +165,8 @@ class Family:
         vec: a gate per key dim (Kimi Delta Attention) rather than per head.
         prologue: ``(module, x, mask, cache) -> (q, k, v, g, beta)``: the forward up to the
             recurrence (the conv states read from and written to the cache).
-            epilogue: ``(module, x, y, cache) -> output``: the forward after the recurrence and
-            its cache write (the state into the cache's last slot, the offset advanced).
+            epilogue: ``(module, x, y) -> output``: the forward after the recurrence and its
+            cache write (the state into the cache's last slot, the offset advanced).
     """
 
     module: str
@@ -210,7 +210,8 @@ KDA_FAMILIES = (
            ("q conv", "k conv", "v conv", "recurrent"),
            ("q_proj", "k_proj", "v_proj", "f_proj", "b_proj", "g_proj", "o_proj"),
            ("q_conv1d", "k_conv1d", "v_conv1d"), "o_norm",
-           (*_KDA_INTS, "projection_size", "conv_kernel_size"), True, _bailing_prologue, _bailing_epilogue),
+           (*_KDA_INTS, "projection_size", "conv_kernel_size"), True, _bailing_prologue,
+           _bailing_epilogue),
 )
 #: olmo_hybrid's Gated DeltaNet (a decay per head).
 OLMO_FAMILIES = (
@@ -261,7 +262,8 @@ class FamilyPiece(GatedDeltaPiece):
         q, k, v, g, beta = self.family(module).prologue(module, inputs, mask, cache)
         state = None if cache is None else cache[len(cache.cache) - 1]
         if state is None:
-            state = mx.zeros((q.shape[0], v.shape[2], v.shape[3], q.shape[3]), dtype=mx.float32)
+            B, _, Hv, Dv = v.shape
+            state = mx.zeros((B, Hv, Dv, q.shape[3]), dtype=mx.float32)
         return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "state": state,
                 "mask": mask}, inputs
 
@@ -271,7 +273,7 @@ class FamilyPiece(GatedDeltaPiece):
         if cache is not None:
             cache[len(cache.cache) - 1] = state
             cache.advance(inputs.shape[1])
-        return self.family(module).epilogue(module, ctx, y, cache)
+        return self.family(module).epilogue(module, ctx, y)
 
     def linears(self, layout=None, module=None) -> tuple[str, ...]:
         """The linear layers the piece reads (structure fingerprint)."""
