@@ -70,6 +70,12 @@ def sequential(q, k, v, g, beta, state=None, mask=None, *, dtype=mx.float32):
 #: (about ten op launches per token and layer) against about fifteen per 32-token chunk; not
 #: measured yet, so from 64 tokens. Metal: stock is mlx-lm's own kernel: stock until measured.
 PRIOR_MIN_TOKENS = {"reference": 32, "cuda": 64}
+#: Seconds per prompt token and state element (Hv x Dk x Dv) of one layer that the brick saves
+#: against stock's token loop once warm: H100, T = 2,048, 32 x 128 x 128: stock 0.173 s, the
+#: kernel 0.0034 s (bench/results/2026-12-06-h100-gated-delta.json); 0.17 s / 2,048 / 524,288.
+#: The prior runs the chunked composite (no build), not yet timed on a GPU: the same rate is
+#: assumed (stock's loop is the cost; both forms are a few launches per chunk).
+SAVED_S_PER_TOKEN_STATE = {"cuda": 1.58e-10}
 #: Tokens of the first-call check (:meth:`GatedDelta.check_call`): several chunks of the
 #: kernel (16 tokens in the MSL kernel) and of the composite (:data:`CHUNK`).
 CHECK_TOKENS = 160
