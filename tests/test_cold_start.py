@@ -483,3 +483,29 @@ def test_first_token_guard_is_on_for_one_shot_commands_only():
     from mlx_bricks.entry.commands import COMMANDS
 
     assert {n for n, c in COMMANDS.items() if c.first_token} == {"generate", "chat"}
+
+
+def test_warm_first_use_dequantizes_each_format_once(monkeypatch):
+    """The composites' first-use costs are paid at patch time on CUDA: one small dequantize and
+    GEMM per weight format (dtype, bits, group_size, mode) the patched modules hold, evaluated;
+    nothing elsewhere."""
+    from mlx_bricks.bricks.dequantize import composite
+
+    model = build_model("llama", mx.float16)
+    nn.quantize(model.layers[0], group_size=64, bits=4)
+    nn.quantize(model.layers[1], group_size=32, bits=8)
+    nn.quantize(model.layers[2], group_size=64, bits=4)
+    calls = []
+    real = mx.dequantize
+
+    def spy(w, scales, biases=None, **kw):
+        calls.append((kw["bits"], kw["group_size"], w.shape[0]))
+        return real(w, scales, biases, **kw)
+
+    monkeypatch.setattr(composite.mx, "dequantize", spy)
+    assert composite.warm_first_use(model.layers, "reference") == 0.0 and not calls
+    assert composite.warm_first_use(model.layers, "cuda") > 0
+    assert sorted(calls) == [(4, 64, composite.WARM_ROWS), (8, 32, composite.WARM_ROWS)]
+    calls.clear()
+    assert composite.warm_first_use([build_model("llama", mx.float16)], "cuda") == 0.0
+    assert not calls
