@@ -183,3 +183,20 @@ def test_coverage_command(capsys):
     assert _main(["bailing_moe_v3", "--tokens", "128"]) == 0
     out = capsys.readouterr().out
     assert "bailing_moe_v3" in out and "in bricks" in out and "stock: BailingMLA" in out
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_decode_step_is_stock_work(model_type):
+    """After a bricks prefill the decode step builds exactly stock's graph (tests/
+    test_decode_parity.py's check; 4-bit weights, dense MLPs: the CPU's gather_mm takes float32
+    only) and runs the original classes."""
+    from tests.test_decode_parity import _quantize, decode_graph
+
+    model = build_model(model_type, mx.float16, **DENSE[model_type])
+    _quantize(model, model_type)
+    prompt = tokens(24, seed=1)
+    stock_ops, _ = decode_graph(model, prompt)
+    report = patch_model(model, backend="reference")
+    ops, _ = decode_graph(model, prompt)
+    assert ops == stock_ops, (ops - stock_ops, stock_ops - ops)
+    assert sum(m.calls.get("gated_delta", 0) for m in mixers(report)) == 3
