@@ -28,6 +28,8 @@ computes around the recurrence (read from mlx-lm 0.32.2, vetted by fingerprint):
 """
 from __future__ import annotations
 
+import functools
+import importlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -149,6 +151,11 @@ def _olmo_epilogue(m, x, y):
     return m.o_proj(out.reshape(x.shape[0], x.shape[1], -1))
 
 
+@functools.lru_cache(maxsize=None)
+def _mlx_lm_class(module: str, cls: str) -> type:
+    return getattr(importlib.import_module(f"mlx_lm.models.{module}"), cls)
+
+
 @dataclass(frozen=True)
 class Family:
     """One mlx-lm gated-delta mixer class this piece follows (module docstring).
@@ -183,9 +190,8 @@ class Family:
     gate_linears: Callable = lambda m: ()
 
     def resolve(self) -> type:
-        import importlib
-
-        return getattr(importlib.import_module(f"mlx_lm.models.{self.module}"), self.cls)
+        """The mlx-lm class (imported once)."""
+        return _mlx_lm_class(self.module, self.cls)
 
 
 _KDA_INTS = ("num_heads", "head_dim")
