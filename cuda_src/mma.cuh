@@ -253,6 +253,13 @@ __device__ __forceinline__ void bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Bytes of dynamic shared memory this launch was given (%dynamic_smem_size).
+__device__ __forceinline__ uint32_t dynamic_smem_size() {
+  uint32_t n;
+  asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(n));
+  return n;
+}
+
 // Per-thread register budget of this warpgroup from here on (sm_90a; all its threads execute
 // it): producers give registers back (dec), consumers take them (inc). A template so that it
 // is only instantiated (and assembled) for sm_90a kernels.

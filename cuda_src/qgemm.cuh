@@ -54,11 +54,12 @@ struct QConfig {
   static constexpr int RPB = 128 / ROWB;          // weight rows per 128-byte bank line
   static constexpr int W_SLOT = BN * ROWB;
   static constexpr int W_OFF = STAGES * X_SLOT;   // X slots first: 1024-byte aligned
-  static constexpr int BAR_OFF = W_OFF + STAGES * W_SLOT;
-  static constexpr int RING = BAR_OFF + 2 * STAGES * 8;
+  static constexpr int RING = W_OFF + STAGES * W_SLOT;
   static constexpr int PITCH = OUT_N + 4;         // staged floats per token row and operand
-  static constexpr int OUT_BYTES = NB * BM * PITCH * 4;
-  static constexpr int SMEM = (RING > OUT_BYTES ? RING : OUT_BYTES) + 1024;
+  static constexpr int OUT_BYTES = NB * BM * PITCH * 4;  // the output tile reuses the ring
+  // mbarriers (full, then empty) after both: never overwritten by the output tile.
+  static constexpr int BAR_OFF = RING > OUT_BYTES ? RING : OUT_BYTES;
+  static constexpr int SMEM = BAR_OFF + 2 * STAGES * 8 + 1024;
   static_assert(sizeof(T) == 2, "16-bit activations");
   static_assert(BITS == 4 || BITS == 8, "the register path takes 4- and 8-bit weights");
   static_assert(GS % 32 == 0 && GS >= 32 && GS <= 128, "group size 32, 64 or 128");
@@ -451,6 +452,7 @@ __device__ __forceinline__ void qgemm_block(unsigned char* smem_raw, const typen
   uint64_t* empty = full + C::STAGES;
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;
+  if (dynamic_smem_size() < uint32_t(C::SMEM) || blockDim.x != kQThreads) __trap();  // launch
   if (tid == 0) {
 #pragma unroll
     for (int i = 0; i < C::STAGES; ++i) {

@@ -326,6 +326,7 @@ inline void bar_sync(int id, int threads) {
   b->arrive_and_wait();
 }
 inline void fence_reg(uint32_t&) {}
+inline uint32_t dynamic_smem_size() { return emu::blk->smem_size; }
 template <int REGS>
 inline void setmaxnreg_dec() {}
 template <int REGS>

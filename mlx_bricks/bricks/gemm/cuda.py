@@ -117,14 +117,14 @@ def ws_plan(t: CudaTile, bits: int, weight_operands: int = 1,
             cc: tuple[int, int] | None = None) -> tuple[int, int] | None:
     """``(stages, shared memory bytes)`` of ``ws`` tile ``t`` for ``bits``-bit weights on a GPU
     of capability ``cc``: the deepest ring up to ``t.stages`` that fits (``QConfig::SMEM`` of
-    qgemm.cuh: the X and packed-W slots, the mbarriers, the float output tile reusing the ring,
-    1024 bytes of alignment), or None below 3 stages."""
+    qgemm.cuh: the X and packed-W slots or the float output tile reusing them, then the
+    mbarriers, 1024 bytes of alignment), or None below 3 stages."""
     limit = max_shared_memory(device_capability() if cc is None else cc)
     rows = weight_operands * t.bn
     slot = t.bm * 128 + rows * (BK * bits // 8)
     out = weight_operands * t.bm * (t.bn + 4) * 4
     for stages in range(t.stages, 2, -1):
-        smem = max(stages * (slot + 16), out) + 1024
+        smem = max(stages * slot, out) + stages * 16 + 1024
         if smem <= limit:
             return stages, smem
     return None
