@@ -184,3 +184,26 @@ def test_ws_tiles_are_listed_per_device_and_never_chosen_by_the_rule():
         assert not tiles[gemm_cuda.select_tile(M, 4096, bits=4, cc=(9, 0))].ws
         assert not swiglu_cuda.SWIGLU_TILES[gemm_cuda.select_tile(
             M, 14336, swiglu_cuda.SWIGLU_TILES, 2, 4, cc=(9, 0))].ws
+
+
+def test_swiglu_mlp_lists_and_runs_the_register_variants():
+    """The tuner's ``qfused_<tile>`` variants of the MLP kind: listed for 4/8-bit gate and up
+    of one format, and run as the fused ws SwiGLU then the paired ws down projection."""
+    from mlx_bricks.bricks.swiglu.kind import SWIGLU_MLP
+
+    M, N, K, dtype = 20, 160, 192, BF16  # N: 2.5 act tiles of 64
+    args = dict(x=randn((M, K), dtype, 1), w_gate=weight(N, K, (4, 64), dtype, 2),
+                w_up=weight(N, K, (4, 64), dtype, 3), w_down=weight(K, N, (8, 32), dtype, 4),
+                residual=randn((M, K), dtype, 5))
+    names = SWIGLU_MLP.listing("cuda", dtype, args)
+    assert "qfused_qmma128x64" in names and not any("qwg" in n for n in names)
+    other = dict(args, w_up=weight(N, K, (3, 64), dtype, 3))
+    assert not any(n.startswith("qfused_") for n in SWIGLU_MLP.listing("cuda", dtype, other))
+    kwargs = SWIGLU_MLP.variant_kwargs("qfused_qmma128x64")
+    y, launched = _emulated(SWIGLU_MLP.brick, args, "cuda", **kwargs)
+    assert launched == ["qgemm_swiglu", "qgemm"]
+    g, u = (to_f64(args["x"]) @ dequant64(args[k]).T for k in ("w_gate", "w_up"))
+    act = mx.array((g / (1.0 + np.exp(-g)) * u).astype(np.float32)).astype(dtype)
+    ref = to_f64(act) @ dequant64(args["w_down"]).T + to_f64(args["residual"])
+    naive = act @ dequant(args["w_down"]).T + args["residual"]
+    assert_dtype_close(y, ref, naive, dtype=dtype, what="qfused MLP")
