@@ -1,6 +1,7 @@
 // The quantized linear on qgemm.cuh: y = x @ W.T (+ bias) (+ residual), W an MLX affine weight
 // (4 or 8 bits, group 32 / 64 / 128) dequantized in registers, never staged as a 16-bit tile.
-// Headers: mma.cuh, dequant.cuh, gemm.cuh, wgmma.cuh, qgemm.cuh, qgemm_wgmma.cuh.
+// Headers: mma.cuh, dequant.cuh, gemm.cuh, wgmma.cuh, qgemm.cuh, qgemm_ops.cuh,
+// qgemm_wgmma.cuh.
 //
 // Template: T (__half, __nv_bfloat16), BM (tokens per block), BN (weight rows per block),
 // STAGES, WGMMA (sm_90a: two warpgroups, MI m64 blocks each; else mma.sync, WR warps along the

@@ -24,7 +24,7 @@
 //           arrives on the slot's empty barrier once its MMAs no longer read it.
 //   output  the accumulators go through shared memory once (transposed back to token rows),
 //           then each consumer thread applies the epilogue op to 8 adjacent columns and
-//           stores 16 bytes: bias + residual (QBiasResidual), act(gate) * up (QGateUp).
+//           stores 16 bytes (the ops: qgemm_ops.cuh).
 //
 // Weight rows of the tile: row r is operand r / OUT_N (NB = 2: gate rows, then up rows), output
 // column n0 + r % OUT_N. Sources: PTX ISA 8.x (mbarrier, cp.async.mbarrier.arrive, wgmma);
@@ -59,7 +59,8 @@ struct QConfig {
   static constexpr int OUT_BYTES = NB * BM * PITCH * 4;  // the output tile reuses the ring
   // mbarriers (full, then empty) after both: never overwritten by the output tile.
   static constexpr int BAR_OFF = RING > OUT_BYTES ? RING : OUT_BYTES;
-  static constexpr int SMEM = BAR_OFF + 2 * STAGES * 8 + 1024;
+  static constexpr int ROWS_OFF = BAR_OFF + 2 * STAGES * 8;  // the producer's row table
+  static constexpr int SMEM = ROWS_OFF + BM * 8 + 1024;
   static_assert(sizeof(T) == 2, "16-bit activations");
   static_assert(BITS == 4 || BITS == 8, "the register path takes 4- and 8-bit weights");
   static_assert(GS % 32 == 0 && GS >= 32 && GS <= 128, "group size 32, 64 or 128");
@@ -77,30 +78,52 @@ __device__ __forceinline__ int wchunk(int r, int c) {
 // Producer: one warpgroup, X and W of a stage per call
 // ---------------------------------------------------------------------------------------------
 
+// Which activation row each tile row reads and which output row it writes (rows are tile-
+// relative r = 0 .. BM - 1 from m0). GATHER: row r is token order[m0 + r] / top_k of x (the
+// MoE gate / up); SCATTER: it is written to output row order[m0 + r] (the MoE down). Rows at or
+// past `end` are dead (zero in, never written).
+template <typename T, bool GATHER, bool SCATTER>
+struct QRows {
+  const T* x;
+  const uint32_t* order;
+  int top_k, end, K, m0;
+
+  // Element offset of row r in x, or -1.
+  __device__ __forceinline__ long src(int r) const {
+    const int m = m0 + r;
+    if (m >= end) return -1;
+    return long(GATHER ? int(order[m] / unsigned(top_k)) : m) * K;
+  }
+  // Output row of tile row r, or -1.
+  __device__ __forceinline__ long dst(int r) const {
+    const int m = m0 + r;
+    if (m >= end) return -1;
+    return SCATTER ? long(order[m]) : long(m);
+  }
+};
+
 template <class C>
 struct QProducer {
   using T = typename C::T;
   static constexpr int RS = kQProducers / 8;      // X rows per pass (8 chunks per row)
   static constexpr int WCH = C::BN * C::CPR;      // weight chunks of a stage
   static_assert(WCH % kQProducers == 0 && C::BM % RS == 0, "chunks split evenly");
-  const T* xp;     // this thread's first X row at its chunk column, k = 0
+  const T* x;
   const uint32_t* w[C::NB];
-  int K, wpr;      // wpr: packed words per weight row
-  int x_rows;      // its X rows inside M (rows p / 8 + RS j, j < x_rows)
-  int x_dst;       // shared offset of its first X chunk (every row of it: same chunk position)
-  int c8, p;
-  int M, m_first, n_lim;
-  bool x_vec, w_vec;  // 16-byte copies possible (else scalar / 4-byte paths)
+  const long* rows;  // shared row table: src offsets of this thread's rows (own entries only)
+  int K, wpr;        // wpr: packed words per weight row
+  int x_dst;         // shared offset of its first X chunk (every row of it: same chunk position)
+  int c8, p, n_lim;
+  bool x_vec, w_vec; // 16-byte copies possible (else scalar / 4-byte paths)
 
-  __device__ QProducer(const T* x, const void* const (&w_)[C::NB], int M_, int N, int K_,
-                       int m0, int n0, int p_)
-      : K(K_), p(p_), M(M_) {
+  // Fills this thread's entries of the row table (rows p / 8 + RS j), read back only by it.
+  template <class Rows>
+  __device__ QProducer(const Rows& map, const void* const (&w_)[C::NB], int N, int n0,
+                       long* table, int p_)
+      : x(map.x), rows(table), K(map.K), p(p_) {
     wpr = K * C::BITS / 32;
     const int r0 = p / 8, c = p % 8;
     c8 = 8 * c;
-    m_first = m0 + r0;
-    xp = x + long(min(m_first, M - 1)) * K + c8;
-    x_rows = M > m_first ? min((M - m_first + RS - 1) / RS, C::BM / RS) : 0;
     x_dst = swz(r0, c);  // (r0 + RS j) % 8 == r0 % 8
     n_lim = N - n0;
     x_vec = (reinterpret_cast<uintptr_t>(x) & 15) == 0 && K % 8 == 0;
@@ -110,6 +133,11 @@ struct QProducer {
       w[b] = static_cast<const uint32_t*>(w_[b]) + long(n0) * wpr;
       w_vec = w_vec && (reinterpret_cast<uintptr_t>(w_[b]) & 15) == 0;
     }
+    if (c == 0) {
+#pragma unroll 1
+      for (int j = 0; j < C::BM / RS; ++j) table[r0 + RS * j] = map.src(r0 + RS * j);
+    }
+    __syncwarp();  // lane 8 i wrote the rows lanes 8 i .. 8 i + 7 read
   }
 
   // Copy stage k0 into slot (xs, ws) and arm `full` (one arrival per producer thread).
@@ -134,26 +162,28 @@ struct QProducer {
         for (int e = 0; e < 4; ++e) cp_async4(dst + 4 * e, src + (ok ? e : 0), ok && kw + e < wpr);
       }
     }
-    const bool k_ok = k0 + c8 < K;
+    // X: thread p's chunk column is fixed, its rows are p / 8 + RS j.
+    const int k = k0 + c8;
+    const bool k_ok = k < K;
+    const int r0 = p / 8;
     if (x_vec) {
-      const T* src = xp + k0;
       uint32_t dst = smem_addr(xs + x_dst);
 #pragma unroll 1
       for (int j = 0; j < C::BM / RS; ++j) {
-        const bool ok = k_ok && j < x_rows;
-        cp_async16(dst, ok ? src : xp, ok);
-        src += long(RS) * K;
+        const long off = rows[r0 + RS * j];
+        const bool ok = k_ok && off >= 0;
+        cp_async16(dst, x + (ok ? off + k : 0), ok);
         dst += RS * 128;
       }
       cp_async_mbar_arrive(full);
     } else {
       // Unaligned x: plain loads and stores; the weight copies are waited for here, so one
       // ordinary (release) arrival publishes both.
+#pragma unroll 1
       for (int j = 0; j < C::BM / RS; ++j) {
-        const int m = m_first + RS * j;
+        const long off = rows[r0 + RS * j];
         *reinterpret_cast<uint4*>(xs + x_dst + j * RS * 128) =
-            load8_checked(xp - c8 + long(min(m, M - 1) - min(m_first, M - 1)) * K, k0 + c8,
-                          m < M ? K : 0);
+            load8_checked(x + (off >= 0 ? off : 0), k, off >= 0 ? K : 0);
       }
       cp_async_commit();
       cp_async_wait<0>();
@@ -368,83 +398,19 @@ struct QConsumerOf<C, false, MI, WR, DEPTH> {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Epilogue ops: 8 adjacent output columns (col .. col + nv - 1 in bounds) of row `row`
-// ---------------------------------------------------------------------------------------------
-
-// p[0 .. nv) as floats (0 past nv): one 16-byte load when all 8 are in bounds and aligned.
-template <typename T>
-__device__ __forceinline__ void load8(const T* p, int nv, float (&o)[8]) {
-  if (nv == 8 && (reinterpret_cast<uintptr_t>(p) & 15) == 0) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float2 f = unpack2<T>(w[e]);
-      o[2 * e] = f.x;
-      o[2 * e + 1] = f.y;
-    }
-    return;
-  }
-#pragma unroll
-  for (int e = 0; e < 8; ++e) o[e] = e < nv ? to_float(p[e]) : 0.0f;
-}
-
-// acc (+ bias[col]) (+ residual[row, col]) in float, one rounding on the store.
-template <typename T, bool HAS_BIAS, bool HAS_RESIDUAL>
-struct QBiasResidual {
-  const T* bias;
-  const T* residual;
-  long ld;
-
-  __device__ __forceinline__ void operator()(const float (&v)[1][8], int row, int col, int nv,
-                                             float (&o)[8]) const {
-    float add[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) o[e] = v[0][e];
-    if constexpr (HAS_BIAS) {
-      load8(bias + col, nv, add);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) o[e] += add[e];
-    }
-    if constexpr (HAS_RESIDUAL) {
-      load8(residual + long(row) * ld + col, nv, add);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) o[e] += add[e];
-    }
-  }
-};
-
-// act(gate + b_gate) * (up + b_up) (operands 0 and 1), all in float, one rounding.
-template <typename T, bool HAS_BIAS_GATE, bool HAS_BIAS_UP, int ACT>
-struct QGateUp {
-  const T* b_gate;
-  const T* b_up;
-
-  __device__ __forceinline__ void operator()(const float (&v)[2][8], int, int col, int nv,
-                                             float (&o)[8]) const {
-    float bg[8], bu[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) bg[e] = bu[e] = 0.0f;
-    if constexpr (HAS_BIAS_GATE) load8(b_gate + col, nv, bg);
-    if constexpr (HAS_BIAS_UP) load8(b_up + col, nv, bu);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) o[e] = activation<ACT>(v[0][e] + bg[e]) * (v[1][e] + bu[e]);
-  }
-};
-
-// ---------------------------------------------------------------------------------------------
 // The block: pipeline, mainloop, epilogue
 // ---------------------------------------------------------------------------------------------
 
-// One block tile of Y (M, N) = X (M, K) W^T for the NB weights (w, scales, biases), output
-// op(accumulators) -> y (M, N) row-major (N columns: OUT_N per block). smem: the dynamic
-// shared memory (C::SMEM bytes, aligned here to 1024). 1-D grid, grouped order.
-template <class C, bool WGMMA, int MI, int WR, int DEPTH, class Op>
-__device__ __forceinline__ void qgemm_block(unsigned char* smem_raw, const typename C::T* x,
-                                            int M, int K, int N, const void* const (&w)[C::NB],
-                                            const typename C::T* const (&s)[C::NB],
-                                            const typename C::T* const (&b)[C::NB], const Op& op,
-                                            typename C::T* y) {
+// One block tile of the output: rows m0 .. m0 + BM of `map` (QRows), columns n0 .. n0 + OUT_N
+// of each of the NB weights (w, scales, biases) of N rows, K deep; op(accumulators) -> y with
+// N columns, rows by map.dst. smem: the dynamic shared memory (C::SMEM bytes, aligned here to
+// 1024). Every thread of the block calls it.
+template <class C, bool WGMMA, int MI, int WR, int DEPTH, class Rows, class Op>
+__device__ __forceinline__ void qgemm_tile(unsigned char* smem_raw, const Rows& map, int N,
+                                           int n0, const void* const (&w)[C::NB],
+                                           const typename C::T* const (&s)[C::NB],
+                                           const typename C::T* const (&b)[C::NB], const Op& op,
+                                           typename C::T* y) {
   using T = typename C::T;
   using Cons = typename QConsumerOf<C, WGMMA, MI, WR, DEPTH>::type;
   unsigned char* smem = align_smem(smem_raw);
@@ -452,6 +418,7 @@ __device__ __forceinline__ void qgemm_block(unsigned char* smem_raw, const typen
   uint64_t* empty = full + C::STAGES;
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;
+  const int K = map.K;
   if (dynamic_smem_size() < uint32_t(C::SMEM) || blockDim.x != kQThreads) __trap();  // launch
   if (tid == 0) {
 #pragma unroll
@@ -461,15 +428,12 @@ __device__ __forceinline__ void qgemm_block(unsigned char* smem_raw, const typen
     }
   }
   __syncthreads();
-  int tm, tn;
-  grouped_tile<8>(int(blockIdx.x), (M + C::BM - 1) / C::BM, (N + C::OUT_N - 1) / C::OUT_N, tm,
-                  tn);
-  const int m0 = tm * C::BM, n0 = tn * C::OUT_N;
   const int steps = (K + C::BK - 1) / C::BK;
 
   if (tid >= kQConsumers) {  // the producer warpgroup
     if constexpr (WGMMA) setmaxnreg_dec<kQProducerRegs>();
-    const QProducer<C> pr(x, w, M, N, K, m0, n0, tid - kQConsumers);
+    const QProducer<C> pr(map, w, N, n0, reinterpret_cast<long*>(smem + C::ROWS_OFF),
+                          tid - kQConsumers);
     for (int st = 0; st < steps; ++st) {
       const int slot = st % C::STAGES;
       mbar_wait(empty + slot, ((st / C::STAGES) & 1) ^ 1);
@@ -522,8 +486,9 @@ __device__ __forceinline__ void qgemm_block(unsigned char* smem_raw, const typen
   constexpr int U = C::OUT_N / 8;
   for (int u = tid; u < C::BM * U; u += kQConsumers) {
     const int m = u / U, c8 = (u % U) * 8;
-    const int row = m0 + m, col = n0 + c8;
-    if (row >= M || col >= N) continue;
+    const long row = map.dst(m);
+    const int col = n0 + c8;
+    if (row < 0 || col >= N) continue;
     float v[C::NB][8];
 #pragma unroll
     for (int bb = 0; bb < C::NB; ++bb) {
@@ -535,7 +500,7 @@ __device__ __forceinline__ void qgemm_block(unsigned char* smem_raw, const typen
     const int nv = min(8, N - col);
     float o[8];
     op(v, row, col, nv, o);
-    T* dst = y + long(row) * N + col;
+    T* dst = y + row * N + col;
     if (nv == 8 && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
       *reinterpret_cast<uint4*>(dst) = make_uint4(pack2<T>(o[0], o[1]), pack2<T>(o[2], o[3]),
                                                   pack2<T>(o[4], o[5]), pack2<T>(o[6], o[7]));
@@ -543,6 +508,21 @@ __device__ __forceinline__ void qgemm_block(unsigned char* smem_raw, const typen
       for (int e = 0; e < nv; ++e) dst[e] = from_float<T>(o[e]);
     }
   }
+}
+
+// The dense GEMM: Y (M, N) = X (M, K) W^T, x (M, K) row-contiguous, block tiles in grouped
+// order over a 1-D grid.
+template <class C, bool WGMMA, int MI, int WR, int DEPTH, class Op>
+__device__ __forceinline__ void qgemm_block(unsigned char* smem, const typename C::T* x, int M,
+                                            int K, int N, const void* const (&w)[C::NB],
+                                            const typename C::T* const (&s)[C::NB],
+                                            const typename C::T* const (&b)[C::NB], const Op& op,
+                                            typename C::T* y) {
+  int tm, tn;
+  grouped_tile<8>(int(blockIdx.x), (M + C::BM - 1) / C::BM, (N + C::OUT_N - 1) / C::OUT_N, tm,
+                  tn);
+  const QRows<typename C::T, false, false> map{x, nullptr, 1, M, K, tm * C::BM};
+  qgemm_tile<C, WGMMA, MI, WR, DEPTH>(smem, map, N, tn * C::OUT_N, w, s, b, op, y);
 }
 
 }  // namespace bricks

@@ -40,7 +40,7 @@ register(KernelSpec(
 ))
 
 #: Headers of the register-dequantizing kernels (``qgemm*.cu``; the last one is sm_90a's).
-QGEMM_HEADERS = ("mma.cuh", "dequant.cuh", "gemm.cuh", "wgmma.cuh", "qgemm.cuh",
+QGEMM_HEADERS = ("mma.cuh", "dequant.cuh", "gemm.cuh", "wgmma.cuh", "qgemm.cuh", "qgemm_ops.cuh",
                  "qgemm_wgmma.cuh")
 #: The quantized linear with the weights dequantized in registers (``ws`` tiles).
 register(KernelSpec(
@@ -118,13 +118,13 @@ def ws_plan(t: CudaTile, bits: int, weight_operands: int = 1,
     """``(stages, shared memory bytes)`` of ``ws`` tile ``t`` for ``bits``-bit weights on a GPU
     of capability ``cc``: the deepest ring up to ``t.stages`` that fits (``QConfig::SMEM`` of
     qgemm.cuh: the X and packed-W slots or the float output tile reusing them, then the
-    mbarriers, 1024 bytes of alignment), or None below 3 stages."""
+    mbarriers and the row table, 1024 bytes of alignment), or None below 3 stages."""
     limit = max_shared_memory(device_capability() if cc is None else cc)
     rows = weight_operands * t.bn
     slot = t.bm * 128 + rows * (BK * bits // 8)
     out = weight_operands * t.bm * (t.bn + 4) * 4
     for stages in range(t.stages, 2, -1):
-        smem = max(stages * slot, out) + stages * 16 + 1024
+        smem = max(stages * slot, out) + stages * 16 + t.bm * 8 + 1024
         if smem <= limit:
             return stages, smem
     return None
