@@ -331,6 +331,17 @@ struct QFrag {
 // (16 MI) x (BM / (8 / WR)) tile of m16n8k16 accumulators
 // ---------------------------------------------------------------------------------------------
 
+// Zero an accumulator array (a consumer's acc, or its register ring of A fragments).
+template <typename E, int I, int J, int L>
+__device__ __forceinline__ void zero_regs(E (&r)[I][J][L]) {
+#pragma unroll
+  for (int i = 0; i < I; ++i)
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+      for (int l = 0; l < L; ++l) r[i][j][l] = E(0);
+}
+
 template <class C, int MI_, int WR>
 struct QMmaConsumer {
   using T = typename C::T;
@@ -345,12 +356,7 @@ struct QMmaConsumer {
   int wr, wt, lane;
 
   __device__ QMmaConsumer(int warp, int lane_) : wr(warp % WR), wt(warp / WR), lane(lane_) {
-#pragma unroll
-    for (int i = 0; i < MI; ++i)
-#pragma unroll
-      for (int j = 0; j < NJ; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+    zero_regs(acc);
   }
 
   __device__ __forceinline__ int row16(int i) const { return (wr * MI + i) * 16; }

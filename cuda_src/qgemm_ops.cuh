@@ -14,18 +14,21 @@ namespace bricks {
 template <typename T>
 __device__ __forceinline__ void load8(const T* p, int nv, float (&o)[8]) {
   if (nv == 8 && (reinterpret_cast<uintptr_t>(p) & 15) == 0) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float2 f = unpack2<T>(w[e]);
-      o[2 * e] = f.x;
-      o[2 * e + 1] = f.y;
-    }
+    ldg16_as_float_b16(p, o);
     return;
   }
 #pragma unroll
   for (int e = 0; e < 8; ++e) o[e] = e < nv ? to_float(p[e]) : 0.0f;
+}
+
+// The gate and up biases of 8 columns (0 where absent).
+template <bool HAS_BIAS_GATE, bool HAS_BIAS_UP, typename T>
+__device__ __forceinline__ void gate_up_biases(const T* b_gate, const T* b_up, int col, int nv,
+                                               float (&bg)[8], float (&bu)[8]) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e) bg[e] = bu[e] = 0.0f;
+  if constexpr (HAS_BIAS_GATE) load8(b_gate + col, nv, bg);
+  if constexpr (HAS_BIAS_UP) load8(b_up + col, nv, bu);
 }
 
 // acc (+ bias[col]) (+ residual[row, col]) in float, one rounding on the store.
@@ -62,10 +65,7 @@ struct QGateUp {
   __device__ __forceinline__ void operator()(const float (&v)[2][8], long, int col, int nv,
                                              float (&o)[8]) const {
     float bg[8], bu[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) bg[e] = bu[e] = 0.0f;
-    if constexpr (HAS_BIAS_GATE) load8(b_gate + col, nv, bg);
-    if constexpr (HAS_BIAS_UP) load8(b_up + col, nv, bu);
+    gate_up_biases<HAS_BIAS_GATE, HAS_BIAS_UP>(b_gate, b_up, col, nv, bg, bu);
 #pragma unroll
     for (int e = 0; e < 8; ++e) o[e] = activation<ACT>(v[0][e] + bg[e]) * (v[1][e] + bu[e]);
   }

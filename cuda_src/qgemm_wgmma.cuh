@@ -72,18 +72,8 @@ struct QWgmmaConsumer {
   int wg, wq;
 
   __device__ QWgmmaConsumer(int warp, int) : wg(warp / 4), wq(warp % 4) {
-#pragma unroll
-    for (int i = 0; i < MI; ++i)
-#pragma unroll
-      for (int j = 0; j < NJ; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
-#pragma unroll
-    for (int k = 0; k < R; ++k)
-#pragma unroll
-      for (int i = 0; i < MI; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) a[k][i][e] = 0u;
+    zero_regs(acc);
+    zero_regs(a);
   }
 
   __device__ __forceinline__ int row16(int i) const { return wg * 64 * MB + 64 * i + 16 * wq; }

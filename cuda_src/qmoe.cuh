@@ -22,10 +22,7 @@ struct QMoeGateUp {
   __device__ __forceinline__ void operator()(const float (&v)[2][8], long, int col, int nv,
                                              float (&o)[8]) const {
     float bg[8], bu[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) bg[e] = bu[e] = 0.0f;
-    if constexpr (HAS_BIAS_GATE) load8(b_gate + col, nv, bg);
-    if constexpr (HAS_BIAS_UP) load8(b_up + col, nv, bu);
+    gate_up_biases<HAS_BIAS_GATE, HAS_BIAS_UP>(b_gate, b_up, col, nv, bg, bu);
 #pragma unroll
     for (int e = 0; e < 8; ++e) o[e] = moe_activation<ACT>(v[0][e] + bg[e], v[1][e] + bu[e], alpha, limit);
   }

@@ -25,10 +25,10 @@ import mlx_bricks.bricks.gemm.msl  # noqa: F401  (registers the kernel specs)
 from mlx_bricks import cudacheck
 from mlx_bricks.bricks.gemm import cuda as gemm_cuda
 from mlx_bricks.bricks.swiglu import cuda as swiglu_cuda
-from mlx_bricks.formats.affine import QuantizedWeight
 from tests import cuda_emu
 from tests.cuda_emu.affine import dequantize_model
 from tests.quant_support import dequant, dequant64, randn, weight
+from tests.test_gemm_cuda_emu import _emulated, _wide_weight
 from tests.tolerance import assert_dtype_close, to_f64
 
 pytestmark = pytest.mark.skipif(cuda_emu.toolchain() is None,
@@ -43,21 +43,6 @@ LINEAR_TILE, SWIGLU_TILE = "qmma128x128", "qmma128x64"
 def _as_if_on_an_sm86(monkeypatch):
     """mma.sync only (no wgmma in the emulator), 99 KB of shared memory: a 4-stage ring."""
     monkeypatch.setattr(gemm_cuda, "device_capability", lambda: (8, 6))
-
-
-def _emulated(fn, *args, **kwargs):
-    with cuda_emu.emulated_launches(gemm_cuda, swiglu_cuda) as names:
-        out = fn(*args, **kwargs)
-        mx.eval(out)
-    return out, names
-
-
-def _wide_weight(N, K, bits, gs, dtype, seed):
-    """mx.quantize of rows whose magnitudes span 1e-3 .. 1e3 (scales and biases far apart)."""
-    rng = np.random.default_rng(seed)
-    w = rng.standard_normal((N, K)) * 10.0 ** rng.uniform(-3, 3, (N, 1))
-    q, s, b = mx.quantize(mx.array(w.astype(np.float32)).astype(dtype), group_size=gs, bits=bits)
-    return QuantizedWeight(q, s, b, gs, bits)
 
 
 def test_ring_wraps_on_the_emulated_device():

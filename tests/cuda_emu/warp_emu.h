@@ -209,6 +209,18 @@ inline float2 unpack2(uint32_t r) {
   return make_float2(Num<T>::to_float(l), Num<T>::to_float(h));
 }
 
+// mma.cuh's ldg16_as_float_b16: 16 bytes of 8 16-bit floats as floats.
+template <typename T>
+inline void ldg16_as_float_b16(const T* p, float (&o)[8]) {
+  uint32_t w[4];
+  std::memcpy(w, p, 16);
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = unpack2<T>(w[i]);
+    o[2 * i] = f.x;
+    o[2 * i + 1] = f.y;
+  }
+}
+
 // mma.cuh's i8x4_to_float4, the same instructions (byte permute into the 2^23 magic, one FADD).
 inline float4 i8x4_to_float4(uint32_t w) {
   const uint32_t u = w ^ 0x80808080u;

@@ -77,39 +77,26 @@ def swiglu(x, w_gate, w_up, b_gate=None, b_up=None, *, variant="fused", tile=Non
     u3, u_bits, u_gs = weight_triple(w_up, x.dtype, "w_up")
     if variant == "fused" and (g_bits, g_gs) == (u_bits, u_gs):
         t = pick_tile(SWIGLU_TILES, tile, M, N, 2, g_bits)
-        if t.ws:
-            return _qgemm_swiglu(x2, g3, u3, g_bits, g_gs, b_gate, b_up, t, act)
-        grid, tg = grid_of(t, M, N)
+        if t.ws:  # gate and up dequantized in registers (qgemm_swiglu.cu)
+            name, (template, smem), (grid, tg) = (
+                "qgemm_swiglu", ws_geometry(t, x.dtype, g_bits, g_gs, weight_operands=2),
+                ws_grid(t, M, N))
+        else:
+            name, template, smem, (grid, tg) = (
+                "swiglu_fused", geometry(t, x.dtype) + [("BITS", g_bits), ("GS", g_gs)],
+                smem_of(t, [g_bits], weight_operands=2), grid_of(t, M, N))
         ph = g3[1]
         (act,) = launch(
-            "swiglu_fused", "cuda",
+            name, "cuda",
             inputs=[x2, *g3, *u3, ph if b_gate is None else mx.contiguous(b_gate),
                     ph if b_up is None else mx.contiguous(b_up)],
-            template=geometry(t, x.dtype) + [
-                ("BITS", g_bits), ("GS", g_gs), ("HAS_BIAS_GATE", b_gate is not None),
-                ("HAS_BIAS_UP", b_up is not None), ("ACT", act)],
+            template=template + [("HAS_BIAS_GATE", b_gate is not None),
+                                 ("HAS_BIAS_UP", b_up is not None), ("ACT", act)],
             grid=grid, threadgroup=tg, output_shapes=[(M, N)], output_dtypes=[x.dtype],
-            shared_memory=smem_of(t, [g_bits], weight_operands=2),
+            shared_memory=smem,
         )
         return act
     t = pick_tile(TILES, None if variant == "fused" else tile, M, N, 1, max(g_bits, u_bits))
     up = gemm_launch(x2, u3, u_bits, u_gs, b_up, None, t)
     return gemm_launch(x2, g3, g_bits, g_gs, b_gate, up, t, swiglu_up=True, act=act)
 
-
-def _qgemm_swiglu(x2, g3, u3, bits, gs, b_gate, b_up, t, act):
-    """One launch of ``qgemm_swiglu.cu`` (``ws`` tile ``t``)."""
-    M, N = x2.shape[0], g3[0].shape[0]
-    template, smem = ws_geometry(t, x2.dtype, bits, gs, weight_operands=2)
-    grid, tg = ws_grid(t, M, N)
-    ph = g3[1]
-    (out,) = launch(
-        "qgemm_swiglu", "cuda",
-        inputs=[x2, *g3, *u3, ph if b_gate is None else mx.contiguous(b_gate),
-                ph if b_up is None else mx.contiguous(b_up)],
-        template=template + [("HAS_BIAS_GATE", b_gate is not None),
-                             ("HAS_BIAS_UP", b_up is not None), ("ACT", act)],
-        grid=grid, threadgroup=tg, output_shapes=[(M, N)], output_dtypes=[x2.dtype],
-        shared_memory=smem,
-    )
-    return out
