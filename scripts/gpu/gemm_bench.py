@@ -300,7 +300,7 @@ def layer_summary(bench: Bench):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="gemm_bench.json")
-    p.add_argument("--budget", type=float, default=210.0,
+    p.add_argument("--budget", type=float, default=200.0,
                    help="seconds after which the remaining cases are skipped")
     p.add_argument("--only", nargs="*", default=[], help="substrings of case names to run")
     p.add_argument("--repeats", type=int, default=3)

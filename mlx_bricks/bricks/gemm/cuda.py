@@ -10,6 +10,10 @@ per stage, dynamic shared memory sized here with the formula of ``GemmSmem`` in 
 
 float16 and bfloat16 run on the tensor cores; float32 has no twin (the ops keep the reference
 path for it when the backend was chosen automatically, and raise when ``cuda`` was asked for).
+
+The ``ws`` tiles (:data:`WS_TILES`) launch ``qgemm.cu`` instead: MLX affine 4 / 8-bit weights
+dequantized in registers on a warp-specialized pipeline (``cuda_src/qgemm.cuh``, docs/bricks.md
+"Weights dequantized in registers"); the tuner times them, no rule picks them.
 """
 from __future__ import annotations
 
