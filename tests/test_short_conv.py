@@ -103,13 +103,13 @@ def test_bad_arguments():
         short_conv(**{**args, "weight": mx.zeros((3, 4))})
     with pytest.raises(ValueError, match="state must"):
         short_conv(**{**args, "state": args["state"][:, :1]})
-    with pytest.raises(TypeError, match="gate_in must have x's dtype"):
+    with pytest.raises(TypeError, match="gate_in must have dtype float32"):
         short_conv(**{**args, "gate_in": args["gate_in"].astype(F16)})
     with pytest.raises(ValueError, match="gate_out must"):
         short_conv(**{**args, "gate_out": args["gate_out"][:, :2]})
     with pytest.raises(TypeError, match="x must"):
         short_conv(**{**args, "x": np.zeros(3)})
-    with pytest.raises(TypeError, match="mask must be bool"):
+    with pytest.raises(TypeError, match="mask must have dtype bool"):
         short_conv(**args, mask=mx.ones((1, 4)))
     with pytest.raises(TypeError, match="lengths must be integer"):
         short_conv(**args, lengths=mx.ones((1,)))

@@ -151,7 +151,7 @@ def test_bad_arguments():
         ssd(**{**args, "x": np.zeros(3)})
     with pytest.raises(TypeError, match="B and C"):
         ssd(**{**args, "B": args["B"].astype(F16)})
-    with pytest.raises(TypeError, match="mask must be bool"):
+    with pytest.raises(TypeError, match="mask must have dtype bool"):
         ssd(**args, mask=mx.ones((1, 4)))
     with pytest.raises(ValueError, match="chunk"):
         ssd(**args, chunk=0)

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 from mlx_bricks.bricks.gated_delta.piece import GDN_PIECE
 from mlx_bricks.bricks.moe.piece import MOE_PIECE, activation_of, switch_classes
+from mlx_bricks.bricks.short_conv.piece import SHORT_CONV_PIECE
+from mlx_bricks.bricks.ssd.piece import FALCON_SSD_PIECE, MAMBA1_PIECE, SSD_PIECE
 from mlx_bricks.nn import BricksMixer, BricksPiece, BricksState, attach, is_patched
 from mlx_bricks.patch.report import DISABLED, FALLBACK, PATCHED, STOCK, ModuleReport
 from mlx_bricks.patch.vetted import forward_fingerprint, signature_reason
 from mlx_bricks.runtime.dispatch import NO_KERNEL_BACKEND, Dispatch
 
 #: The token-mixer pieces patched by module, in the order a module is matched against them.
-MIXERS = (GDN_PIECE,)
+MIXERS = (GDN_PIECE, FALCON_SSD_PIECE, SSD_PIECE, SHORT_CONV_PIECE, MAMBA1_PIECE)
 
 
 def has_experts(layer) -> bool:

@@ -23,14 +23,13 @@ from mlx_bricks.bricks.short_conv.op import (
     short_conv_stock,
 )
 from mlx_bricks.checks import dtype_name
-from mlx_bricks.runtime.kind import Composite, Key, OpKind, flags, high_precision, register_kind
+from mlx_bricks.runtime.kind import Composite, Key, flags, high_precision, register_kind
+from mlx_bricks.runtime.scan import ScanKind
 from mlx_bricks.tune.buckets import m_bucket
 from mlx_bricks.tune.check import dtype_close, worst
 
 _ARGS = ("x", "weight", "bias", "state", "mask", "gate_in", "gate_out", "activation",
          "lengths")
-#: The kernel variant's name (the MSL kernel, or its CUDA twin on cuda).
-KERNEL = "kernel"
 
 
 def _op_args(args) -> list:
@@ -69,7 +68,7 @@ def reference(x, weight, bias=None, state=None, mask=None, gate_in=None, gate_ou
 PRIOR_MIN_TOKENS = {"reference": 2}
 
 
-class ShortConv(OpKind):
+class ShortConv(ScanKind):
     """The short-conv kind (module docstring). Its rows are the tokens; the output is the pair
     ``(y, next state)``: y checked by the dtype rule, the state bit-exact (it is a copy)."""
 
@@ -77,15 +76,11 @@ class ShortConv(OpKind):
     op_name = "short_conv"
     activations = ("x", "gate_in", "gate_out")
     composites = (Composite("shifted", _shifted),)
+    prior_min_tokens = PRIOR_MIN_TOKENS
+    prior_composite = "shifted"
 
-    def prior(self, args, backend):
-        """``tune="cached"`` without a measurement: the composite from
-        :data:`PRIOR_MIN_TOKENS` tokens on a backend listed there, else defer."""
-        min_tokens = PRIOR_MIN_TOKENS.get(backend)
-        if min_tokens is None:
-            return None
-        b, T = args["x"].shape[:2]
-        return "shifted" if b * T >= min_tokens else "stock"
+    def kernel_reason(self, args):
+        return msl.kernel_reason(args["weight"])
 
     def key(self, args):
         b, T, C = args["x"].shape
@@ -105,27 +100,6 @@ class ShortConv(OpKind):
         """mlx-lm's ops (``short_conv_stock``)."""
         return short_conv_stock(*_op_args(args))
 
-    def listing(self, backend, dtype, args):
-        """``("kernel",)`` on metal / emulator / cuda where the kernel keeps the taps, else
-        none (the composite competes alone)."""
-        if backend not in ("metal", "emulator", "cuda"):
-            return ()
-        if args is not None and msl.kernel_reason(args["weight"]) is not None:
-            return ()
-        return (KERNEL,)
-
-    def variant_kwargs(self, name):
-        if name != KERNEL:
-            raise ValueError(f"unknown short_conv variant {name!r}")
-        return {}
-
-    def n_rows(self, args):
-        return args["x"].shape[1]
-
-    def measured(self, args):
-        b, T = args["x"].shape[:2]
-        return {"T": T, "batch": b}
-
     def synthetic(self, args, seed=0):
         """Normal activations, a normal state; weight, bias and options kept; mask as given
         (None or all True)."""
@@ -137,10 +111,6 @@ class ShortConv(OpKind):
         if args.get("mask") is not None:
             out["mask"] = mx.ones(tuple(args["mask"].shape), dtype=mx.bool_)
         return out
-
-    def tail(self, out, rows):
-        y, S = out
-        return y[:, -rows:], S
 
     def reference_tail(self, args, rows):
         with high_precision(args["x"].dtype) as hp:

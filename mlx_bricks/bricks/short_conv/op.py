@@ -21,7 +21,7 @@ import mlx.nn as nn
 
 from mlx_bricks.backends import op_backend
 from mlx_bricks.bricks.short_conv import msl
-from mlx_bricks.checks import check_array, check_float_dtype, dtype_name
+from mlx_bricks.checks import check_array, check_float_dtype, check_optional, dtype_name
 
 #: Activations the op applies after the convolution (None: none).
 ACTIVATIONS = (None, "silu")
@@ -51,20 +51,8 @@ def check_short_conv_args(x, weight, bias=None, state=None, mask=None, gate_in=N
         raise ValueError(f"weight must have at least one tap, got {w_shape}")
     for name, a, shape in (("gate_in", gate_in, (b, T, C)), ("gate_out", gate_out, (b, T, C)),
                            ("state", state, (b, K - 1, C)), ("bias", bias, (C,))):
-        if a is None:
-            continue
-        check_array(name, a)
-        if a.dtype != x.dtype:
-            raise TypeError(f"{name} must have x's dtype {dtype_name(x.dtype)}, got "
-                            f"{dtype_name(a.dtype)}")
-        if tuple(a.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(a.shape)}")
-    if mask is not None:
-        check_array("mask", mask)
-        if mask.dtype != mx.bool_:
-            raise TypeError(f"mask must be bool, got {dtype_name(mask.dtype)}")
-        if tuple(mask.shape) != (b, T):
-            raise ValueError(f"mask must have shape {(b, T)}, got {tuple(mask.shape)}")
+        check_optional(name, a, shape, x.dtype)
+    check_optional("mask", mask, (b, T), mx.bool_)
     if lengths is not None:
         check_array("lengths", lengths)
         if not mx.issubdtype(lengths.dtype, mx.integer):

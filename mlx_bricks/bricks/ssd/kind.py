@@ -23,13 +23,11 @@ from mlx_bricks.bricks.ssd.op import (
     ssd_stock,
 )
 from mlx_bricks.checks import dtype_name
-from mlx_bricks.runtime.kind import Composite, Key, OpKind, flags, high_precision, register_kind
+from mlx_bricks.runtime.kind import Composite, Key, flags, high_precision, register_kind
+from mlx_bricks.runtime.scan import ScanKind
 from mlx_bricks.tune.buckets import m_bucket
-from mlx_bricks.tune.check import dtype_close, worst
 
 _ARRAYS = ("x", "dt", "A_log", "B", "C", "D", "dt_bias", "state", "mask")
-#: The kernel variant's name (the MSL kernel, or its CUDA twin on cuda).
-KERNEL = "kernel"
 
 
 def _limit(args) -> tuple:
@@ -81,7 +79,7 @@ def sequential(x, dt, A_log, B, C, D=None, dt_bias=None, state=None, mask=None, 
 PRIOR_MIN_TOKENS = {"reference": 16, "cuda": 64}
 
 
-class SSD(OpKind):
+class SSD(ScanKind):
     """The SSD kind (module docstring). Its rows are the tokens; the output is the pair
     ``(y, final state)``, both checked."""
 
@@ -89,15 +87,11 @@ class SSD(OpKind):
     op_name = "ssd"
     activations = ("x", "B", "C", "dt")
     composites = (Composite("chunked", _chunked),)
+    prior_min_tokens = PRIOR_MIN_TOKENS
+    prior_composite = "chunked"
 
-    def prior(self, args, backend):
-        """``tune="cached"`` without a measurement: the chunked composite from
-        :data:`PRIOR_MIN_TOKENS` tokens (batch x T) on a backend listed there, else defer."""
-        min_tokens = PRIOR_MIN_TOKENS.get(backend)
-        if min_tokens is None:
-            return None
-        m = self.measured(args)
-        return "chunked" if m.get("T", 0) * m.get("batch", 1) >= min_tokens else "stock"
+    def kernel_reason(self, args):
+        return msl.kernel_reason(args["x"], args["B"])
 
     def key(self, args):
         x, B = args["x"], args["B"]
@@ -118,27 +112,6 @@ class SSD(OpKind):
         """mlx-lm's ``ssm_update`` (``ssd_stock``)."""
         return ssd_stock(*self._op_args(args), lengths=args.get("lengths"),
                          time_step_limit=_limit(args))
-
-    def listing(self, backend, dtype, args):
-        """``("kernel",)`` on metal / emulator / cuda where the kernel computes the arguments
-        (``msl.kernel_reason``), else none (the composite competes alone)."""
-        if backend not in ("metal", "emulator", "cuda"):
-            return ()
-        if args is not None and msl.kernel_reason(args["x"], args["B"]) is not None:
-            return ()
-        return (KERNEL,)
-
-    def variant_kwargs(self, name):
-        if name != KERNEL:
-            raise ValueError(f"unknown ssd variant {name!r}")
-        return {}
-
-    def n_rows(self, args):
-        return args["x"].shape[1]
-
-    def measured(self, args):
-        b, T = args["x"].shape[:2]
-        return {"T": T, "batch": b}
 
     def synthetic(self, args, seed=0):
         """Model-like values of the arguments' shapes: x, B, C normal, raw time steps normal
@@ -167,28 +140,10 @@ class SSD(OpKind):
         out.pop("lengths", None)
         return out
 
-    def tail(self, out, rows):
-        y, S = out
-        return y[:, -rows:], S
-
     def reference_tail(self, args, rows):
         with high_precision(args["x"].dtype) as hp:
             y, S = sequential(*self._op_args(args), time_step_limit=_limit(args), dtype=hp)
         return y[:, -rows:], S
-
-    def check(self, out, naive, args):
-        """The dtype rule on y (float32 inputs: 64 ulps, the chunked products round a few
-        times per chunk) and on the float32 state (factor 4, 64 ulps), against
-        :func:`sequential` in high precision; ``naive``: stock's output."""
-        rows = min(8, self.n_rows(args))
-        (ry, rS), (oy, oS) = self.reference_tail(args, rows), self.tail(out, rows)
-        ny = nS = None
-        if naive is not None:
-            ny, nS = self.tail(naive, rows)
-        dtype = args["x"].dtype
-        return worst([
-            dtype_close(oy, ry, ny, dtype=dtype, ulps=64 if dtype == mx.float32 else 4),
-            dtype_close(oS, rS, nS, dtype=mx.float32, factor=4.0, ulps=64)])
 
 
 SSD_KIND = register_kind(SSD())

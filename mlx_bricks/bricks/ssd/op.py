@@ -33,7 +33,7 @@ import mlx.core as mx
 
 from mlx_bricks.backends import op_backend
 from mlx_bricks.bricks.ssd import msl
-from mlx_bricks.checks import check_array, check_float_dtype, dtype_name
+from mlx_bricks.checks import check_array, check_float_dtype, check_optional, dtype_name
 
 #: Tokens per chunk of the composite. Per token and head the chunk costs about 2 * Q * (P + N
 #: / heads-per-group) flops of intra-chunk products plus 4 * P * N of state products whatever
@@ -72,23 +72,9 @@ def check_ssd_args(x, dt, A_log, B, C, D=None, dt_bias=None, state=None, mask=No
     if tuple(dt.shape) != (b, T, H):
         raise ValueError(f"dt must have shape {(b, T, H)}, got {tuple(dt.shape)}")
     for name, a in (("A_log", A_log), ("D", D), ("dt_bias", dt_bias)):
-        if a is None:
-            continue
-        check_array(name, a)
-        check_float_dtype(name, a)
-        if tuple(a.shape) != (H,):
-            raise ValueError(f"{name} must have shape {(H,)}, got {tuple(a.shape)}")
-    if state is not None:
-        check_array("state", state)
-        check_float_dtype("state", state)
-        if tuple(state.shape) != (b, H, P, N):
-            raise ValueError(f"state must have shape {(b, H, P, N)}, got {tuple(state.shape)}")
-    if mask is not None:
-        check_array("mask", mask)
-        if mask.dtype != mx.bool_:
-            raise TypeError(f"mask must be bool, got {dtype_name(mask.dtype)}")
-        if tuple(mask.shape) != (b, T):
-            raise ValueError(f"mask must have shape {(b, T)}, got {tuple(mask.shape)}")
+        check_optional(name, a, (H,))
+    check_optional("state", state, (b, H, P, N))
+    check_optional("mask", mask, (b, T), mx.bool_)
     return b, T, H, P, G, N
 
 
