@@ -120,20 +120,24 @@ def test_padded_batch(model_type):
     np.testing.assert_allclose(np.array(out[1, 7:]), np.array(alone[0]), atol=1e-3)
 
 
+@pytest.mark.parametrize("backend", ["emulator", "cuda"])
 @pytest.mark.parametrize("model_type", list(FAMILIES))
-def test_emulator_runs_the_kernels(model_type):
-    """backend='emulator': the mixers run the MSL kernel (launches counted) and the logits
-    match stock (float32: the kernel's rounding only)."""
+def test_kernels_in_the_model(model_type, backend):
+    """backend='emulator' (the MSL kernels) or 'cuda' (their twins, on a GPU): the mixers run
+    the kernel (launches counted) and the logits match stock (float32: the kernel's rounding
+    only)."""
     from mlx_bricks import kernels
+    from tests.support import require_backend
 
+    require_backend(backend)
     role, op, n = FAMILIES[model_type]
     model = build(model_type, mx.float32, seed=7)
     toks = tokens(21, seed=8)
     stock = run(model, toks, model.make_cache())
-    before = kernels.LAUNCH_COUNTS[(op, "emulator")]
-    report = patch_model(model, backend="emulator", mlp=False)
+    before = kernels.LAUNCH_COUNTS[(op, backend)]
+    report = patch_model(model, backend=backend, mlp=False, tune="off")
     out = run(model, toks, model.make_cache())
-    assert kernels.LAUNCH_COUNTS[(op, "emulator")] - before == n
+    assert kernels.LAUNCH_COUNTS[(op, backend)] - before == n
     assert sum(m.calls.get(op, 0) for m in mixers(report, model_type)) == n
     np.testing.assert_allclose(np.array(out), np.array(stock), atol=2e-4, rtol=2e-4)
 
@@ -200,3 +204,25 @@ def test_coverage_of_real_sizes():
     assert share["LFM2-1.2B"] == share["Mamba-Codestral-7B"] == 1.0
     assert share["Granite-4.0-H-Small"] >= 0.9
     assert 0.6 < share["Jamba-v0.1"] < 0.9
+
+
+def test_bench_groups_build_on_tiny_shapes(tmp_path, monkeypatch):
+    """``--only ssm`` (kernel backends) and ``ssm_cpu`` (the CPU) are registered; their cases
+    build and agree with stock on tiny shapes of the same kinds."""
+    from mlx_bricks.bench import ssm
+    from mlx_bricks.bench.core import BENCHMARKS, CPU, GROUPS, KERNEL
+    from mlx_bricks.bench.e2e import setup
+
+    monkeypatch.setenv("MLX_BRICKS_HOME", str(tmp_path))
+    assert len(GROUPS["ssm"]) == 10 and len(GROUPS["ssm_cpu"]) == 3
+    assert {BENCHMARKS[n].backend for n in GROUPS["ssm"]} == {KERNEL}
+    assert {BENCHMARKS[n].backend for n in GROUPS["ssm_cpu"]} == {CPU}
+    tiny = ssm.NemotronHShape(hidden=64, heads=4, head_dim=16, groups=2, state=16, vocab=256)
+    lfm2 = ssm.Lfm2Shape(hidden=64, ff=128, heads=1, kv_heads=1, vocab=256)
+    cases = [(ssm.scan(24, "fp32", tiny), 1e-3), (ssm.conv(24, "fp32", 32), 1e-3),
+             (setup(tiny, "bf16", 24), 0.1), (setup(lfm2, "bf16", 24), 0.1),
+             (ssm.decode(tiny, "bf16", prompt=8, steps=2), 0.1)]
+    for (brick, stock, info), tol in cases:
+        a, b = (np.array(f().astype(mx.float32)) for f in (brick, stock))
+        np.testing.assert_allclose(a, b, atol=tol, rtol=tol)
+        assert isinstance(info(), dict)

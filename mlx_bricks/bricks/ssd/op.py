@@ -128,7 +128,7 @@ def ssd_chunked(x, dtp, A, B, C, D=None, state=None, *, chunk: int = CHUNK):
     if T == 0:  # no token: no output, the state passes through
         S = mx.zeros((b, H, P, N), f32) if state is None else state
         return _skip(mx.zeros((b, 0, H, P), f32), x, D), S
-    q = int(chunk)
+    q = min(int(chunk), T)  # a short prompt is one chunk, not padded to a full one
     pad = (-T) % q
     n = (T + pad) // q
 
@@ -157,18 +157,23 @@ def ssd_chunked(x, dtp, A, B, C, D=None, state=None, *, chunk: int = CHUNK):
     Xe = (Xd * to_end).reshape(b, G, n, q, r * P)
     dS = Xe.swapaxes(-1, -2) @ Bc                             # (b, G, n, rP, N)
     chunk_decay = mx.exp(L_end).reshape(b, G, n, r, 1, 1)
-    # state passing, sequential over chunks, float32; S as (b, G, r, P, N) = (b, H, P, N)
-    S = (mx.zeros((b, G, r, P, N), f32) if state is None
-         else state.astype(f32).reshape(b, G, r, P, N))
-    starts = []
+    # state passing, sequential over chunks, float32, S as (b, G, r, P, N) = (b, H, P, N); each
+    # chunk's start state to its outputs, C S0^T: one (q x N) @ (N x rP) product per group
+    # (no initial state: the first chunk starts from zeros, no product, no decay)
+    S = None if state is None else state.astype(f32).reshape(b, G, r, P, N)
+    inter = []
     for c in range(n):
-        starts.append(S)
+        if S is None:
+            inter.append(mx.zeros((b, G, q, r * P), f32))
+            S = dS[:, :, c].reshape(b, G, r, P, N)
+            continue
+        inter.append(Cc[:, :, c] @ S.reshape(b, G, r * P, N).swapaxes(-1, -2))
         S = chunk_decay[:, :, c] * S + dS[:, :, c].reshape(b, G, r, P, N)
-    S0 = mx.stack(starts, axis=2).reshape(b, G, n, r * P, N)  # each chunk's start state
-    # state to output: exp(L_t) C_t . S0, one (q x N) @ (N x rP) product per group and chunk
-    Yi = (Cc @ S0.swapaxes(-1, -2)).reshape(b, G, n, q, r, P)
-    Yi = Yi * mx.exp(L).transpose(0, 1, 2, 4, 3)[..., None]
-    y = Y.transpose(0, 2, 4, 1, 3, 5) + Yi.transpose(0, 2, 3, 1, 4, 5)  # (b, n, q, G, r, P)
+    y = Y.transpose(0, 2, 4, 1, 3, 5)                         # (b, n, q, G, r, P)
+    if state is not None or n > 1:  # exp(L_t) C_t . S0
+        Yi = mx.stack(inter, axis=2).reshape(b, G, n, q, r, P)
+        Yi = Yi * mx.exp(L).transpose(0, 1, 2, 4, 3)[..., None]
+        y = y + Yi.transpose(0, 2, 3, 1, 4, 5)
     y = y.reshape(b, n * q, H, P)[:, :T]
     out_dtype = f32 if state is None else state.dtype
     return _skip(y, x, D), S.reshape(b, H, P, N).astype(out_dtype)
