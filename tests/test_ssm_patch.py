@@ -226,3 +226,34 @@ def test_bench_groups_build_on_tiny_shapes(tmp_path, monkeypatch):
         a, b = (np.array(f().astype(mx.float32)) for f in (brick, stock))
         np.testing.assert_allclose(a, b, atol=tol, rtol=tol)
         assert isinstance(info(), dict)
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_fused_gate_up_mlps(bits):
+    """plamo2's MLP and Granite 4.0-H's shared MLP (gate and up fused in one layer) run the
+    SwiGLU brick on the fused weight's row halves, float or 4-bit affine (the halves sliced
+    field by field), matching stock; mlp=False disables them."""
+    import mlx.nn as nn
+
+    from mlx_bricks.bricks.swiglu.fused_piece import rows
+    from mlx_bricks.formats.affine import QuantizedWeight
+
+    for model_type, where in (("plamo2", "mlp"), ("granitemoehybrid", "shared_mlp")):
+        model = build(model_type, mx.float32, seed=3)
+        if bits:
+            nn.quantize(model, group_size=32, bits=bits,
+                        class_predicate=lambda p, m: isinstance(m, nn.Linear) and
+                        m.weight.shape[0] % 32 == 0 and m.weight.shape[1] % 32 == 0)
+        toks = tokens(30, seed=3)
+        stock = run(model, toks, model.make_cache())
+        report = patch_model(model, backend="reference")
+        fused = [m for m in report.modules if m.module == where]
+        assert fused and all(m.status == "patched" for m in fused), report
+        out = run(model, toks, model.make_cache())
+        assert sum(m.calls.get("swiglu_mlp", 0) for m in fused) == len(fused)
+        np.testing.assert_allclose(np.array(out), np.array(stock), atol=2e-3, rtol=2e-3)
+        assert all(m.status == "disabled" for m in patch_model(
+            model, backend="reference", mlp=False).modules if m.module == where)
+    q = QuantizedWeight(*mx.quantize(mx.ones((8, 32)), group_size=32, bits=4), 32, 4)
+    half = rows(q, 4, 8)
+    assert half.w.shape == (4, 4) and half.scales.shape == (4, 1) and half.bits == 4

@@ -269,12 +269,11 @@ class SSDPiece:
         """Whether ``module`` is a Mamba-2 mixer this instance is about (known to it or not)."""
         if not calls_ssm_update(module):
             return False
-        cls = base_class(module)
-        name = f"{cls.__module__.removeprefix('mlx_lm.models.')}.{cls.__qualname__}"
-        if self.classes is not None:
-            return name in self.classes or any(
-                issubclass(cls, c) for c in _classes(self.classes))
-        return True
+        if self.classes is None:
+            return True
+        names = {f"{c.__module__.removeprefix('mlx_lm.models.')}.{c.__qualname__}"
+                 for c in base_class(module).__mro__}
+        return not names.isdisjoint(self.classes)
 
     def call_reason(self, module, inputs, call) -> str | None:
         """Why this call's mask or cache is not one the piece follows (None: it is)."""
@@ -317,16 +316,6 @@ class SSDPiece:
                 "mask": None if mask is None else Act((b, T), mx.bool_),
                 "time_step_limit": (DEFAULT_TIME_STEP_LIMIT if form.plamo2
                                     else tuple(module.time_step_limit))}
-
-
-def _classes(names) -> list[type]:
-    import importlib
-
-    out = []
-    for n in names:
-        mod, cls = n.rsplit(".", 1)
-        out.append(getattr(importlib.import_module(f"mlx_lm.models.{mod}"), cls))
-    return out
 
 
 #: falcon_h1's mixer (called ``(input_states, cache, mask)``).
