@@ -257,3 +257,37 @@ def test_fused_gate_up_mlps(bits):
     q = QuantizedWeight(*mx.quantize(mx.ones((8, 32)), group_size=32, bits=4), 32, 4)
     half = rows(q, 4, 8)
     assert half.w.shape == (4, 4) and half.scales.shape == (4, 1) and half.bits == 4
+
+
+@pytest.mark.parametrize("model_type", ["granitemoehybrid", "lfm2"])
+def test_right_padded_batch(model_type):
+    """mlx-lm's right-padded batch (ArraysCache.prepare(lengths): its mask ends each row at its
+    length): logits of the valid tokens and the states as stock (the conv state taken before
+    each row's length, the recurrent state after its last valid token)."""
+    from mlx_lm.models.cache import ArraysCache, KVCache
+
+    def caches(model):
+        out = []
+        for c in model.make_cache():
+            if isinstance(c, ArraysCache):
+                c.prepare(lengths=[20, 13])
+            out.append(c if isinstance(c, ArraysCache) else KVCache())
+        return out
+
+    model = build(model_type, mx.float32, seed=4)
+    a, b = tokens(20, seed=5), tokens(13, seed=6)
+    batch = mx.concatenate([a, mx.concatenate([b, mx.zeros((1, 7), mx.int32)], 1)], 0)
+    want_cache = caches(model)
+    want = run(model, batch, want_cache)
+    report = patch_model(model, backend="reference")
+    got_cache = caches(model)
+    got = run(model, batch, got_cache)
+    entries = mixers(report, model_type)
+    assert sum(m.calls.get(FAMILIES[model_type][1], 0) for m in entries) == len(entries)
+    np.testing.assert_allclose(np.array(got[1, :13]), np.array(want[1, :13]), atol=1e-4)
+    np.testing.assert_allclose(np.array(got[0]), np.array(want[0]), atol=1e-4)
+    got_arrays, want_arrays = cache_arrays(got_cache), cache_arrays(want_cache)
+    assert mx.array_equal(got_arrays[0][0], want_arrays[0][0])  # the first mixer's input
+    for g, w in zip(got_arrays, want_arrays):
+        for x, y in zip(g, w):
+            np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-4)

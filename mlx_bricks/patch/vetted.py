@@ -96,13 +96,15 @@ def vetted_forwards(model) -> list[str]:
 
 def _main(argv) -> int:
     """``python -m mlx_bricks.patch.vetted MODEL_TYPE``: build the tiny model of
-    ``tests.models`` (run from the repository root) and print its forwards."""
+    ``tests.models`` or ``tests.ssm_models`` (run from the repository root) and print its
+    forwards."""
     if len(argv) != 1:
         print(__doc__)
         return 2
-    from tests.models import build_model
+    from tests import models, ssm_models  # the state-space families' tiny models: ssm_models
 
-    for fp in vetted_forwards(build_model(argv[0])):
+    build = ssm_models.build if argv[0] in ssm_models.CONFIGS else models.build_model
+    for fp in vetted_forwards(build(argv[0])):
         print(fp)
     return 0
 
