@@ -13,6 +13,10 @@ mixer kind in ``mlx_bricks/bricks/<brick>/piece.py``, listed in ``patch/modules.
 * ``shape_key(module, inputs, call)``: what the dispatcher's choice depends on;
 * ``placeholders(module, inputs, call) -> dict``: the kind's arguments as shapes (``Act``);
 * ``prologue(module, inputs, call) -> (args, ctx)``: the module's own code up to the brick;
+* optionally ``stages(module, inputs, call) -> {role: (kind, placeholders)}``: other pieces
+  the prologue runs (a Mamba-2 mixer's conv before its scan), each tuned like the main one;
+  the prologue then gets a fourth argument ``run(role, kind, args)`` that runs one (brick or
+  stock, as chosen);
 * ``epilogue(module, out, ctx, inputs, call)``: the module's own code after it (cache writes,
   norms, out-projection); returns the module's output;
 * ``kind``, ``role``, ``bricks``, ``watched``, ``linears()``, ``reason()`` as for every piece.
@@ -82,11 +86,18 @@ class BricksMixer:
             state.stock[reason] += 1
             return super().__call__(*args, **kwargs)
         kind = piece.kind
+        stages = getattr(piece, "stages", None)
         choices = choose(state, shape_key, lambda: {
+            **(stages(self, inputs, call) if stages else {}),
             piece.role: (kind, piece.placeholders(self, inputs, call))})
         if all_stock(state, choices, shape_key):
             return super().__call__(*args, **kwargs)
-        op_args, ctx = piece.prologue(self, inputs, call)
-        out = run_piece(state, piece.role, choices[piece.role], kind,
-                        lambda: op_args, lambda: kind.stock(op_args))
+
+        def run(role, stage_kind, stage_args):  # a stage of the prologue, brick or stock
+            return run_piece(state, role, choices[role], stage_kind, lambda: stage_args,
+                             lambda: stage_kind.stock(stage_args))
+
+        op_args, ctx = (piece.prologue(self, inputs, call, run) if stages
+                        else piece.prologue(self, inputs, call))
+        out = run(piece.role, kind, op_args)
         return piece.epilogue(self, out, ctx, inputs, call)

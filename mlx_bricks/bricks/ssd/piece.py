@@ -1,15 +1,15 @@
 """The SSD brick's piece in a patched mlx-lm model: a Mamba-2 mixer module whose prefill runs its
-own in-projection and causal conv1d + SiLU (the module's own ``_conv``, which writes the conv
-state to the cache as mlx-lm writes it), then the brick's scan
-(:data:`~mlx_bricks.bricks.ssd.kind.SSD_KIND`) instead of ``ssm_update``, then its own gated
-norm and out-projection; the recurrent state and the offset are written as the module writes
-them.
+own in-projection, its causal conv1d + SiLU as a ``short_conv`` stage (the short-conv brick or
+mlx-lm's ops, as the tuner decides; the conv state written to the cache as the module's
+``_conv`` writes it), then the brick's scan (:data:`~mlx_bricks.bricks.ssd.kind.SSD_KIND`)
+instead of ``ssm_update``, then its own gated norm and out-projection; the recurrent state and
+the offset are written as the module writes them.
 
 The forms this piece follows (mlx-lm 0.32.2; :data:`FORMS`): mamba2 ``Mamba2Block``,
 nemotron_h ``NemotronHMamba2Mixer``, granitemoehybrid ``GraniteMoeHybridMamba2Mixer``,
 falcon_h1 ``FalconH1Mixer`` (its call is ``(x, cache, mask)``: :data:`FALCON_SSD_PIECE`) and
 plamo2 ``Mamba`` (B, C and dt from their own projection and RMSNorms). Each form is vetted by
-its ``__call__`` and by the helpers the piece calls (``_conv``) or replaces (``_ssm``: whether it
+its ``__call__`` and by the helpers the piece replaces (``_conv``; ``_ssm``: whether it
 casts D, passes the cache's lengths); any other module whose forward calls ``ssm_update``
 stays stock with the reason. jamba's ``JambaMambaMixer`` is Mamba-1 (a selective scan with A
 per channel and state entry, no ``ssm_update``): not this piece's.
@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_bricks.bricks.short_conv.kind import SHORT_CONV
+from mlx_bricks.bricks.short_conv.piece import depthwise_reason
 from mlx_bricks.bricks.ssd.kind import SSD_KIND
 from mlx_bricks.bricks.ssd.op import DEFAULT_TIME_STEP_LIMIT
 from mlx_bricks.checks import FLOAT_DTYPES, dtype_name
@@ -35,8 +37,8 @@ class Form:
     """How a known Mamba-2 mixer class computes around ``ssm_update`` (read in mlx-lm 0.32.2).
 
     Attributes:
-        helpers: vetted fingerprints (``patch.vetted``) of the ``_conv`` the piece calls and
-            the ``_ssm`` it replaces.
+        helpers: vetted fingerprints (``patch.vetted``) of the ``_conv`` and ``_ssm`` the
+            piece replaces.
         cast_D: ``_ssm`` passes ``D.astype(x.dtype)`` (else D as stored).
         lengths: ``_ssm`` passes the cache's ``lengths`` (right-padded batches).
         plamo2: plamo2's forward: ``in_proj`` gives (z, x) per head, B, C and dt come from
@@ -134,8 +136,14 @@ def ssd_reason(module, dtype=None) -> str | None:
     for name in linears:
         if not isinstance(module.get(name), nn.Module):
             return f"{name} is missing"
-    if not isinstance(module.get("conv1d"), nn.Conv1d):
-        return "conv1d is not an nn.Conv1d"
+    conv = module.get("conv1d")
+    channels = getattr(module, "intermediate_size" if form.plamo2 else "conv_dim", None)
+    K = getattr(module, "conv_kernel_size", None)
+    if not isinstance(channels, int) or not isinstance(K, int):
+        return "conv_dim or conv_kernel_size is not an int"
+    r = depthwise_reason(conv, channels, K, "conv1d")
+    if r is not None:
+        return r
     if form.plamo2:
         r = _ints_reason(module, ("num_heads", "hidden_size_per_head", "d_state",
                                   "conv_kernel_size"))
@@ -180,15 +188,30 @@ def _dims(m, form) -> tuple[int, int, int, int]:
     return m.num_heads, m.head_dim, m.n_groups, m.ssm_state_size
 
 
-def prologue(m, x, mask, cache):
-    """The module's own computation up to ``ssm_update`` (module docstring): returns the kind's
-    arguments and the output gate (``gate``; plamo2: ``z``)."""
+def conv_stage(m, conv_input, mask, cache, run):
+    """The module's ``_conv`` as a ``short_conv`` stage: mask, the cache's conv state (zeros
+    without one), the depthwise conv, bias and SiLU; the next conv state written to the cache
+    (``lengths`` honoured) as ``_conv`` writes it. ``run(role, kind, args)`` runs the stage."""
+    conv = m.conv1d
+    args = {"x": conv_input, "weight": conv.weight, "bias": conv.get("bias"),
+            "state": None if cache is None else cache[0], "mask": mask, "activation": "silu",
+            "lengths": None if cache is None else cache.lengths}
+    y, state = run("conv", SHORT_CONV, args)
+    if cache is not None:
+        cache[0] = state
+    return y
+
+
+def prologue(m, x, mask, cache, run):
+    """The module's own computation up to ``ssm_update`` (module docstring), its conv run as a
+    stage (:func:`conv_stage`): returns the kind's arguments and the output gate (``gate``;
+    plamo2: ``z``)."""
     form = form_of(m)
     b, T, _ = x.shape
     H, P, G, N = _dims(m, form)
     if form.plamo2:
         z, xs = mx.split(m.in_proj(x).reshape(b, T, H, -1), [P], axis=-1)
-        xs = m._conv(xs.reshape(b, -1, H * P), cache, mask)
+        xs = conv_stage(m, xs.reshape(b, -1, H * P), mask, cache, run)
         Bm, Cm, dt = mx.split(m.bcdt_proj(xs), [N, 2 * N], axis=-1)
         eps = m.config.rms_norm_eps
         dt = m.dt_proj(mx.fast.rms_norm(dt, m.dt_norm_weight, eps))
@@ -198,7 +221,7 @@ def prologue(m, x, mask, cache):
     else:
         inner = m.intermediate_size
         gate, conv_input, dt = mx.split(m.in_proj(x), [inner, inner + m.conv_dim], axis=-1)
-        conv_output = m._conv(conv_input, cache, mask)
+        conv_output = conv_stage(m, conv_input, mask, cache, run)
         xs, Bm, Cm = mx.split(conv_output, [inner, inner + G * N], axis=-1)
         limit = tuple(m.time_step_limit)
     if cache:
@@ -246,7 +269,7 @@ class SSDPiece:
     name = MIXER
     role = "mamba"
     kind = SSD_KIND
-    bricks = (SSD_KIND.op_name,)
+    bricks = (SHORT_CONV.op_name, SSD_KIND.op_name)
     watched = ("conv1d", "norm")
 
     def __init__(self, call_names=("mask", "cache"), classes=None,
@@ -284,8 +307,23 @@ class SSDPiece:
         return (inputs.shape, inputs.dtype, call["mask"] is not None, cache is None,
                 bool(cache) and cache[1] is not None)
 
-    def prologue(self, module, inputs, call):
-        return prologue(module, inputs, call["mask"], call["cache"])
+    def stages(self, module, inputs, call) -> dict:
+        """The conv stage before the scan: ``{"conv": (short_conv kind, its arguments as
+        shapes)}``."""
+        from mlx_bricks.runtime.kind import Act
+
+        mask, cache = call["mask"], call["cache"]
+        b, T, _ = inputs.shape
+        conv = module.conv1d
+        C, K = conv.weight.shape[:2]
+        state = None if cache is None else cache[0]
+        return {"conv": (SHORT_CONV, {
+            "x": Act((b, T, C), inputs.dtype), "weight": conv.weight, "bias": conv.get("bias"),
+            "state": None if state is None else Act(tuple(state.shape), state.dtype),
+            "mask": None if mask is None else Act((b, T), mx.bool_), "activation": "silu"})}
+
+    def prologue(self, module, inputs, call, run):
+        return prologue(module, inputs, call["mask"], call["cache"], run)
 
     def epilogue(self, module, out, ctx, inputs, call):
         y, state = out
