@@ -160,11 +160,17 @@ def test_jamba_mamba1_and_unknown_mixers_stay_stock():
         def __call__(self, hidden_states, mask, cache=None):
             return super().__call__(hidden_states, mask, cache)
 
+    class OwnSSM(nemotron_h.NemotronHMamba2Mixer):  # the vetted forward, another helper
+        def _ssm(self, *args):
+            return super()._ssm(*args)
+
     model = build("nemotron_h")
     model.layers[0].mixer.__class__ = Custom
+    model.layers[2].mixer.__class__ = OwnSSM
     entries = mixers(patch_model(model, backend="reference"), "nemotron_h")
-    assert [m.status for m in entries] == ["fallback", "patched", "patched"]
+    assert [m.status for m in entries] == ["fallback", "fallback", "patched"]
     assert "forward the patch does not know" in entries[0].reason
+    assert "OwnSSM._ssm is not one the patch was read against" in entries[1].reason
     disabled = patch_model(model, backend="reference", attention=False)
     assert all(m.status == "disabled" for m in mixers(disabled, "nemotron_h"))
 

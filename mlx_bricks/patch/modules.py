@@ -127,9 +127,15 @@ def has_mixer(layer) -> bool:
 
 
 def vetted_reason(module, piece) -> str | None:
-    """Why ``module``'s forward is not one ``piece`` was read against (None: it is)."""
+    """Why ``module``'s forward, or a helper of it the piece follows (``piece.helpers``: method
+    names), is not one ``piece`` was read against (None: they all are)."""
     fp = forward_fingerprint(module)
     if fp is not None and fp in piece.vetted:
+        for name in getattr(piece, "helpers", ()):
+            helper = forward_fingerprint(module, name)
+            if helper not in piece.vetted:
+                return (f"{type(module).__name__}.{name} is not one the patch was read against "
+                        f"({helper or 'source not readable'}): stays stock")
         return None
     cls = type(module)
     return (f"{cls.__module__}.{cls.__name__}: a {piece.name} forward the patch does not know "

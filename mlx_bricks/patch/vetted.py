@@ -31,10 +31,11 @@ def _fingerprint_of(fn) -> str | None:
     return f"{fn.__module__}.{fn.__qualname__}={digest}"
 
 
-def forward_fingerprint(module) -> str | None:
-    """``"<module>.<qualname>=<sha256[:12]>"`` of ``type(module).__call__`` (None: its source
-    cannot be read, e.g. a builtin or a function made at run time without a file)."""
-    fn = getattr(type(module), "__call__", None)
+def forward_fingerprint(module, name: str = "__call__") -> str | None:
+    """``"<module>.<qualname>=<sha256[:12]>"`` of ``type(module).__call__`` (or of its method
+    ``name``: a helper the forward calls; None: its source cannot be read, e.g. a builtin or a
+    function made at run time without a file)."""
+    fn = getattr(type(module), name, None)
     fn = getattr(fn, "__func__", fn)
     if fn is None:
         return None

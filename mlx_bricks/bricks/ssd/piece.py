@@ -89,26 +89,15 @@ def form_of(module) -> Form | None:
 
 
 def calls_ssm_update(module) -> bool:
-    """Whether ``module``'s class refers to mlx-lm's ``ssm_update`` in its ``__call__`` or its
-    ``_ssm`` (the names among their code's globals): a Mamba-2 mixer, known or not."""
-    cls = base_class(module)
-    for name in ("__call__", "_ssm"):
-        code = getattr(getattr(cls, name, None), "__code__", None)
-        if code is not None and "ssm_update" in (*code.co_names, *code.co_freevars):
-            return True
+    """Whether ``module``'s class (or a class it derives from) refers to mlx-lm's
+    ``ssm_update`` in its ``__call__`` or its ``_ssm`` (the names among their code's globals):
+    a Mamba-2 mixer, known or not."""
+    for cls in base_class(module).__mro__:  # an override of _ssm is still a Mamba-2 mixer
+        for name in ("__call__", "_ssm"):
+            code = getattr(cls.__dict__.get(name), "__code__", None)
+            if code is not None and "ssm_update" in (*code.co_names, *code.co_freevars):
+                return True
     return False
-
-
-def _helpers_reason(module, form) -> str | None:
-    from mlx_bricks.patch.vetted import _fingerprint_of
-
-    cls = base_class(module)
-    for name in ("_conv", "_ssm"):
-        fp = _fingerprint_of(getattr(cls, name))
-        if fp not in form.helpers:
-            return (f"{cls.__name__}.{name} is not the one this piece was read against ({fp}): "
-                    "stays stock")
-    return None
 
 
 def _ints_reason(module, names) -> str | None:
@@ -128,9 +117,6 @@ def ssd_reason(module, dtype=None) -> str | None:
     if form is None:
         return (f"{cls.__module__}.{cls.__name__}: a {MIXER} forward the patch does not know "
                 f"(patched: {', '.join(FORMS)})")
-    r = _helpers_reason(module, form)
-    if r is not None:
-        return r
     linears = ("in_proj", "bcdt_proj", "dt_proj", "out_proj") if form.plamo2 else \
         ("in_proj", "out_proj")
     for name in linears:
@@ -278,15 +264,20 @@ class SSDPiece:
         self.classes = classes
         self.input_name = input_name
 
+    #: The helpers of the forward this piece replaces, vetted with it (``patch.modules``).
+    helpers = ("_conv", "_ssm")
+
     @property
     def vetted(self) -> tuple[str, ...]:
-        """The forwards this piece follows (``patch.vetted`` fingerprints, mlx-lm 0.32.2)."""
+        """The forwards (and their helpers, :data:`FORMS`) this piece follows
+        (``patch.vetted`` fingerprints, mlx-lm 0.32.2)."""
         digests = {"mamba2.Mamba2Block": "de7ab88f6c2e",
                    "nemotron_h.NemotronHMamba2Mixer": "ef7ea03055f4",
                    "granitemoehybrid.GraniteMoeHybridMamba2Mixer": "ef7ea03055f4",
                    "falcon_h1.FalconH1Mixer": "c93f12d055e1", "plamo2.Mamba": "387b9d02e72f"}
-        return tuple(f"mlx_lm.models.{c}.__call__={d}" for c, d in digests.items()
-                     if self.classes is None or c in self.classes)
+        return tuple(fp for c, d in digests.items()
+                     if self.classes is None or c in self.classes
+                     for fp in (f"mlx_lm.models.{c}.__call__={d}", *FORMS[c].helpers))
 
     def matches(self, module) -> bool:
         """Whether ``module`` is a Mamba-2 mixer this instance is about (known to it or not)."""
