@@ -260,9 +260,19 @@ def _user_path_benchmarks() -> dict[str, Benchmark]:
 
 
 BENCHMARKS.update(_user_path_benchmarks())
-#: Benchmarks that run only when named (``--only``): the user's path writes model directories
-#: (GBs at full size) and runs dozens of processes.
-ON_REQUEST = frozenset(n for n in BENCHMARKS if n.startswith("user_path_"))
+
+
+def _server_benchmarks() -> dict[str, Benchmark]:
+    """``mlx_lm.server`` stock vs ``--use-bricks`` with the openai client: ``bench.server``."""
+    from mlx_bricks.bench.server import benchmarks
+
+    return benchmarks()
+
+
+BENCHMARKS.update(_server_benchmarks())
+#: Benchmarks that run only when named (``--only``): the user's path and the server bench write
+#: model directories (GBs at full size) and run dozens of processes.
+ON_REQUEST = frozenset(n for n in BENCHMARKS if n.startswith(("user_path_", "server_")))
 
 #: Names that stand for several benchmarks (``--only GROUP``).
 GROUPS: dict[str, list[str]] = {
@@ -278,6 +288,8 @@ GROUPS: dict[str, list[str]] = {
     "e2e_qwen3_moe_4layer": [n for n in BENCHMARKS if n.startswith("e2e_qwen3_moe_4layer_")],
     "user_path_cpu": [n for n in BENCHMARKS if n.startswith("user_path_cpu_")],
     "user_path_gpu": [n for n in BENCHMARKS if n.startswith("user_path_gpu_")],
+    "server_cpu": [n for n in BENCHMARKS if n.startswith("server_cpu_")],
+    "server_gpu": [n for n in BENCHMARKS if n.startswith("server_gpu_")],
     "gated_delta": [n for n in BENCHMARKS if n.startswith(("gdn_", "e2e_qwen35_"))],
     "ssm": [n for n in BENCHMARKS if n.startswith(("ssd_scan_bf16", "short_conv_bf16",
                                                     "e2e_nemotron3_4layer", "e2e_lfm2_1b",

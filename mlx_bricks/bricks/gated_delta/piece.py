@@ -178,6 +178,15 @@ class GatedDeltaPiece:
         """Whether ``module`` is a Gated DeltaNet mixer (known to this piece or not)."""
         return calls_gated_delta(module)
 
+    def prior_saving(self, module, backend: str) -> float:
+        """Seconds per prompt token this mixer's prefill saves on ``backend`` once warm
+        (``tune.prior.saved_s_per_token``; ``kind.SAVED_S_PER_TOKEN_STATE`` per state
+        element), 0 where nothing was measured."""
+        from mlx_bricks.bricks.gated_delta.kind import SAVED_S_PER_TOKEN_STATE
+
+        rate = SAVED_S_PER_TOKEN_STATE.get(backend, 0.0)
+        return rate * module.num_v_heads * module.head_k_dim * module.head_v_dim
+
     def call_reason(self, module, inputs, call) -> str | None:
         """Why this call's mask or cache is not one the piece follows (None: it is)."""
         mask = call["mask"]
