@@ -114,3 +114,22 @@ def build(model_type: str, dtype=mx.float32, *, seed: int = 0, **overrides) -> n
 def tokens(n: int, batch: int = 1, seed: int = 0) -> mx.array:
     return mx.random.randint(0, VOCAB, (batch, n), key=mx.random.key(1000 + seed)).astype(
         mx.int32)
+
+
+def kind_args(dtype) -> dict:
+    """Model-like arguments of the ``ssd`` and ``short_conv`` kinds (their own synthetic
+    values) for the generic kind tests (tests/test_tune.py)."""
+    from mlx_bricks.bricks.short_conv.kind import SHORT_CONV
+    from mlx_bricks.bricks.ssd.kind import SSD_KIND
+    from mlx_bricks.runtime.kind import Act
+
+    act = Act((2, 9, 64), dtype)
+    ssd = SSD_KIND.synthetic({
+        "x": Act((2, 9, 4, 16), dtype), "dt": Act((2, 9, 4), dtype),
+        "A_log": Act((4,), mx.float32), "B": Act((2, 9, 2, 16), dtype),
+        "C": Act((2, 9, 2, 16), dtype), "D": Act((4,), dtype), "dt_bias": Act((4,), dtype),
+        "state": Act((2, 4, 16, 16), mx.float32)}, seed=3)
+    conv = SHORT_CONV.synthetic({
+        "x": act, "gate_in": act, "gate_out": act, "state": Act((2, 2, 64), dtype),
+        "weight": mx.random.normal((64, 3, 1), key=mx.random.key(3)).astype(dtype)}, seed=3)
+    return {"ssd": ssd, "short_conv": conv}
