@@ -133,3 +133,31 @@ def prefill_flops(model, tokens: int = 2048) -> dict:
     total = bricks + stock
     return {"bricks": bricks, "stock": stock, "share": bricks / total if total else 0.0,
             "lm_head": lm_head, "layers": per_layer}
+
+
+def _main(argv=None) -> int:
+    """``python -m mlx_bricks.patch.coverage [--tokens N] [NAME ...]``: the share of each
+    real-size model's prefill FLOPs in bricks (``patch.real_configs``: built lazily, patched
+    on the reference backend as asked), per family."""
+    import argparse
+
+    from mlx_bricks.patch.core import patch_model
+    from mlx_bricks.patch.real_configs import CONFIGS, build
+
+    parser = argparse.ArgumentParser(prog="python -m mlx_bricks.patch.coverage",
+                                     description=_main.__doc__)
+    parser.add_argument("names", nargs="*", help=f"configs (default all: {', '.join(CONFIGS)})")
+    parser.add_argument("--tokens", type=int, default=2048, help="prompt length (default 2048)")
+    args = parser.parse_args(argv)
+    print(f"{'model':28} {'model_type':18} {'in bricks':>10} {'GFLOP/token':>12}")
+    for name in args.names or list(CONFIGS):
+        model = build(name)
+        patch_model(model, backend="reference")
+        f = prefill_flops(model, args.tokens)
+        total = (f["bricks"] + f["stock"]) / 1e9
+        print(f"{name:28} {CONFIGS[name][0]:18} {100 * f['share']:9.1f}% {total:12.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
