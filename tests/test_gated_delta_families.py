@@ -180,9 +180,9 @@ def test_coverage_command(capsys):
     its share in bricks and what stays stock."""
     from mlx_bricks.patch.coverage import _main
 
-    assert _main(["bailing_moe_v3", "--tokens", "128"]) == 0
+    assert _main(["Bailing-MoE-V3 (mlx-lm)", "--tokens", "128"]) == 0
     out = capsys.readouterr().out
-    assert "bailing_moe_v3" in out and "in bricks" in out and "stock: BailingMLA" in out
+    assert "bailing_moe_v3" in out and "own proj" in out and "stock: BailingMLA" in out
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)

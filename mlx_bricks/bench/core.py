@@ -240,8 +240,16 @@ def _formats_benchmarks() -> dict[str, Benchmark]:
     return benchmarks()
 
 
+def _ssm_benchmarks() -> dict[str, Benchmark]:
+    """The SSD scan, the short conv and Nemotron-H / LFM2-shaped prefills: ``bench.ssm``."""
+    from mlx_bricks.bench.ssm import benchmarks
+
+    return benchmarks()
+
+
 BENCHMARKS.update(_formats_benchmarks())
 BENCHMARKS.update(_gated_delta_benchmarks())
+BENCHMARKS.update(_ssm_benchmarks())
 
 
 def _user_path_benchmarks() -> dict[str, Benchmark]:
@@ -284,6 +292,11 @@ GROUPS: dict[str, list[str]] = {
     "server_gpu": [n for n in BENCHMARKS if n.startswith("server_gpu_")],
     "gated_delta": [n for n in BENCHMARKS if n.startswith(("gdn_", "e2e_qwen35_", "kda_",
                                                             "e2e_kimi_", "decode_kimi_"))],
+    "ssm": [n for n in BENCHMARKS if n.startswith(("ssd_scan_bf16", "short_conv_bf16",
+                                                    "e2e_nemotron3_4layer", "e2e_lfm2_1b",
+                                                    "decode_nemotron3", "decode_lfm2"))],
+    "ssm_cpu": [n for n in BENCHMARKS if n.startswith(("ssd_scan_cpu", "e2e_nemotron3_small",
+                                                        "e2e_lfm2_small"))],
     "e2e_gpt_oss20b_4layer": [n for n in BENCHMARKS if n.startswith("e2e_gpt_oss20b_4layer_")],
     "e2e_small_gpt_oss_cpu": [n for n in BENCHMARKS if n.startswith("e2e_small_gpt_oss_cpu_")],
 }

@@ -10,9 +10,9 @@ Counted per prompt token at prompt length ``tokens`` (one sequence, no cache):
   (scores and the weighted sum), ``keys`` the average number of keys a query sees: ``(tokens +
   1) / 2`` causal, ``w - w (w - 1) / (2 tokens)`` for a sliding window ``w < tokens``.
 
-- the recurrence of a gated-delta mixer (a module of a ``patch.modules.MIXERS`` piece that
-  knows its heads): ``6 * Hv * Dk * Dv`` (the state's products with k and q and its rank-1
-  update, per value head), in bricks when the mixer is patched. A patched mixer's own
+- the recurrence of a gated-delta mixer (a module of a ``patch.modules.MIXERS`` piece of the
+  ``gated_delta`` kind): ``6 * Hv * Dk * Dv`` (the state's products with k and q and its
+  rank-1 update, per value head), in bricks when the mixer is patched. A patched mixer's own
   projections run mlx-lm's linears inside it (stock GEMMs): they count as in bricks like the
   rest of a patched module and are also reported apart (``mixer_linears``).
 
@@ -123,13 +123,14 @@ def prefill_flops(model, tokens: int = 2048) -> dict:
             nonlocal mixer_linears
             patched = patched or is_patched(m)
             piece = mixer_piece(m)
-            if piece is not None and hasattr(piece, "heads"):
-                try:
-                    _, hv, dk, dv, _ = piece.heads(m)
-                    add(6 * hv * dk * dv, patched, top)
-                    in_mixer = patched
-                except (AttributeError, TypeError):  # not a module the piece knows
-                    pass
+            if piece is not None:  # a token mixer: its own linears are counted apart too
+                in_mixer = patched
+                if getattr(getattr(piece, "kind", None), "name", None) == "gated_delta":
+                    try:
+                        _, hv, dk, dv, _ = piece.heads(m)
+                        add(6 * hv * dk * dv, patched, top)
+                    except AttributeError:  # a gated-delta module the pieces do not know
+                        pass
             if isinstance(m, (SwitchGLU, SwitchMLP)):
                 add(_switch_flops(m, _top_k(parent, default_k)), patched, top)
                 return
@@ -165,46 +166,36 @@ def prefill_flops(model, tokens: int = 2048) -> dict:
             "by_class": by_class}
 
 
-def _main(argv) -> int:
-    """``python -m mlx_bricks.patch.coverage [MODEL_TYPE ...] [--tokens N]``: patch each
-    family's real-size model (``patch.real_sizes``, never evaluated) as a kernel backend would
-    (``backend="reference"``: every module the structure admits) and print its prefill FLOP
-    share in bricks, the share of the patched mixers' own projections, and what stays stock
-    (by class, with the report's reasons)."""
+def _main(argv=None) -> int:
+    """``python -m mlx_bricks.patch.coverage [--tokens N] [NAME ...]``: the share of each
+    real-size model's prefill FLOPs in bricks (``patch.real_configs``: built lazily, patched
+    on the reference backend as asked), per family; "own proj": the patched mixers' own
+    projections (in bricks with their module, but mlx-lm's linears inside it); then the
+    classes whose FLOPs stay stock."""
     import argparse
-    from collections import Counter
 
     from mlx_bricks.patch.core import patch_model
-    from mlx_bricks.patch.real_sizes import REAL_SIZES, build
+    from mlx_bricks.patch.real_configs import CONFIGS, build
 
-    p = argparse.ArgumentParser(prog="python -m mlx_bricks.patch.coverage")
-    p.add_argument("model_types", nargs="*", default=list(REAL_SIZES))
-    p.add_argument("--tokens", type=int, default=2048)
-    a = p.parse_args(argv)
-    for mt in a.model_types:
-        if mt not in REAL_SIZES:
-            p.error(f"no real-size entry for {mt!r} (known: {', '.join(REAL_SIZES)})")
-        name, source, _ = REAL_SIZES[mt]
-        model = build(mt)
-        report = patch_model(model, backend="reference", tune="off")
-        f = prefill_flops(model, a.tokens)
+    parser = argparse.ArgumentParser(prog="python -m mlx_bricks.patch.coverage",
+                                     description=_main.__doc__)
+    parser.add_argument("names", nargs="*", help=f"configs (default all: {', '.join(CONFIGS)})")
+    parser.add_argument("--tokens", type=int, default=2048, help="prompt length (default 2048)")
+    args = parser.parse_args(argv)
+    print(f"{'model':28} {'model_type':18} {'in bricks':>10} {'own proj':>9} {'GFLOP/token':>12}")
+    for name in args.names or list(CONFIGS):
+        model = build(name)
+        patch_model(model, backend="reference")
+        f = prefill_flops(model, args.tokens)
         total = f["bricks"] + f["stock"]
-        print(f"{mt}: {name} ({source}), {len(f['layers'])} layers, {a.tokens} tokens")
-        print(f"  decoder-layer prefill: {total / 1e9:.2f} GFLOP/token, in bricks "
-              f"{100 * f['share']:.1f}% (of which the patched mixers' own projections, stock "
-              f"GEMMs inside them: {100 * f['mixer_linears'] / total:.1f}%); LM head "
-              f"{f['lm_head'] / 1e9:.2f} GFLOP/token apart")
-        for cls, (b, s) in sorted(f["by_class"].items(), key=lambda kv: -kv[1][1]):
-            if s:
-                print(f"  stock: {cls} {100 * s / total:.1f}%")
-        reasons = Counter(f"{m.module}: {m.reason}" for m in report.modules
-                          if m.status != "patched" and m.reason)
-        for reason, n in reasons.most_common():
-            print(f"    {n} x {reason[:150]}")
+        print(f"{name:28} {CONFIGS[name][0]:18} {100 * f['share']:9.1f}% "
+              f"{100 * f['mixer_linears'] / total:8.1f}% {total / 1e9:12.2f}")
+        stock = sorted(((s, c) for c, (_, s) in f["by_class"].items() if s), reverse=True)
+        if stock:
+            print(f"{'':28} stock: " + ", ".join(f"{c} {100 * s / total:.1f}%"
+                                                   for s, c in stock))
     return 0
 
 
 if __name__ == "__main__":
-    import sys
-
-    sys.exit(_main(sys.argv[1:]))
+    raise SystemExit(_main())
