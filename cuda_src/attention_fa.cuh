@@ -283,6 +283,10 @@ __device__ __forceinline__ void fa_forward(
     Strides4 qs, Strides4 ks, Strides4 vs, unsigned char* smem_raw) {
   constexpr int BK = C::BK, MT = C::MT, NT = C::NT, NB = BK / 8, ND = C::DV / 8;
   constexpr bool UPPER = CAUSAL || WINDOW;  // a window implies causal (p - window < j <= p)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ != 900
+  // A build error, not a trap at run time (which would end the process's CUDA context).
+  static_assert(!C::WG, "the wgmma variants need sm_90a");
+#endif
   if (dynamic_smem_bytes() < uint32_t(C::SMEM)) {
     __trap();  // launched with less shared memory than this variant lays out
   }

@@ -28,8 +28,8 @@
 // fence.proxy.async in each writing thread after its cp.async wait, before the barrier that
 // publishes them (mma.cuh fence_proxy_async). wgmma results are valid only after wg_wait; the
 // accumulator registers are fenced (wg_reg_fence) so the compiler does not move their uses
-// across it. The instructions exist only on sm_90a; elsewhere the wrappers trap (the kernel's
-// wgmma variants are launched on sm_90 only).
+// across it. The instructions exist only on sm_90a: elsewhere the wrappers compile to a trap
+// and fa_forward refuses to build a wgmma variant (static_assert).
 //
 // tests/cuda_emu/wgmma_emu.h runs these wrappers on the CPU from the same PTX definitions.
 #ifndef MLX_BRICKS_ATTENTION_WGMMA_CUH
@@ -62,7 +62,7 @@ template <int N, typename T>
 struct WgRS;
 
 #ifndef BRICKS_HOST_EMULATION
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900  // plain sm_90: ptxas refuses wgmma
 #define BRICKS_WG_ASM(...) asm volatile(__VA_ARGS__)
 #else
 #define BRICKS_WG_ASM(...) __trap()

@@ -1,10 +1,10 @@
 """The fast CUDA attention family (cuda_src/attention_fa.cu) without a GPU.
 
 1. Compile: the source ``mx.fast.cuda_kernel`` builds, recorded from ``launch_attention_fa``,
-   through nvcc for sm_80, sm_86, sm_89, sm_90a, sm_120 and sm_121 (default suite: both
-   engines, every feature on); on sm_80 and sm_90a with ``ptxas -v``: no spills, no stack frame,
-   and a block's registers fit the SM (no ``__launch_bounds__``). Every tile x flag set:
-   ``slow``. Skipped without nvcc.
+   through nvcc (default suite, every feature on): the mma.sync engine for sm_80, sm_86, sm_89,
+   sm_90a, sm_120 and sm_121, the wgmma engine for sm_90a (elsewhere a build error); on sm_80
+   and sm_90a with ``ptxas -v``: no spills, no stack frame, and a block's registers fit the SM
+   (no ``__launch_bounds__``). Every tile x flag set: ``slow``. Skipped without nvcc.
 2. Numerics: the kernel body run on the CPU by ``tests/cuda_emu`` (mma.sync and wgmma from the
    PTX fragment layouts and matrix descriptors, cp.async and wgmma completing at their waits)
    against float64 with the dtype-scaled rule: ragged lengths, Lk > Lq (bottom-right causal),
@@ -35,7 +35,7 @@ from tests.tolerance import EPS, assert_dtype_close
 
 F16, BF16 = mx.float16, mx.bfloat16
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_120", "sm_121")
-TILES = {t.name: t for D in ac.FA_HEAD_DIMS for t in ac.fa_tiles(D)}
+TILES = ac.FA_TILES_BY_NAME
 
 needs_nvcc = pytest.mark.skipif(cudacheck.find_nvcc() is None, reason="nvcc not found")
 needs_emu = pytest.mark.skipif(cuda_emu.toolchain() is None,
@@ -109,15 +109,25 @@ def _compile(rec, arch):
 
 @needs_nvcc
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("variant", (ac.FA_MMA, ac.FA_WGMMA))
-def test_launcher_compiles_for_every_architecture(variant, arch):
-    # The wgmma engine compiles everywhere (its instructions only on sm_90a; launched there
-    # only), the mma.sync engine runs everywhere.
-    rec, tile = record(128, 128, variant)
+def test_launcher_compiles_for_every_architecture(arch):
+    # The mma.sync engine on every architecture, with every feature on.
+    rec, tile = record(128, 128, ac.FA_MMA)
     res = _compile(rec, arch)
     if arch in ("sm_80", "sm_90a"):
         assert_no_local_memory(res, f"{tile.name} {arch}")
         assert res.registers * tile.threads <= 65536, (tile.name, arch, res)
+
+
+@needs_nvcc
+def test_wgmma_engine_compiles_for_sm90a_only():
+    # wgmma exists on sm_90a only: elsewhere the variant is a build error (never a trap at
+    # run time); the tuner offers it on sm_90 only (fa_variant_names).
+    rec, tile = record(128, 128, ac.FA_WGMMA)
+    res = _compile(rec, "sm_90a")
+    assert_no_local_memory(res, f"{tile.name} sm_90a")
+    assert res.registers * tile.threads <= 65536, (tile.name, res)
+    with pytest.raises(cudacheck.CompileError, match="need sm_90a"):
+        rec.compile("sm_80")
 
 
 def _all_compile_cases():

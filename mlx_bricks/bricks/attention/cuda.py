@@ -297,6 +297,10 @@ _FA_TILES = {
 }
 
 
+#: Every tile of the table by its name.
+FA_TILES_BY_NAME = {t.name: t for tiles in _FA_TILES.values() for t in tiles}
+
+
 def fa_tiles(dqk: int, dv: int | None = None) -> list[FaTile]:
     """Every tile of the fast family for q/k head_dim ``dqk`` and v head_dim ``dv`` (default
     ``dqk``), best first per engine; [] where the family does not apply."""
