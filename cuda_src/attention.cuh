@@ -132,6 +132,29 @@ __host__ __device__ __forceinline__ bool tile_needs_mask(int kv0, int BK, int ro
          (has_window && kv0 <= row_last + diag - window) || kv0 < kv_lo;
 }
 
+// The run-time parameters of one (batch row b, head h): the window, the first valid key (kv_lo,
+// clamped to 0 .. Lk), the score mapping to the log2 domain (s * pre, or tanh(s * pre) * post
+// with soft-capping: s * scale * log2 e, or softcap * tanh(s * scale / softcap) * log2 e) and
+// the sink's score in that domain (neither scaled nor capped). fparams = (scale, softcap,
+// 1 / softcap), iparams = (window,); kv_start and sinks are read only when their flag is set.
+template <bool WINDOW, bool SOFTCAP, bool KV_START, bool SINKS>
+struct RunParams {
+  int window, kv_lo;
+  float pre, post, sink2;
+  __device__ __forceinline__ RunParams(const float* fparams, const int32_t* iparams,
+                                       const int32_t* kv_start, int64_t kv_start_stride,
+                                       const float* sinks, int64_t sinks_stride, int b, int h,
+                                       int Lk) {
+    const float scale = fparams[0];
+    const float softcap = SOFTCAP ? fparams[1] : 1.0f;
+    window = WINDOW ? iparams[0] : 0;
+    kv_lo = KV_START ? clamp_int(kv_start[int64_t(b) * kv_start_stride], 0, Lk) : 0;
+    pre = SOFTCAP ? scale / softcap : scale * kLog2e;
+    post = softcap * kLog2e;
+    sink2 = SINKS ? sinks[int64_t(h) * sinks_stride] * kLog2e : 0.0f;
+  }
+};
+
 // The compile-time shape of one kernel variant. mlx_bricks/ops/attention_cuda.py mirrors the
 // shared-memory layout (smem_bytes) and the kernel traps if launched with less.
 template <typename T, int D, int BK, int MT, bool KV_Q8>
@@ -639,15 +662,11 @@ __device__ __forceinline__ void flash_attention_fwd(
   const int q0 = qblock * C::BQ;
   const int wrow0 = q0 + rg * C::WR;        // this warp's first query row
 
-  const float scale = fparams[0];
-  const float softcap = SOFTCAP ? fparams[1] : 1.0f;
-  const int window = WINDOW ? iparams[0] : 0;
-  const int kv_lo = KV_START ? clamp_int(kv_start[int64_t(b) * kv_start_stride], 0, Lk) : 0;
-  // Score in the log2 domain: s * scale * log2 e, or softcap * tanh(s * scale / softcap) * log2 e.
-  const float pre = SOFTCAP ? scale / softcap : scale * kLog2e;
-  const float post = softcap * kLog2e;
-  // The sink's score in the same log2 domain as the scores (neither scaled nor capped).
-  const float sink2 = SINKS ? sinks[int64_t(h) * sinks_stride] * kLog2e : 0.0f;
+  const RunParams<WINDOW, SOFTCAP, KV_START, SINKS> rp(fparams, iparams, kv_start,
+                                                       kv_start_stride, sinks, sinks_stride, b,
+                                                       h, Lk);
+  const int window = rp.window, kv_lo = rp.kv_lo;
+  const float pre = rp.pre, post = rp.post, sink2 = rp.sink2;
 
   // Keys any row of the block may see: tiles outside are never loaded.
   const TileRange tiles =

@@ -310,13 +310,10 @@ __device__ __forceinline__ void fa_forward(
   const int wrow0 = q0 + warp_row, urow0 = q0 + unit_row;
   const int wlast = min(wrow0 + 16 * MT, Lq) - 1, ulast = min(urow0 + UROWS, Lq) - 1;
 
-  const float scale = fparams[0];
-  const float softcap = SOFTCAP ? fparams[1] : 1.0f;
-  const int window = WINDOW ? iparams[0] : 0;
-  const int kv_lo = KV_START ? clamp_int(kv_start[int64_t(b) * kv_start_stride], 0, Lk) : 0;
-  const float pre = SOFTCAP ? scale / softcap : scale * kLog2e;
-  const float post = softcap * kLog2e;
-  const float sink2 = SINKS ? sinks[int64_t(h) * sinks_stride] * kLog2e : 0.0f;
+  const RunParams<WINDOW, SOFTCAP, KV_START, SINKS> rp(fparams, iparams, kv_start,
+                                                       kv_start_stride, sinks, sinks_stride, b,
+                                                       h, Lk);
+  const int window = rp.window, kv_lo = rp.kv_lo;
 
   const TileRange tiles =
       block_tiles(q0, min(q0 + C::BQ, Lq) - 1, diag, Lk, BK, UPPER, WINDOW, window, kv_lo);
@@ -365,7 +362,7 @@ __device__ __forceinline__ void fa_forward(
       for (int e = 0; e < 4; ++e) o[m][i][e] = 0.0f;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      m_run[m][r] = SINKS ? sink2 : kMasked;
+      m_run[m][r] = SINKS ? rp.sink2 : kMasked;
       l_run[m][r] = SINKS && tq == 0 ? 1.0f : 0.0f;
     }
   }
@@ -401,7 +398,8 @@ __device__ __forceinline__ void fa_forward(
         qk_mma<C, T>(s, qf, q_rows, kst, ln);
       }
       softmax_tile<false, SOFTCAP, UPPER, WINDOW, BK, MT, ND>(
-          s, m_run, l_run, o, pre, post, need_mask, wrow0, diag, kv0, Lk, window, kv_lo, g, tq);
+          s, m_run, l_run, o, rp.pre, rp.post, need_mask, wrow0, diag, kv0, Lk, window, kv_lo, g,
+          tq);
       pack_p<T, MT, BK>(p, s);
       if constexpr (C::LAG) {
         if (wg == 1) {

@@ -22,6 +22,7 @@ from mlx_bricks.bricks.attention.kind import ATTENTION
 from mlx_bricks.bricks.attention.op import run_flash_attention
 from tests.gpu_support import gpu
 from tests.test_attention_cuda import naive, reference64
+from tests.test_attention_gpu import _layout
 from tests.tolerance import assert_dtype_close, to_f64
 
 SHAPES = [(1, 1), (7, 300), (33, 33), (100, 1000), (129, 129), (1000, 1000), (1, 777),
@@ -62,24 +63,11 @@ def _cases():
 
 
 def _cid(c):
-    return (f"{c['dtype']}-D{c['dqk']}x{c['dv']}-{c['tile']}-"
-            f"{'causal' if c['causal'] else 'full'}{'-w%d' % c['window'] if c['window'] else ''}"
-            f"{'-cap%g' % c['softcap'] if c['softcap'] else ''}{'-pad' if c['padded'] else ''}"
-            f"{'-sinks' if c['sinks'] else ''}-B{c['B']}-h{c['heads'][0]}x{c['heads'][1]}-"
-            f"L{c['Lq']}x{c['Lk']}-{c['layout']}")
-
-
-def _view(x, layout):
-    B, H, L, D = x.shape
-    if layout == "mlx_lm":  # a KV-cache slice at a non-zero start of a longer buffer
-        buf = mx.zeros((B, H, L + 9, D), x.dtype)
-        buf[:, :, 3:3 + L] = x
-        return buf[:, :, 3:3 + L]
-    if layout == "strided_d":  # every other element: the element-wise load path
-        buf = mx.zeros((B, H, L, 2 * D), x.dtype)
-        buf[..., ::2] = x
-        return buf[..., ::2]
-    return x
+    flags = [name for name, on in (("causal", c["causal"]), (f"w{c['window']}", c["window"]),
+                                   (f"cap{c['softcap']:g}" if c["softcap"] else "", c["softcap"]),
+                                   ("pad", c["padded"]), ("sinks", c["sinks"])) if on]
+    return "-".join([c["dtype"], f"D{c['dqk']}x{c['dv']}", c["tile"], *(flags or ["full"]),
+                     f"B{c['B']}", "h%dx%d" % c["heads"], f"L{c['Lq']}x{c['Lk']}", c["layout"]])
 
 
 def _inputs(c, seed):
@@ -114,7 +102,7 @@ def test_gpu_fa_tile_matches_float64(c):
     if tile not in _tiles_here(c["dqk"], c["dv"]):
         pytest.skip(f"{tile.name} does not run on this GPU")
     dtype, q, k, v, kv_start, sinks = _inputs(c, zlib.crc32(_cid(c).encode()))
-    kin, vin = _view(k, c["layout"]), _view(v, c["layout"])
+    kin, vin = _layout(k, c["layout"]), _layout(v, c["layout"])
     poison = mx.full((c["B"] * c["Lq"] * c["heads"][0] * c["dv"],), float("nan"), dtype)
     mx.eval(poison, q, kin, vin)
     del poison  # freed, then reused by the output
