@@ -122,7 +122,10 @@ def run_case(d, lq, lk, deadline):
         except Exception as e:  # a failing variant is recorded; the rest continues
             r["error"] = f"{type(e).__name__}: {str(e)[:400]}"
         case["results"][name] = r
-        print(json.dumps({"D": d, "Lq": lq, "Lk": lk, name: r}), flush=True)
+        print(json.dumps({"D": d, "Lq": lq, "Lk": lk, name: r}), file=sys.stderr, flush=True)
+    from mlx_bricks import kernels
+    case["build_seconds"] = {k: kernels.build_cost(k) for k in ("flash_attention_fa",
+                                                                   "flash_attention")}
     return case
 
 
@@ -149,6 +152,40 @@ def first_call(side, d, lengths=(2048, 4096, 6144)):
     return res
 
 
+def _subprocess(args, timeout, what):
+    """Run this script with ``args`` in a fresh process; its last stdout line as JSON, or
+    ``what`` with the error."""
+    try:
+        r = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
+                           timeout=timeout, env=os.environ)
+        out = (json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else
+               dict(what, error=f"rc {r.returncode}: {r.stderr[-800:]}"))
+    except Exception as e:  # a timeout or a crash: recorded, the rest continues
+        out = dict(what, error=f"{type(e).__name__}: {str(e)[:400]}")
+    print(json.dumps(out)[:3000], flush=True)
+    return out
+
+
+def summary(path):
+    """One line per case and variant: TFLOP/s, fraction of peak, speedup, error."""
+    rep = json.load(open(path))
+    print(rep.get("device"), rep.get("mlx"), f"{rep.get('seconds', 0):.0f} s")
+    for c in rep["cases"]:
+        head = f"D{c['head_dim']} {c['q_len']}x{c['kv_len']}"
+        if "error" in c:
+            print(head, "ERROR", c["error"][-300:])
+            continue
+        for name, r in c["results"].items():
+            if "seconds" in r:
+                print(f"{head} {name:26s} {r['tflops']:6.1f} TF/s {r['peak_fraction']:.2f} "
+                      f"x{r.get('speedup_vs_stock', float('nan')):.2f} "
+                      f"err {r['max_err_last_rows']:.2e} first {r['first_call_s']:.2f}s")
+            else:
+                print(f"{head} {name:26s} {json.dumps(r)[:200]}")
+    for f in rep["first_call"]:
+        print("first call", json.dumps(f)[:400])
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("out", nargs="?")
@@ -158,38 +195,47 @@ def main():
                    help="q_len x kv_len list")
     p.add_argument("--first-call", nargs=2, metavar=("SIDE", "D"),
                    help="internal: one fresh process's first calls (SIDE stock or a variant)")
+    p.add_argument("--case", nargs=4, type=float, metavar=("D", "LQ", "LK", "DEADLINE"),
+                   help="internal: one case in this process")
+    p.add_argument("--summary", metavar="JSON", help="print a finished report as a table")
     a = p.parse_args()
+    if a.summary:
+        summary(a.summary)
+        return
     if a.first_call:
         print(json.dumps(first_call(a.first_call[0], int(a.first_call[1]))))
+        return
+    if a.case:
+        d, lq, lk, deadline = a.case
+        print(json.dumps(run_case(int(d), int(lq), int(lk), deadline)))
         return
     t_start = time.time()
     deadline = t_start + a.budget
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "mlx": mx.__version__,
               "device": mx.device_info().get("device_name"), "cc": list(device_capability()),
               "dtype": "bfloat16", "peak_tflops": PEAK / 1e12, "cases": [], "first_call": []}
+    # Each case in its own process: a kernel fault ends that process's CUDA context only.
     for d in map(int, a.dims.split(",")):
         for shape in a.shapes.split(","):
             lq, lk = map(int, shape.split("x"))
-            report["cases"].append(run_case(d, lq, lk, deadline))
-    from mlx_bricks import kernels
-    report["build_seconds"] = {"flash_attention_fa": kernels.build_cost("flash_attention_fa"),
-                               "flash_attention": kernels.build_cost("flash_attention")}
+            report["cases"].append(_subprocess(["--case", str(d), str(lq), str(lk),
+                                                str(deadline)], 150,
+                                               {"head_dim": d, "q_len": lq, "kv_len": lk}))
+            _write(a.out, report, t_start)
     sides = ["stock", ac.FA_WGMMA if device_capability()[0] == 9 else ac.FA_MMA]
     for side in sides:  # fresh processes (the kernels' disk cache is warm from above)
-        try:
-            r = subprocess.run([sys.executable, __file__, "--first-call", side, "128"],
-                               capture_output=True, text=True, timeout=120, env=os.environ)
-            report["first_call"].append(json.loads(r.stdout.strip().splitlines()[-1])
-                                        if r.returncode == 0 else
-                                        {"side": side, "error": r.stderr[-600:]})
-        except Exception as e:
-            report["first_call"].append({"side": side, "error": f"{type(e).__name__}: {e}"})
-        print(json.dumps(report["first_call"][-1]), flush=True)
-    report["seconds"] = time.time() - t_start
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(report, f, indent=1)
+        report["first_call"].append(_subprocess(["--first-call", side, "128"], 60,
+                                                {"side": side}))
+        _write(a.out, report, t_start)
     print(f"done in {report['seconds']:.0f} s", flush=True)
+
+
+def _write(path, report, t_start):
+    """The report so far (a killed run keeps what it measured)."""
+    report["seconds"] = time.time() - t_start
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":
