@@ -456,38 +456,51 @@ __device__ __forceinline__ void add_partner_scores(float (&s)[MT][BK / 8][4],
 }
 
 // Step 3: scores to the log2 domain (scale, soft-cap), mask (only when the tile needs it), and
-// the online softmax update: s becomes P, m_run / l_run / o are rescaled.
-template <bool F32, bool SOFTCAP, bool UPPER, bool WINDOW, int BK, int MT, int ND>
-__device__ __forceinline__ void softmax_tile(float (&s)[MT][BK / 8][4], float (&m_run)[MT][2],
-                                             float (&l_run)[MT][2], float (&o)[MT][ND][4],
-                                             float pre, float post, bool need_mask, int wrow0,
-                                             int diag, int kv0, int Lk, int window, int kv_lo,
-                                             int g, int tq) {
+// the online softmax update: s becomes P, m_run / l_run are updated and factor is what O must
+// be multiplied by (softmax_tile does it; the fast family may do it later, once its in-flight
+// P V has completed). fast (uniform; no soft-cap, no mask in this tile, pre > 0): the row max is
+// taken over the raw scores and p = 2^(s pre - m) is one FFMA and one ex2 per score.
+template <bool F32, bool SOFTCAP, bool UPPER, bool WINDOW, int BK, int MT>
+__device__ __forceinline__ void softmax_probs(float (&s)[MT][BK / 8][4], float (&m_run)[MT][2],
+                                              float (&l_run)[MT][2], float (&factor)[MT][2],
+                                              float pre, float post, bool need_mask, bool fast,
+                                              int wrow0, int diag, int kv0, int Lk, int window,
+                                              int kv_lo, int g, int tq) {
   constexpr int NB = BK / 8;
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
     float mx[2] = {m_run[m][0], m_run[m][1]};
+    if (fast) {
+      float raw[2] = {kMasked, kMasked};
 #pragma unroll
-    for (int j = 0; j < NB; ++j) {
+      for (int j = 0; j < NB; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = SOFTCAP ? tanhf(s[m][j][e] * pre) * post : s[m][j][e] * pre;
-        if (need_mask) {
-          const int pos = wrow0 + m * 16 + g + (e / 2) * 8 + diag;  // key position of the row
-          const int key = kv0 + j * 8 + 2 * tq + (e % 2);
-          x = key_visible(key, pos, Lk, UPPER, WINDOW, window, kv_lo) ? x : kMasked;
+        for (int e = 0; e < 4; ++e) raw[e / 2] = fmaxf(raw[e / 2], s[m][j][e]);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) mx[r] = fmaxf(mx[r], quad_max(raw[r]) * pre);
+    } else {
+#pragma unroll
+      for (int j = 0; j < NB; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = SOFTCAP ? tanhf(s[m][j][e] * pre) * post : s[m][j][e] * pre;
+          if (need_mask) {
+            const int pos = wrow0 + m * 16 + g + (e / 2) * 8 + diag;  // key position of the row
+            const int key = kv0 + j * 8 + 2 * tq + (e % 2);
+            x = key_visible(key, pos, Lk, UPPER, WINDOW, window, kv_lo) ? x : kMasked;
+          }
+          s[m][j][e] = x;
+          mx[e / 2] = fmaxf(mx[e / 2], x);
         }
-        s[m][j][e] = x;
-        mx[e / 2] = fmaxf(mx[e / 2], x);
       }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) mx[r] = quad_max(mx[r]);
     }
-    float factor[2];
     bool live[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      mx[r] = quad_max(mx[r]);
       live[r] = mx[r] > kMasked;  // the row has seen a visible key
-      factor[r] = F32 ? exp2f(m_run[m][r] - mx[r]) : exp2_fast(m_run[m][r] - mx[r]);
+      factor[m][r] = F32 ? exp2f(m_run[m][r] - mx[r]) : exp2_fast(m_run[m][r] - mx[r]);
       m_run[m][r] = mx[r];
     }
     float lsum[2] = {0.0f, 0.0f};
@@ -495,22 +508,47 @@ __device__ __forceinline__ void softmax_tile(float (&s)[MT][BK / 8][4], float (&
     for (int j = 0; j < NB; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float d = s[m][j][e] - mx[e / 2];
-        const float p = live[e / 2] ? (F32 ? exp2f(d) : exp2_fast(d)) : 0.0f;
+        float p;
+        if (fast) {
+          p = exp2_fast(fmaf(s[m][j][e], pre, -mx[e / 2]));
+        } else {
+          const float d = s[m][j][e] - mx[e / 2];
+          p = live[e / 2] ? (F32 ? exp2f(d) : exp2_fast(d)) : 0.0f;
+        }
         s[m][j][e] = p;
         lsum[e / 2] += p;
       }
     }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) l_run[m][r] = l_run[m][r] * factor[r] + lsum[r];
+    for (int r = 0; r < 2; ++r) l_run[m][r] = l_run[m][r] * factor[m][r] + lsum[r];
+  }
+}
+
+// O *= factor, row by row (the C layout: elements 0, 1 of row g, 2, 3 of row g + 8).
+template <int MT, int ND>
+__device__ __forceinline__ void rescale_o(float (&o)[MT][ND][4], const float (&factor)[MT][2]) {
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
 #pragma unroll
     for (int i = 0; i < ND; ++i) {
-      o[m][i][0] *= factor[0];
-      o[m][i][1] *= factor[0];
-      o[m][i][2] *= factor[1];
-      o[m][i][3] *= factor[1];
+      o[m][i][0] *= factor[m][0];
+      o[m][i][1] *= factor[m][0];
+      o[m][i][2] *= factor[m][1];
+      o[m][i][3] *= factor[m][1];
     }
-  }
+}
+
+template <bool F32, bool SOFTCAP, bool UPPER, bool WINDOW, int BK, int MT, int ND>
+__device__ __forceinline__ void softmax_tile(float (&s)[MT][BK / 8][4], float (&m_run)[MT][2],
+                                             float (&l_run)[MT][2], float (&o)[MT][ND][4],
+                                             float pre, float post, bool need_mask, int wrow0,
+                                             int diag, int kv0, int Lk, int window, int kv_lo,
+                                             int g, int tq) {
+  float factor[MT][2];
+  softmax_probs<F32, SOFTCAP, UPPER, WINDOW, BK, MT>(s, m_run, l_run, factor, pre, post,
+                                                     need_mask, false, wrow0, diag, kv0, Lk,
+                                                     window, kv_lo, g, tq);
+  rescale_o<MT, ND>(o, factor);
 }
 
 // Step 4: O += P V over this warp's head_dim slice. fp16/bf16: P is the S accumulator packed to

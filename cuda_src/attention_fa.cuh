@@ -41,14 +41,15 @@ __host__ __device__ constexpr int sw128(int r, int c, int R) {
   return (c >> 3) * R * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4);
 }
 
-template <typename T, int DQK_, int DV_, int BK_, int NW_, int MT_, int NS_, bool WG_, bool LAG_>
+template <typename T, int DQK_, int DV_, int BK_, int NW_, int MT_, int NS_, bool WG_, bool LAG_,
+          bool IWO_>
 struct FaConfig {
   static constexpr int DQK = DQK_, DV = DV_, BK = BK_, NW = NW_, MT = MT_, NS = NS_;
-  static constexpr bool WG = WG_, LAG = LAG_;
+  static constexpr bool WG = WG_, LAG = LAG_, IWO = IWO_;
   static constexpr bool F32 = false;                   // (store_rows)
   static constexpr int NT = 32 * NW;                   // threads
   static constexpr int BQ = 16 * MT * NW;              // query rows per block
-  static constexpr int NSV = NS + (LAG ? 1 : 0);       // V stages
+  static constexpr int NSV = NS + (LAG || IWO ? 1 : 0);  // V stages
   static constexpr bool QREG = !WG && MT * DQK <= 128;  // Q fragments in registers
   static constexpr int QM = QREG ? MT : 1, QK = QREG ? DQK / 16 : 1;
   static constexpr int Q_OFF = 0;
@@ -66,6 +67,7 @@ struct FaConfig {
   static_assert(!WG || (MT == 1 && NW % 4 == 0 && DV <= 256 && BK <= 256),
                 "wgmma: whole warpgroups of 64 rows, N <= 256");
   static_assert(!LAG || (WG && NW == 8), "LAG: two warpgroups");
+  static_assert(!IWO || (WG && !LAG), "IWO: wgmma, not with LAG");
 };
 
 // Stage rows row0 .. row0 + R - 1 (D elements each) of a strided global matrix into the
@@ -221,9 +223,11 @@ __device__ __forceinline__ void wg_fence_all(float (&d)[N]) {
   for (int i = 0; i < N; ++i) wg_reg_fence(d[i]);
 }
 
-// S = Q K^T: q_rows the Q tile at the warpgroup's first row, ks the K stage (both K-major).
+// Issue S = Q K^T (one commit group): q_rows the Q tile at the warpgroup's first row, ks the K
+// stage (both K-major).
 template <class C, typename T>
-__device__ __forceinline__ void qk_wg(float (&s)[1][C::BK / 8][4], uint32_t q_rows, uint32_t ks) {
+__device__ __forceinline__ void qk_issue(float (&s)[1][C::BK / 8][4], uint32_t q_rows,
+                                         uint32_t ks) {
   float(&d)[C::BK / 2] = reinterpret_cast<float(&)[C::BK / 2]>(s);
   wg_fence();
 #pragma unroll
@@ -234,14 +238,12 @@ __device__ __forceinline__ void qk_wg(float (&s)[1][C::BK / 8][4], uint32_t q_ro
                         kk > 0 ? 1u : 0u);
   }
   wg_commit();
-  wg_wait<0>();
-  wg_fence_all(d);
 }
 
-// O += P V: vs the V stage, read MN-major (keys are the k axis).
+// Issue O += P V (one commit group): vs the V stage, read MN-major (keys are the k axis).
 template <class C, typename T>
-__device__ __forceinline__ void pv_wg(float (&o)[1][C::DV / 8][4],
-                                      const uint32_t (&p)[1][C::BK / 16][4], uint32_t vs) {
+__device__ __forceinline__ void pv_issue(float (&o)[1][C::DV / 8][4],
+                                         const uint32_t (&p)[1][C::BK / 16][4], uint32_t vs) {
   float(&d)[C::DV / 2] = reinterpret_cast<float(&)[C::DV / 2]>(o);
   wg_fence_all(d);
   wg_fence();
@@ -250,8 +252,14 @@ __device__ __forceinline__ void pv_wg(float (&o)[1][C::DV / 8][4],
     WgRS<C::DV, T>::run(d, p[0][kk], Sw128Desc::mn_major(vs + uint32_t(kk * 2048), C::BK * 128));
   }
   wg_commit();
-  wg_wait<0>();
-  wg_fence_all(d);
+}
+
+// Wait for this thread's wgmma groups but the newest N, then fence acc's registers (their
+// values are the products' only from here on).
+template <int N, int R, int C2>
+__device__ __forceinline__ void wg_complete(float (&acc)[1][R][C2]) {
+  wg_wait<N>();
+  wg_fence_all(reinterpret_cast<float(&)[R * C2]>(acc));
 }
 
 // P (the softmax's probabilities, in S's accumulator layout) as k16 A fragments: the C layout
@@ -367,7 +375,7 @@ __device__ __forceinline__ void fa_forward(
     }
   }
   uint32_t p[MT][BK / 16][4];
-  bool p_pending = false;  // LAG: warpgroup 1's P V of the previous tile is still to run
+  bool p_pending = false;  // LAG (warpgroup 1) / IWO: the previous tile's P V is still to run
   uint32_t p_stage = 0;
 
   for (int t = t_begin; t < t_end; ++t) {
@@ -382,7 +390,8 @@ __device__ __forceinline__ void fa_forward(
     const uint32_t vst = sbase + C::V_OFF + uint32_t((t % C::NSV) * C::V_BYTES);
     if constexpr (C::LAG) {
       if (p_pending) {
-        pv_wg<C, T>(o, p, p_stage);
+        pv_issue<C, T>(o, p, p_stage);
+        wg_complete<0>(o);
         p_pending = false;
       }
     }
@@ -391,32 +400,54 @@ __device__ __forceinline__ void fa_forward(
       // Only tiles that cross Lk, the diagonal, the window edge or kv_lo need the mask.
       const bool need_mask =
           tile_needs_mask(kv0, BK, wrow0, wlast, diag, Lk, UPPER, WINDOW, window, kv_lo);
-      float s[MT][NB][4];
+      const bool fast = !SOFTCAP && !need_mask && rp.pre > 0.0f;
+      float s[MT][NB][4], factor[MT][2];
       if constexpr (C::WG) {
-        qk_wg<C, T>(s, sbase + C::Q_OFF + uint32_t(unit_row * 128), kst);
+        qk_issue<C, T>(s, sbase + C::Q_OFF + uint32_t(unit_row * 128), kst);
+        if (C::IWO && p_pending) {  // the previous tile's P V runs under this softmax
+          pv_issue<C, T>(o, p, p_stage);
+          wg_complete<1>(s);
+        } else {
+          wg_complete<0>(s);
+        }
       } else {
         qk_mma<C, T>(s, qf, q_rows, kst, ln);
       }
-      softmax_tile<false, SOFTCAP, UPPER, WINDOW, BK, MT, ND>(
-          s, m_run, l_run, o, rp.pre, rp.post, need_mask, wrow0, diag, kv0, Lk, window, kv_lo, g,
-          tq);
+      softmax_probs<false, SOFTCAP, UPPER, WINDOW, BK, MT>(s, m_run, l_run, factor, rp.pre,
+                                                          rp.post, need_mask, fast, wrow0, diag,
+                                                          kv0, Lk, window, kv_lo, g, tq);
+      if constexpr (C::IWO) {
+        if (p_pending) wg_complete<0>(o);  // P V_{t-1} done: O and p are free
+      }
+      rescale_o<MT, ND>(o, factor);
       pack_p<T, MT, BK>(p, s);
-      if constexpr (C::LAG) {
-        if (wg == 1) {
+      if constexpr (C::LAG || C::IWO) {
+        if (C::IWO || wg == 1) {
           p_pending = true;
           p_stage = vst;
         } else {
-          pv_wg<C, T>(o, p, vst);
+          pv_issue<C, T>(o, p, vst);
+          wg_complete<0>(o);
         }
       } else if constexpr (C::WG) {
-        pv_wg<C, T>(o, p, vst);
+        pv_issue<C, T>(o, p, vst);
+        wg_complete<0>(o);
       } else {
         pv_mma<C, T>(o, p, vst, ln);
       }
+    } else if constexpr (C::IWO) {
+      if (p_pending) {  // a skipped tile: the pending P V runs now
+        pv_issue<C, T>(o, p, p_stage);
+        wg_complete<0>(o);
+        p_pending = false;
+      }
     }
   }
-  if constexpr (C::LAG) {
-    if (p_pending) pv_wg<C, T>(o, p, p_stage);  // its V stage is never refilled after the loop
+  if constexpr (C::LAG || C::IWO) {
+    if (p_pending) {  // its V stage is never refilled after the loop
+      pv_issue<C, T>(o, p, p_stage);
+      wg_complete<0>(o);
+    }
   }
   cp_async_wait<0>();  // nothing may stay in flight past the kernel's end
 

@@ -211,11 +211,12 @@ def fa_id(x):
 # (case, tile): both engines, every head_dim, lengths 1 / 7 / 33 / 100, Lk > Lq, GQA 1-8,
 # window, soft-cap, Dv != Dq; Lk spans several tiles so the ring wraps.
 EMU_DEFAULT = [
+    ((BF16, 128, 128, (1, 4, 1, 100, 300), True, 70, None), "fa_wg_bk128_w8_s2_iwo"),
     ((BF16, 128, 128, (1, 4, 1, 100, 300), True, None, None), "fa_wg_bk128_w8_s2_lag"),
     ((F16, 64, 64, (2, 2, 2, 33, 300), True, 20, 5.0), "fa_wg_bk128_w8_s2_lag"),
-    ((BF16, 256, 256, (1, 2, 1, 7, 300), True, None, None), "fa_wg_bk64_w8_s2_lag"),
+    ((BF16, 256, 256, (1, 2, 1, 7, 300), True, None, None), "fa_wg_bk64_w8_s2_iwo"),
     ((F16, 128, 128, (1, 8, 1, 1, 129), True, None, None), "fa_mma_bk64_w8_s2"),
-    ((BF16, 192, 128, (1, 2, 1, 40, 200), True, None, None), "fa_wg_bk64_w8_s2_lag"),
+    ((BF16, 192, 128, (1, 2, 1, 40, 200), True, None, None), "fa_wg_bk64_w8_s2_iwo"),
     ((F16, 64, 64, (1, 4, 2, 100, 100), False, None, None), "fa_mma_bk64_w4_mt2_s2"),
 ]
 
@@ -263,11 +264,11 @@ def test_emulated_every_tile_matches_float64(tile):
 # (case, tile, kv_start, sinks): padded batches (padding inside a tile, whole tiles, rows that
 # see no key), sinks below and above the scores, both engines.
 EMU_FEATURES = [
-    ((F16, 128, 128, (2, 4, 2, 33, 300), True, None, None), "fa_wg_bk128_w8_s2_lag",
+    ((F16, 128, 128, (2, 4, 2, 33, 300), True, None, None), "fa_wg_bk128_w8_s2_iwo",
      (0, 150), (-3.0, 0.5, 2.0, 40.0)),
     ((BF16, 64, 64, (2, 2, 1, 20, 140), True, 16, 5.0), "fa_mma_bk64_w4_mt2_s2",
      (130, 3), None),
-    ((F16, 256, 256, (1, 2, 1, 33, 100), True, None, None), "fa_wg_bk64_w8_s2",
+    ((F16, 256, 256, (1, 2, 1, 33, 100), True, None, None), "fa_wg_bk64_w8_s2_iwo",
      None, (1.0, -20.0)),
 ]
 
@@ -284,7 +285,7 @@ def test_emulated_fa_padding_and_sinks_match_float64(case, tile, kv_start, sinks
 
 
 @needs_emu
-@pytest.mark.parametrize("tile", ["fa_wg_bk128_w8_s2_lag", "fa_mma_bk64_w8_s2"])
+@pytest.mark.parametrize("tile", ["fa_wg_bk128_w8_s2_iwo", "fa_mma_bk64_w8_s2"])
 def test_emulated_views_equal_contiguous(tile):
     # A transposed q (mlx-lm's projections), a KV-cache slice at a non-zero start, a non-unit
     # head_dim stride and a misaligned start (element-wise paths) give bit-identical results.
@@ -299,7 +300,7 @@ def test_emulated_views_equal_contiguous(tile):
 def test_emulated_rows_without_visible_key_are_zero():
     # Lq > Lk (not reachable through flash_attention): causal rows 0 .. Lq - Lk - 1 see no key.
     case = (F16, 64, 64, (1, 2, 1, 150, 20), True, None, None)
-    out, q, k, v = run_fa(case, TILES["fa_wg_bk128_w8_s2_lag"])
+    out, q, k, v = run_fa(case, TILES["fa_wg_bk128_w8_s2_iwo"])
     assert np.isfinite(out).all() and not out[:, :, :130].any()
     np.testing.assert_allclose(out, reference64(q, k, v, 64**-0.5, True, None, None),
                                atol=4 * EPS[F16])

@@ -198,7 +198,16 @@ def main():
     p.add_argument("--case", nargs=4, type=float, metavar=("D", "LQ", "LK", "DEADLINE"),
                    help="internal: one case in this process")
     p.add_argument("--summary", metavar="JSON", help="print a finished report as a table")
+    p.add_argument("--profile", nargs=3, metavar=("D", "T", "VARIANT"),
+                   help="three calls of one variant at q_len = kv_len = T (for ncu: skip 2)")
     a = p.parse_args()
+    if a.profile:
+        d, t, name = int(a.profile[0]), int(a.profile[1]), a.profile[2]
+        q, k, v = inputs(t, t, d)
+        for _ in range(3):
+            mx.eval(ac.launch_attention_fa(q, k, v, scale=d ** -0.5, causal=True, variant=name))
+        mx.synchronize()
+        return
     if a.summary:
         summary(a.summary)
         return

@@ -241,6 +241,8 @@ class FaTile:
         ns: K/V stages of the cp.async ring (>= 2).
         lag: two warpgroups, the second one P V behind (FlashAttention-3's ping-pong order
             with the one block barrier; one V stage more).
+        iwo: each tile's softmax runs while the previous tile's P V is on the tensor cores
+            (FlashAttention-3's intra-warpgroup overlap; wgmma; one V stage more).
     """
 
     wg: bool
@@ -249,6 +251,7 @@ class FaTile:
     mt: int
     ns: int
     lag: bool = False
+    iwo: bool = False
 
     @property
     def bq(self) -> int:
@@ -263,12 +266,13 @@ class FaTile:
     def name(self) -> str:
         """e.g. ``fa_wg_bk128_w8_s2_lag``, ``fa_mma_bk64_w4_mt2_s2``."""
         return (f"fa_{'wg' if self.wg else 'mma'}_bk{self.bk}_w{self.nw}"
-                f"{'_mt2' if self.mt == 2 else ''}_s{self.ns}{'_lag' if self.lag else ''}")
+                f"{'_mt2' if self.mt == 2 else ''}_s{self.ns}{'_lag' if self.lag else ''}"
+                f"{'_iwo' if self.iwo else ''}")
 
     def smem_bytes(self, dqk: int, dv: int) -> int:
-        """``FaConfig::SMEM``: Q (bq rows), ns K stages, ns (+1 with lag) V stages of 16-bit
-        elements, plus 1024 bytes to align the tiles at run time."""
-        nsv = self.ns + (1 if self.lag else 0)
+        """``FaConfig::SMEM``: Q (bq rows), ns K stages, ns (+1 with lag or iwo) V stages of
+        16-bit elements, plus 1024 bytes to align the tiles at run time."""
+        nsv = self.ns + (1 if self.lag or self.iwo else 0)
         return 2 * (self.bq * dqk + self.ns * self.bk * dqk + nsv * self.bk * dv) + 1024
 
 
@@ -278,22 +282,23 @@ class FaTile:
 # FlashAttention's tile_size.h choices and shared memory (227 KB on sm_90, 163 KB sm_80,
 # 99 KB sm_86/89/120).
 _FA_TILES = {
-    64: (FaTile(True, 128, 8, 1, 2, True),    # 96 KB; FA3: 192 x 128 (3 warpgroups)
-         FaTile(True, 128, 8, 1, 3, False),   # 112 KB
-         FaTile(False, 64, 4, 2, 2),          # 48 KB: FA2's 128-row block of 4 warps
-         FaTile(False, 128, 8, 1, 2)),        # 80 KB
-    128: (FaTile(True, 128, 8, 1, 2, True),   # 192 KB; FA3: 128 x 128 causal, 2 warpgroups
-          FaTile(True, 128, 8, 1, 2, False),  # 160 KB
-          FaTile(True, 64, 8, 1, 3, True),    # 144 KB: smaller S, deeper ring
-          FaTile(False, 64, 8, 1, 2),         # 96 KB: FA2 sm86/89, 8 warps (FA2 sm80's
-          FaTile(False, 128, 8, 1, 2)),       # 160 KB    128 x 64 of 4 warps spills here)
-    192: (FaTile(True, 64, 8, 1, 2, True),    # 168 KB (Dv 128: 144 KB)
-          FaTile(True, 96, 8, 1, 2, False),   # 192 KB
-          FaTile(False, 64, 8, 1, 2)),        # 144 KB: FA2 sm80 128 x 64, 8 warps
-    256: (FaTile(True, 64, 8, 1, 2, True),    # 224 KB; FA3: 128 x 80 hits the smem limit
-          FaTile(True, 64, 8, 1, 2, False),   # 192 KB
-          FaTile(False, 64, 8, 1, 2),         # 192 KB: FA2 sm80 128 x 64, 8 warps
-          FaTile(False, 32, 8, 1, 2)),        # 128 KB
+    64: (FaTile(True, 128, 8, 1, 2, iwo=True),   # 97 KB; FA3: 192 x 128 (3 warpgroups)
+         FaTile(True, 128, 8, 1, 2, True),       # 97 KB
+         FaTile(False, 64, 4, 2, 2),             # 49 KB: FA2's 128-row block of 4 warps
+         FaTile(False, 128, 8, 1, 2)),           # 81 KB
+    128: (FaTile(True, 128, 8, 1, 2, iwo=True),  # 193 KB; FA3: 128 x 128 causal, 2 warpgroups
+          FaTile(True, 128, 8, 1, 2, True),      # 193 KB
+          FaTile(True, 128, 8, 1, 2),            # 161 KB
+          FaTile(False, 128, 8, 1, 2),           # 161 KB
+          FaTile(False, 64, 8, 1, 2)),           # 97 KB: FA2 sm86/89, 8 warps (FA2 sm80's
+    #                                              128 x 64 of 4 warps spills here)
+    192: (FaTile(True, 64, 8, 1, 2, iwo=True),   # 169 KB (Dv 128: 145 KB)
+          FaTile(True, 64, 8, 1, 2, True),       # 169 KB
+          FaTile(False, 64, 8, 1, 2)),           # 145 KB: FA2 sm80 128 x 64, 8 warps
+    256: (FaTile(True, 64, 8, 1, 2, iwo=True),   # 225 KB; FA3: 128 x 80 hits the smem limit
+          FaTile(True, 64, 8, 1, 2, True),       # 225 KB
+          FaTile(False, 64, 8, 1, 2),            # 193 KB: FA2 sm80 128 x 64, 8 warps
+          FaTile(False, 32, 8, 1, 2)),           # 129 KB
 }
 
 
@@ -405,6 +410,6 @@ def fa_template(dtype, dqk: int, dv: int, tile: FaTile, causal: bool, window: bo
                 softcap: bool, kv_start: bool, sinks: bool) -> list:
     """The fast family's template arguments, in ``attention_fa.cu``'s order."""
     return [("T", dtype), ("DQK", dqk), ("DV", dv), ("BK", tile.bk), ("NW", tile.nw),
-            ("MT", tile.mt), ("NS", tile.ns), ("WG", tile.wg), ("LAG", tile.lag),
+            ("MT", tile.mt), ("NS", tile.ns), ("WG", tile.wg), ("LAG", tile.lag), ("IWO", tile.iwo),
             ("CAUSAL", causal), ("WINDOW", window), ("SOFTCAP", softcap),
             ("KV_START", kv_start), ("SINKS", sinks)]
