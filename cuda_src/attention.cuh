@@ -458,19 +458,21 @@ __device__ __forceinline__ void add_partner_scores(float (&s)[MT][BK / 8][4],
 // Step 3: scores to the log2 domain (scale, soft-cap), mask (only when the tile needs it), and
 // the online softmax update: s becomes P, m_run / l_run are updated and factor is what O must
 // be multiplied by (softmax_tile does it; the fast family may do it later, once its in-flight
-// P V has completed). fast (uniform; no soft-cap, no mask in this tile, pre > 0): the row max is
-// taken over the raw scores and p = 2^(s pre - m) is one FFMA and one ex2 per score.
-template <bool F32, bool SOFTCAP, bool UPPER, bool WINDOW, int BK, int MT>
+// P V has completed). FAST (only for a tile without soft-cap or mask and with pre > 0; the
+// caller branches once per tile, so no score pays for both forms): the row max is taken over the
+// raw scores and p = 2^(s pre - m) is one FFMA and one ex2 per score.
+template <bool F32, bool SOFTCAP, bool UPPER, bool WINDOW, int BK, int MT, bool FAST = false>
 __device__ __forceinline__ void softmax_probs(float (&s)[MT][BK / 8][4], float (&m_run)[MT][2],
                                               float (&l_run)[MT][2], float (&factor)[MT][2],
-                                              float pre, float post, bool need_mask, bool fast,
-                                              int wrow0, int diag, int kv0, int Lk, int window,
-                                              int kv_lo, int g, int tq) {
+                                              float pre, float post, bool need_mask, int wrow0,
+                                              int diag, int kv0, int Lk, int window, int kv_lo,
+                                              int g, int tq) {
   constexpr int NB = BK / 8;
+  static_assert(!FAST || (!SOFTCAP && !F32), "the FFMA form is for unmasked, uncapped tiles");
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
     float mx[2] = {m_run[m][0], m_run[m][1]};
-    if (fast) {
+    if constexpr (FAST) {
       float raw[2] = {kMasked, kMasked};
 #pragma unroll
       for (int j = 0; j < NB; ++j)
@@ -509,7 +511,7 @@ __device__ __forceinline__ void softmax_probs(float (&s)[MT][BK / 8][4], float (
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float p;
-        if (fast) {
+        if constexpr (FAST) {
           p = exp2_fast(fmaf(s[m][j][e], pre, -mx[e / 2]));
         } else {
           const float d = s[m][j][e] - mx[e / 2];
@@ -546,8 +548,8 @@ __device__ __forceinline__ void softmax_tile(float (&s)[MT][BK / 8][4], float (&
                                              int g, int tq) {
   float factor[MT][2];
   softmax_probs<F32, SOFTCAP, UPPER, WINDOW, BK, MT>(s, m_run, l_run, factor, pre, post,
-                                                     need_mask, false, wrow0, diag, kv0, Lk,
-                                                     window, kv_lo, g, tq);
+                                                     need_mask, wrow0, diag, kv0, Lk, window,
+                                                     kv_lo, g, tq);
   rescale_o<MT, ND>(o, factor);
 }
 

@@ -5,7 +5,8 @@
 // Template: T (__half or __nv_bfloat16), DQK (q/k head_dim), DV (v/out head_dim), BK (keys per
 // tile), NW (warps), MT (m16 tiles per warp; 1 with wgmma), NS (K/V stages), WG (wgmma
 // warpgroups), LAG (warpgroup 1 one P V behind), IWO (each tile's softmax over the previous
-// tile's P V), CAUSAL, WINDOW, SOFTCAP, KV_START, SINKS.
+// tile's P V), FFMA (the one-FFMA softmax on unmasked tiles), CAUSAL, WINDOW, SOFTCAP,
+// KV_START, SINKS.
 // Inputs (any strides): q (B, Hq, Lq, DQK), k (B, Hkv, Lk, DQK), v (B, Hkv, Lk, DV) of T;
 //   fparams (3,) float: scale, softcap, 1 / softcap; iparams (1,) int32: window (0: none);
 //   kv_start (B,) int32 when KV_START, sinks (Hq,) float when SINKS (else (1,) dummies).
@@ -14,7 +15,7 @@
 // shared memory FaConfig::SMEM bytes (mlx_bricks/bricks/attention/cuda.py fa_smem_bytes).
 extern __shared__ __align__(16) unsigned char smem[];
 
-bricks::attn::fa_forward<bricks::attn::FaConfig<T, DQK, DV, BK, NW, MT, NS, WG, LAG, IWO>, T,
+bricks::attn::fa_forward<bricks::attn::FaConfig<T, DQK, DV, BK, NW, MT, NS, WG, LAG, IWO, FFMA>, T,
                          CAUSAL, WINDOW, SOFTCAP, KV_START, SINKS>(
     q, k, v, fparams, iparams, kv_start, int64_t(kv_start_strides[0]), sinks,
     int64_t(sinks_strides[0]), out,

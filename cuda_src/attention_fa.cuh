@@ -42,10 +42,11 @@ __host__ __device__ constexpr int sw128(int r, int c, int R) {
 }
 
 template <typename T, int DQK_, int DV_, int BK_, int NW_, int MT_, int NS_, bool WG_, bool LAG_,
-          bool IWO_>
+          bool IWO_, bool FFMA_>
 struct FaConfig {
   static constexpr int DQK = DQK_, DV = DV_, BK = BK_, NW = NW_, MT = MT_, NS = NS_;
   static constexpr bool WG = WG_, LAG = LAG_, IWO = IWO_;
+  static constexpr bool FFMA = FFMA_;  // unmasked, uncapped tiles: softmax_probs<FAST>
   static constexpr bool F32 = false;                   // (store_rows)
   static constexpr int NT = 32 * NW;                   // threads
   static constexpr int BQ = 16 * MT * NW;              // query rows per block
@@ -413,9 +414,15 @@ __device__ __forceinline__ void fa_forward(
       } else {
         qk_mma<C, T>(s, qf, q_rows, kst, ln);
       }
-      softmax_probs<false, SOFTCAP, UPPER, WINDOW, BK, MT>(s, m_run, l_run, factor, rp.pre,
-                                                          rp.post, need_mask, fast, wrow0, diag,
-                                                          kv0, Lk, window, kv_lo, g, tq);
+      if (C::FFMA && !SOFTCAP && fast) {
+        softmax_probs<false, false, UPPER, WINDOW, BK, MT, C::FFMA && !SOFTCAP>(
+            s, m_run, l_run, factor, rp.pre, rp.post, false, wrow0, diag, kv0, Lk, window, kv_lo,
+            g, tq);
+      } else {
+        softmax_probs<false, SOFTCAP, UPPER, WINDOW, BK, MT>(s, m_run, l_run, factor, rp.pre,
+                                                            rp.post, need_mask, wrow0, diag, kv0,
+                                                            Lk, window, kv_lo, g, tq);
+      }
       if constexpr (C::IWO) {
         if (p_pending) wg_complete<0>(o);  // P V_{t-1} done: O and p are free
       }

@@ -212,7 +212,8 @@ def fa_id(x):
 # window, soft-cap, Dv != Dq; Lk spans several tiles so the ring wraps.
 EMU_DEFAULT = [
     ((BF16, 128, 128, (1, 4, 1, 100, 300), True, 70, None), "fa_wg_bk128_w8_s2_iwo"),
-    ((BF16, 128, 128, (1, 4, 1, 100, 300), True, None, None), "fa_wg_bk128_w8_s2_lag"),
+    ((BF16, 128, 128, (1, 4, 1, 100, 300), True, None, None), "fa_wg_bk128_w8_s2_lag_ffma"),
+    ((F16, 256, 256, (1, 2, 2, 70, 200), False, None, None), "fa_wg_bk64_w8_s2_lag_ffma"),
     ((F16, 64, 64, (2, 2, 2, 33, 300), True, 20, 5.0), "fa_wg_bk128_w8_s2_lag"),
     ((BF16, 256, 256, (1, 2, 1, 7, 300), True, None, None), "fa_wg_bk64_w8_s2_iwo"),
     ((F16, 128, 128, (1, 8, 1, 1, 129), True, None, None), "fa_mma_bk64_w8_s2"),

@@ -243,6 +243,9 @@ class FaTile:
             with the one block barrier; one V stage more).
         iwo: each tile's softmax runs while the previous tile's P V is on the tensor cores
             (FlashAttention-3's intra-warpgroup overlap; wgmma; one V stage more).
+        ffma: tiles without mask or soft-cap (and a positive scale) take the one-FFMA softmax
+            (max over the raw scores, p = 2^(s scale log2 e - m)); a second copy of the
+            softmax in the code, chosen once per tile.
     """
 
     wg: bool
@@ -252,6 +255,7 @@ class FaTile:
     ns: int
     lag: bool = False
     iwo: bool = False
+    ffma: bool = False
 
     @property
     def bq(self) -> int:
@@ -267,7 +271,7 @@ class FaTile:
         """e.g. ``fa_wg_bk128_w8_s2_lag``, ``fa_mma_bk64_w4_mt2_s2``."""
         return (f"fa_{'wg' if self.wg else 'mma'}_bk{self.bk}_w{self.nw}"
                 f"{'_mt2' if self.mt == 2 else ''}_s{self.ns}{'_lag' if self.lag else ''}"
-                f"{'_iwo' if self.iwo else ''}")
+                f"{'_iwo' if self.iwo else ''}{'_ffma' if self.ffma else ''}")
 
     def smem_bytes(self, dqk: int, dv: int) -> int:
         """``FaConfig::SMEM``: Q (bq rows), ns K stages, ns (+1 with lag or iwo) V stages of
@@ -277,28 +281,32 @@ class FaTile:
 
 
 # Per q/k head_dim, best first per engine (what the tuner gets as fa_wg / fa_mma: the first
-# that fits). Registers and spills: ptxas -v (nvcc 13.0), docs/bricks.md; speed: not yet
-# measured on a GPU (scripts/gpu/attn_bench.py times every tile below); the reasons are
-# FlashAttention's tile_size.h choices and shared memory (227 KB on sm_90, 163 KB sm_80,
-# 99 KB sm_86/89/120).
+# that fits). Registers: ptxas -v (nvcc 13.0), docs/bricks.md. Order from the H100 runs of
+# 2026-12-06 (bench/results/2026-12-06-h100-attention-fa-session*.json, causal bf16, 32 / 8
+# heads): TFLOP/s at T = 8192 beside each tile (session 1; the _iwo and _ffma tiles are
+# session 3's, whose stock was slower: compare ratios). Shared memory: 227 KB on sm_90,
+# 163 KB sm_80, 99 KB sm_86/89/120.
 _FA_TILES = {
-    64: (FaTile(True, 128, 8, 1, 2, iwo=True),   # 97 KB; FA3: 192 x 128 (3 warpgroups)
-         FaTile(True, 128, 8, 1, 2, True),       # 97 KB
-         FaTile(False, 64, 4, 2, 2),             # 49 KB: FA2's 128-row block of 4 warps
-         FaTile(False, 128, 8, 1, 2)),           # 81 KB
-    128: (FaTile(True, 128, 8, 1, 2, iwo=True),  # 193 KB; FA3: 128 x 128 causal, 2 warpgroups
-          FaTile(True, 128, 8, 1, 2, True),      # 193 KB
-          FaTile(True, 128, 8, 1, 2),            # 161 KB
-          FaTile(False, 128, 8, 1, 2),           # 161 KB
-          FaTile(False, 64, 8, 1, 2)),           # 97 KB: FA2 sm86/89, 8 warps (FA2 sm80's
-    #                                              128 x 64 of 4 warps spills here)
-    192: (FaTile(True, 64, 8, 1, 2, iwo=True),   # 169 KB (Dv 128: 145 KB)
-          FaTile(True, 64, 8, 1, 2, True),       # 169 KB
+    64: (FaTile(True, 128, 8, 1, 2, True),       # 97 KB; 228 (FA3's 192 x 128 needs 384 threads)
+         FaTile(True, 128, 8, 1, 2, iwo=True),   # 97 KB
+         FaTile(False, 64, 4, 2, 2),             # 49 KB; 253: FA2's 128-row block of 4 warps
+         FaTile(False, 128, 8, 1, 2)),           # 81 KB; 190
+    128: (FaTile(True, 128, 8, 1, 2, True),      # 193 KB; 369 (stock cuDNN 658)
+          FaTile(True, 128, 8, 1, 2, True, ffma=True),
+          FaTile(True, 128, 8, 1, 2, iwo=True),  # 193 KB; FA3 128 x 128 causal, 2 warpgroups
+          FaTile(True, 128, 8, 1, 2, iwo=True, ffma=True),
+          FaTile(True, 128, 8, 1, 2),            # 161 KB; 342: both warpgroups in lockstep
+          FaTile(False, 128, 8, 1, 2),           # 161 KB; 309
+          FaTile(False, 64, 8, 1, 2)),           # 97 KB; 252: FA2 sm86/89, 8 warps (FA2
+    #                                              sm80's 128 x 64 of 4 warps spills here)
+    192: (FaTile(True, 64, 8, 1, 2, True),       # 169 KB (Dv 128: 145 KB)
+          FaTile(True, 64, 8, 1, 2, iwo=True),   # 169 KB
           FaTile(False, 64, 8, 1, 2)),           # 145 KB: FA2 sm80 128 x 64, 8 warps
-    256: (FaTile(True, 64, 8, 1, 2, iwo=True),   # 225 KB; FA3: 128 x 80 hits the smem limit
-          FaTile(True, 64, 8, 1, 2, True),       # 225 KB
-          FaTile(False, 64, 8, 1, 2),            # 193 KB: FA2 sm80 128 x 64, 8 warps
-          FaTile(False, 32, 8, 1, 2)),           # 129 KB
+    256: (FaTile(True, 64, 8, 1, 2, True),       # 225 KB; 445 (stock unfused 66); FA3's 128 x 80
+          FaTile(True, 64, 8, 1, 2, True, ffma=True),  # hits the smem limit
+          FaTile(True, 64, 8, 1, 2, iwo=True),   # 225 KB
+          FaTile(False, 64, 8, 1, 2),            # 193 KB; 305: FA2 sm80 128 x 64, 8 warps
+          FaTile(False, 32, 8, 1, 2)),           # 129 KB; 262
 }
 
 
@@ -411,5 +419,6 @@ def fa_template(dtype, dqk: int, dv: int, tile: FaTile, causal: bool, window: bo
     """The fast family's template arguments, in ``attention_fa.cu``'s order."""
     return [("T", dtype), ("DQK", dqk), ("DV", dv), ("BK", tile.bk), ("NW", tile.nw),
             ("MT", tile.mt), ("NS", tile.ns), ("WG", tile.wg), ("LAG", tile.lag), ("IWO", tile.iwo),
+            ("FFMA", tile.ffma),
             ("CAUSAL", causal), ("WINDOW", window), ("SOFTCAP", softcap),
             ("KV_START", kv_start), ("SINKS", sinks)]
