@@ -1,6 +1,6 @@
 // The attention brick's fast CUDA kernel family for 16-bit q/k/v: FlashAttention-2 on mma.sync
-// (sm_80+) or on wgmma warpgroups (sm_90a). Headers: mma.cuh, attention.cuh, attention_wgmma.cuh,
-// attention_fa.cuh (the algorithm and shared-memory layout are documented there).
+// (sm_80+) or on wgmma warpgroups (sm_90a). Headers: mma.cuh, attention_common.cuh,
+// attention_wgmma.cuh, attention_fa.cuh (the algorithm and shared-memory layout are there).
 //
 // Template: T (__half or __nv_bfloat16), DQK (q/k head_dim), DV (v/out head_dim), BK (keys per
 // tile), NW (warps), MT (m16 tiles per warp; 1 with wgmma), NS (K/V stages), WG (wgmma

@@ -1,6 +1,6 @@
 // attention_fa.cuh -- FlashAttention prefill for 16-bit q/k/v, the fast family (body:
-// attention_fa.cu). Needs mma.cuh, attention.cuh (tile ranges, masks, online softmax, store)
-// and attention_wgmma.cuh before it.
+// attention_fa.cu). Needs mma.cuh, attention_common.cuh (tile ranges, masks, online softmax,
+// store) and attention_wgmma.cuh before it.
 //
 // Algorithm: FlashAttention-2 (Dao 2023) on two tensor-core engines, chosen per variant:
 //   mma.sync (sm_80+; WG = false): NW warps of 16 MT query rows each; S = Q K^T and O += P V on
@@ -22,7 +22,7 @@
 // Everything that decides which keys a row sees, the online softmax in the log2 domain (scores
 // float32, the scale applied to the float32 accumulator, masked keys at the lowest finite
 // float, sinks as a starting column), the tile skipping (causal bottom-right, window, kv_start)
-// and the store are attention.cuh's, shared with the other kernel; lengths, window and
+// and the store are attention_common.cuh's, shared with the other kernel; lengths, window and
 // kv_start are run-time values (one build per head_dim, dtype and feature set).
 //
 // Shared memory: Q (BQ rows), NS K stages, NSV V stages, each a 128-byte-swizzled tile of

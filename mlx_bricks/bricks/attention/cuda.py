@@ -7,6 +7,12 @@ K/V tiles of ``BK`` keys stream through shared memory by ``cp.async``, the softm
 online in float32 registers. :func:`smem_bytes` mirrors the kernel's shared-memory layout
 (``Config`` in attention.cuh; the kernel traps if launched with less).
 
+The fast family (``cuda_src/attention_fa.cu``, bottom half of this module): 16-bit q/k/v,
+head_dim 64 / 128 / 192 / 256 (Dv may differ from Dq), FlashAttention-2 on ``mma.sync`` warps
+(sm_80+) or on ``wgmma`` warpgroups (sm_90a) with an NS-stage cp.async ring into
+128-byte-swizzled tiles; :data:`_FA_TILES` is its tile table (docs/bricks.md, with the H100
+measurements), :func:`launch_attention_fa` its launch.
+
 This module has no argument checks: ``mlx_bricks.bricks.attention.msl.flash_attention`` validates and
 dispatches here for the ``cuda`` backend.
 """
@@ -220,7 +226,7 @@ kernels.register(kernels.KernelSpec(
     output_names=("out",),
     ensure_row_contiguous=False,
     cuda_body="attention_fa.cu",
-    cuda_headers=("mma.cuh", "attention.cuh", "attention_wgmma.cuh", "attention_fa.cuh"),
+    cuda_headers=("mma.cuh", "attention_common.cuh", "attention_wgmma.cuh", "attention_fa.cuh"),
 ))
 
 #: Head dims (of q/k, and of v) the fast family takes.

@@ -14,7 +14,13 @@ the float attention), the kernel ``default`` reads the Q8_0 blocks in its tiles,
 ``dequant_kv`` makes the round trip once with the q8_0 brick's kernels and runs the float
 attention kernel, and the composite ``dequant_kv_sdpa`` makes the same round trip, then the
 stock float attention (``mx.fast.scaled_dot_product_attention``, through the reference's
-masking and soft-cap); the tuner picks by measurement, as for float K/V."""
+masking and soft-cap); the tuner picks by measurement, as for float K/V.
+
+On ``cuda`` with 16-bit q/k/v (no Q8_0) of head_dim 64 / 128 / 192 / 256 the listing adds the
+fast family's variants (``cuda_src/attention_fa.cu``): ``fa_wg`` (wgmma, sm_90 only) and
+``fa_mma`` (mma.sync), each the first tile of its engine the GPU runs (``cuda.pick_fa_tile``).
+They are candidates only: the tuner keeps stock (cuDNN at head_dim <= 128) wherever stock is
+faster, and nothing runs them untuned (the prior keeps stock for attention)."""
 from __future__ import annotations
 
 import math
