@@ -289,8 +289,9 @@ class FaTile:
 # Per q/k head_dim, best first per engine (what the tuner gets as fa_wg / fa_mma: the first
 # that fits). Registers: ptxas -v (nvcc 13.0), docs/bricks.md. Order from the H100 runs of
 # 2026-12-06 (bench/results/2026-12-06-h100-attention-fa-session*.json, causal bf16, 32 / 8
-# heads): TFLOP/s at T = 8192 beside each tile (session 1; the _iwo and _ffma tiles are
-# session 3's, whose stock was slower: compare ratios). Shared memory: 227 KB on sm_90,
+# heads): TFLOP/s at T = 8192 beside each tile, session 1 (stock cuDNN 658 at head_dim 128).
+# The _iwo tiles ran in session 2 only, slowed with every fast tile by that build's per-score
+# softmax choice; the _ffma tiles have not run on a GPU yet. Shared memory: 227 KB on sm_90,
 # 163 KB sm_80, 99 KB sm_86/89/120.
 _FA_TILES = {
     64: (FaTile(True, 128, 8, 1, 2, True),       # 97 KB; 228 (FA3's 192 x 128 needs 384 threads)
