@@ -11,8 +11,9 @@
 // commit groups: cp_async_wait<N> lands every group but the newest N. The integer and paired
 // half instructions of the weight conversion (PRMT, funnel shift, LOP3, HFMA2, HSUB2, HMUL2.RN,
 // HADD2.RN) are computed bit-exactly: each paired result is the exact value rounded once to
-// nearest even (float64 arithmetic, an exact TwoSum error term for the last bit). wgmma is not
-// emulated: MmaPolicy gives the mma.sync WarpTile (wgmma.cuh is skipped).
+// nearest even (float64 arithmetic, an exact TwoSum error term for the last bit). The GEMM's
+// wgmma.cuh is not emulated (MmaPolicy gives the mma.sync WarpTile); the attention kernel's
+// wgmma wrappers (attention_wgmma.cuh) are, in wgmma_emu.h.
 //
 // mbarriers are counters beside shared memory: cp.async.mbarrier.arrive lands the thread's
 // copies, then arrives; a wait blocks until the phase of the asked parity has completed (a
@@ -533,6 +534,8 @@ inline uint32_t dynamic_smem_bytes() { return emu::blk->smem_size; }
 
 }  // namespace bricks
 
+#include "wgmma_emu.h"
+
 namespace emu {
 
 // Run `kernel` (a callable run by every thread) over grid x block, with `smem_bytes` of dynamic
@@ -564,6 +567,10 @@ inline void launch(Dim3 grid, int nthreads, uint32_t smem_bytes, int n_named, in
             kernel();
             if (!pending.empty() || !groups.empty()) {
               std::fprintf(stderr, "emu: cp.async still pending at kernel end\n");
+              std::abort();
+            }
+            if (!bricks::attn::wg_pending.empty() || !bricks::attn::wg_groups.empty()) {
+              std::fprintf(stderr, "emu: wgmma still in flight at kernel end\n");
               std::abort();
             }
           });

@@ -14,7 +14,13 @@ the float attention), the kernel ``default`` reads the Q8_0 blocks in its tiles,
 ``dequant_kv`` makes the round trip once with the q8_0 brick's kernels and runs the float
 attention kernel, and the composite ``dequant_kv_sdpa`` makes the same round trip, then the
 stock float attention (``mx.fast.scaled_dot_product_attention``, through the reference's
-masking and soft-cap); the tuner picks by measurement, as for float K/V."""
+masking and soft-cap); the tuner picks by measurement, as for float K/V.
+
+On ``cuda`` with 16-bit q/k/v (no Q8_0) of head_dim 64 / 128 / 192 / 256 the listing adds the
+fast family's variants (``cuda_src/attention_fa.cu``): ``fa_wg`` (wgmma, sm_90 only) and
+``fa_mma`` (mma.sync), each the first tile of its engine the GPU runs (``cuda.pick_fa_tile``).
+They are candidates only: the tuner keeps stock (cuDNN at head_dim <= 128) wherever stock is
+faster, and nothing runs them untuned (the prior keeps stock for attention)."""
 from __future__ import annotations
 
 import math
@@ -22,6 +28,7 @@ import math
 import mlx.core as mx
 
 from mlx_bricks import kernels
+from mlx_bricks.bricks.attention import cuda
 from mlx_bricks.bricks.attention.op import (
     DEFAULT_VARIANT,
     flash_attention_reference,
@@ -95,13 +102,13 @@ class Attention(OpKind):
     def _options(args) -> dict:
         return {o: args.get(o) for o in _OPTIONS}
 
-    def brick(self, args, backend, kv=None):
+    def brick(self, args, backend, kv=None, variant=None):
         q, k, v, kv_quant = args["q"], args["k"], args["v"], args.get("kv_quant")
         if kv == "dequant":  # DEQUANT_KV: the round trip once, then the float kernel
             k, v, kv_quant = dense_kv(k, q.dtype, backend), dense_kv(v, q.dtype, backend), None
         return run_flash_attention(q, k, v, scale=args["scale"], mask=args.get("mask"),
                                    kv_quant=kv_quant, kv_start=args.get("kv_start"),
-                                   sinks=args.get("sinks"), backend=backend,
+                                   sinks=args.get("sinks"), backend=backend, variant=variant,
                                    **self._options(args))
 
     def stock(self, args):
@@ -130,11 +137,17 @@ class Attention(OpKind):
         names = variant_names(backend, dtype)
         if names and args is not None and args.get("kv_quant"):
             names = (*names, DEQUANT_KV)
+        if names and backend == "cuda" and args is not None and cuda.fa_applies(
+                args["q"], args["k"], args["v"], args.get("kv_quant")):
+            # the fast family (attention_fa.cu): its wgmma tile on sm_90, its mma.sync tile
+            names = (*names, *cuda.fa_variant_names(args["q"].shape[-1], args["v"].shape[-1]))
         return names
 
     def variant_kwargs(self, name):
         if name == DEQUANT_KV:
             return {"kv": "dequant"}
+        if name in (cuda.FA_WGMMA, cuda.FA_MMA):
+            return {"variant": name}
         if name != DEFAULT_VARIANT:
             raise ValueError(f"unknown attention variant {name!r}")
         return {}  # the kernel, selected by no argument
