@@ -1,6 +1,6 @@
 // Brick 4's CUDA twin: FlashAttention prefill (FlashAttention-2), GQA, causal (bottom-right),
-// sliding window, soft-capping, Q8_0 K/V. Headers: mma.cuh, attention.cuh (the algorithm and
-// the shared-memory layout are documented there).
+// sliding window, soft-capping, Q8_0 K/V. Headers: mma.cuh, attention_common.cuh,
+// attention_stage.cuh, attention.cuh (the algorithm and the shared-memory layout are there).
 //
 // Template: T (dtype of q and out; of k/v unless KV_Q8), D (head_dim), BK (keys per tile),
 // MT (m16 tiles per warp: BQ = 64 * MT query rows per block), QREG (Q fragments kept in

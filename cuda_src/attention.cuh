@@ -1,5 +1,6 @@
 // attention.cuh -- the CUDA twin of the FlashAttention prefill brick (body: attention.cu).
-// Needs mma.cuh before it.
+// Needs mma.cuh, attention_common.cuh (the tile logic, softmax and store both attention
+// kernels share) and attention_stage.cuh (its tile loads) before it.
 //
 // Algorithm: FlashAttention-2 (Dao 2023, "FlashAttention-2: Faster Attention with Better
 // Parallelism and Work Partitioning"): a block takes BQ query rows of one (batch, head), K/V
@@ -32,105 +33,13 @@
 #ifndef MLX_BRICKS_ATTENTION_CUH
 #define MLX_BRICKS_ATTENTION_CUH
 
+#ifndef MLX_BRICKS_ATTENTION_COMMON_CUH  // built from files (tests): else concatenated before
+#include "attention_common.cuh"
+#include "attention_stage.cuh"
+#endif
+
 namespace bricks {
 namespace attn {
-
-// log2(e): scores are kept in the log2 domain so the softmax uses exp2.
-constexpr float kLog2e = 1.4426950408889634f;
-// Score of a masked key: the lowest finite float, so no inf - inf can appear in the update.
-constexpr float kMasked = -3.4028234663852886e38f;
-
-// PTX-only helpers; tests/cuda_emu/warp_emu.h supplies host versions (BRICKS_HOST_EMULATION)
-// to run this kernel on the CPU.
-#ifndef BRICKS_HOST_EMULATION
-// 2^x, ex2.approx.ftz (max relative error 2^-22; subnormal results flush to 0).
-__device__ __forceinline__ float exp2_fast(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// Named barrier over `nthreads` threads (a multiple of 32); id 0 is __syncthreads.
-__device__ __forceinline__ void named_barrier(int id, int nthreads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
-}
-
-__device__ __forceinline__ uint32_t dynamic_smem_bytes() {
-  uint32_t r;
-  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(r));
-  return r;
-}
-#endif  // BRICKS_HOST_EMULATION
-
-__host__ __device__ __forceinline__ bool aligned16(const void* p) {
-  return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
-}
-
-// An unsigned integer of N bytes (bit copies of elements on the element-wise load path).
-template <int N>
-struct BitsOf;
-template <>
-struct BitsOf<1> {
-  using type = uint8_t;
-};
-template <>
-struct BitsOf<2> {
-  using type = uint16_t;
-};
-template <>
-struct BitsOf<4> {
-  using type = uint32_t;
-};
-
-// ---- Which keys a row sees, which tiles a block loads, which tiles a warp computes/masks ----
-// (__host__ too: tests/test_attention_cuda.py checks them exhaustively on the CPU.)
-// A query row at key position pos = row + Lk - Lq sees key j iff kv_lo <= j < Lk, and j <= pos
-// when `upper` (causal; a window implies it), and j > pos - window when has_window. kv_lo: the
-// batch row's first valid key (KV_START, a left-padded batch; 0 otherwise), in 0 .. Lk.
-__host__ __device__ __forceinline__ bool key_visible(int key, int pos, int Lk, bool upper,
-                                                     bool has_window, int window,
-                                                     int kv_lo = 0) {
-  return key >= kv_lo && key >= 0 && key < Lk && (!upper || key <= pos) &&
-         (!has_window || key > pos - window);
-}
-
-__host__ __device__ __forceinline__ int clamp_int(int x, int lo, int hi) {
-  return x < lo ? lo : (x > hi ? hi : x);
-}
-
-// K/V tiles [t_begin, t_end) of BK keys that rows row0 .. row_last may see; later and (with a
-// window or kv_lo) earlier tiles are never loaded.
-struct TileRange {
-  int t_begin, t_end;
-};
-
-__host__ __device__ __forceinline__ TileRange block_tiles(int row0, int row_last, int diag,
-                                                          int Lk, int BK, bool upper,
-                                                          bool has_window, int window,
-                                                          int kv_lo = 0) {
-  const int hi = upper ? clamp_int(row_last + diag + 1, 0, Lk) : Lk;
-  int lo = has_window ? clamp_int(row0 + diag - window + 1, 0, hi) : 0;
-  if (kv_lo > lo) lo = kv_lo < hi ? kv_lo : hi;
-  const int tb = lo / BK;
-  return TileRange{tb, hi > lo ? (hi + BK - 1) / BK : tb};
-}
-
-// Whether rows row0 .. row_last see any key of tile [kv0, kv0 + BK) (else the warp skips it).
-__host__ __device__ __forceinline__ bool tile_active(int kv0, int BK, int row0, int row_last,
-                                                     int diag, bool upper, bool has_window,
-                                                     int window, int kv_lo = 0) {
-  return !(upper && kv0 > row_last + diag) &&
-         !(has_window && kv0 + BK - 1 <= row0 + diag - window) && kv0 + BK > kv_lo;
-}
-
-// Whether some row of row0 .. row_last does not see some key of the tile (else no mask).
-__host__ __device__ __forceinline__ bool tile_needs_mask(int kv0, int BK, int row0,
-                                                         int row_last, int diag, int Lk,
-                                                         bool upper, bool has_window,
-                                                         int window, int kv_lo = 0) {
-  return kv0 + BK > Lk || (upper && kv0 + BK - 1 > row0 + diag) ||
-         (has_window && kv0 <= row_last + diag - window) || kv0 < kv_lo;
-}
 
 // The compile-time shape of one kernel variant. mlx_bricks/ops/attention_cuda.py mirrors the
 // shared-memory layout (smem_bytes) and the kernel traps if launched with less.
@@ -164,150 +73,6 @@ struct Config {
   static_assert(MT == 1 || MT == 2, "MT (m16 tiles per warp) must be 1 or 2");
   static_assert(!F32 || MT == 1, "the float32 path runs MT = 1");
   static_assert(!KV_Q8 || D % 32 == 0, "Q8_0 K/V needs head_dim % 32 == 0");
-};
-
-// How NT threads split a ROWS x COLS tile into 16-byte chunks of CH elements: thread tid takes
-// column chunk tid % CPR of rows tid / CPR + i * RPI (i = 0 .. ITERS - 1), so its shared and
-// global addresses advance by a constant per step (no per-chunk address is kept live across the
-// key loop). Threads tid >= RPI * CPR idle when CPR does not divide NT.
-template <int ROWS, int COLS, int CH, int NT>
-struct ChunkMap {
-  static constexpr int CPR = COLS / CH;  // chunks per row
-  static constexpr int RPI = NT / CPR;   // rows per step
-  static constexpr int ITERS = (ROWS + RPI - 1) / RPI;
-  static_assert(COLS % CH == 0 && RPI >= 1, "tile rows must be whole 16-byte chunks");
-  __device__ __forceinline__ static bool has(int tid, int i) {
-    return (NT % CPR == 0 || tid < RPI * CPR) && (ROWS % RPI == 0 || tid / CPR + i * RPI < ROWS);
-  }
-};
-
-// Copy rows row0 .. row0 + ROWS - 1 (COLS elements each) of a strided global matrix into a
-// shared tile with row stride LDS; rows >= nvalid, and rows < nlo (a padded batch row's
-// padding keys: never read), become zeros. `fast` (uniform): unit column
-// stride and 16-byte aligned rows, so 16-byte cp.async chunks; otherwise element-wise loads
-// (bit copies: the values are not touched). Caller commits the cp.async group.
-template <typename E, int ROWS, int COLS, int LDS, int NT>
-__device__ __forceinline__ void copy_tile(E* dst, const E* src, int64_t row_stride,
-                                          int64_t col_stride, int row0, int nvalid, bool fast,
-                                          int tid, int nlo = 0) {
-  constexpr int CH = 16 / int(sizeof(E));
-  using M = ChunkMap<ROWS, COLS, CH, NT>;
-  using Bits = typename BitsOf<sizeof(E)>::type;
-  const int r = tid / M::CPR;
-  const int col = (tid % M::CPR) * CH;
-  E* d = dst + r * LDS + col;
-  if (fast) {
-    const E* s = src + int64_t(row0 + r) * row_stride + col;
-    const int64_t step = int64_t(M::RPI) * row_stride;
-#pragma unroll
-    for (int i = 0; i < M::ITERS; ++i) {
-      if (M::has(tid, i)) {
-        const int row = row0 + r + i * M::RPI;
-        const bool ok = row < nvalid && row >= nlo;
-        cp_async16(smem_addr(d + i * M::RPI * LDS), ok ? s : src, ok);
-      }
-      s += step;
-    }
-  } else {
-    // The slow path stays rolled: unrolled, its batched loads would compete for registers with
-    // the O accumulator that is live around every tile load.
-    const Bits* s = reinterpret_cast<const Bits*>(src);
-#pragma unroll 1
-    for (int i = 0; i < M::ITERS; ++i) {
-      if (M::has(tid, i)) {
-        const int row = row0 + r + i * M::RPI;
-        const bool ok = row < nvalid && row >= nlo;
-        Bits* db = reinterpret_cast<Bits*>(d + i * M::RPI * LDS);
-#pragma unroll
-        for (int e = 0; e < CH; ++e) {
-          db[e] = ok ? s[int64_t(row) * row_stride + int64_t(col + e) * col_stride] : Bits(0);
-        }
-      }
-    }
-  }
-}
-
-// Q8_0 scales of the 16-code chunks this thread dequantizes (ChunkMap<BK, D, 16, NT>: the same
-// chunks copy_tile stages for the codes), as float; 0 past nvalid and below nlo.
-template <int BK, int D, int NT>
-struct Q8Scales {
-  using M = ChunkMap<BK, D, 16, NT>;
-  float v[M::ITERS];
-
-  __device__ __forceinline__ void load(const __half* s, int64_t row_stride, int64_t col_stride,
-                                       int row0, int nvalid, int tid, int nlo = 0) {
-    const int r = tid / M::CPR;
-    const int blk = ((tid % M::CPR) * 16) / 32;  // Q8_0 block of the chunk's 16 codes
-    const __half* p = s + int64_t(row0 + r) * row_stride + int64_t(blk) * col_stride;
-    const int64_t step = int64_t(M::RPI) * row_stride;
-#pragma unroll
-    for (int i = 0; i < M::ITERS; ++i) {
-      const int row = row0 + r + i * M::RPI;
-      const bool ok = M::has(tid, i) && row < nvalid && row >= nlo;
-      v[i] = ok ? __half2float(*p) : 0.0f;
-      p += step;
-    }
-  }
-};
-
-// 16 Q8_0 codes at src (16-byte aligned shared) times d, rounded once to T, stored at dst. The
-// codes become floats four at a time with i8x4_to_float4 (byte permute into the 2^23 magic and
-// one FADD: exact, no I2F, a quarter-rate instruction on sm_80/sm_90).
-template <typename T>
-__device__ __forceinline__ void dequant16(const int8_t* src, float d, T* dst) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(src);
-  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-  float c[16];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float4 f = bricks::i8x4_to_float4(words[j]);
-    c[4 * j] = f.x;
-    c[4 * j + 1] = f.y;
-    c[4 * j + 2] = f.z;
-    c[4 * j + 3] = f.w;
-  }
-  if constexpr (sizeof(T) == 4) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      float4 f = make_float4(c[4 * j] * d, c[4 * j + 1] * d, c[4 * j + 2] * d,
-                             c[4 * j + 3] * d);
-      reinterpret_cast<float4*>(dst)[j] = f;
-    }
-  } else {
-    uint32_t w[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      w[j] = pack2<T>(c[2 * j] * d, c[2 * j + 1] * d);
-    }
-    reinterpret_cast<uint4*>(dst)[0] = make_uint4(w[0], w[1], w[2], w[3]);
-    reinterpret_cast<uint4*>(dst)[1] = make_uint4(w[4], w[5], w[6], w[7]);
-  }
-}
-
-// Dequantize a staged BK x D code tile (row stride D) into the T tile (row stride LDS) with
-// this thread's scales.
-template <typename T, int BK, int D, int LDS, int NT>
-__device__ __forceinline__ void dequant_tile(const int8_t* codes, const Q8Scales<BK, D, NT>& sc,
-                                             T* dst, int tid) {
-  using M = typename Q8Scales<BK, D, NT>::M;
-  const int r = tid / M::CPR;
-  const int col = (tid % M::CPR) * 16;
-#pragma unroll
-  for (int i = 0; i < M::ITERS; ++i) {
-    if (M::has(tid, i)) {
-      const int row = r + i * M::RPI;
-      dequant16<T>(codes + row * D + col, sc.v[i], dst + row * LDS + col);
-    }
-  }
-}
-
-// Strides of one (B, H, L, D) input, in elements.
-struct Strides4 {
-  int64_t b, h, l, d;
-};
-
-struct Dims {
-  int Hq, Lq, Hkv, Lk;
 };
 
 // ---- The per-tile steps of the kernel, one function each (the kernel below strings them
@@ -432,64 +197,6 @@ __device__ __forceinline__ void add_partner_scores(float (&s)[MT][BK / 8][4],
       for (int e = 0; e < 4; ++e) s[m][j][e] += other[((m * NB + j) * 4 + e) * 32 + lane];
 }
 
-// Step 3: scores to the log2 domain (scale, soft-cap), mask (only when the tile needs it), and
-// the online softmax update: s becomes P, m_run / l_run / o are rescaled.
-template <bool F32, bool SOFTCAP, bool UPPER, bool WINDOW, int BK, int MT, int ND>
-__device__ __forceinline__ void softmax_tile(float (&s)[MT][BK / 8][4], float (&m_run)[MT][2],
-                                             float (&l_run)[MT][2], float (&o)[MT][ND][4],
-                                             float pre, float post, bool need_mask, int wrow0,
-                                             int diag, int kv0, int Lk, int window, int kv_lo,
-                                             int g, int tq) {
-  constexpr int NB = BK / 8;
-#pragma unroll
-  for (int m = 0; m < MT; ++m) {
-    float mx[2] = {m_run[m][0], m_run[m][1]};
-#pragma unroll
-    for (int j = 0; j < NB; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = SOFTCAP ? tanhf(s[m][j][e] * pre) * post : s[m][j][e] * pre;
-        if (need_mask) {
-          const int pos = wrow0 + m * 16 + g + (e / 2) * 8 + diag;  // key position of the row
-          const int key = kv0 + j * 8 + 2 * tq + (e % 2);
-          x = key_visible(key, pos, Lk, UPPER, WINDOW, window, kv_lo) ? x : kMasked;
-        }
-        s[m][j][e] = x;
-        mx[e / 2] = fmaxf(mx[e / 2], x);
-      }
-    }
-    float factor[2];
-    bool live[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = quad_max(mx[r]);
-      live[r] = mx[r] > kMasked;  // the row has seen a visible key
-      factor[r] = F32 ? exp2f(m_run[m][r] - mx[r]) : exp2_fast(m_run[m][r] - mx[r]);
-      m_run[m][r] = mx[r];
-    }
-    float lsum[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int j = 0; j < NB; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float d = s[m][j][e] - mx[e / 2];
-        const float p = live[e / 2] ? (F32 ? exp2f(d) : exp2_fast(d)) : 0.0f;
-        s[m][j][e] = p;
-        lsum[e / 2] += p;
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) l_run[m][r] = l_run[m][r] * factor[r] + lsum[r];
-#pragma unroll
-    for (int i = 0; i < ND; ++i) {
-      o[m][i][0] *= factor[0];
-      o[m][i][1] *= factor[0];
-      o[m][i][2] *= factor[1];
-      o[m][i][3] *= factor[1];
-    }
-  }
-}
-
 // Step 4: O += P V over this warp's head_dim slice. fp16/bf16: P is the S accumulator packed to
 // A fragments in registers, V fragments by ldmatrix.trans; float32: P staged per warp in shared
 // memory, FFMA.
@@ -546,36 +253,6 @@ __device__ __forceinline__ void pv_tile(float (&o)[MT][ND][4], const float (&s)[
         for (int m = 0; m < MT; ++m) {
           mma_16816<T>(o[m][2 * dn], pa[m], b0);
           mma_16816<T>(o[m][2 * dn + 1], pa[m], b1);
-        }
-      }
-    }
-  }
-}
-
-// Step 5: out[b, row, h, :] = O / l for this warp's rows and columns; a row that saw no key
-// gives 0.
-template <class C, typename T, int D, int MT, int ND>
-__device__ __forceinline__ void store_rows(T* out, const float (&o)[MT][ND][4],
-                                           const float (&l_run)[MT][2], int64_t b, int h,
-                                           int Lq, int Hq, int wrow0, int dcol0, int g, int tq) {
-#pragma unroll
-  for (int m = 0; m < MT; ++m) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float l = quad_sum(l_run[m][r]);
-      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-      const int row = wrow0 + m * 16 + g + 8 * r;
-      if (row < Lq) {
-        T* dst = out + ((b * Lq + row) * Hq + h) * D + dcol0 + 2 * tq;
-#pragma unroll
-        for (int i = 0; i < ND; ++i) {
-          const float x0 = o[m][i][2 * r] * inv;
-          const float x1 = o[m][i][2 * r + 1] * inv;
-          if constexpr (C::F32) {
-            *reinterpret_cast<float2*>(dst + i * 8) = make_float2(x0, x1);
-          } else {
-            *reinterpret_cast<uint32_t*>(dst + i * 8) = pack2<T>(x0, x1);
-          }
         }
       }
     }
@@ -639,15 +316,11 @@ __device__ __forceinline__ void flash_attention_fwd(
   const int q0 = qblock * C::BQ;
   const int wrow0 = q0 + rg * C::WR;        // this warp's first query row
 
-  const float scale = fparams[0];
-  const float softcap = SOFTCAP ? fparams[1] : 1.0f;
-  const int window = WINDOW ? iparams[0] : 0;
-  const int kv_lo = KV_START ? clamp_int(kv_start[int64_t(b) * kv_start_stride], 0, Lk) : 0;
-  // Score in the log2 domain: s * scale * log2 e, or softcap * tanh(s * scale / softcap) * log2 e.
-  const float pre = SOFTCAP ? scale / softcap : scale * kLog2e;
-  const float post = softcap * kLog2e;
-  // The sink's score in the same log2 domain as the scores (neither scaled nor capped).
-  const float sink2 = SINKS ? sinks[int64_t(h) * sinks_stride] * kLog2e : 0.0f;
+  const RunParams<WINDOW, SOFTCAP, KV_START, SINKS> rp(fparams, iparams, kv_start,
+                                                       kv_start_stride, sinks, sinks_stride, b,
+                                                       h, Lk);
+  const int window = rp.window, kv_lo = rp.kv_lo;
+  const float pre = rp.pre, post = rp.post, sink2 = rp.sink2;
 
   // Keys any row of the block may see: tiles outside are never loaded.
   const TileRange tiles =

@@ -1,7 +1,7 @@
 // Gated DeltaNet brick: CUDA twin of metal_src/gated_delta.metal (same inputs, outputs,
-// template arguments, launch geometry and chunk steps; that file documents them). Header: mma.cuh.
-// The products of steps b and e are scalar FMAs here (the MSL runs them on 8x8 simdgroup
-// matrices; an mma.sync version is left).
+// template arguments, launch geometry and chunk steps, VEC included; that file documents them).
+// Header: mma.cuh. The state's and (VEC == 0) the chunk's products are scalar FMAs here (the MSL
+// runs them on 8x8 simdgroup matrices; an mma.sync version is left).
 // The threadgroup arrays live in dynamic shared memory (launch's shared_memory, bytes:
 // msl.shared_bytes), carved in the order declared below.
 
@@ -28,6 +28,8 @@ float* Lc = QS + C * DVB;
 float* Bc = Lc + C;
 float* Gc = Bc + C;
 float* Dc = Gc + C;
+float* Ls = Dc + C;           // VEC: L per key dim, then the keys decayed to the chunk's end
+float* Le = Ls + C * KP;      // VEC: L_C per key dim
 
 // the state slice in
 for (int e = tid; e < DK * DVB; e += NT) {
@@ -54,7 +56,26 @@ for (int c = 0; c < n_chunks; ++c) {
     const bool inside = t0 + t < T;
     Vs[e] = inside ? bricks::to_float(v[((int64_t(b) * T + t0 + t) * HV + hv) * DV + j0 + j]) : 0.0f;
   }
-  if (tid == 0) {
+  if (VEC) {
+    for (int e = tid; e < C * DK; e += NT) {
+      const int t = e / DK;
+      const int d = e % DK;
+      const int64_t gi = ((int64_t(b) * T + t0 + t) * HV + hv) * DK + d;
+      Ls[t * KP + d] = t0 + t < T ? fmaxf(logf(g[gi]), -60.0f) : 0.0f;
+    }
+    for (int t = tid; t < C; t += NT) {
+      Bc[t] = t0 + t < T ? beta[(int64_t(b) * T + t0 + t) * HV + hv] : 0.0f;
+    }
+    __syncthreads();
+    for (int d = tid; d < DK; d += NT) {
+      float acc = 0.0f;
+      for (int t = 0; t < C; ++t) {
+        acc += Ls[t * KP + d];
+        Ls[t * KP + d] = acc;
+      }
+      Le[d] = acc;
+    }
+  } else if (tid == 0) {
     float acc = 0.0f;
     for (int t = 0; t < C; ++t) {
       const bool inside = t0 + t < T;
@@ -70,7 +91,7 @@ for (int c = 0; c < n_chunks; ++c) {
   }
   __syncthreads();
 
-  // b. decayed key / query products and the state's products with the chunk's keys / queries
+  // b. decayed key / query products (VEC: each key dim's decay exact, pair by pair)
   for (int e = tid; e < C * C; e += NT) {
     const int t = e / C;
     const int i = e % C;
@@ -78,14 +99,32 @@ for (int c = 0; c < n_chunks; ++c) {
     float qk = 0.0f;
     if (i <= t) {
       for (int d = 0; d < DK; ++d) {
-        kk += Ks[t * KP + d] * Ks[i * KP + d];
-        qk += Qs[t * KP + d] * Ks[i * KP + d];
+        const float r = VEC ? expf(Ls[t * KP + d] - Ls[i * KP + d]) * Ks[i * KP + d]
+                            : Ks[i * KP + d];
+        kk += Ks[t * KP + d] * r;
+        qk += Qs[t * KP + d] * r;
       }
     }
-    const float r = i <= t ? expf(Lc[t] - Lc[i]) : 0.0f;
+    const float r = VEC ? 1.0f : (i <= t ? expf(Lc[t] - Lc[i]) : 0.0f);
     A[e] = i < t ? Bc[t] * kk * r : 0.0f;
     QK[e] = qk * r;
   }
+  if (VEC) {
+    // c. queries and keys decayed from the chunk's start (in place), keys decayed to its end
+    // (over L)
+    __syncthreads();
+    for (int e = tid; e < C * DK; e += NT) {
+      const int t = e / DK;
+      const int d = e % DK;
+      const float L = Ls[t * KP + d];
+      const float kv = Ks[t * KP + d];
+      Ks[t * KP + d] = kv * expf(L);
+      Qs[t * KP + d] *= expf(L);
+      Ls[t * KP + d] = kv * expf(Le[d] - L);
+    }
+    __syncthreads();
+  }
+  // d. the state's products with the chunk's (VEC: decayed) keys / queries
   for (int e = tid; e < C * DVB; e += NT) {
     const int t = e / DVB;
     const int j = e % DVB;
@@ -100,10 +139,10 @@ for (int c = 0; c < n_chunks; ++c) {
   }
   __syncthreads();
 
-  // c. the pseudo-values u, one value column per thread, tokens in order
+  // e. the pseudo-values u, one value column per thread, tokens in order
   for (int j = tid; j < DVB; j += NT) {
     for (int t = 0; t < C; ++t) {
-      float u = Bc[t] * (Vs[t * DVB + j] - Gc[t] * KS[t * DVB + j]);
+      float u = Bc[t] * (Vs[t * DVB + j] - (VEC ? 1.0f : Gc[t]) * KS[t * DVB + j]);
       for (int i = 0; i < t; ++i) {
         u -= A[t * C + i] * Us[i * DVB + j];
       }
@@ -112,26 +151,25 @@ for (int c = 0; c < n_chunks; ++c) {
   }
   __syncthreads();
 
-  // d. outputs
+  // f. outputs
   for (int e = tid; e < C * DVB; e += NT) {
     const int t = e / DVB;
     const int j = e % DVB;
     if (t0 + t < T) {
-      float o = Gc[t] * QS[e];
+      float o = (VEC ? 1.0f : Gc[t]) * QS[e];
       for (int i = 0; i <= t; ++i) {
         o += QK[t * C + i] * Us[i * DVB + j];
       }
       y[((int64_t(b) * T + t0 + t) * HV + hv) * DV + j0 + j] = bricks::from_float<InT>(o);
     }
   }
-  // e. the state to the chunk's end
-  const float decay_end = Gc[C - 1];
+  // g. the state to the chunk's end (VEC: the keys decayed to it in Ls since step c)
   for (int e = tid; e < DK * DVB; e += NT) {
     const int d = e / DVB;
     const int j = e % DVB;
-    float s = decay_end * S[e];
+    float s = (VEC ? expf(Le[d]) : Gc[C - 1]) * S[e];
     for (int t = 0; t < C; ++t) {
-      s += Ks[t * KP + d] * Dc[t] * Us[t * DVB + j];
+      s += (VEC ? Ls[t * KP + d] : Ks[t * KP + d] * Dc[t]) * Us[t * DVB + j];
     }
     S[e] = s;
   }

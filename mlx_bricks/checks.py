@@ -57,3 +57,18 @@ def check_linear_weight(name: str, weight: mx.array, K: int, rows: str = "N") ->
             f"{name} must have shape ({rows}, K={K}) as nn.Linear stores it, "
             f"got {tuple(weight.shape)}"
         )
+
+
+def check_optional(name: str, value, shape: tuple, dtype=None) -> None:
+    """Nothing for None; else raise unless ``value`` is an ``mx.array`` of ``shape`` (ValueError)
+    and of ``dtype``, or of a float dtype when ``dtype`` is None (TypeError)."""
+    if value is None:
+        return
+    check_array(name, value)
+    if dtype is None:
+        check_float_dtype(name, value)
+    elif value.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype_name(dtype)}, got "
+                        f"{dtype_name(value.dtype)}")
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(value.shape)}")

@@ -177,6 +177,41 @@ CONFIGS = {
                    layer_types=["sliding_attention", "full_attention"],
                    rope_parameters={"sliding_attention": {"rope_theta": 10000.0},
                                     "full_attention": {"rope_theta": 500000.0}}),
+    # gated-delta hybrids: layers 0-2 a gated-delta mixer (2 heads of 32; olmo_hybrid 2/4 heads
+    # of 32/16), layer 3 attention (MLA for kimi_linear, kimi_k3, bailing_moe_v3; olmo_hybrid
+    # a post-norm full attention); MoE on layers 1-3 (4 experts, top 2, a shared expert)
+    "kimi_linear": dict(hidden_size=64, num_hidden_layers=4, intermediate_size=96,
+                        num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+                        rope_theta=10000.0, rms_norm_eps=1e-6, model_max_length=4096,
+                        linear_attn_config={"num_heads": 2, "head_dim": 32,
+                                            "short_conv_kernel_size": 4,
+                                            "kda_layers": [1, 2, 3]},
+                        num_experts=4, moe_intermediate_size=32, kv_lora_rank=32,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                        num_experts_per_token=2, num_shared_experts=1,
+                        first_k_dense_replace=1),
+    "kimi_k3": dict(hidden_size=64, num_hidden_layers=4, intermediate_size=96,
+                    num_attention_heads=2, num_key_value_heads=2, rms_norm_eps=1e-6,
+                    linear_attn_config={"num_heads": 2, "head_dim": 32,
+                                        "short_conv_kernel_size": 4, "kda_layers": [1, 2, 3]},
+                    q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                    v_head_dim=16, num_experts=4, moe_intermediate_size=32,
+                    num_experts_per_token=2, num_shared_experts=1, first_k_dense_replace=1),
+    "bailing_moe_v3": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                           moe_shared_expert_intermediate_size=32, num_hidden_layers=4,
+                           num_attention_heads=2, num_experts=4, num_experts_per_tok=2,
+                           num_shared_experts=1, first_k_dense_replace=1, n_group=2,
+                           topk_group=1, routed_scaling_factor=1.0, head_dim=32,
+                           q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                           qk_rope_head_dim=8, v_head_dim=16, rope_theta=10000.0,
+                           max_position_embeddings=4096),
+    "olmo_hybrid": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                        rms_norm_eps=1e-6, max_position_embeddings=4096,
+                        linear_num_key_heads=2, linear_num_value_heads=4,
+                        linear_key_head_dim=32, linear_value_head_dim=16,
+                        linear_conv_kernel_dim=4, linear_allow_neg_eigval=True,
+                        tie_word_embeddings=False, attention_bias=False),
 }
 
 # Multi-head latent attention (bricks/mla): kv_lora_rank 256 > (nope + v) / 2, so a prompt from
@@ -206,25 +241,15 @@ CONFIGS.update({
                                       "original_max_position_embeddings": 6,
                                       "beta_fast": 32.0, "beta_slow": 1.0,
                                       "llama_4_scaling_beta": 0.5}),
-    "minicpm3": dict({k: v for k, v in _MLA.items() if k != "v_head_dim"}, hidden_size=256, dim_model_base=256, scale_depth=1.4, scale_emb=12,
+    "minicpm3": dict({k: v for k, v in _MLA.items() if k != "v_head_dim"}, hidden_size=256,
+                     dim_model_base=256, scale_depth=1.4, scale_emb=12,
                      rope_scaling={"original_max_position_embeddings": 4096,
                                    "short_factor": [1.0] * 16, "long_factor": [1.0] * 16}),
     "youtu_llm": dict(_MLA),
-    "kimi_linear": dict({k: v for k, v in _MLA.items()
-                         if k not in ("q_lora_rank", "max_position_embeddings")}, head_dim=64, model_max_length=4096, num_experts=4,
-                        moe_intermediate_size=64, num_experts_per_token=2,
-                        num_shared_experts=1, first_k_dense_replace=1, mla_use_nope=True,
-                        linear_attn_config={"kda_layers": [1], "num_heads": 4, "head_dim": 32,
-                                            "short_conv_kernel_size": 4}),
     "bailing_hybrid": dict(_MLA, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
                            moe_intermediate_size=64, n_group=1, topk_group=1,
                            first_k_dense_replace=1, layer_group_size=1, group_norm_size=1,
                            routed_scaling_factor=1.0, head_dim=64),
-    "bailing_moe_v3": dict({k: v for k, v in _MLA.items() if k != "num_key_value_heads"},
-                           num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
-                           moe_intermediate_size=64, moe_shared_expert_intermediate_size=64,
-                           n_group=1, topk_group=1, first_k_dense_replace=1,
-                           layer_group_size=1, routed_scaling_factor=1.0, head_dim=64),
     # two MLA modules and two dense MLPs per layer around a MoE with 2 identity experts
     "longcat_flash": dict(hidden_size=128, ffn_hidden_size=192, moe_topk=2,
                           expert_ffn_hidden_size=64, n_routed_experts=4, zero_expert_num=2,
@@ -234,19 +259,16 @@ CONFIGS.update({
                           rms_norm_eps=1e-6, rope_theta=10000.0, mla_scale_q_lora=True,
                           mla_scale_kv_lora=True, attention_method="MLA",
                           zero_expert_type="identity", attention_bias=False),
-    # Kimi K3 (text_config): NoPE MLA with an output gate (every layer MLA: no KDA layer)
-    "kimi_k3": dict(text_config=dict(
-        model_type="kimi_k3", vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, intermediate_size=192,
-        linear_attn_config={"kda_layers": [], "num_heads": 4, "head_dim": 32,
-                            "short_conv_kernel_size": 4},
-        q_lora_rank=96, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
-        v_head_dim=64, mla_use_output_gate=True, num_experts=4, num_experts_per_token=2,
-        num_shared_experts=1, moe_intermediate_size=64, first_k_dense_replace=1)),
 })
 CONFIGS["longcat_flash_ngram"] = dict(CONFIGS["longcat_flash"], ngram_vocab_size_ratio=2,
                                       emb_neighbor_num=2, emb_split_num=2)
 del CONFIGS["longcat_flash_ngram"]["attention_method"]
+# kimi_linear, kimi_k3, bailing_moe_v3 keep the gated-delta tests' configs above (layers 0-2
+# Kimi Delta Attention, layer 3 MLA); the MLA tests give their MLA layer supported widths:
+MLA_OVERRIDES = {t: dict(kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
+                         v_head_dim=64) for t in ("kimi_linear", "bailing_moe_v3")}
+MLA_OVERRIDES["kimi_k3"] = dict(MLA_OVERRIDES["kimi_linear"], q_lora_rank=96,
+                                mla_use_output_gate=True)
 MLA_TYPES = ("deepseek_v3", "deepseek_v32", "deepseek_v2", "glm4_moe_lite", "mistral4",
              "minicpm3", "youtu_llm", "kimi_linear", "bailing_hybrid", "bailing_moe_v3",
              "longcat_flash", "longcat_flash_ngram", "kimi_k3")
@@ -266,7 +288,9 @@ CONFIGS["mistral3"] = dict(text_config=dict(CONFIGS["llama"], model_type="llama"
                                              vocab_size=VOCAB))
 
 # Parameters scaled up to sharpen attention (q_norm/k_norm: qwen3 normalises q and k per head).
-ATTENTION_SHARPEN = ("q_proj.", "k_proj.", "q_norm.", "k_norm.", "q_b_proj.", "embed_q.")
+ATTENTION_SHARPEN = ("q_proj.", "k_proj.", "q_norm.", "k_norm.")
+# ... and, in the MLA families' own tiny configs, the MLA query and key decompression.
+MLA_SHARPEN = ("q_b_proj.", "embed_q.")
 
 # model_type -> mlx-lm module that builds it (mlx_lm.utils.MODEL_REMAPPING: mistral -> llama).
 MODULES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -278,14 +302,16 @@ MODULES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwe
            "llama4_text": "llama4_text", "mistral3": "mistral3", "llama4": "llama4",
            "internlm3": "internlm3", "helium": "helium", "nanbeige": "nanbeige",
            "mellum": "mellum", "granite": "granite", "olmoe": "olmoe", "dots1": "dots1",
-           "exaone_moe": "exaone_moe", **{t: t for t in MLA_TYPES}}
+           "exaone_moe": "exaone_moe", "kimi_linear": "kimi_linear", "kimi_k3": "kimi_k3",
+           "bailing_moe_v3": "bailing_moe_v3", "olmo_hybrid": "olmo_hybrid",
+           **{t: t for t in MLA_TYPES}}
 
 # Architectures whose q/k are RMS-normalised with scale 1.0 (gemma4): their scores are already
 # peaked (std ~ sqrt(head_dim)); q/k are not sharpened further.
 NO_SHARPEN = ("gemma4_text",)
 
 # Model types whose ModelArgs wrap the text model's fields in ``text_config``.
-TEXT_CONFIG = ("qwen3_5",)
+TEXT_CONFIG = ("qwen3_5", "kimi_k3")
 
 # Architectures whose RMSNorm computes rms_norm(x, 1 + w): their stored norm weights are the
 # effective ones minus 1.
@@ -327,7 +353,9 @@ def build_model(model_type: str, dtype=mx.float32, *, seed: int = 0, **overrides
         if name.endswith("norm.weight"):
             scale = 4.0 if name == "model.norm.weight" else 1.0
             p = scale * (1.0 + 0.2 * mx.random.normal(p.shape, key=k))
-        if any(t in name for t in ATTENTION_SHARPEN) and MODULES[model_type] not in NO_SHARPEN:
+        sharpen = ATTENTION_SHARPEN + (MLA_SHARPEN if model_type in MLA_TYPES
+                                       and model_type not in MLA_OVERRIDES else ())
+        if any(t in name for t in sharpen) and MODULES[model_type] not in NO_SHARPEN:
             p = 3.0 * p
         if name.endswith(".sinks"):  # gpt-oss: sinks of the scores' size (init: zeros)
             p = 4.0 * mx.random.normal(p.shape, key=k)

@@ -23,7 +23,7 @@ from mlx_bricks.bricks.mla.forward import form_of
 from mlx_bricks.bricks.mla.piece import base_class
 from mlx_bricks.nn.calls import DECODE
 from mlx_bricks.patch import patch_model, unpatch_model
-from tests.models import CONFIGS, MLA_TYPES, build_model, tokens
+from tests.models import MLA_OVERRIDES, MLA_TYPES, build_model, tokens
 from tests.test_patch import assert_same_greedy, greedy, run, run64
 from tests.tolerance import assert_dtype_close
 
@@ -32,15 +32,14 @@ CHUNKS = [(0, 5), (5, 47), (47, N_TOKENS)]
 ABSORBED = "attention: absorbed form (fewer FLOPs than decompressing the cache)"
 # overrides that leave every layer dense (the CPU's gather_mm is float32 only: half-precision
 # runs of these families keep their MoE layers out)
-DENSE = {"kimi_linear": dict(first_k_dense_replace=2), "youtu_llm": {}, "minicpm3": {},
-         "kimi_k3": dict(text_config=dict(CONFIGS["kimi_k3"]["text_config"],
-                                          first_k_dense_replace=2))}
+DENSE = {"kimi_linear": dict(first_k_dense_replace=4), "kimi_k3": dict(first_k_dense_replace=4),
+         "bailing_moe_v3": dict(first_k_dense_replace=4), "youtu_llm": {}, "minicpm3": {}}
 # every layer of these has a MoE: they run float32 (the CPU's gather_mm)
 MOE_ONLY = ("longcat_flash", "longcat_flash_ngram")
-# MLA layers per family (kimi_linear: layer 0 is Kimi Delta Attention, stock here; LongCat:
-# two MLA modules a layer)
-MLA_LAYERS = {"kimi_linear": [1], "longcat_flash": [0, 0, 1, 1],
-              "longcat_flash_ngram": [0, 0, 1, 1]}
+# MLA layers per family (the KDA hybrids: layers 0-2 Kimi Delta Attention, the gated-delta
+# brick's; LongCat: two MLA modules a layer)
+MLA_LAYERS = {"kimi_linear": [3], "kimi_k3": [3], "bailing_moe_v3": [3],
+              "longcat_flash": [0, 0, 1, 1], "longcat_flash_ngram": [0, 0, 1, 1]}
 
 
 def dense(arch):
@@ -96,7 +95,7 @@ def form(module, L, offset):
 
 
 def check_family(arch, backend, dtype, **overrides):
-    model = build_model(arch, dtype, **overrides)
+    model = build_model(arch, dtype, **MLA_OVERRIDES.get(arch, {}), **overrides)
     toks = tokens(N_TOKENS)
     with float64_experts():
         m64 = clone64(model)

@@ -39,6 +39,7 @@ from mlx_bricks.bricks import kinds
 from mlx_bricks.runtime.kind import Act, Variant
 from mlx_bricks.tune.timing import time_interleaved
 from mlx_bricks.tune.tuner import MIN_SPEEDUP, STOCK, Decision, tune_op
+from tests import ssm_models
 from tests.models import model_args
 
 KINDS = kinds()
@@ -165,6 +166,7 @@ def _kind_args(dtype=mx.float32):
             "q": Act((2, 9, 2, 32), dtype), "k": Act((2, 9, 2, 32), dtype),
             "v": Act((2, 9, 4, 16), dtype), "g": Act((2, 9, 4), mx.float32),
             "beta": Act((2, 9, 4), dtype), "state": Act((2, 4, 16, 32), mx.float32)}, seed=3),
+        **ssm_models.kind_args(dtype),  # ssd, short_conv
     }
 
 

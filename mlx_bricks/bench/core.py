@@ -189,7 +189,9 @@ def _cuda_case_benchmarks() -> dict[str, dict[str, Benchmark]]:
         return brick, stock, lambda: facts
 
     sm90 = [n for n, t in gemm_cuda.LINEAR_TILES.items() if t.wgmma]
-    sm90_plain = [n for n in sm90 if gemm_cuda.LINEAR_TILES[n].split_k == 1]
+    # the split SwiGLU and RMSNorm + QKV launches take the classic tiles (the register-weight
+    # qgemm tiles have their own benchmark: scripts/gpu/gemm_bench.py)
+    sm90_plain = [n for n in sm90 if n in gemm_cuda.TILES]
     per_tile = [*gpu.linear_cases("cuda", tiles=sm90, formats=gpu.QUANT_FORMATS,
                                   shapes=("qo", "kv", "gate_up")),
                 *gpu.swiglu_cases("cuda", tiles=tuple(swiglu_cuda.SWIGLU_TILES),
@@ -240,6 +242,13 @@ def _formats_benchmarks() -> dict[str, Benchmark]:
     return benchmarks()
 
 
+def _ssm_benchmarks() -> dict[str, Benchmark]:
+    """The SSD scan, the short conv and Nemotron-H / LFM2-shaped prefills: ``bench.ssm``."""
+    from mlx_bricks.bench.ssm import benchmarks
+
+    return benchmarks()
+
+
 def _mla_benchmarks() -> dict[str, Benchmark]:
     """The DeepSeek-V3-shaped prefill and decode, the small CPU case: ``bench.mla``."""
     from mlx_bricks.bench.mla import benchmarks
@@ -249,6 +258,7 @@ def _mla_benchmarks() -> dict[str, Benchmark]:
 
 BENCHMARKS.update(_formats_benchmarks())
 BENCHMARKS.update(_gated_delta_benchmarks())
+BENCHMARKS.update(_ssm_benchmarks())
 BENCHMARKS.update(_mla_benchmarks())
 
 
@@ -260,9 +270,19 @@ def _user_path_benchmarks() -> dict[str, Benchmark]:
 
 
 BENCHMARKS.update(_user_path_benchmarks())
-#: Benchmarks that run only when named (``--only``): the user's path writes model directories
-#: (GBs at full size) and runs dozens of processes.
-ON_REQUEST = frozenset(n for n in BENCHMARKS if n.startswith("user_path_"))
+
+
+def _server_benchmarks() -> dict[str, Benchmark]:
+    """``mlx_lm.server`` stock vs ``--use-bricks`` with the openai client: ``bench.server``."""
+    from mlx_bricks.bench.server import benchmarks
+
+    return benchmarks()
+
+
+BENCHMARKS.update(_server_benchmarks())
+#: Benchmarks that run only when named (``--only``): the user's path and the server bench write
+#: model directories (GBs at full size) and run dozens of processes.
+ON_REQUEST = frozenset(n for n in BENCHMARKS if n.startswith(("user_path_", "server_")))
 
 #: Names that stand for several benchmarks (``--only GROUP``).
 GROUPS: dict[str, list[str]] = {
@@ -278,7 +298,15 @@ GROUPS: dict[str, list[str]] = {
     "e2e_qwen3_moe_4layer": [n for n in BENCHMARKS if n.startswith("e2e_qwen3_moe_4layer_")],
     "user_path_cpu": [n for n in BENCHMARKS if n.startswith("user_path_cpu_")],
     "user_path_gpu": [n for n in BENCHMARKS if n.startswith("user_path_gpu_")],
-    "gated_delta": [n for n in BENCHMARKS if n.startswith(("gdn_", "e2e_qwen35_"))],
+    "server_cpu": [n for n in BENCHMARKS if n.startswith("server_cpu_")],
+    "server_gpu": [n for n in BENCHMARKS if n.startswith("server_gpu_")],
+    "gated_delta": [n for n in BENCHMARKS if n.startswith(("gdn_", "e2e_qwen35_", "kda_",
+                                                            "e2e_kimi_", "decode_kimi_"))],
+    "ssm": [n for n in BENCHMARKS if n.startswith(("ssd_scan_bf16", "short_conv_bf16",
+                                                    "e2e_nemotron3_4layer", "e2e_lfm2_1b",
+                                                    "decode_nemotron3", "decode_lfm2"))],
+    "ssm_cpu": [n for n in BENCHMARKS if n.startswith(("ssd_scan_cpu", "e2e_nemotron3_small",
+                                                        "e2e_lfm2_small"))],
     "e2e_deepseek_v3_4layer": [n for n in BENCHMARKS if n.startswith("e2e_deepseek_v3_4layer_")],
     "e2e_gpt_oss20b_4layer": [n for n in BENCHMARKS if n.startswith("e2e_gpt_oss20b_4layer_")],
     "e2e_small_gpt_oss_cpu": [n for n in BENCHMARKS if n.startswith("e2e_small_gpt_oss_cpu_")],

@@ -79,7 +79,9 @@ class BlockLayout:
             before it (llama4_text).
         rope_flag: attribute of the attention module that is False on a layer without RoPE
             (NoPE: llama4's, exaone4's ``use_rope``; such a module has no ``rope``); None: every
-            layer has its ``rope`` (smollm3's NoPE layers have an identity ``rope`` object).
+            layer has its ``rope`` (smollm3's NoPE layers have an identity ``rope`` object);
+            ``"rope"``: NoPE where the module's ``rope`` is None or missing (granitemoehybrid's
+            ``position_embedding_type="nope"``, nemotron_h).
         query_scale: ``"attn_scale"``: the module's call takes an ``attn_scale`` array (one
             factor per position, shape (L, 1)) that multiplies the queries after RoPE
             (ministral3: Llama-4 query scaling); ``"llama4_temperature"``: on a NoPE layer
@@ -203,8 +205,10 @@ class BlockLayout:
             self.qk_norm_flag is None or bool(getattr(attn, self.qk_norm_flag, False)))
 
     def has_rope(self, attn) -> bool:
-        """Whether ``attn`` applies its ``rope`` (False on a ``rope_flag`` NoPE layer)."""
-        return self.rope_flag is None or bool(getattr(attn, self.rope_flag, False))
+        """Whether ``attn`` applies its ``rope`` (False on a ``rope_flag`` NoPE layer: a false
+        flag, or a ``"rope"`` attribute that is None or missing)."""
+        flag = getattr(attn, self.rope_flag, None) if self.rope_flag else True
+        return flag is not None and (callable(flag) or bool(flag))
 
     @property
     def module(self) -> str:

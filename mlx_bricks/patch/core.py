@@ -16,7 +16,7 @@ from mlx_bricks.backends import active_backend
 from mlx_bricks.options import KV_CACHES
 from mlx_bricks.bricks.attention.msl import SUPPORTED_HEAD_DIMS
 from mlx_bricks.bricks.attention.piece import KIND as ATTENTION
-from mlx_bricks.bricks.dequantize.composite import CAP_SETTING, MIB, resolve_cap
+from mlx_bricks.bricks.dequantize.composite import CAP_SETTING, MIB, resolve_cap, warm_first_use
 from mlx_bricks.bricks.gemm.piece import KIND as LINEAR
 from mlx_bricks.bricks.moe.piece import switch_classes
 from mlx_bricks.bricks.norm_qkv.piece import KIND as RMS_NORM_QKV
@@ -291,7 +291,7 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
 
     if not attention:
         add(ModuleReport(i, "self_attn", DISABLED, reason="attention=False"))
-    elif attn_mod is None or mixer_piece(attn_mod) is not None:  # a mixer: its own entry
+    elif attn_mod is None or mixer_piece(attn_mod) is not None:  # mixers: patch.modules
         _mixer_entries(report, i, layer, f"the {report.architecture} entry has no brick for "
                        f"it (no {layout.attention!r} on this layer)")
     elif attn_reason is not None:
@@ -529,8 +529,11 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
         report.dispatch.calls_hint = max(1, report.n_layers)  # against (tune.prior.pays)
     if kv_cache == "q8_0" and layout is not None:
         _route_q8_0_cache(model, report, choice.name)
+    patched = [m for m in model.modules() if is_patched(m)]
+    if report.dispatch is not None:  # first-use costs paid while loading, not by the prompt
+        report.warm_s = warm_first_use(patched, choice.name)
     # decode: one check per forward switches the patched modules to their stock classes
-    gate_model(model, [m for m in model.modules() if is_patched(m)], choice.name)
+    gate_model(model, patched, choice.name)
     object.__setattr__(model, "_bricks_report", report)
     return report
 

@@ -9,14 +9,20 @@ Counted per prompt token at prompt length ``tokens`` (one sequence, no cache):
 - the attention core of each module with q/k/v projections: ``4 * n_heads * head_dim * keys``
   (scores and the weighted sum), ``keys`` the average number of keys a query sees: ``(tokens +
   1) / 2`` causal, ``w - w (w - 1) / (2 tokens)`` for a sliding window ``w < tokens``;
-- a multi-head latent attention module (``bricks.mla.piece.prefill_flops``): its projections,
-  the key and value decompressions, DeepSeek-V3.2's indexer and the core ``2 * n_heads *
-  (q_head + v_head) * keys``, each part counted where it runs (the key decompression and the
-  indexer's key projection stay stock; a call whose keys exceed the indexer's top-k runs
-  stock whole).
+- a multi-head latent attention module (``bricks.mla.piece.prefill_flops``): its projections
+  (on the linear pieces: not counted as a mixer's own projections), the key and value
+  decompressions, DeepSeek-V3.2's indexer and the core ``2 * n_heads * (q_head + v_head) *
+  keys``, each part where it runs (the key decompression and the indexer's key projection
+  stock; a call whose keys exceed the indexer's top-k runs stock whole).
 
-Norms, RoPE, routers' softmax/top-k, activations and recurrent mixers' state updates (Gated
-DeltaNet, Mamba: only their projections are counted) are left out: a few percent at most of a
+- the recurrence of a gated-delta mixer (a module of a ``patch.modules.MIXERS`` piece of the
+  ``gated_delta`` kind): ``6 * Hv * Dk * Dv`` (the state's products with k and q and its
+  rank-1 update, per value head), in bricks when the mixer is patched. A patched mixer's own
+  projections run mlx-lm's linears inside it (stock GEMMs): they count as in bricks like the
+  rest of a patched module and are also reported apart (``mixer_linears``).
+
+Norms, RoPE, routers' softmax/top-k, activations and other recurrent mixers' state updates
+(Mamba: only their projections are counted) are left out: a few percent at most of a
 transformer layer. The embedding lookup costs nothing; the LM head (``2 * D * vocab`` per token)
 is reported apart (mlx-lm computes it for every prompt token). A module is "in bricks" when it
 or an enclosing module of its layer is patched (``nn.is_patched``); the count does not know
@@ -69,6 +75,11 @@ def _attention_core(m, tokens: int, window) -> int:
     return int(4 * heads * head_dim * _keys(tokens, window))
 
 
+def _class_name(m) -> str:
+    """``m``'s mlx-lm class name (a patched module's class is the bricks class over it)."""
+    return getattr(type(m), "_bricks_base", type(m)).__name__
+
+
 def _top_k(parent, default) -> int:
     for a in _TOP_K:
         v = getattr(parent, a, None)
@@ -87,7 +98,8 @@ def prefill_flops(model, tokens: int = 2048) -> dict:
 
     Returns:
         ``{"bricks": F, "stock": F, "share": bricks / (bricks + stock), "lm_head": F,
-        "layers": [(bricks, stock) per layer]}`` with F in FLOPs per token.
+        "layers": [(bricks, stock) per layer], "mixer_linears": F, "by_class": {class name
+        of a layer's child: [bricks, stock]}}`` with F in FLOPs per token.
 
     Raises:
         ValueError: ``tokens`` is not a positive int, or the model has no ``layers``.
@@ -99,40 +111,59 @@ def prefill_flops(model, tokens: int = 2048) -> dict:
         raise ValueError("model has no list of decoder layers (model.layers)")
     from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
+    from mlx_bricks.patch.modules import mixer_piece
     from mlx_bricks.patch.table import model_args
 
     args = model_args(model)
     default_k = _top_k(args, 1)
     per_layer = []
+    mixer_linears = 0
+    by_class: dict[str, list[int]] = {}
     for layer in layers:
         counts = [0, 0]  # bricks, stock
 
-        def walk(m, patched, parent):
+        def add(flops, patched, top):
+            counts[0 if patched else 1] += flops
+            by_class.setdefault(top, [0, 0])[0 if patched else 1] += flops
+
+        def walk(m, patched, parent, top, in_mixer=False):
+            nonlocal mixer_linears
             patched = patched or is_patched(m)
-            if is_mla(m):  # multi-head latent attention (bricks/mla): its own count
-                done = mla_prefill_flops(m, tokens, patched, _linear_flops)
-                counts[0], counts[1] = counts[0] + done[0], counts[1] + done[1]
+            if is_mla(m):  # multi-head latent attention (bricks/mla): part by part
+                bricks, stock = mla_prefill_flops(m, tokens, patched, _linear_flops)
+                add(bricks, True, top)
+                add(stock, False, top)
                 return
+            piece = mixer_piece(m)
+            if piece is not None:  # a token mixer: its own linears are counted apart too
+                in_mixer = patched
+                if getattr(getattr(piece, "kind", None), "name", None) == "gated_delta":
+                    try:
+                        _, hv, dk, dv, _ = piece.heads(m)
+                        add(6 * hv * dk * dv, patched, top)
+                    except AttributeError:  # a gated-delta module the pieces do not know
+                        pass
             if isinstance(m, (SwitchGLU, SwitchMLP)):
-                counts[0 if patched else 1] += _switch_flops(m, _top_k(parent, default_k))
+                add(_switch_flops(m, _top_k(parent, default_k)), patched, top)
                 return
             if isinstance(m, (nn.Linear, nn.QuantizedLinear)):
-                counts[0 if patched else 1] += _linear_flops(m)
+                add(_linear_flops(m), patched, top)
+                mixer_linears += _linear_flops(m) if in_mixer else 0
                 return
-            if isinstance(m, dict) and "q_proj" in m and "k_proj" in m:
+            if piece is None and isinstance(m, dict) and "q_proj" in m and "k_proj" in m:
                 state = m.__dict__.get("_bricks_state")
                 window = None
                 if state is not None:
                     from mlx_bricks.nn.calls import layer_window
 
                     window = layer_window(m, state.layout, state.sliding)[0]
-                counts[0 if patched else 1] += _attention_core(m, tokens, window)
+                add(_attention_core(m, tokens, window), patched, top)
             for child in m.children().values():
                 for c in child if isinstance(child, (list, tuple)) else [child]:
                     if isinstance(c, nn.Module):
-                        walk(c, patched, m)
+                        walk(c, patched, m, _class_name(c) if m is layer else top, in_mixer)
 
-        walk(layer, False, None)
+        walk(layer, False, None, _class_name(layer))
         per_layer.append(tuple(counts))
     bricks = sum(b for b, _ in per_layer)
     stock = sum(s for _, s in per_layer)
@@ -143,47 +174,40 @@ def prefill_flops(model, tokens: int = 2048) -> dict:
         lm_head = 2 * getattr(args, "hidden_size", 0) * getattr(args, "vocab_size", 0)
     total = bricks + stock
     return {"bricks": bricks, "stock": stock, "share": bricks / total if total else 0.0,
-            "lm_head": lm_head, "layers": per_layer}
+            "lm_head": lm_head, "layers": per_layer, "mixer_linears": mixer_linears,
+            "by_class": by_class}
 
 
-def build_lazy(model_type: str, fields: dict):
-    """An mlx-lm model of ``model_type`` with ``fields`` (its ``ModelArgs``), weights never
-    evaluated (MLX is lazy: a real-size model costs no memory until run)."""
-    import importlib
-
-    from mlx_lm.utils import MODEL_REMAPPING
-
-    name = MODEL_REMAPPING.get(model_type, model_type)
-    module = importlib.import_module(f"mlx_lm.models.{name}")
-    return module.Model(module.ModelArgs.from_dict({"model_type": model_type, **fields}))
-
-
-def main(argv=None) -> int:
-    """``python -m mlx_bricks.patch.coverage [--tokens N] [LABEL ...]``: the share of each
-    real-size model's prefill FLOPs (``patch.real_sizes``) in bricks once patched, as JSON
-    lines (label, model_type, source of the sizes, share, the stock part per token)."""
+def _main(argv=None) -> int:
+    """``python -m mlx_bricks.patch.coverage [--tokens N] [NAME ...]``: the share of each
+    real-size model's prefill FLOPs in bricks (``patch.real_configs``: built lazily, patched
+    on the reference backend as asked), per family; "own proj": the patched mixers' own
+    projections (in bricks with their module, but mlx-lm's linears inside it); then the
+    classes whose FLOPs stay stock."""
     import argparse
-    import json
 
     from mlx_bricks.patch.core import patch_model
-    from mlx_bricks.patch.real_sizes import REAL_SIZES
+    from mlx_bricks.patch.real_configs import CONFIGS, build
 
     parser = argparse.ArgumentParser(prog="python -m mlx_bricks.patch.coverage",
-                                     description=main.__doc__)
-    parser.add_argument("--tokens", type=int, default=2048, help="prompt length (2048)")
-    parser.add_argument("labels", nargs="*", help=f"models (default all: {list(REAL_SIZES)})")
+                                     description=_main.__doc__)
+    parser.add_argument("names", nargs="*", help=f"configs (default all: {', '.join(CONFIGS)})")
+    parser.add_argument("--tokens", type=int, default=2048, help="prompt length (default 2048)")
     args = parser.parse_args(argv)
-    for label in args.labels or REAL_SIZES:
-        model_type, fields, source = REAL_SIZES[label]
-        model = build_lazy(model_type, fields)
-        patch_model(model, backend="reference", tune="off")
+    print(f"{'model':28} {'model_type':18} {'in bricks':>10} {'own proj':>9} {'GFLOP/token':>12}")
+    for name in args.names or list(CONFIGS):
+        model = build(name)
+        patch_model(model, backend="reference")
         f = prefill_flops(model, args.tokens)
-        print(json.dumps({"model": label, "model_type": model_type, "sizes": source,
-                          "tokens": args.tokens, "share": round(f["share"], 4),
-                          "gflop_per_token": round((f["bricks"] + f["stock"]) / 1e9, 3),
-                          "stock_gflop_per_token": round(f["stock"] / 1e9, 4)}))
+        total = f["bricks"] + f["stock"]
+        print(f"{name:28} {CONFIGS[name][0]:18} {100 * f['share']:9.1f}% "
+              f"{100 * f['mixer_linears'] / total:8.1f}% {total / 1e9:12.2f}")
+        stock = sorted(((s, c) for c, (_, s) in f["by_class"].items() if s), reverse=True)
+        if stock:
+            print(f"{'':28} stock: " + ", ".join(f"{c} {100 * s / total:.1f}%"
+                                                   for s, c in stock))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(_main())

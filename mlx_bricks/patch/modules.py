@@ -1,5 +1,6 @@
 """What the patch replaces by module class, whatever the model_type: MoE experts (every mlx-lm
-``SwitchGLU``, ``bricks/moe/piece.py``) and token mixers (the pieces of :data:`MIXERS`: Gated
+``SwitchGLU``, ``bricks/moe/piece.py``), MLPs with a fused gate|up layer
+(``bricks/swiglu/fused_piece.py``) and token mixers (the pieces of :data:`MIXERS`: Gated
 DeltaNet and the mixers added after it). A model_type missing from the patch table still gets
 these; its attention and dense MLPs stay stock (``patch.core``).
 
@@ -11,16 +12,23 @@ piece object in its brick package and one line in :data:`MIXERS`.
 """
 from __future__ import annotations
 
+from mlx_bricks.bricks.gated_delta.mixers import KDA_PIECE, OLMO_GDN_PIECE
 from mlx_bricks.bricks.gated_delta.piece import GDN_PIECE
 from mlx_bricks.bricks.mla.piece import MLA_PIECE, MLA_SCALED_PIECE
 from mlx_bricks.bricks.moe.piece import MOE_PIECE, activation_of, switch_classes
+from mlx_bricks.bricks.short_conv.piece import SHORT_CONV_PIECE
+from mlx_bricks.bricks.swiglu.fused_piece import FUSED_MLP_PIECE
+from mlx_bricks.bricks.ssd.piece import FALCON_SSD_PIECE, MAMBA1_PIECE, SSD_PIECE
 from mlx_bricks.nn import BricksMixer, BricksPiece, BricksState, attach, is_patched
 from mlx_bricks.patch.report import DISABLED, FALLBACK, PATCHED, STOCK, ModuleReport
 from mlx_bricks.patch.vetted import forward_fingerprint, signature_reason
 from mlx_bricks.runtime.dispatch import NO_KERNEL_BACKEND, Dispatch
 
-#: The token-mixer pieces patched by module, in the order a module is matched against them.
-MIXERS = (GDN_PIECE, MLA_PIECE, MLA_SCALED_PIECE)
+#: The token-mixer pieces patched by module, in the order a module is matched against them
+#: (the Gated DeltaNet piece after the other gated-delta pieces: it claims every module that
+#: calls ``gated_delta_update``).
+MIXERS = (KDA_PIECE, OLMO_GDN_PIECE, GDN_PIECE, FALCON_SSD_PIECE, SSD_PIECE, SHORT_CONV_PIECE,
+          MAMBA1_PIECE, MLA_PIECE, MLA_SCALED_PIECE)
 
 
 def has_experts(layer) -> bool:
@@ -37,7 +45,9 @@ def patch_experts(report, i: int, layer, opts: dict, backend: str,
     with the reason. With
     ``dispatch`` None, or composites only (no kernel backend) and float experts (the MoE
     kind's ``dequant`` composite applies to quantized ones), they are reported stock with
-    :data:`NO_KERNEL_BACKEND`."""
+    :data:`NO_KERNEL_BACKEND`. The layer's fused gate|up MLPs (granitemoehybrid's shared MLP,
+    plamo2's MLP) are patched by module here too (:func:`patch_fused_mlps`)."""
+    patch_fused_mlps(report, i, layer, opts, backend, dispatch)
     glu, switch_mlp = switch_classes()[:2]
     for path, module in layer.named_modules():
         if not isinstance(module, (glu, switch_mlp)):
@@ -73,6 +83,44 @@ def patch_experts(report, i: int, layer, opts: dict, backend: str,
                          weights=formats, state=st))
 
 
+def patch_fused_mlps(report, i: int, layer, opts: dict, backend: str,
+                     dispatch: Dispatch | None) -> None:
+    """Patch every MLP inside layer ``i`` whose gate and up projections are one fused layer
+    (granitemoehybrid's shared MLP, plamo2's MLP: ``bricks/swiglu/fused_piece.py``) by module,
+    whatever the architecture, as one ``swiglu_mlp`` piece; one whose forward was not vetted
+    or whose parts the piece does not read is reported stock with the reason. With ``dispatch``
+    None, or composites only and float weights, reported stock (:data:`NO_KERNEL_BACKEND`);
+    under ``mlp=False`` disabled."""
+    from mlx_bricks.formats import format_of
+    from mlx_bricks.formats.layers import weight_of
+
+    piece = FUSED_MLP_PIECE
+    add = report.modules.append
+    for path, module in layer.named_modules():
+        if not piece.matches(module):
+            continue
+        where = path or "layer"
+        if not opts["mlp"]:
+            add(ModuleReport(i, where, DISABLED, reason="mlp=False"))
+            continue
+        reason = ("module is already patched" if is_patched(module) else
+                  vetted_reason(module, piece) or piece.reason(module)
+                  or signature_reason(module, ()))
+        if reason is not None:
+            add(ModuleReport(i, where, FALLBACK, reason=reason))
+            continue
+        layers = [module.get(n) for n in piece.linears() if module.get(n) is not None]
+        quantized = any(format_of(weight_of(m)).quantized for m in layers)
+        if dispatch is None or (dispatch.composites_only and not quantized):
+            add(ModuleReport(i, where, STOCK, reason=NO_KERNEL_BACKEND))
+            continue
+        st = BricksState(backend=backend, layer=i, role=piece.role, layout=None, piece=piece,
+                         dispatch=dispatch)
+        attach(module, BricksPiece, st)
+        add(ModuleReport(i, where, PATCHED, piece.bricks, "fused gate|up, swiglu", backend,
+                         state=st))
+
+
 def mixer_piece(module):
     """The piece of :data:`MIXERS` whose kind ``module`` is (known or not), or None."""
     return next((p for p in MIXERS if p.matches(module)), None)
@@ -84,9 +132,15 @@ def has_mixer(layer) -> bool:
 
 
 def vetted_reason(module, piece) -> str | None:
-    """Why ``module``'s forward is not one ``piece`` was read against (None: it is)."""
+    """Why ``module``'s forward, or a helper of it the piece follows (``piece.helpers``: method
+    names), is not one ``piece`` was read against (None: they all are)."""
     fp = forward_fingerprint(module)
     if fp is not None and fp in piece.vetted:
+        for name in getattr(piece, "helpers", ()):
+            helper = forward_fingerprint(module, name)
+            if helper not in piece.vetted:
+                return (f"{type(module).__name__}.{name} is not one the patch was read against "
+                        f"({helper or 'source not readable'}): stays stock")
         return None
     cls = type(module)
     return (f"{cls.__module__}.{cls.__name__}: a {piece.name} forward the patch does not know "

@@ -49,6 +49,16 @@ _POST_NORM = ("post-norm block (the sublayers' outputs are normalised: post_atte
               "post_feedforward_layernorm; no input norm): the unified block is pre-norm; "
               "attention and MLP are patched one by one")
 
+# hybrids whose layers branch between mixer kinds (attention, Mamba, short conv) or scale or
+# parallel their sublayers (issue 42).
+_HYBRID = ("hybrid layers (the token mixer is attention on some layers, a Mamba-2 / short-conv "
+           "/ Mamba-1 mixer on others, or runs beside one; sublayers may be scaled): attention "
+           "and MLP are patched one by one, the mixers by module")
+# hybrid blocks whose attention slot holds a token mixer (Kimi Delta Attention) or an MLA
+# module: no unified block.
+_KDA_HYBRID = ("the attention slot holds a Kimi Delta Attention mixer (patched by module) or "
+               "an MLA attention (no brick reads it): the MLP is patched alone")
+
 ARCHITECTURES: dict[str, BlockLayout] = {
     # llama: layers with use_sliding (layer_types "sliding_attention") get a RotatingKVCache
     # of sliding_window and mlx-lm's window mask; the bricks run them with that window.
@@ -277,17 +287,78 @@ ARCHITECTURES: dict[str, BlockLayout] = {
     "longcat_flash": BlockLayout(source="mlx_lm/models/longcat_flash.py", attention="mla_list",
                                  mlp_list="mlps", vetted=_calls(
                                      "longcat_flash", LongcatFlashMLP="fcbab3148610")),
-    # kimi_linear / bailing_moe_v3 / bailing_hybrid: their linear-attention layers are not
-    # MLA (stock here unless a mixer of patch.modules takes them)
-    "kimi_linear": BlockLayout(source="mlx_lm/models/kimi_linear.py",
-                               shared_expert="shared_experts",
-                               vetted=_calls("kimi_linear", KimiMLP="fcbab3148610")),
-    "bailing_moe_v3": BlockLayout(source="mlx_lm/models/bailing_moe_v3.py",
-                                  attention="attention", shared_expert="shared_experts",
-                                  vetted=_calls("bailing_moe_v3", BailingMLP="fcbab3148610")),
+    # bailing_hybrid: its linear-attention layers are not MLA (stock here unless a mixer of
+    # patch.modules takes them)
     "bailing_hybrid": BlockLayout(source="mlx_lm/models/bailing_hybrid.py",
                                   attention="attention", shared_expert="shared_experts",
                                   vetted=_calls("bailing_hybrid", MLP="fcbab3148610")),
+    # Hybrid models with gated-delta mixers (patched by module: patch.modules.MIXERS, whatever
+    # the entry; kimi_linear / kimi_k3 / bailing_moe_v3 keep a Kimi Delta Attention module or
+    # an MLA module in the attention slot): these entries add their MLPs (MoE layers:
+    # SwitchGLU experts by module, the shared expert as an MLP) and, for olmo_hybrid, the
+    # full-attention layers. Their MLA modules are patched by module too (bricks/mla).
+    # olmo_hybrid: Gated DeltaNet layers (linear_attn, pre-norm) and every 4th a full-attention
+    # layer as olmo3's (post-norm, q/k RMSNorm over the full width, the module's own rope).
+    "olmo_hybrid": BlockLayout(source="mlx_lm/models/olmo_hybrid.py",
+                               qk_norm=("q_norm", "k_norm"), qk_norm_width="full",
+                               unfused=_POST_NORM,
+                               heads=("num_attention_heads", "num_key_value_heads"),
+                               vetted=_calls("olmo_hybrid", Attention="c2cd52b867c7",
+                                             MLP="55221eab7185")),
+    "kimi_linear": BlockLayout(source="mlx_lm/models/kimi_linear.py", unfused=_KDA_HYBRID,
+                               shared_expert="shared_experts",
+                               vetted=_calls("kimi_linear", KimiMLP="fcbab3148610")),
+    "bailing_moe_v3": BlockLayout(source="mlx_lm/models/bailing_moe_v3.py",
+                                  attention="attention", unfused=_KDA_HYBRID,
+                                  shared_expert="shared_experts",
+                                  vetted=_calls("bailing_moe_v3", BailingMLP="fcbab3148610")),
+    # kimi_k3: its MLPs, shared experts and routed experts use SiTU (beta tanh(g / beta)
+    # sigmoid(g) x), which no brick computes: they stay stock with the reason (the MLP
+    # forward is not vetted); its KDA mixers run the brick.
+    "kimi_k3": BlockLayout(source="mlx_lm/models/kimi_k3.py", unfused=_KDA_HYBRID,
+                           shared_expert="shared_experts", vetted=()),
+    # State-space and short-conv hybrids (issue 42): their Mamba-2 mixers and LFM2's short
+    # convolutions are patched by module (patch.modules.MIXERS: the ssd and short_conv bricks);
+    # these entries add the attention layers and dense MLPs (MoE experts by module). Every layer
+    # branches between mixer kinds or scales its sublayers: attention and MLP one by one.
+    # granitemoehybrid (Granite 4.0-H): NoPE attention (position_embedding_type "nope": rope
+    # None) scaled by attention_multiplier, residual_multiplier on each sublayer; dense models'
+    # MLP is mlp, MoE models' SwitchGLU experts are patched by module and their shared MLP
+    # (shared_mlp: gate and up fused in input_linear) stays stock (no fused gate|up piece).
+    "granitemoehybrid": BlockLayout(source="mlx_lm/models/granitemoehybrid.py", rope_flag="rope",
+                                    unfused=_HYBRID, vetted=_calls(
+                                        "granitemoehybrid",
+                                        GraniteMoeHybridAttention="0940d56c22dd",
+                                        GraniteMoeHybridMLP="07c9ab86cb8f")),
+    # falcon_h1: attention and Mamba-2 in parallel on every layer (both read the input norm),
+    # then the SwiGLU feed_forward after pre_ff_layernorm.
+    "falcon_h1": BlockLayout(source="mlx_lm/models/falcon_h1.py", mlp="feed_forward",
+                             post_attention_norm="pre_ff_layernorm",
+                             heads=("num_heads", "num_kv_heads"), unfused=_HYBRID,
+                             vetted=_calls("falcon_h1", FalconH1Attention="17265f406c52",
+                                           FalconH1MLP="746053e54426")),
+    # lfm2 / lfm2_moe: short-conv layers and attention layers (per-head q/k RMSNorm named
+    # q_layernorm / k_layernorm before RoPE, out_proj), operator_norm / ffn_norm; lfm2's MLP is
+    # w1 (gate), w3 (up), w2 (down); lfm2_moe's first num_dense_layers are llama's MLP, the
+    # rest SwitchGLU experts (by module; router stock).
+    "lfm2": BlockLayout(source="mlx_lm/models/lfm2.py", mlp="feed_forward",
+                        input_norm="operator_norm", post_attention_norm="ffn_norm",
+                        o_proj="out_proj", gate_proj="w1", up_proj="w3", down_proj="w2",
+                        qk_norm=("q_layernorm", "k_layernorm"), unfused=_HYBRID,
+                        vetted=_calls("lfm2", Attention="d63a2515d102", MLP="93c828a3e0be")),
+    "lfm2_moe": BlockLayout(source="mlx_lm/models/lfm2_moe.py", mlp="feed_forward",
+                            input_norm="operator_norm", post_attention_norm="ffn_norm",
+                            o_proj="out_proj", qk_norm=("q_layernorm", "k_layernorm"),
+                            unfused=_HYBRID, vetted=_calls(
+                                "lfm2_moe", Attention="d63a2515d102", MLP="07c9ab86cb8f")),
+    # jamba: NoPE attention layers and Mamba-1 layers (a selective scan with A per channel and
+    # state entry: no SSD form, stock with the reason), feed_forward a SwiGLU MLP or a MoE
+    # block (SwitchGLU experts by module).
+    "jamba": BlockLayout(source="mlx_lm/models/jamba.py", mlp="feed_forward",
+                         post_attention_norm="pre_ff_layernorm", rope_flag="rope",
+                         heads=("num_attention_heads", "num_key_value_heads"), unfused=_HYBRID,
+                         vetted=_calls("jamba", JambaAttention="0447a1770e60",
+                                       JambaMLP="fcbab3148610")),
 }
 
 # model_type -> ARCHITECTURES key, for types mlx-lm builds with another type's model file

@@ -31,10 +31,11 @@ def _fingerprint_of(fn) -> str | None:
     return f"{fn.__module__}.{fn.__qualname__}={digest}"
 
 
-def forward_fingerprint(module) -> str | None:
-    """``"<module>.<qualname>=<sha256[:12]>"`` of ``type(module).__call__`` (None: its source
-    cannot be read, e.g. a builtin or a function made at run time without a file)."""
-    fn = getattr(type(module), "__call__", None)
+def forward_fingerprint(module, name: str = "__call__") -> str | None:
+    """``"<module>.<qualname>=<sha256[:12]>"`` of ``type(module).__call__`` (or of its method
+    ``name``: a helper the forward calls; None: its source cannot be read, e.g. a builtin or a
+    function made at run time without a file)."""
+    fn = getattr(type(module), name, None)
     fn = getattr(fn, "__func__", fn)
     if fn is None:
         return None
@@ -96,13 +97,15 @@ def vetted_forwards(model) -> list[str]:
 
 def _main(argv) -> int:
     """``python -m mlx_bricks.patch.vetted MODEL_TYPE``: build the tiny model of
-    ``tests.models`` (run from the repository root) and print its forwards."""
+    ``tests.models`` or ``tests.ssm_models`` (run from the repository root) and print its
+    forwards."""
     if len(argv) != 1:
         print(__doc__)
         return 2
-    from tests.models import build_model
+    from tests import models, ssm_models  # the state-space families' tiny models: ssm_models
 
-    for fp in vetted_forwards(build_model(argv[0])):
+    build = ssm_models.build if argv[0] in ssm_models.CONFIGS else models.build_model
+    for fp in vetted_forwards(build(argv[0])):
         print(fp)
     return 0
 

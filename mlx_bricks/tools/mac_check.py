@@ -128,6 +128,8 @@ def _drive_ops(backend: str) -> list[tuple[str, tuple]]:
     from mlx_bricks.bricks.moe import op as moe
     from mlx_bricks.bricks.norm_qkv import op as norm_qkv
     from mlx_bricks.bricks.q8_0 import op as q8_0
+    from mlx_bricks.bricks.short_conv import op as short_conv
+    from mlx_bricks.bricks.ssd import op as ssd
     from mlx_bricks.bricks.swiglu import op as mlp
     from mlx_bricks.formats.affine import QuantizedWeight
 
@@ -275,6 +277,26 @@ def _drive_ops(backend: str) -> list[tuple[str, tuple]]:
                                         arr((1, 40, 4, 32), dt), -mx.ones((1, 40, 4), dt),
                                         0.5 * mx.ones((1, 40, 4), dt),
                                         mx.zeros((1, 4, 32, 64), mx.float32), backend=backend))
+            run(f"{dn} gated_delta per key dim",  # Kimi Delta Attention: the VEC kernel
+                lambda: gdn.gated_delta(arr((1, 40, 2, 64), dt), arr((1, 40, 2, 64), dt),
+                                        arr((1, 40, 2, 32), dt), mx.ones((1, 40, 2, 64), dt),
+                                        0.5 * mx.ones((1, 40, 2), dt), backend=backend))
+            # SSD: a chunk tail (T = 40), 2 groups of 2 heads of 16 (8-column blocks too), a
+            # state; short conv: LFM2's gated 3 taps and a Mamba-2 conv (bias, SiLU, 4 taps)
+            for P in (16, 24):
+                run(f"{dn} ssd P={P}",
+                    lambda P=P: ssd.ssd(arr((1, 40, 4, P), dt), arr((1, 40, 4), dt),
+                                        mx.zeros((4,)), arr((1, 40, 2, 32), dt),
+                                        arr((1, 40, 2, 32), dt), mx.ones((4,), dt),
+                                        state=mx.zeros((1, 4, P, 32)), backend=backend))
+            run(f"{dn} short_conv gates",
+                lambda: short_conv.short_conv(arr((1, 40, 64), dt), arr((64, 3, 1), dt),
+                                              gate_in=arr((1, 40, 64), dt),
+                                              gate_out=arr((1, 40, 64), dt), backend=backend))
+            run(f"{dn} short_conv silu",
+                lambda: short_conv.short_conv(arr((1, 40, 64), dt), arr((64, 4, 1), dt),
+                                              arr((64,), dt), mask=mx.ones((1, 40), mx.bool_),
+                                              activation="silu", backend=backend))
             run(f"{dn} q8_0",
                 lambda: q8_0.dequantize_q8_0(*q8_0.quantize_q8_0(arr((4, 64), dt),
                                                                  backend=backend),

@@ -29,8 +29,12 @@
 #   first-call     fresh-process prefill of a 32-layer 8B 4-bit model in 4 chunks of 2,048,
 #                  stock vs patched (tune cached), per layer (scripts/gpu/first_call.py)
 #   bench-gdn      Gated DeltaNet recurrence and 4-layer Qwen3.5-35B-A3B-shaped prefill, 2k/8k
+#   bench-ssm      SSD scan, LFM2 short conv, 4-layer Nemotron-3 / LFM2-shaped prefill 2k/8k, decode;
+#                  then the ssd / short_conv kernel and patch tests on cuda (docs/ssm.md)
 #   e2e-gpt-oss    4-layer gpt-oss-20b-shaped prefill (MXFP4 experts), M=2048
 #   shard          2 NCCL ranks (needs kind nvidia-h200-x2; NVLink multicast off)
+#   decode-probe   generation of 4-layer Qwen3.5-35B-A3B / gpt-oss-20b / Llama-3-8B-shaped models,
+#                  stock vs patched (cached, guard, auto) in one process (decode_probe.py)
 #   all-tests      the whole default suite on the GPU machine
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -100,8 +104,13 @@ for s in "$@"; do
         bench-gdn) step bench-gdn 300 $BENCH --repeats 5 --only gdn_recurrence_bf16_t2048 \
             gdn_recurrence_bf16_t8192 e2e_qwen35_35b_4layer_bf16_t2048 \
             e2e_qwen35_35b_4layer_bf16_t8192 --out "$OUT/gdn.json" ;;
+        bench-ssm) step bench-ssm 420 $BENCH --repeats 5 --only ssm --out "$OUT/ssm.json"
+            step ssm-tests 150 $PYT -k "cuda and not emu and not compile" tests/test_ssd.py \
+                tests/test_short_conv.py tests/test_ssm_patch.py ;;
         e2e-gpt-oss) step e2e-gpt-oss 200 $BENCH --repeats 5 --only \
             e2e_gpt_oss20b_4layer_bf16_mxfp4_m2048 --out "$OUT/e2e_gpt_oss.json" ;;
+        decode-probe) step decode-probe 420 python3 scripts/gpu/decode_probe.py \
+            "$OUT/decode_probe.json" ;;
         all-tests) step all-tests 500 $PYT -n 8 -m "not slow" tests ;;
         *) echo "unknown step $s"; exit 2 ;;
     esac

@@ -60,14 +60,25 @@ class Tensor:
     offset: int = 0
 
 
-def _source(template) -> str:
-    _, header, body = kernels.kernel_source("flash_attention", "cuda")
+#: The strided inputs of each attention kernel: (name, C type or "T" / "KT").
+_ATTN_STRIDED = {
+    "flash_attention": (("q", "T"), ("k", "KT"), ("v", "KT"), ("k_scale", "__half"),
+                        ("v_scale", "__half")),
+    "flash_attention_fa": (("q", "T"), ("k", "T"), ("v", "T")),
+}
+_MAIN_ARGS = {"q": "qb.data() + qo, qs, qst", "k": "kb.data() + ko, ks, kst",
+              "v": "vb.data() + vo, vs, vst", "k_scale": "ksb.data() + kso, kss, ksst",
+              "v_scale": "vsb.data() + vso, vss, vsst"}
+
+
+def _source(template, kernel: str = "flash_attention") -> str:
+    _, header, body = kernels.kernel_source(kernel, "cuda")
     marker = "extern __shared__ __align__(16) unsigned char smem[];"
-    assert marker in body, "attention.cu must declare its dynamic shared memory as expected"
+    assert marker in body, "the attention body must declare its dynamic shared memory as expected"
     body = body.replace(marker, "unsigned char* smem = emu::blk->smem;")
     tdict = dict(template)
     T = _CTYPE[tdict["T"]]
-    KT = "int8_t" if tdict["KV_Q8"] else T
+    KT = "int8_t" if tdict.get("KV_Q8") else T
     consts = []
     for name, value in template:
         if isinstance(value, bool):
@@ -77,13 +88,15 @@ def _source(template) -> str:
         else:
             consts.append(f"  using {name} = {_CTYPE[value]};")
     params = []
-    for name, ct in (("q", T), ("k", KT), ("v", KT), ("k_scale", "__half"),
-                     ("v_scale", "__half")):
+    for name, ct in _ATTN_STRIDED[kernel]:
+        ct = {"T": T, "KT": KT}.get(ct, ct)
         params += [f"const {ct}* {name}", f"const Shape {name}_shape",
                    f"const Strides {name}_strides"]
     params += ["const float* fparams", "const int32_t* iparams", "const int32_t* kv_start",
                "const Strides kv_start_strides", "const float* sinks",
                "const Strides sinks_strides", f"{T}* out"]
+    call = ", ".join([_MAIN_ARGS[n] for n, _ in _ATTN_STRIDED[kernel]] +
+                     ["prm, iprm, startb.data(), startst, sinkb.data(), sinkst, out"])
     return "\n".join([
         '#include "warp_emu.h"',
         header,
@@ -93,7 +106,7 @@ def _source(template) -> str:
         *consts,
         body,
         "}",
-        _MAIN.replace("@T@", T).replace("@KT@", KT),
+        _MAIN.replace("@T@", T).replace("@KT@", KT).replace("@CALL@", call),
     ])
 
 
@@ -135,9 +148,7 @@ int main(int argc, char** argv) {
   @T@* out = reinterpret_cast<@T@*>(ob.data());
   emu::launch(emu::Dim3{unsigned(g[0]), unsigned(g[1]), unsigned(g[2])}, int(g[3]),
               uint32_t(g[4]), 4, 64, [&] {
-    kernel_fn(qb.data() + qo, qs, qst, kb.data() + ko, ks, kst, vb.data() + vo, vs, vst,
-              ksb.data() + kso, kss, ksst, vsb.data() + vso, vss, vsst, prm, iprm,
-              startb.data(), startst, sinkb.data(), sinkst, out);
+    kernel_fn(@CALL@);
   });
   FILE* o = std::fopen(argv[2], "wb");
   std::fwrite(ob.data(), 1, ob.size(), o);
@@ -147,10 +158,10 @@ int main(int argc, char** argv) {
 """
 
 
-def build(template) -> Path:
-    """Compile (cached by source hash) the attention host program for one template; returns its
-    path."""
-    return _build_source(_source(template), "attn")
+def build(template, kernel: str = "flash_attention") -> Path:
+    """Compile (cached by source hash) the attention host program of ``kernel`` for one
+    template; returns its path."""
+    return _build_source(_source(template, kernel), "attn")
 
 
 def _geom(t: Tensor | None) -> bytes:
@@ -165,13 +176,15 @@ def run_attention(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
                   v_scale: Tensor | None, fparams: np.ndarray, iparams: np.ndarray, template,
                   grid, threads: int, smem: int, out_elems: int,
                   kv_start: np.ndarray | None = None,
-                  sinks: np.ndarray | None = None) -> np.ndarray:
-    """Run one launch; returns the raw output buffer (uint16 bits or float32). ``kv_start``:
-    the (B,) int32 first valid key per batch row (template ``KV_START``), else a (1,) dummy;
-    ``sinks``: the (Hq,) float32 sink logits (template ``SINKS``), else a (1,) dummy."""
+                  sinks: np.ndarray | None = None, kernel: str = "flash_attention") -> np.ndarray:
+    """Run one launch of ``kernel`` (``flash_attention``, or ``flash_attention_fa``, which has
+    no Q8_0 scales: pass None for them); returns the raw output buffer (uint16 bits or
+    float32). ``kv_start``: the (B,) int32 first valid key per batch row (template
+    ``KV_START``), else a (1,) dummy; ``sinks``: the (Hq,) float32 sink logits (template
+    ``SINKS``), else a (1,) dummy."""
     starts = np.zeros(1, np.int32) if kv_start is None else np.asarray(kv_start, np.int32)
     sink = np.zeros(1, np.float32) if sinks is None else np.asarray(sinks, np.float32)
-    exe = build(template)
+    exe = build(template, kernel)
     with tempfile.TemporaryDirectory() as tmp:
         fin, fout = Path(tmp) / "in.bin", Path(tmp) / "out.bin"
         blob = b"".join([_geom(q), _geom(k), _geom(v), _geom(k_scale), _geom(v_scale),

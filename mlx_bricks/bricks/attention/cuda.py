@@ -7,6 +7,12 @@ K/V tiles of ``BK`` keys stream through shared memory by ``cp.async``, the softm
 online in float32 registers. :func:`smem_bytes` mirrors the kernel's shared-memory layout
 (``Config`` in attention.cuh; the kernel traps if launched with less).
 
+The fast family (``cuda_src/attention_fa.cu``, bottom half of this module): 16-bit q/k/v,
+head_dim 64 / 128 / 192 / 256 (Dv may differ from Dq), FlashAttention-2 on ``mma.sync`` warps
+(sm_80+) or on ``wgmma`` warpgroups (sm_90a) with an NS-stage cp.async ring into
+128-byte-swizzled tiles; :data:`_FA_TILES` is its tile table (docs/bricks.md, with the H100
+measurements), :func:`launch_attention_fa` its launch.
+
 This module has no argument checks: ``mlx_bricks.bricks.attention.msl.flash_attention`` validates and
 dispatches here for the ``cuda`` backend.
 """
@@ -207,3 +213,219 @@ def launch_attention_cuda(q, k, v, k_scale, v_scale, *, scale, causal, window=No
         shared_memory=smem_bytes(D, q.dtype, tile, kv_q8),
     )
     return out.transpose(0, 2, 1, 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fast family (cuda_src/attention_fa.cu): 16-bit q/k/v, head_dim multiple of 64, Dv may
+# differ from Dq; mma.sync warps (sm_80+) or wgmma warpgroups (sm_90a).
+
+kernels.register(kernels.KernelSpec(
+    name="flash_attention_fa",
+    body=None,
+    input_names=("q", "k", "v", "fparams", "iparams", "kv_start", "sinks"),
+    output_names=("out",),
+    ensure_row_contiguous=False,
+    cuda_body="attention_fa.cu",
+    cuda_headers=("mma.cuh", "attention_common.cuh", "attention_wgmma.cuh", "attention_fa.cuh"),
+))
+
+#: Head dims (of q/k, and of v) the fast family takes.
+FA_HEAD_DIMS = (64, 128, 192, 256)
+#: Tuner names of the fast family: the first fitting tile of each engine (``fa_tiles``).
+FA_WGMMA, FA_MMA = "fa_wg", "fa_mma"
+
+
+@dataclass(frozen=True)
+class FaTile:
+    """One variant of the fast kernel family (``attention_fa.cuh``).
+
+    Attributes:
+        wg: wgmma warpgroups of 64 rows (sm_90a only), else mma.sync warps (sm_80+).
+        bk: keys per K/V tile (multiple of 16).
+        nw: warps per block (a multiple of 4 with ``wg``).
+        mt: m16 tiles per warp (1 with ``wg``): a block takes ``16 * mt * nw`` query rows.
+        ns: K/V stages of the cp.async ring (>= 2).
+        lag: two warpgroups, the second one P V behind (FlashAttention-3's ping-pong order
+            with the one block barrier; one V stage more).
+        iwo: each tile's softmax runs while the previous tile's P V is on the tensor cores
+            (FlashAttention-3's intra-warpgroup overlap; wgmma; one V stage more).
+        ffma: tiles without mask or soft-cap (and a positive scale) take the one-FFMA softmax
+            (max over the raw scores, p = 2^(s scale log2 e - m)); a second copy of the
+            softmax in the code, chosen once per tile.
+    """
+
+    wg: bool
+    bk: int
+    nw: int
+    mt: int
+    ns: int
+    lag: bool = False
+    iwo: bool = False
+    ffma: bool = False
+
+    @property
+    def bq(self) -> int:
+        """Query rows per block."""
+        return 16 * self.mt * self.nw
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.nw
+
+    @property
+    def name(self) -> str:
+        """e.g. ``fa_wg_bk128_w8_s2_lag``, ``fa_mma_bk64_w4_mt2_s2``."""
+        return (f"fa_{'wg' if self.wg else 'mma'}_bk{self.bk}_w{self.nw}"
+                f"{'_mt2' if self.mt == 2 else ''}_s{self.ns}{'_lag' if self.lag else ''}"
+                f"{'_iwo' if self.iwo else ''}{'_ffma' if self.ffma else ''}")
+
+    def smem_bytes(self, dqk: int, dv: int) -> int:
+        """``FaConfig::SMEM``: Q (bq rows), ns K stages, ns (+1 with lag or iwo) V stages of
+        16-bit elements, plus 1024 bytes to align the tiles at run time."""
+        nsv = self.ns + (1 if self.lag or self.iwo else 0)
+        return 2 * (self.bq * dqk + self.ns * self.bk * dqk + nsv * self.bk * dv) + 1024
+
+
+# Per q/k head_dim, best first per engine (what the tuner gets as fa_wg / fa_mma: the first
+# that fits). Registers: ptxas -v (nvcc 13.0), docs/bricks.md. Order from the H100 runs of
+# 2026-12-06 (bench/results/2026-12-06-h100-attention-fa-session*.json, causal bf16, 32 / 8
+# heads): TFLOP/s at T = 8192 beside each tile, session 1 (stock cuDNN 658 at head_dim 128).
+# The _iwo tiles ran in session 2 only, slowed with every fast tile by that build's per-score
+# softmax choice; the _ffma tiles have not run on a GPU yet. Shared memory: 227 KB on sm_90,
+# 163 KB sm_80, 99 KB sm_86/89/120.
+_FA_TILES = {
+    64: (FaTile(True, 128, 8, 1, 2, True),       # 97 KB; 228 (FA3's 192 x 128 needs 384 threads)
+         FaTile(True, 128, 8, 1, 2, iwo=True),   # 97 KB
+         FaTile(False, 64, 4, 2, 2),             # 49 KB; 253: FA2's 128-row block of 4 warps
+         FaTile(False, 128, 8, 1, 2)),           # 81 KB; 190
+    128: (FaTile(True, 128, 8, 1, 2, True),      # 193 KB; 369 (stock cuDNN 658)
+          FaTile(True, 128, 8, 1, 2, True, ffma=True),
+          FaTile(True, 128, 8, 1, 2, iwo=True),  # 193 KB; FA3 128 x 128 causal, 2 warpgroups
+          FaTile(True, 128, 8, 1, 2, iwo=True, ffma=True),
+          FaTile(True, 128, 8, 1, 2),            # 161 KB; 342: both warpgroups in lockstep
+          FaTile(False, 128, 8, 1, 2),           # 161 KB; 309
+          FaTile(False, 64, 8, 1, 2)),           # 97 KB; 252: FA2 sm86/89, 8 warps (FA2
+    #                                              sm80's 128 x 64 of 4 warps spills here)
+    192: (FaTile(True, 64, 8, 1, 2, True),       # 169 KB (Dv 128: 145 KB)
+          FaTile(True, 64, 8, 1, 2, iwo=True),   # 169 KB
+          FaTile(False, 64, 8, 1, 2)),           # 145 KB: FA2 sm80 128 x 64, 8 warps
+    256: (FaTile(True, 64, 8, 1, 2, True),       # 225 KB; 445 (stock unfused 66); FA3's 128 x 80
+          FaTile(True, 64, 8, 1, 2, True, ffma=True),  # hits the smem limit
+          FaTile(True, 64, 8, 1, 2, iwo=True),   # 225 KB
+          FaTile(False, 64, 8, 1, 2),            # 193 KB; 305: FA2 sm80 128 x 64, 8 warps
+          FaTile(False, 32, 8, 1, 2)),           # 129 KB; 262
+}
+
+
+#: Every tile of the table by its name.
+FA_TILES_BY_NAME = {t.name: t for tiles in _FA_TILES.values() for t in tiles}
+
+
+def fa_tiles(dqk: int, dv: int | None = None) -> list[FaTile]:
+    """Every tile of the fast family for q/k head_dim ``dqk`` and v head_dim ``dv`` (default
+    ``dqk``), best first per engine; [] where the family does not apply."""
+    dv = dqk if dv is None else dv
+    if dqk not in _FA_TILES or dv not in FA_HEAD_DIMS:
+        return []
+    return [t for t in _FA_TILES[dqk] if not (t.wg and dv > 256)]
+
+
+def fa_applies(q, k, v, kv_quant=None) -> bool:
+    """Whether the fast family takes these arguments: 16-bit q/k/v of one dtype, no Q8_0 K/V,
+    head_dims in ``FA_HEAD_DIMS``."""
+    return (kv_quant is None and q.dtype in (mx.float16, mx.bfloat16) and k.dtype == q.dtype
+            and v.dtype == q.dtype and bool(fa_tiles(q.shape[-1], v.shape[-1])))
+
+
+def pick_fa_tile(dqk: int, dv: int, name: str, cc: tuple[int, int] | None = None,
+                 smem_limit: int | None = None) -> FaTile:
+    """The tile of variant ``name``: ``fa_wg`` / ``fa_mma`` (the first tile of that engine
+    that this GPU runs), or a tile's own name (:attr:`FaTile.name`).
+
+    Raises:
+        ValueError: no such tile for the head dims, a wgmma tile off sm_90, or none fits the
+            shared memory.
+    """
+    cc = gemm_cuda.device_capability() if cc is None else cc
+    cc = cc if cc != (0, 0) else (9, 0)  # compile checks without a GPU: as on an H100/H200
+    limit = max_shared_memory(cc) if smem_limit is None else smem_limit
+    options = fa_tiles(dqk, dv)
+    if name in (FA_WGMMA, FA_MMA):
+        options = [t for t in options if t.wg == (name == FA_WGMMA)]
+    else:
+        options = [t for t in options if t.name == name]
+    fits = [t for t in options if (not t.wg or cc[0] == 9) and t.smem_bytes(dqk, dv) <= limit]
+    if not fits:
+        raise ValueError(f"no fast attention tile {name!r} for head_dim {dqk}/{dv} on a GPU of "
+                         f"capability {cc} ({limit} bytes of shared memory); tiles: "
+                         f"{', '.join(t.name for t in fa_tiles(dqk, dv)) or 'none'}")
+    return fits[0]
+
+
+def fa_variant_names(dqk: int, dv: int, cc: tuple[int, int] | None = None) -> tuple[str, ...]:
+    """The fast family's tuner names this GPU runs for the head dims: ``fa_wg`` (sm_90) and
+    ``fa_mma``, where a tile of that engine fits."""
+    names = []
+    for n in (FA_WGMMA, FA_MMA):
+        try:
+            pick_fa_tile(dqk, dv, n, cc)
+        except ValueError:
+            continue
+        names.append(n)
+    return tuple(names)
+
+
+def launch_attention_fa(q, k, v, *, scale, causal, window=None, softcap=None, variant=FA_MMA,
+                        kv_start=None, sinks=None):
+    """Run the fast kernel family; returns (B, Hq, Lq, Dv) as a transposed view of a
+    row-contiguous (B, Lq, Hq, Dv) buffer.
+
+    Args:
+        q: (B, Hq, Lq, Dq) float16 or bfloat16, any strides.
+        k: (B, Hkv, Lk, Dq), v: (B, Hkv, Lk, Dv) of q's dtype, any strides; ``Hq % Hkv == 0``
+            (query head h reads KV head ``h // (Hq // Hkv)``); Dq, Dv in ``FA_HEAD_DIMS``.
+        scale, causal, window, softcap, kv_start, sinks: as :func:`launch_attention_cuda`
+            (causal aligned bottom-right: query i at position ``Lk - Lq + i`` sees keys up to
+            it; every length, the window and kv_start are run-time values: one build per
+            head_dim, dtype and feature set).
+        variant: ``fa_wg``, ``fa_mma`` or a tile name (:func:`pick_fa_tile`).
+
+    Raises:
+        ValueError: window < 1, softcap <= 0, or no tile of ``variant`` for this GPU.
+    """
+    if window is not None and window < 1:
+        raise ValueError(f"window must be an int >= 1, got {window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0, got {softcap!r}")
+    B, Hq, Lq, D = q.shape
+    Dv = v.shape[3]
+    tile = pick_fa_tile(D, Dv, variant)
+    if B == 0 or Hq == 0 or Lq == 0:
+        return mx.zeros((B, Hq, Lq, Dv), q.dtype)
+    has_window = window is not None and window < k.shape[2]
+    fparams, iparams = attention_params(scale, softcap, window if has_window else None)
+    has_start = kv_start is not None
+    if not has_start:
+        kv_start = mx.zeros((1,), mx.int32)  # never read
+    (out,) = kernels.launch(
+        "flash_attention_fa", "cuda",
+        inputs=[q, k, v, fparams, iparams, kv_start, sinks_input(sinks)],
+        grid=(tile.threads * -(-Lq // tile.bq), Hq, B),
+        threadgroup=(tile.threads, 1, 1),
+        output_shapes=[(B, Lq, Hq, Dv)],
+        output_dtypes=[q.dtype],
+        template=fa_template(q.dtype, D, Dv, tile, bool(causal) or window is not None,
+                             has_window, softcap is not None, has_start, sinks is not None),
+        shared_memory=tile.smem_bytes(D, Dv),
+    )
+    return out.transpose(0, 2, 1, 3)
+
+
+def fa_template(dtype, dqk: int, dv: int, tile: FaTile, causal: bool, window: bool,
+                softcap: bool, kv_start: bool, sinks: bool) -> list:
+    """The fast family's template arguments, in ``attention_fa.cu``'s order."""
+    return [("T", dtype), ("DQK", dqk), ("DV", dv), ("BK", tile.bk), ("NW", tile.nw),
+            ("MT", tile.mt), ("NS", tile.ns), ("WG", tile.wg), ("LAG", tile.lag), ("IWO", tile.iwo),
+            ("FFMA", tile.ffma),
+            ("CAUSAL", causal), ("WINDOW", window), ("SOFTCAP", softcap),
+            ("KV_START", kv_start), ("SINKS", sinks)]

@@ -14,7 +14,13 @@ the float attention), the kernel ``default`` reads the Q8_0 blocks in its tiles,
 ``dequant_kv`` makes the round trip once with the q8_0 brick's kernels and runs the float
 attention kernel, and the composite ``dequant_kv_sdpa`` makes the same round trip, then the
 stock float attention (``mx.fast.scaled_dot_product_attention``, through the reference's
-masking and soft-cap); the tuner picks by measurement, as for float K/V."""
+masking and soft-cap); the tuner picks by measurement, as for float K/V.
+
+On ``cuda`` with 16-bit q/k/v (no Q8_0) of head_dim 64 / 128 / 192 / 256 the listing adds the
+fast family's variants (``cuda_src/attention_fa.cu``): ``fa_wg`` (wgmma, sm_90 only) and
+``fa_mma`` (mma.sync), each the first tile of its engine the GPU runs (``cuda.pick_fa_tile``).
+They are candidates only: the tuner keeps stock (cuDNN at head_dim <= 128) wherever stock is
+faster, and nothing runs them untuned (the prior keeps stock for attention)."""
 from __future__ import annotations
 
 import math
@@ -22,6 +28,7 @@ import math
 import mlx.core as mx
 
 from mlx_bricks import kernels
+from mlx_bricks.bricks.attention import cuda
 from mlx_bricks.bricks.attention.op import (
     DEFAULT_VARIANT,
     flash_attention_reference,
@@ -31,7 +38,8 @@ from mlx_bricks.bricks.attention.op import (
 from mlx_bricks.bricks.q8_0.op import dequantize_q8_0, quantize_q8_0
 from mlx_bricks.checks import dtype_name
 from mlx_bricks.formats.q8_0 import kv_dense
-from mlx_bricks.runtime.kind import Composite, Key, OpKind, flags, high_precision, register_kind
+from mlx_bricks.runtime.kind import (Composite, Key, OpKind, check_rows, flags, high_precision,
+                                     register_kind)
 from mlx_bricks.tune.buckets import attention_bucket
 
 #: Options that change the values and have no stock fast path (their stock is the brick's
@@ -97,13 +105,13 @@ class Attention(OpKind):
     def _options(args) -> dict:
         return {o: args.get(o) for o in _OPTIONS}
 
-    def brick(self, args, backend, kv=None):
+    def brick(self, args, backend, kv=None, variant=None):
         q, k, v, kv_quant = args["q"], args["k"], args["v"], args.get("kv_quant")
         if kv == "dequant":  # DEQUANT_KV: the round trip once, then the float kernel
             k, v, kv_quant = dense_kv(k, q.dtype, backend), dense_kv(v, q.dtype, backend), None
         return run_flash_attention(q, k, v, scale=args["scale"], mask=args.get("mask"),
                                    kv_quant=kv_quant, kv_start=args.get("kv_start"),
-                                   sinks=args.get("sinks"), backend=backend,
+                                   sinks=args.get("sinks"), backend=backend, variant=variant,
                                    **self._options(args))
 
     def stock(self, args):
@@ -132,11 +140,17 @@ class Attention(OpKind):
         names = variant_names(backend, dtype)
         if names and args is not None and args.get("kv_quant"):
             names = (*names, DEQUANT_KV)
+        if names and backend == "cuda" and args is not None and cuda.fa_applies(
+                args["q"], args["k"], args["v"], args.get("kv_quant")):
+            # the fast family (attention_fa.cu): its wgmma tile on sm_90, its mma.sync tile
+            names = (*names, *cuda.fa_variant_names(args["q"].shape[-1], args["v"].shape[-1]))
         return names
 
     def variant_kwargs(self, name):
         if name == DEQUANT_KV:
             return {"kv": "dequant"}
+        if name in (cuda.FA_WGMMA, cuda.FA_MMA):
+            return {"variant": name}
         if name != DEFAULT_VARIANT:
             raise ValueError(f"unknown attention variant {name!r}")
         return {}  # the kernel, selected by no argument
@@ -150,6 +164,16 @@ class Attention(OpKind):
 
     def tail(self, out, rows):
         return out[:, :, -rows:, :]
+
+    def check_stock(self, args):
+        """Stock for the last query rows :meth:`tail` reads, where the mask is None or
+        ``"causal"`` (bottom-right aligned: the last queries see the same keys) and stock is
+        MLX's fused attention; any other call's stock runs whole."""
+        if (args.get("mask") not in (None, "causal") or args.get("kv_quant") is not None
+                or any(self._options(args).values()) or args.get("kv_start") is not None):
+            return self.stock(args)
+        rows = check_rows(self.n_rows(args))
+        return self.stock(dict(args, q=args["q"][:, :, -rows:, :]))
 
     def reference_tail(self, args, rows):
         q, k, v = args["q"], args["k"], args["v"]

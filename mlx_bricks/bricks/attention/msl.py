@@ -25,7 +25,7 @@ kernels.register(kernels.KernelSpec(
     headers=("q8_0.h", "gemm.h", "attention.h"),
     ensure_row_contiguous=False,
     cuda_body="attention.cu",
-    cuda_headers=("mma.cuh", "attention.cuh"),
+    cuda_headers=("mma.cuh", "attention_common.cuh", "attention_stage.cuh", "attention.cuh"),
 ))
 
 

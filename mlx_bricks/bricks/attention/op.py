@@ -372,18 +372,35 @@ def flash_attention(q, k, v, *, scale, mask=None, window=None, softcap=None, kv_
                                backend=op_backend("flash_attention", backend))
 
 
+def _int32_start(kv_start, k):
+    """kv_start as int32, clipped to 0 .. Lk first (a wide or unsigned value must not wrap to
+    a small int32)."""
+    if kv_start is not None and kv_start.dtype != mx.int32:
+        kv_start = mx.clip(kv_start, 0, k[0].shape[2] if isinstance(k, tuple) else k.shape[2])
+        kv_start = kv_start.astype(mx.int32)
+    return kv_start
+
+
 def run_flash_attention(q, k, v, *, scale, mask=None, window=None, softcap=None, kv_quant=None,
-                        kv_start=None, sinks=None, backend: str):
+                        kv_start=None, sinks=None, backend: str, variant: str | None = None):
     """:func:`flash_attention` after its checks, on the resolved ``backend`` (what the tuner
-    and the Q8_0 cache call)."""
+    and the Q8_0 cache call). ``variant``: None (the kernel of ``attention.cu``), or on
+    ``cuda`` one of the fast family's (``cuda.FA_WGMMA``, ``cuda.FA_MMA`` or a tile name of
+    ``cuda.fa_tiles``: 16-bit q/k/v, no Q8_0 K/V; ValueError otherwise)."""
     name = backend
+    if variant is not None:
+        if name != "cuda" or not cuda.fa_applies(q, k, v, kv_quant):
+            raise ValueError(f"attention variant {variant!r} runs on cuda with 16-bit q/k/v of "
+                             f"head_dim in {cuda.FA_HEAD_DIMS} and no kv_quant")
+        return cuda.launch_attention_fa(q, k, v, scale=float(scale), causal=mask == "causal",
+                                        window=None if window is None else int(window),
+                                        softcap=None if softcap is None else float(softcap),
+                                        variant=variant, kv_start=_int32_start(kv_start, k),
+                                        sinks=sinks)
     scale = float(scale)
     softcap = None if softcap is None else float(softcap)
     window = None if window is None else int(window)
-    if kv_start is not None and kv_start.dtype != mx.int32:
-        # clipped first: a wide or unsigned value must not wrap to a small int32
-        kv_start = mx.clip(kv_start, 0, k[0].shape[2] if isinstance(k, tuple) else k.shape[2])
-        kv_start = kv_start.astype(mx.int32)
+    kv_start = _int32_start(kv_start, k)
     if name == "reference":
         return flash_attention_reference(q, k, v, scale=scale, mask=mask, window=window,
                                          softcap=softcap, kv_quant=kv_quant, kv_start=kv_start,

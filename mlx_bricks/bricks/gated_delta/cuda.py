@@ -10,6 +10,7 @@ def launch_gated_delta_cuda(q, k, v, g, beta, state):
     """Run the twin (arguments as ``msl.launch_gated_delta``, checked by the op). Returns
     ``(y, state)``."""
     y, s = launch("gated_delta", "cuda",
-                  shared_memory=shared_bytes(q.shape[-1], value_block(v.shape[-1])),
+                  shared_memory=shared_bytes(q.shape[-1], value_block(v.shape[-1]),
+                                             g.ndim == 4),
                   **launch_kwargs(q, k, v, g, beta, state))
     return y, s

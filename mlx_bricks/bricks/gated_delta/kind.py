@@ -6,9 +6,11 @@ on a Metal GPU, its token-by-token MLX-ops loop elsewhere).
 Arguments as the op takes them: ``q, k, v, g, beta`` and optionally ``state``, ``mask``. The
 key: Hk, Hv, Dk, Dv, the gating (``vec``: per key dim), whether a state and a mask come in; the
 bucket of the tokens ``B * T`` (``tune.buckets.m_bucket``); q's dtype. Kernel variant:
-``kernel`` (the MSL kernel on metal / emulator, its CUDA twin on cuda; a gate per head,
-Dk <= 128); one composite, ``chunked`` (the op's chunked form in MLX ops), offered on every backend,
-so on a machine without a kernel backend the tuner weighs it against stock's token loop.
+``kernel`` (the MSL kernel on metal / emulator, its CUDA twin on cuda; a gate per head or
+per key dim, Dk <= 128); two composites: ``chunked`` (the op's chunked form in MLX ops),
+offered on every backend, and ``blas`` (the same form in NumPy float32 through its BLAS),
+offered where MLX runs on the CPU; so on a machine without a kernel backend the tuner weighs
+both against stock's token loop.
 """
 from __future__ import annotations
 
@@ -16,8 +18,10 @@ import mlx.core as mx
 
 from mlx_bricks.bricks.gated_delta import msl
 from mlx_bricks.bricks.gated_delta.op import (
+    BLAS_CHUNK,
     CHUNK,
     gated_delta,
+    gated_delta_blas,
     gated_delta_chunked,
     gated_delta_stock,
 )
@@ -35,6 +39,18 @@ def _chunked(args, backend, settings):
     return gated_delta_chunked(*(args[n] for n in ("q", "k", "v", "g", "beta")),
                                *(args.get(n) for n in _OPTIONAL),
                                chunk=settings.get("chunk", CHUNK))
+
+
+def _blas(args, backend, settings):
+    return gated_delta_blas(*(args[n] for n in ("q", "k", "v", "g", "beta")),
+                            *(args.get(n) for n in _OPTIONAL),
+                            chunk=settings.get("blas_chunk", BLAS_CHUNK))
+
+
+def on_cpu(args, backend) -> bool:
+    """Whether MLX computes on the CPU here (the ``blas`` composite's condition: its NumPy
+    products would otherwise copy the arguments off the GPU and back)."""
+    return mx.default_device() == mx.cpu
 
 
 def sequential(q, k, v, g, beta, state=None, mask=None, *, dtype=mx.float32):
@@ -63,13 +79,25 @@ def sequential(q, k, v, g, beta, state=None, mask=None, *, dtype=mx.float32):
     return mx.stack(ys, axis=1), S
 
 
-#: The fewest tokens (B x T) from which ``tune="cached"`` runs the chunked composite without a
-#: measurement, per backend. On the CPU against mlx-lm's token loop (16/32 heads of 128, bf16,
-#: CPU seconds): x0.95 at 16 tokens, x1.95 at 32, x2.2 at 64, x2.0 at 512 (2026-12-05;
-#: bench/results/2026-12-05-cpu-gated-delta.json). CUDA: stock is the same token loop there
+#: The composite and the fewest tokens (B x T) from which ``tune="cached"`` runs it without a
+#: measurement, per backend. On the CPU, ``blas`` against mlx-lm's token loop (bf16, CPU
+#: seconds, one OpenBLAS thread, 2026-12-06): 16/32 heads of 128, a gate per head: x1.2 at 8
+#: tokens, x3.4 at 16, x7.2 at 32, x7.7 at 64; 32 heads of 128, a gate per key dim: x1.05 at 8,
+#: x2.2 at 16, x4.2 at 32, x4.0 at 64 (the MLX-ops ``chunked`` composite: x2.0 at 512 with a
+#: gate per head, x1.0 with a gate per key dim). CUDA: stock is the same token loop there
 #: (about ten op launches per token and layer) against about fifteen per 32-token chunk; not
-#: measured yet, so from 64 tokens. Metal: stock is mlx-lm's own kernel: stock until measured.
-PRIOR_MIN_TOKENS = {"reference": 32, "cuda": 64}
+#: measured yet, so ``chunked`` from 64 tokens. Metal: stock is mlx-lm's own kernel: stock
+#: until measured.
+PRIOR_MIN_TOKENS = {"reference": ("blas", 16), "cuda": ("chunked", 64)}
+#: Seconds per prompt token and state element (Hv x Dk x Dv) of one layer that the brick saves
+#: against stock's token loop once warm: H100, T = 2,048, 32 x 128 x 128: stock 0.173 s, the
+#: kernel 0.0034 s (bench/results/2026-12-06-h100-gated-delta.json); 0.17 s / 2,048 / 524,288.
+#: The prior runs the chunked composite (no build), not yet timed on a GPU: the same rate is
+#: assumed (stock's loop is the cost; both forms are a few launches per chunk).
+SAVED_S_PER_TOKEN_STATE = {"cuda": 1.58e-10}
+#: Tokens of the first-call check (:meth:`GatedDelta.check_call`): several chunks of the
+#: kernel (16 tokens in the MSL kernel) and of the composite (:data:`CHUNK`).
+CHECK_TOKENS = 160
 
 
 class GatedDelta(OpKind):
@@ -79,17 +107,17 @@ class GatedDelta(OpKind):
     name = "gated_delta"
     op_name = "gated_delta"
     activations = ("q", "k", "v")
-    composites = (Composite("chunked", _chunked),)
+    composites = (Composite("chunked", _chunked), Composite("blas", _blas, applies=on_cpu))
 
     def prior(self, args, backend):
-        """``tune="cached"`` without a measurement: the chunked composite from
-        :data:`PRIOR_MIN_TOKENS` tokens (B x T) on a backend listed there, else defer (stock).
-        """
-        min_tokens = PRIOR_MIN_TOKENS.get(backend)
-        if min_tokens is None:
+        """``tune="cached"`` without a measurement: the composite of :data:`PRIOR_MIN_TOKENS`
+        from its tokens (B x T) on a backend listed there (where it applies), else defer
+        (stock)."""
+        name, min_tokens = PRIOR_MIN_TOKENS.get(backend, (None, 0))
+        if name is None or (name == "blas" and not on_cpu(args, backend)):
             return None
         m = self.measured(args)
-        return "chunked" if m.get("T", 0) * m.get("batch", 1) >= min_tokens else "stock"
+        return name if m.get("T", 0) * m.get("batch", 1) >= min_tokens else "stock"
 
     def key(self, args):
         q, v, g = args["q"], args["v"], args["g"]
@@ -159,6 +187,21 @@ class GatedDelta(OpKind):
         if args.get("mask") is not None:
             out["mask"] = mx.ones((B, T), dtype=mx.bool_)
         return out
+
+    def check_call(self, args):
+        """The first :data:`CHECK_TOKENS` tokens of the call (state in, mask rows too): the
+        recurrence is causal, so its output there is the call's, and the reference and stock
+        (mlx-lm's token loop) then run a few chunks instead of the whole prompt. Two chunks
+        of the kernel's own size at least: the state handed from one chunk to the next is
+        checked too."""
+        T = args["q"].shape[1]
+        if T <= CHECK_TOKENS:
+            return args
+        cut = dict(args)
+        for n in ("q", "k", "v", "g", "beta", "mask"):
+            if args.get(n) is not None:
+                cut[n] = args[n][:, :CHECK_TOKENS]
+        return cut
 
     def tail(self, out, rows):
         y, S = out

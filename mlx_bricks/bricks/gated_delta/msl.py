@@ -7,11 +7,15 @@ import mlx.core as mx
 
 from mlx_bricks import kernels
 
-#: Tokens per chunk of the kernel, value columns per threadgroup, threads per threadgroup.
+#: Tokens per chunk of the kernel (a gate per head: the (C x C) products on one 8x8 tile per
+#: SIMD-group; a gate per key dim: those products pair by pair, cheaper per token at 8, and the
+#: decays per key dim in threadgroup memory), threads per threadgroup.
 CHUNK = 16
+VEC_CHUNK = 8
 THREADS = 128
 #: Largest key head dim: the chunk's keys and queries and the state slice live in threadgroup
-#: memory (30.4 KB of Apple GPUs' 32 KB at DK = 128, C = 16, 16 value columns).
+#: memory (at DK = 128 and 16 value columns: 30.4 KB of Apple GPUs' 32 KB with a gate per head
+#: at C = 16, 23.8 KB with a gate per key dim at C = 8).
 MAX_DK = 128
 
 kernels.register(kernels.KernelSpec(
@@ -24,12 +28,19 @@ kernels.register(kernels.KernelSpec(
 ))
 
 
-def shared_bytes(Dk: int, dvb: int, chunk: int = CHUNK) -> int:
+def chunk_of(vec: bool) -> int:
+    """The kernel's tokens per chunk for a gate per key dim (``vec``) or per head."""
+    return VEC_CHUNK if vec else CHUNK
+
+
+def shared_bytes(Dk: int, dvb: int, vec: bool = False) -> int:
     """Threadgroup (shared) memory of the kernel, bytes: the chunk's keys and queries (rows
-    padded by one float against bank conflicts), the
-    state slice, four (C, DVB) and two (C, C) float tiles, the chunk's log decays, betas and
-    decays from its start and to its end."""
-    return 4 * (2 * chunk * (Dk + 1) + Dk * dvb + 4 * chunk * dvb + 2 * chunk * chunk + 4 * chunk)
+    padded by one float against bank conflicts), the state slice, four (C, DVB) and two (C, C)
+    float tiles, the chunk's log decays, betas and decays from its start and to its end; with
+    a gate per key dim (``vec``) also the (C, Dk) log decays and the last token's."""
+    c = chunk_of(vec)
+    floats = 2 * c * (Dk + 1) + Dk * dvb + 4 * c * dvb + 2 * c * c + 4 * c
+    return 4 * (floats + (c * (Dk + 1) + Dk if vec else 0))
 
 
 def value_block(Dv: int) -> int | None:
@@ -41,11 +52,9 @@ def value_block(Dv: int) -> int | None:
 
 
 def kernel_reason(q, v, g) -> str | None:
-    """Why the kernel does not compute these arguments (None: it does): per-key-dim gates,
-    a key head dim above :data:`MAX_DK` or not a multiple of 8 (8x8 tiles), a value head dim
-    not a multiple of 8."""
-    if g.ndim == 4:
-        return "per-key-dim gates (g of shape (B, T, Hv, Dk)): the kernel takes a gate per head"
+    """Why the kernel does not compute these arguments (None: it does): a key head dim above
+    :data:`MAX_DK` or not a multiple of 8 (8x8 tiles), a value head dim not a multiple of 8.
+    Gates per head and per key dim both run it."""
     if q.shape[-1] == 0 or v.shape[-1] == 0:  # kernel review: no tile to compute
         return f"empty head dim (Dk {q.shape[-1]}, Dv {v.shape[-1]})"
     if q.shape[-1] > MAX_DK:
@@ -63,6 +72,7 @@ def launch_kwargs(q, k, v, g, beta, state) -> dict:
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
     dvb = value_block(Dv)
+    vec = g.ndim == 4
     return dict(
         inputs=[q, k, v, g.astype(mx.float32), beta.astype(mx.float32),
                 state.astype(mx.float32), mx.array([T], mx.int32)],
@@ -70,13 +80,13 @@ def launch_kwargs(q, k, v, g, beta, state) -> dict:
         output_shapes=[(B, T, Hv, Dv), (B, Hv, Dv, Dk)],
         output_dtypes=[q.dtype, mx.float32],
         template=[("InT", q.dtype), ("DK", Dk), ("DV", Dv), ("HK", Hk), ("HV", Hv),
-                  ("C", CHUNK), ("DVB", dvb), ("NT", THREADS)],
+                  ("C", chunk_of(vec)), ("DVB", dvb), ("NT", THREADS), ("VEC", int(vec))],
     )
 
 
 def launch_gated_delta(q, k, v, g, beta, state, *, backend: str):
     """Run the kernel on ``backend`` (metal or emulator); arguments checked by the op
-    (scalar gates, Dk <= MAX_DK, Dv a multiple of 8, a float32 state). Returns
+    (Dk <= MAX_DK, Dv a multiple of 8, a float32 state). Returns
     ``(y, state)``."""
     y, s = kernels.launch("gated_delta", backend, **launch_kwargs(q, k, v, g, beta, state))
     return y, s

@@ -1,63 +1,37 @@
-"""The Gated DeltaNet brick's public op: the gated delta rule over a prefill, in chunks.
+"""The Gated DeltaNet brick's public op: the gated delta rule over a prefill, in chunks, with a
+decay per head (Gated DeltaNet) or per key dim (Kimi Delta Attention).
 
-The recurrence (per value head; state ``S`` of shape (Dv, Dk), mlx-lm's layout) is, for each
-token t::
+The recurrence, per value head and token (state ``S`` (Dv, Dk), mlx-lm's layout)::
 
-    S = g_t * S                      (g_t a scalar, or a (Dk,) vector scaling S's columns)
-    S = S + beta_t * (v_t - S k_t) k_t^T
-    y_t = S q_t
+    S = S diag(g_t);  S = S + beta_t (v_t - S k_t) k_t^T;  y_t = S q_t
 
 as mlx-lm 0.32.2's ``gated_delta_update`` runs it token by token (``models/gated_delta.py``).
-The chunked form (Yang, Kautz, Hatamizadeh 2024, "Gated Delta Networks: Improving Mamba2 with
-Delta Rule", section 3 and appendix; the WY / UT representation of Householder products) turns
-it into matrix products: within a chunk of C tokens, with ``G_t`` the decay from the chunk's
-start to token t (a cumulative product) and ``S0`` the state at the chunk's start, the state
-after token t is ``G_t S0 + sum_{i<=t} (G_t / G_i) u_i k_i^T`` where the pseudo-values ``u``
-solve the unit lower-triangular system ``(I + diag(beta) A) U = diag(beta) (V - diag(G) K S0^T)``
-with ``A_ti = (G_t / G_i) k_t . k_i`` for i < t. So per chunk: ``T = (I + diag(beta) A)^-1``
-(one triangular inverse per chunk and head), ``W_v = T diag(beta) V`` and
-``W_k = T diag(beta G) K`` (independent of the state, all chunks at once), then the only
-sequential part, the inter-chunk state recurrence in float32::
-
-    U = W_v - W_k S0^T;  S1 = G_C S0 + U^T (K * G_C / G)
-
-and the outputs ``Y = diag(G) Q S0^T + (tril(Q K^T * G_t / G_i)) U`` (all chunks at once).
-Decay ratios are formed as ``exp(log G_t - log G_i)`` over the causal triangle only, so they
-never overflow; a decay of exactly 0 is floored at ``exp(LOG_DECAY_FLOOR)``.
+The chunked form and its sources: ``chunked.py`` (one algorithm over MLX ops or NumPy).
 """
 from __future__ import annotations
 
-import math
+import contextlib
+import functools
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_bricks.backends import op_backend
 from mlx_bricks.bricks.gated_delta import msl
+from mlx_bricks.bricks.gated_delta.chunked import LEAF, MLX, NUMPY, chunked
 from mlx_bricks.checks import check_array, check_float_dtype, dtype_name
 
-#: Tokens per chunk of the composite. The state products cost 3 * 2 * Dk * Dv flops per token
-#: whatever the chunk, the intra-chunk ones about 8 * C * D: smaller chunks do less work but
-#: more sequential steps. MLX 0.32.4's CPU build (reference BLAS, ~5 GFLOP/s of CPU time), a
-#: Qwen3.5-shaped layer (16/32 heads of 128, 512 tokens, bf16), CPU seconds: C=16 0.40,
+#: Tokens per chunk of the MLX-ops composite. The state products cost 3 * 2 * Dk * Dv flops per
+#: token whatever the chunk, the intra-chunk ones about 8 * C * D: smaller chunks do less work
+#: but more sequential steps. MLX 0.32.4's CPU build (reference BLAS, ~5 GFLOP/s of CPU time),
+#: a Qwen3.5-shaped layer (16/32 heads of 128, 512 tokens, bf16), CPU seconds: C=16 0.40,
 #: C=32 0.44, C=64 0.54, stock's token loop 0.87 (2026-12-05; flash-linear-attention uses 64
 #: on GPUs).
 CHUNK = 32
-#: Per-token log-decay floor: a decay g below exp(-60) ~ 1e-26 (0 included) is taken as
-#: exp(-60); the state it multiplies is then below float32's resolution of any kept value.
-LOG_DECAY_FLOOR = -60.0
-#: Decay factors below exp(-16) ~ 1.1e-7, float32's epsilon (from one token to another, or to a
-#: chunk's edge), are taken as 0, and so are entries of the triangular inverse below
-#: :data:`INVERSE_FLUSH`: what they scale is then below float32's resolution of the values it
-#: adds to, and left in, their products reach float32's subnormal range, where x86 arithmetic
-#: is many times slower (a Qwen3.5-shaped layer with model-like decays, mlx-lm's A in [1, 16],
-#: ran 3-4x slower before this).
-LOG_DECAY_FLUSH = -16.0
-INVERSE_FLUSH = 1e-12
-
-
-def _decay(x):
-    """exp(x) for log decays x <= 0, with x < LOG_DECAY_FLUSH (and -inf) giving exactly 0."""
-    return mx.exp(mx.where(x < LOG_DECAY_FLUSH, -math.inf, x))
+#: Tokens per chunk of the NumPy composite (``blas``): this CPU, 512 tokens, CPU seconds
+#: (2026-12-06): Qwen3.5-shaped C=32 0.126, 64 0.14, 128 0.20; Kimi-Linear-shaped C=32 0.215,
+#: 64 0.23, 128 0.31.
+BLAS_CHUNK = 32
 
 
 def check_gated_delta_args(q, k, v, g, beta, state=None, mask=None) -> tuple:
@@ -108,122 +82,76 @@ def check_gated_delta_args(q, k, v, g, beta, state=None, mask=None) -> tuple:
     return B, T, Hk, Hv, Dk, Dv, vectorized
 
 
-def _chunks(x, n: int, c: int, pad: int, value: float = 0.0):
-    """(B, T, H, ...) -> (B, H, N, C, ...) float32, T padded at the end with ``value``."""
-    x = x.astype(mx.float32)
-    if pad:
-        widths = [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
-        x = mx.pad(x, widths, constant_values=value)
-    B, _, H = x.shape[:3]
-    x = x.reshape(B, n, c, H, *x.shape[3:])
-    return x.transpose(0, 3, 1, 2, *range(4, x.ndim))
+def gated_delta_chunked(q, k, v, g, beta, state=None, mask=None, *, chunk: int = CHUNK,
+                        leaf: int = LEAF):
+    """The gated delta rule in chunks, in MLX ops (the brick's ``chunked`` composite; the
+    algorithm: ``chunked.py``).
 
-
-def _causal_bias(c: int):
-    """(C, C) float32: 0 on and below the diagonal, -inf above (added before an exp)."""
-    causal = mx.tril(mx.ones((c, c), dtype=mx.bool_))
-    return mx.where(causal, 0.0, -math.inf).astype(mx.float32)
-
-
-def _ratios(L, bias):
-    """exp(L_t - L_i) on and below the diagonal, 0 above, for L (..., C) (scalar gate): the
-    upper triangle is set to -inf before the exp, so a ratio above 1 (never needed) cannot
-    overflow."""
-    return _decay(L[..., :, None] - L[..., None, :] + bias)
-
-
-def _pair_products(x, y, L, bias):
-    """sum_d x_td y_id exp(L_td - L_id) on and below the diagonal, 0 above: the per-key-dim
-    (vectorized) gate's decayed products, for x, y, L (..., C, Dk)."""
-    d = _decay(L[..., :, None, :] - L[..., None, :, :] + bias[..., None])
-    return (x[..., :, None, :] * y[..., None, :, :] * d).sum(-1)
-
-
-def gated_delta_chunked(q, k, v, g, beta, state=None, mask=None, *, chunk: int = CHUNK):
-    """The gated delta rule in chunks, in MLX ops (the brick's composite; module docstring).
-
-    Args and returns as :func:`gated_delta` (arguments not re-checked). The triangular inverse
-    runs on the CPU stream (MLX's ``linalg.tri_inv`` has no GPU kernel); the rest on the
-    default device. Per-key-dim gates (g of shape (B, T, Hv, Dk)) build their decayed products
-    one chunk at a time (a (C, C, Dk) tensor per head).
-
-    Source: Yang, Kautz, Hatamizadeh 2024 (Gated Delta Networks), the chunkwise form.
+    Args and returns as :func:`gated_delta` (arguments not re-checked); ``leaf``: see
+    ``chunked.decayed_products``. The triangular inverse runs on the CPU stream (MLX's
+    ``linalg.tri_inv`` has no GPU kernel); the rest on the default device, lazily.
     """
-    B, T, Hk, Dk = q.shape
-    Hv, Dv = v.shape[2:]
-    if T == 0:  # no token: no output, the state passes through (as the kernels do)
-        S = (mx.zeros((B, Hv, Dv, Dk), mx.float32) if state is None
-             else state.astype(state.dtype))
-        return mx.zeros((B, 0, Hv, Dv), q.dtype), S
-    r = Hv // Hk
-    vectorized = g.ndim == 4
-    c = int(chunk)
-    pad = (-T) % c
-    n = (T + pad) // c
-    f32 = mx.float32
-    g = g.astype(f32)
-    beta = beta.astype(f32)
-    if mask is not None:  # a masked token leaves the state as it is (decay 1, no write)
-        m = mask[:, :, None, None] if vectorized else mask[:, :, None]
-        g = mx.where(m, g, 1.0)
-        beta = mx.where(mask[:, :, None], beta, 0.0)
-    lg = mx.maximum(mx.log(g), LOG_DECAY_FLOOR)
-    # key side (B, Hk, 1, N, C, Dk), value side (B, Hk, r, N, C, ...): GQA by broadcasting
-    Q = _chunks(q, n, c, pad)[:, :, None]
-    K = _chunks(k, n, c, pad)[:, :, None]
-    V = _chunks(v.reshape(B, T, Hk, r, Dv), n, c, pad)  # (B, Hk, N, C, r, Dv)
-    V = V.transpose(0, 1, 4, 2, 3, 5)
-    beta = _chunks(beta.reshape(B, T, Hk, r), n, c, pad).transpose(0, 1, 4, 2, 3)
-    if vectorized:
-        lg = _chunks(lg.reshape(B, T, Hk, r, Dk), n, c, pad).transpose(0, 1, 4, 2, 3, 5)
-    else:
-        lg = _chunks(lg.reshape(B, T, Hk, r), n, c, pad).transpose(0, 1, 4, 2, 3)[..., None]
-    L = mx.cumsum(lg, axis=-2)  # (B, Hk, r, N, C, 1 | Dk): log decay from the chunk's start
-    L_end = L[..., -1:, :]
-    gam = _decay(L)
-    Kd = K * _decay(L_end - L)  # keys decayed to the chunk's end (ratios <= 1)
-    causal = _causal_bias(c)
-    strict = mx.tril(mx.ones((c, c), dtype=f32), -1)
-    if vectorized:
-        A, QK = [], []
-        for j in range(n):  # (C, C, Dk) per head and chunk: one chunk at a time
-            Kj, Lj = K[:, :, :, j], L[:, :, :, j]
-            A.append(_pair_products(Kj, Kj, Lj, causal) * strict)
-            QK.append(_pair_products(Q[:, :, :, j], Kj, Lj, causal))
-        A, QK = mx.stack(A, axis=3), mx.stack(QK, axis=3)
-    else:
-        ratio = _ratios(L[..., 0], causal)  # one exp per pair, shared by A and QK
-        A = (K @ K.swapaxes(-1, -2)) * (ratio * strict)
-        QK = (Q @ K.swapaxes(-1, -2)) * ratio
-    eye = mx.eye(c, dtype=f32)
-    Tinv = mx.linalg.tri_inv(eye + beta[..., None] * A, upper=False, stream=mx.cpu)
-    Tinv = mx.where(mx.abs(Tinv) < INVERSE_FLUSH, 0.0, Tinv)
-    # W_v and W_k in one product: T [beta V | beta G K]
-    bV = beta[..., None] * V
-    W = Tinv @ mx.concatenate([bV, (beta[..., None] * gam) * K], axis=-1)
-    Wv = W[..., :Dv]
-    # [W_k; G Q] against the chunk's start state in one product per chunk
-    WQ = mx.concatenate([W[..., Dv:], Q * gam], axis=-2)  # (B, Hk, r, N, 2C, Dk)
-    decay_end = _decay(L_end[..., 0, :])[..., :, None]  # (B, Hk, r, N, 1 | Dk, 1)
-    # the state as (B, Hk, r, Dk, Dv): S^T of mlx-lm's (B, Hv, Dv, Dk)
-    if state is None:
-        S = mx.zeros((B, Hk, r, Dk, Dv), dtype=f32)
-    else:
-        S = state.astype(f32).reshape(B, Hk, r, Dv, Dk).swapaxes(-1, -2)
-    us, inter = [], []
-    for j in range(n):
-        P = WQ[:, :, :, j] @ S
-        u = Wv[:, :, :, j] - P[..., :c, :]
-        us.append(u)
-        inter.append(P[..., c:, :])
-        S = decay_end[:, :, :, j] * S + Kd[:, :, :, j].swapaxes(-1, -2) @ u
-    Y = mx.stack(inter, axis=3) + QK @ mx.stack(us, axis=3)  # (B, Hk, r, N, C, Dv)
-    y = Y.reshape(B, Hv, n * c, Dv)[:, :, :T].transpose(0, 2, 1, 3)
-    if mask is not None:
-        y = mx.where(mask[:, :, None, None], y, 0.0)
-    out_dtype = f32 if state is None else state.dtype
-    S = S.swapaxes(-1, -2).reshape(B, Hv, Dv, Dk).astype(out_dtype)
-    return y.astype(q.dtype), S
+    y, S = chunked(MLX, q, k, v, g, beta, state, mask, chunk=chunk, leaf=leaf)
+    return y.astype(q.dtype), S.astype(mx.float32 if state is None else state.dtype)
+
+
+def gated_delta_blas(q, k, v, g, beta, state=None, mask=None, *, chunk: int = BLAS_CHUNK,
+                     leaf: int = LEAF):
+    """The same chunked form in NumPy float32 (the brick's ``blas`` composite, for the CPU):
+    its matrix products run NumPy's BLAS (OpenBLAS in the wheels), several times MLX 0.32.4's
+    CPU matmuls (the reference BLAS for float32; its own loops for half types).
+
+    Eager: the arguments are evaluated and copied to NumPy, the outputs copied back (no lazy
+    graph across the op). NumPy's OpenBLAS runs one thread meanwhile (:func:`one_blas_thread`).
+    Args and returns as :func:`gated_delta`.
+    """
+    def host(a):
+        return None if a is None else np.asarray(a.astype(mx.float32) if a.dtype != mx.bool_
+                                                 else a)
+
+    with np.errstate(divide="ignore"), one_blas_thread():  # log(0): floored in chunked()
+        y, S = chunked(NUMPY, *map(host, (q, k, v, g, beta, state, mask)), chunk=chunk,
+                       leaf=leaf)
+    return (mx.array(y).astype(q.dtype),
+            mx.array(S).astype(mx.float32 if state is None else state.dtype))
+
+
+@functools.lru_cache(maxsize=1)
+def _openblas_threads():
+    """``(get, set)`` of the thread count of NumPy's bundled OpenBLAS (the Linux wheels'
+    ``numpy.libs/libscipy_openblas*``), or None where NumPy has another BLAS."""
+    import ctypes
+    import glob
+    import os
+
+    libs = os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs")
+    for path in sorted(glob.glob(os.path.join(libs, "libscipy_openblas*.so*"))):
+        lib = ctypes.CDLL(path)  # the library NumPy loaded: same file, same handle
+        get = getattr(lib, "scipy_openblas_get_num_threads64_", None)
+        put = getattr(lib, "scipy_openblas_set_num_threads64_", None)
+        if get is not None and put is not None:
+            return get, put
+    return None
+
+
+@contextlib.contextmanager
+def one_blas_thread():
+    """Within the block NumPy's OpenBLAS runs one thread (restored after; no effect where NumPy
+    has another BLAS). The composite's products are small (a (C, Dk) by (Dk, Dv) product per
+    head and chunk): more threads only add their synchronisation, and on a loaded 2-core x86
+    machine two OpenBLAS threads made it 3x slower in wall time (Qwen3.5-shaped layer, 512
+    tokens, bf16: 1.34 s vs 0.45 s; stock's token loop 1.66 / 2.59 s, 2026-12-06)."""
+    fns = _openblas_threads()
+    if fns is None:
+        yield
+        return
+    get, put = fns
+    n = get()
+    put(1)
+    try:
+        yield
+    finally:
+        put(n)
 
 
 def gated_delta(q, k, v, g, beta, state=None, mask=None, *, chunk: int = CHUNK,
@@ -248,7 +176,7 @@ def gated_delta(q, k, v, g, beta, state=None, mask=None, *, chunk: int = CHUNK,
             ``msl.CHUNK``).
         backend: ``None`` (auto) or a name of ``mlx_bricks.backends.BACKENDS``: ``metal`` /
             ``emulator`` run the MSL kernel, ``cuda`` its twin, where the kernel computes the
-            arguments (``msl.kernel_reason``: a gate per head, Dk <= 128, Dv a multiple of
+            arguments (``msl.kernel_reason``: Dk <= 128 and a multiple of 8, Dv a multiple of
             8); ``reference`` and the other cases run the chunked composite in MLX ops.
 
     Returns:
@@ -275,7 +203,8 @@ def run_kernel(q, k, v, g, beta, state=None, mask=None, *, backend: str):
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
     if mask is not None:
-        g = mx.where(mask[:, :, None], g.astype(mx.float32), 1.0)
+        keep = mask[:, :, None, None] if g.ndim == 4 else mask[:, :, None]
+        g = mx.where(keep, g.astype(mx.float32), 1.0)
         beta = mx.where(mask[:, :, None], beta.astype(mx.float32), 0.0)
     s = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32) if state is None else state
     if backend == "cuda":

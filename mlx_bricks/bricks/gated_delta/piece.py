@@ -6,9 +6,10 @@ whose prefill runs its own projections, causal conv1d + SiLU, q/k normalisation 
 then its own gated RMSNorm and out-projection; the cache's conv state and recurrent state are
 written as the module writes them.
 
-Only the classes in :func:`known_classes` are patched (their forward is the one this file
-follows); any other module whose ``__call__`` calls ``gated_delta_update`` (kimi_linear,
-olmo_hybrid, bailing_moe_v3, ...) stays stock with the reason.
+Only the classes in :func:`known_classes` are patched by this piece (their forward is the one
+this file follows); kimi_linear, kimi_k3, bailing_moe_v3 and olmo_hybrid have their pieces in
+``mixers.py``; any other module whose ``__call__`` calls ``gated_delta_update`` (a subclass
+included) stays stock with the reason.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def gdn_reason(module, dtype=None) -> str | None:
     if projections is None:
         return (f"{cls.__module__}.{cls.__name__}: a {MIXER} forward the "
                 "patch does not know (patched: qwen3_5 GatedDeltaNet, qwen3_next "
-                "Qwen3NextGatedDeltaNet)")
+                "Qwen3NextGatedDeltaNet, and those of bricks/gated_delta/mixers.py)")
     if getattr(module, "sharding_group", None) is not None:
         return "tensor-parallel (sharding_group set): stock keeps the all-sums"
     for name in (*projections, "out_proj"):
@@ -81,16 +82,18 @@ def gdn_reason(module, dtype=None) -> str | None:
     return None
 
 
-def cache_reason(cache) -> str | None:
-    """Why the call's cache is not one the piece writes as the module does (None: it is)."""
+def cache_reason(cache, entries: tuple[str, ...] = ("conv", "recurrent")) -> str | None:
+    """Why the call's cache is not one the piece writes as the module does (None: it is): an
+    ``ArraysCache`` of ``entries`` (what the module keeps in each slot)."""
     if cache is None:
         return None
     from mlx_lm.models.cache import ArraysCache
 
     if not isinstance(cache, ArraysCache):
         return f"cache {type(cache).__name__} is not an ArraysCache"
-    if len(cache.cache) != 2:
-        return f"ArraysCache of {len(cache.cache)} entries, expected 2 (conv, recurrent)"
+    if len(cache.cache) != len(entries):
+        return (f"ArraysCache of {len(cache.cache)} entries, expected {len(entries)} "
+                f"({', '.join(entries)})")
     return None
 
 
@@ -178,13 +181,26 @@ class GatedDeltaPiece:
         """Whether ``module`` is a Gated DeltaNet mixer (known to this piece or not)."""
         return calls_gated_delta(module)
 
+    def prior_saving(self, module, backend: str) -> float:
+        """Seconds per prompt token this mixer's prefill saves on ``backend`` once warm
+        (``tune.prior.saved_s_per_token``; ``kind.SAVED_S_PER_TOKEN_STATE`` per state
+        element), 0 where nothing was measured."""
+        from mlx_bricks.bricks.gated_delta.kind import SAVED_S_PER_TOKEN_STATE
+
+        _, hv, dk, dv, _ = self.heads(module)
+        return SAVED_S_PER_TOKEN_STATE.get(backend, 0.0) * hv * dk * dv
+
     def call_reason(self, module, inputs, call) -> str | None:
         """Why this call's mask or cache is not one the piece follows (None: it is)."""
         mask = call["mask"]
         if mask is not None and (not isinstance(mask, mx.array) or mask.dtype != mx.bool_
                                  or tuple(mask.shape) != tuple(inputs.shape[:2])):
             return "mask is not a (B, L) bool array"
-        return cache_reason(call["cache"])
+        return cache_reason(call["cache"], self.cache_entries(module))
+
+    def cache_entries(self, module) -> tuple[str, ...]:
+        """What ``module`` keeps in each slot of its ``ArraysCache``."""
+        return ("conv", "recurrent")
 
     def shape_key(self, module, inputs, call) -> tuple:
         return (inputs.shape, inputs.dtype, call["mask"] is not None, call["cache"] is None)
@@ -204,16 +220,22 @@ class GatedDeltaPiece:
     def reason(self, module, layout=None, dtype=None) -> str | None:
         return gdn_reason(module, dtype)
 
+    def heads(self, module) -> tuple[int, int, int, int, bool]:
+        """``(Hk, Hv, Dk, Dv, vec)``: the recurrence's heads and head dims, and whether its gate
+        is per key dim."""
+        return (module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim,
+                False)
+
     def placeholders(self, module, inputs, call) -> dict:
         """The kind's arguments as shapes (``runtime.kind.Act``) for the dispatcher's key."""
         from mlx_bricks.runtime.kind import Act
 
         mask = call["mask"]
         B, S, _ = inputs.shape
-        Hk, Hv = module.num_k_heads, module.num_v_heads
-        Dk, Dv = module.head_k_dim, module.head_v_dim
+        Hk, Hv, Dk, Dv, vec = self.heads(module)
         return {"q": Act((B, S, Hk, Dk), inputs.dtype), "k": Act((B, S, Hk, Dk), inputs.dtype),
-                "v": Act((B, S, Hv, Dv), inputs.dtype), "g": Act((B, S, Hv), mx.float32),
+                "v": Act((B, S, Hv, Dv), inputs.dtype),
+                "g": Act((B, S, Hv, Dk) if vec else (B, S, Hv), mx.float32),
                 "beta": Act((B, S, Hv), inputs.dtype),
                 "state": Act((B, Hv, Dv, Dk), mx.float32),
                 "mask": None if mask is None else Act((B, S), mx.bool_)}

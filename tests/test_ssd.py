@@ -1,0 +1,277 @@
+"""SSD brick: Mamba-2's chunked selective state space against a float64 sequential reference.
+
+The reference is the recurrence of mlx-lm's ``ssm_update`` token by token in float64 numpy
+(time steps formed in float64 too); the naive same-dtype comparison is mlx-lm's own
+``ssm_attn`` (steps of 256, its C.B product in the input dtype) with the dtype-scaled rule of
+tests/tolerance.py.
+"""
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_bricks.bricks.ssd.op import CHUNK, ssd, ssd_chunked, ssd_gates, ssd_stock
+from tests.tolerance import assert_dtype_close
+
+F16, BF16, F32 = mx.float16, mx.bfloat16, mx.float32
+INF = float("inf")
+
+
+def ssd64(x, dt, A_log, B, C, D=None, dt_bias=None, state=None, mask=None,
+          time_step_limit=(0.001, 100.0)):
+    """The recurrence in float64 numpy: S (batch, H, P, N); per token dt = clip(softplus(dt +
+    bias)), S = exp(dt A) S + dt x B^T, y = S C + D x; masked tokens keep S (dt = 0)."""
+    x, dt, A_log, B, C = (np.asarray(a, np.float64) for a in (x, dt, A_log, B, C))
+    b, T, H, P = x.shape
+    G, N = B.shape[2:]
+    r = H // G
+    B, C = np.repeat(B, r, axis=2), np.repeat(C, r, axis=2)
+    if dt_bias is not None:
+        dt = dt + np.asarray(dt_bias, np.float64)
+    dt = np.clip(np.logaddexp(dt, 0.0), *time_step_limit)
+    if mask is not None:
+        dt = np.where(np.asarray(mask)[..., None], dt, 0.0)
+    A = -np.exp(A_log)
+    S = np.zeros((b, H, P, N)) if state is None else np.asarray(state, np.float64).copy()
+    y = np.zeros((b, T, H, P))
+    for t in range(T):
+        S = np.exp(dt[:, t] * A)[..., None, None] * S + \
+            (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None, :]
+        y[:, t] = np.einsum("bhpn,bhn->bhp", S, C[:, t])
+    if D is not None:
+        y = y + x * np.asarray(D, np.float64)[None, None, :, None]
+    return y, S
+
+
+def inputs(b=1, T=70, H=4, P=16, G=2, N=32, dtype=F32, seed=0, state=True, D=True,
+           step=(0.001, 0.1)):
+    """Model-like inputs: x, B, C normal; raw time steps normal around a dt_bias whose
+    softplus is uniform in ``step``; A in [1, 16]; D normal; a random float32 state."""
+    rng = np.random.default_rng(seed)
+    f = lambda *s: rng.standard_normal(s)  # noqa: E731
+    arr = lambda a, dt=dtype: mx.array(np.asarray(a, np.float32)).astype(dt)  # noqa: E731
+    return dict(x=arr(f(b, T, H, P)), dt=arr(f(b, T, H) * 0.5, F32),
+                A_log=arr(np.log(rng.uniform(1, 16, H)), F32),
+                B=arr(f(b, T, G, N)), C=arr(f(b, T, G, N)),
+                D=arr(f(H)) if D else None,
+                dt_bias=arr(np.log(np.expm1(rng.uniform(*step, H))), F32),
+                state=arr(f(b, H, P, N) * 0.5, F32) if state else None)
+
+
+def to64(args):
+    return {n: None if a is None else np.array(a.astype(F32)) for n, a in args.items()}
+
+
+def check(args, *, chunk=CHUNK, mask=None, limit=(0.001, 100.0), backend="reference",
+          what=""):
+    y, S = ssd(**args, mask=mask, chunk=chunk, time_step_limit=limit, backend=backend)
+    y64, S64 = ssd64(**to64(args), mask=None if mask is None else np.array(mask),
+                     time_step_limit=limit)
+    ny, nS = ssd_stock(**args, mask=mask, time_step_limit=limit)
+    if mask is not None:  # y at masked tokens is not defined: compare the rest
+        keep = mx.array(np.array(mask)[:, :, None, None])
+        y, ny = mx.where(keep, y, 0), mx.where(keep, ny, 0)
+        y64 = np.where(np.array(mask)[:, :, None, None], y64, 0.0)
+    dtype = args["x"].dtype
+    assert y.dtype == ny.dtype and S.dtype == F32, (y.dtype, ny.dtype, S.dtype)
+    assert_dtype_close(y, y64, ny, dtype=dtype, ulps=64 if dtype == F32 else 4,
+                       what=f"{what} y")
+    assert_dtype_close(S, S64, nS, dtype=F32, factor=4.0, ulps=64, what=f"{what} state")
+
+
+@pytest.mark.parametrize("T", [1, 7, 33, 63, 64, 65, 100])
+def test_lengths_and_chunk_boundaries(T):
+    check(inputs(T=T), what=f"T={T}")
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, F32])
+def test_dtypes(dtype):
+    check(inputs(T=77, dtype=dtype), chunk=32, what=str(dtype))
+
+
+@pytest.mark.parametrize("H,G", [(1, 1), (4, 4), (8, 2), (6, 1)])
+def test_groups(H, G):
+    check(inputs(b=2, T=40, H=H, G=G, P=8, N=16), chunk=16, what=f"{H}/{G}")
+
+
+def test_no_state_no_skip_and_limits():
+    """No initial state, no D, Nemotron-H's limit (0, inf) and large steps (decays to 0)."""
+    check(inputs(T=50, state=False, D=False, step=(0.5, 8.0)), chunk=16, limit=(0.0, INF),
+          what="bare")
+
+
+def test_padding_mask():
+    """Left padding (mlx-lm's ArraysCache mask): masked tokens keep the state."""
+    mask = np.ones((3, 30), bool)
+    mask[1, :7] = False
+    mask[2, :29] = False
+    check(inputs(b=3, T=30), chunk=8, mask=mx.array(mask), what="mask")
+
+
+def test_two_prefills_equal_one():
+    """A prompt continued over two prefills (the state handed over) == one prefill."""
+    args = inputs(T=100)
+    y, S = ssd(**args)
+    cut = lambda a, s: a[:, s] if a is not None and a.ndim >= 3 else a  # noqa: E731
+    y1, S1 = ssd(**{n: cut(a, slice(0, 37)) for n, a in args.items()})
+    y2, S2 = ssd(**{**{n: cut(a, slice(37, None)) for n, a in args.items()}, "state": S1})
+    np.testing.assert_allclose(np.array(mx.concatenate([y1, y2], 1)), np.array(y), atol=2e-5)
+    np.testing.assert_allclose(np.array(S2), np.array(S), atol=2e-5, rtol=1e-5)
+
+
+def test_chunk_sizes_agree():
+    args = inputs(T=90)
+    dtp, A = ssd_gates(args["dt"], args["A_log"], args["dt_bias"])
+    rest = {n: args[n] for n in ("B", "C", "D", "state")}
+    ref, Sref = ssd_chunked(args["x"], dtp, A, **rest, chunk=1)
+    for c in (5, 32, 128):
+        y, S = ssd_chunked(args["x"], dtp, A, **rest, chunk=c)
+        np.testing.assert_allclose(np.array(y), np.array(ref), atol=2e-5)
+        np.testing.assert_allclose(np.array(S), np.array(Sref), atol=2e-5)
+
+
+def test_no_token_passes_the_state_through():
+    args = inputs(T=0)
+    y, S = ssd(**args)
+    assert y.shape == (1, 0, 4, 16) and mx.array_equal(S, args["state"])
+
+
+def test_bad_arguments():
+    args = inputs(T=4)
+    with pytest.raises(ValueError, match="C must"):
+        ssd(**{**args, "C": args["C"][:, :3]})
+    with pytest.raises(ValueError, match="multiple"):
+        ssd(**{**args, "B": mx.zeros((1, 4, 3, 32)), "C": mx.zeros((1, 4, 3, 32))})
+    with pytest.raises(ValueError, match="dt must"):
+        ssd(**{**args, "dt": args["dt"][..., :2]})
+    with pytest.raises(ValueError, match="state must"):
+        ssd(**{**args, "state": args["state"][:, :1]})
+    with pytest.raises(ValueError, match="D must"):
+        ssd(**{**args, "D": mx.ones(3)})
+    with pytest.raises(TypeError, match="x must"):
+        ssd(**{**args, "x": np.zeros(3)})
+    with pytest.raises(TypeError, match="B and C"):
+        ssd(**{**args, "B": args["B"].astype(F16)})
+    with pytest.raises(TypeError, match="mask must have dtype bool"):
+        ssd(**args, mask=mx.ones((1, 4)))
+    with pytest.raises(ValueError, match="chunk"):
+        ssd(**args, chunk=0)
+    with pytest.raises(ValueError, match="time_step_limit"):
+        ssd(**args, time_step_limit=(1.0, 0.0))
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_kind_check(dtype):
+    """The tuner kind's synthetic inputs and its check: the composite passes against stock,
+    a corrupted state fails."""
+    from mlx_bricks.bricks.ssd.kind import SSD_KIND
+    from mlx_bricks.runtime.kind import Act
+
+    b, T, H, P, G, N = 1, 70, 4, 16, 2, 32
+    args = {"x": Act((b, T, H, P), dtype), "dt": Act((b, T, H), dtype),
+            "A_log": Act((H,), F32), "B": Act((b, T, G, N), dtype),
+            "C": Act((b, T, G, N), dtype), "D": Act((H,), dtype), "dt_bias": Act((H,), dtype),
+            "state": Act((b, H, P, N), F32), "time_step_limit": (0.0, INF)}
+    synth = SSD_KIND.synthetic(args, seed=1)
+    naive = SSD_KIND.stock(synth)
+    (composite,) = SSD_KIND.variants("reference", dtype, synth)
+    out = composite.run(synth, "reference")
+    assert SSD_KIND.check(out, naive, synth).ok
+    y, S = out
+    assert not SSD_KIND.check((y, S + 1e-3 * mx.abs(S).max()), naive, synth).ok
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernels: the MSL kernel (metal, emulator), its CUDA twin (cuda; tests/cuda_emu on the CPU)
+
+KERNEL_CASES = [  # (b, T, H, P, G, N, dtype, state, D, mask)
+    (1, 1, 2, 8, 1, 8, F32, True, True, False),
+    (1, 37, 4, 16, 2, 16, BF16, True, True, False),  # two full chunks and a partial one
+    (2, 20, 2, 24, 1, 32, F16, False, False, True),  # padded batch, P of 8-column blocks
+]
+
+
+def _kernel_check(run, case):
+    b, T, H, P, G, N, dtype, state, D, masked = case
+    args = inputs(b=b, T=T, H=H, P=P, G=G, N=N, dtype=dtype, state=state, D=D, seed=T)
+    mask = None
+    if masked:
+        m = np.ones((b, T), bool)
+        m[1, :6] = False
+        mask = mx.array(m)
+    dtp, A = ssd_gates(args["dt"], args["A_log"], args["dt_bias"], mask)
+    y, S = run(args, dtp, A, mask)
+    y64, S64 = ssd64(**to64(args), mask=None if mask is None else np.array(mask))
+    ny, nS = ssd_stock(**args, mask=mask)
+    if mask is not None:
+        keep = mx.array(np.array(mask)[:, :, None, None])
+        y, ny = mx.where(keep, y, 0), mx.where(keep, ny, 0)
+        y64 = np.where(np.array(mask)[:, :, None, None], y64, 0.0)
+    assert S.dtype == F32 and S.shape == (b, H, P, N)
+    assert_dtype_close(y, y64, ny, dtype=dtype, ulps=64 if dtype == F32 else 4, what=f"{case} y")
+    assert_dtype_close(S, S64, nS, dtype=F32, factor=4.0, ulps=64, what=f"{case} state")
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
+def test_kernel(kernel_backend, case):
+    """The op on every backend (reference: the composite) against the float64 recurrence."""
+    _kernel_check(lambda a, dtp, A, m: ssd(**a, mask=m, backend=kernel_backend), case)
+
+
+def test_kernel_reasons():
+    from mlx_bricks.bricks.ssd import msl
+
+    a = inputs(T=4, N=256)
+    assert "N 256" in msl.kernel_reason(a["x"], a["B"])
+    a = inputs(T=4, N=12)
+    assert "multiple of 8" in msl.kernel_reason(a["x"], a["B"])
+    a = inputs(T=4, P=12)
+    assert "P 12" in msl.kernel_reason(a["x"], a["B"])
+    y, _ = ssd(**a, backend="emulator")  # the op computes them anyway (the composite)
+    assert y.shape == (1, 4, 4, 12)
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES[1:], ids=str)
+def test_cuda_twin_emulated(case):
+    """The CUDA twin on the CPU (tests/cuda_emu: the exact body, threads as OS threads)."""
+    from tests import cuda_emu
+    from mlx_bricks.bricks.ssd import cuda as ssd_cuda
+    from mlx_bricks.bricks.ssd.op import run_kernel
+
+    if cuda_emu.toolchain() is None:
+        pytest.skip("no host C++ compiler or CUDA headers")
+
+    def run(args, dtp, A, mask):
+        with cuda_emu.emulated_launches(ssd_cuda) as names:
+            out = run_kernel(args["x"], dtp, A, args["B"], args["C"], args["D"],
+                             args["state"], backend="cuda")
+            mx.eval(out)
+        assert names == ["ssd"]
+        return out
+
+    _kernel_check(run, case)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_cuda_twin_compiles(dtype):
+    """The twin compiles with nvcc for sm_80, sm_90a and sm_120 as MLX would build it
+    (Nemotron-3's shapes: 64 heads of 64, 8 groups, N = 128), in registers (no local memory),
+    its shared memory within the 48 KB a block gets without opting in."""
+    from mlx_bricks import cudacheck
+    from mlx_bricks.bricks.ssd import cuda as ssd_cuda
+    from mlx_bricks.bricks.ssd.op import run_kernel
+
+    if cudacheck.find_nvcc() is None:
+        pytest.skip("nvcc not found")
+    b, T, H, P, G, N = 1, 64, 64, 64, 8, 128
+    x, Bm = mx.zeros((b, T, H, P), dtype), mx.zeros((b, T, G, N), dtype)
+    dtp, A = mx.zeros((b, T, H)), mx.zeros((H,))
+    with cudacheck.recorded_launches(ssd_cuda) as rec:
+        run_kernel(x, dtp, A, Bm, Bm, mx.ones((H,), dtype), backend="cuda")
+    assert [r.name for r in rec] == ["ssd"]
+    for arch in ("sm_80", "sm_90a", "sm_120"):
+        res = rec[0].compile(arch)
+        assert res.stack == 0 and res.spill_stores == 0 and res.spill_loads == 0, res
+        assert res.registers * rec[0].threadgroup[0] <= 65536, res
+    assert rec[0].shared_memory <= 48 * 1024
+    if cudacheck.find_nvrtc() is not None:  # what MLX compiles with
+        cudacheck.compile_source_nvrtc(rec[0].source())
