@@ -316,19 +316,21 @@ def test_tuner_when_stock_fails_to_run(monkeypatch):
     assert d.winner == STOCK and d.reason.startswith("tuned: stock failed: RuntimeError")
 
 
-def test_guard_when_stock_fails_to_run():
-    """The guard's first-call check where stock raises: a correct brick's output is returned
-    (checked against the reference), a wrong one re-raises stock's error (nothing wrong is
-    returned) and is disabled."""
+def test_guard_when_stock_fails_to_run(monkeypatch):
+    """The guard's first-call check where stock raises (on the rows the check reads, and the
+    module's own stock path too): a correct brick's output is returned (checked against the
+    reference), a wrong one re-raises stock's error (nothing wrong is returned) and is
+    disabled."""
     kind = KINDS["linear"]
     args = kind.synthetic(_linear_problem(mx.bfloat16))
     key = kind.key(args)
     good = kind.stock(args)
     mx.eval(good)
 
-    def failing_stock():
+    def failing_stock(*_):
         raise RuntimeError("cuGraphAddKernelNode failed: invalid argument")
 
+    monkeypatch.setattr(kind, "check_stock", failing_stock)
     guard = Guard()
     out, reason = guard.run(kind, Variant("fast", fn=lambda *_: good), args, "reference", key,
                             failing_stock)
