@@ -316,7 +316,8 @@ def test_llama4_text_under_a_llama_entry_is_refused_and_would_be_wrong(monkeypat
 def test_report_names_the_mixers_of_an_unlisted_model():
     """A model_type outside the table: each layer's entries name its mixer (attention here) by
     its attribute and kind; a SwitchMLP MoE is said to stay stock."""
-    from mlx_bricks.patch.core import layer_mixers, moe_block_reason
+    from mlx_bricks.patch.core import moe_block_reason
+    from mlx_bricks.patch.modules import layer_mixers
 
     model = build_model("llama")
     model.model_type = "llama_like"

@@ -50,7 +50,16 @@ from mlx_bricks.patch.report import (
     record_weight_formats,
 )
 from mlx_bricks.patch.table import layer_types, lookup, supported_model_types
-from mlx_bricks.patch.modules import has_experts, has_mixer, mixer_piece, patch_experts, patch_mixers
+from mlx_bricks.patch.modules import (
+    has_experts,
+    has_mixer,
+    mixer_entries,
+    mixer_piece,
+    patch_experts,
+    patch_mixers,
+    sinks_reason,
+    unlisted_layer,
+)
 from mlx_bricks.patch.vetted import forward_reason, signature_reason
 
 
@@ -141,18 +150,6 @@ def _attention_structure(attn, layout, kv_quant) -> tuple[str | None, int]:
         return f"kv_quant='q8_0' needs head_dim % {QK8_0} == 0, head_dim is {head_dim}", 0
     return (forward_reason(attn, layout, layout.attention)
             or signature_reason(attn, layout.call_args)), head_dim
-
-
-def sinks_reason(attn, layout=None) -> str | None:
-    """Why an attention module with learned attention sinks (gpt-oss's ``sinks``, one logit per
-    head in the softmax's denominator) stays stock: its layout does not name them
-    (``BlockLayout.sinks``), so the patched module would drop them."""
-    if layout is not None and layout.sinks is not None:
-        return None
-    if isinstance(attn, dict) and "sinks" in attn:  # nn.Module is a dict of its arrays
-        return ("attention sinks (sinks: a learned logit per head in the softmax) that the "
-                "architecture's table entry does not name (BlockLayout.sinks)")
-    return None
 
 
 def _mlp_structure(mlp, layout) -> str | None:
@@ -292,7 +289,7 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
     if not attention:
         add(ModuleReport(i, "self_attn", DISABLED, reason="attention=False"))
     elif attn_mod is None or mixer_piece(attn_mod) is not None:  # mixers: patch.modules
-        _mixer_entries(report, i, layer, f"the {report.architecture} entry has no brick for "
+        mixer_entries(report, i, layer, f"the {report.architecture} entry has no brick for "
                        f"it (no {layout.attention!r} on this layer)")
     elif attn_reason is not None:
         add(ModuleReport(i, "self_attn", FALLBACK, reason=attn_reason, rope=rope))
@@ -321,50 +318,6 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
         dense(f"{layout.mlp}.{layout.shared_expert}", shared)
     for j, extra in enumerate(getattr(layer, layout.mlp_list or "", None) or ()):
         dense(f"{layout.mlp_list}.{j}", extra)
-
-
-#: Class-name marks of a decoder layer's token mixer, most specific first, and the words the
-#: report uses for them.
-_MIXER_KINDS = (("GatedDeltaNet", "Gated DeltaNet"), ("Mamba", "Mamba"),
-                ("ShortConv", "short-conv"), ("LinearAttention", "linear attention"),
-                ("Attention", "attention"), ("Attn", "attention"))
-
-
-def layer_mixers(layer) -> list[tuple[str, str, str]]:
-    """``(attribute, kind, class name)`` of each token mixer among ``layer``'s direct children
-    (attention, Gated DeltaNet, Mamba, short-conv, ...), by class name (:data:`_MIXER_KINDS`)."""
-    out = []
-    for name, child in layer.children().items():
-        if not isinstance(child, nn.Module):
-            continue
-        cls = type(child).__name__
-        kind = next((k for mark, k in _MIXER_KINDS if mark.lower() in cls.lower()), None)
-        if kind is not None:
-            out.append((name, kind, cls))
-    return out
-
-
-def _mixer_entries(report: PatchReport, i: int, layer, reason: str) -> None:
-    """One stock entry per token mixer of layer ``i``, named by its attribute and kind (a layer
-    without attention is not reported as a ``self_attn`` fallback); Gated DeltaNet mixers
-    have their own entries (``patch.modules.patch_mixers``)."""
-    mixers = layer_mixers(layer)
-    if not mixers and not has_mixer(layer):
-        report.modules.append(ModuleReport(i, "mixer", FALLBACK,
-                                           reason=f"no known token mixer: {reason}"))
-    for name, kind, cls in mixers:
-        if mixer_piece(getattr(layer, name)) is not None:
-            continue  # patched by module, with its own entry (patch.modules)
-        why = (sinks_reason(getattr(layer, name)) if kind == "attention" else None) or reason
-        report.modules.append(ModuleReport(i, name, FALLBACK, reason=f"{kind} ({cls}): {why}"))
-
-
-def _unlisted_layer(report: PatchReport, i: int, layer, model_type) -> None:
-    """The mixer entries of layer ``i`` of a model whose ``model_type`` is not in the patch
-    table (its SwitchGLU experts are patched by module): stock, with the reason."""
-    _mixer_entries(report, i, layer,
-                   f"model_type {model_type!r} is not in the patch table: its token mixers "
-                   "and dense MLPs stay stock")
 
 
 def _check_flag(name, value):
@@ -501,7 +454,7 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
         report.n_layers = len(layers)
         for i, layer in enumerate(layers):
             if getattr(layer, "self_attn", None) is not None or not has_mixer(layer):
-                _unlisted_layer(report, i, layer, model_type)
+                unlisted_layer(report, i, layer, model_type)
             patch_mixers(report, i, layer, opts, choice.name, dispatch)
             patch_experts(report, i, layer, opts, choice.name, dispatch, None)
         if no_kernels and report.n_patched == 0:

@@ -12,6 +12,8 @@ piece object in its brick package and one line in :data:`MIXERS`.
 """
 from __future__ import annotations
 
+import mlx.nn as nn
+
 from mlx_bricks.bricks.gated_delta.mixers import KDA_PIECE, OLMO_GDN_PIECE
 from mlx_bricks.bricks.gated_delta.piece import GDN_PIECE
 from mlx_bricks.bricks.mla.piece import MLA_PIECE, MLA_SCALED_PIECE
@@ -20,7 +22,7 @@ from mlx_bricks.bricks.short_conv.piece import SHORT_CONV_PIECE
 from mlx_bricks.bricks.swiglu.fused_piece import FUSED_MLP_PIECE
 from mlx_bricks.bricks.ssd.piece import FALCON_SSD_PIECE, MAMBA1_PIECE, SSD_PIECE
 from mlx_bricks.nn import BricksMixer, BricksPiece, BricksState, attach, is_patched
-from mlx_bricks.patch.report import DISABLED, FALLBACK, PATCHED, STOCK, ModuleReport
+from mlx_bricks.patch.report import DISABLED, FALLBACK, PATCHED, STOCK, ModuleReport, PatchReport
 from mlx_bricks.patch.vetted import forward_fingerprint, signature_reason
 from mlx_bricks.runtime.dispatch import NO_KERNEL_BACKEND, Dispatch
 
@@ -178,3 +180,59 @@ def patch_mixers(report, i: int, layer, opts: dict, backend: str,
                          piece=piece, dispatch=dispatch)
         attach(module, BricksMixer, st)
         add(ModuleReport(i, piece.role, PATCHED, piece.bricks, variant, backend, state=st))
+
+
+def sinks_reason(attn, layout=None) -> str | None:
+    """Why an attention module with learned attention sinks (gpt-oss's ``sinks``, one logit per
+    head in the softmax's denominator) stays stock: its layout does not name them
+    (``BlockLayout.sinks``), so the patched module would drop them."""
+    if layout is not None and layout.sinks is not None:
+        return None
+    if isinstance(attn, dict) and "sinks" in attn:  # nn.Module is a dict of its arrays
+        return ("attention sinks (sinks: a learned logit per head in the softmax) that the "
+                "architecture's table entry does not name (BlockLayout.sinks)")
+    return None
+
+
+#: Class-name marks of a decoder layer's token mixer, most specific first, and the words the
+#: report uses for them.
+_MIXER_KINDS = (("GatedDeltaNet", "Gated DeltaNet"), ("Mamba", "Mamba"),
+                ("ShortConv", "short-conv"), ("LinearAttention", "linear attention"),
+                ("Attention", "attention"), ("Attn", "attention"))
+
+
+def layer_mixers(layer) -> list[tuple[str, str, str]]:
+    """``(attribute, kind, class name)`` of each token mixer among ``layer``'s direct children
+    (attention, Gated DeltaNet, Mamba, short-conv, ...), by class name (:data:`_MIXER_KINDS`)."""
+    out = []
+    for name, child in layer.children().items():
+        if not isinstance(child, nn.Module):
+            continue
+        cls = type(child).__name__
+        kind = next((k for mark, k in _MIXER_KINDS if mark.lower() in cls.lower()), None)
+        if kind is not None:
+            out.append((name, kind, cls))
+    return out
+
+
+def mixer_entries(report: PatchReport, i: int, layer, reason: str) -> None:
+    """One stock entry per token mixer of layer ``i``, named by its attribute and kind (a layer
+    without attention is not reported as a ``self_attn`` fallback); Gated DeltaNet mixers
+    have their own entries (``patch.modules.patch_mixers``)."""
+    mixers = layer_mixers(layer)
+    if not mixers and not has_mixer(layer):
+        report.modules.append(ModuleReport(i, "mixer", FALLBACK,
+                                           reason=f"no known token mixer: {reason}"))
+    for name, kind, cls in mixers:
+        if mixer_piece(getattr(layer, name)) is not None:
+            continue  # patched by module, with its own entry (patch.modules)
+        why = (sinks_reason(getattr(layer, name)) if kind == "attention" else None) or reason
+        report.modules.append(ModuleReport(i, name, FALLBACK, reason=f"{kind} ({cls}): {why}"))
+
+
+def unlisted_layer(report: PatchReport, i: int, layer, model_type) -> None:
+    """The mixer entries of layer ``i`` of a model whose ``model_type`` is not in the patch
+    table (its SwitchGLU experts are patched by module): stock, with the reason."""
+    mixer_entries(report, i, layer,
+                   f"model_type {model_type!r} is not in the patch table: its token mixers "
+                   "and dense MLPs stay stock")
