@@ -374,7 +374,7 @@ def test_variant_rule(monkeypatch):
     assert resolve_variant(None) == "split"
     assert resolve_variant("fused") == "fused"  # the argument wins over the environment
     monkeypatch.setenv(VARIANT_ENV_VAR, "fast")
-    with pytest.raises(ValueError, match=f"{VARIANT_ENV_VAR} must be None or one of 'fused'"):
+    with pytest.raises(ValueError, match=f"{VARIANT_ENV_VAR}='fast': expected one of fused, split"):
         resolve_variant(None)
 
 

@@ -24,8 +24,7 @@ import json
 from dataclasses import dataclass
 
 from mlx_bricks.backends import BackendChoice, neural_accelerators
-from mlx_bricks.bricks.dequantize.composite import CAP_SETTING
-from mlx_bricks.options import TUNE_MODES
+from mlx_bricks.options import CAP_SETTING, TUNE_MODES
 from mlx_bricks.runtime.guard import GUARD
 from mlx_bricks.runtime.kind import Key, Variant
 from mlx_bricks.runtime.kind import kind as kind_of
