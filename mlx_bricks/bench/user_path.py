@@ -55,6 +55,8 @@ import threading
 import time
 from pathlib import Path
 
+from mlx_bricks import _cli
+from mlx_bricks import env as bricks_env
 from mlx_bricks.bench.case import CPU, KERNEL, Benchmark
 from mlx_bricks.bench.record import load_average, now
 from mlx_bricks.bench.user_models import (
@@ -74,6 +76,7 @@ from mlx_bricks.bench.user_models import (
 )
 from mlx_bricks.bench.user_report import document, format_table, plot
 
+PROG = "python -m mlx_bricks.bench.user_path"
 #: Decoder layers of the GPU group's models in the device script (``--full-size``: the models'
 #: own 32 / 48): one call of at most 10 minutes writes and runs them all.
 GPU_LAYERS = 8
@@ -364,7 +367,7 @@ def run_model(spec: ModelSpec, prompts, *, max_tokens: int, trials: int, work: P
 def _work_dir() -> Path:
     """Where ``python -m mlx_bricks.bench`` writes the model directories:
     ``$MLX_BRICKS_BENCH_WORK`` if set, else a new temporary directory."""
-    base = os.environ.get("MLX_BRICKS_BENCH_WORK")
+    base = bricks_env.get("MLX_BRICKS_BENCH_WORK")
     if base:
         Path(base).mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(prefix="user-path-", dir=base))
@@ -407,10 +410,12 @@ def benchmarks() -> dict[str, Benchmark]:
 # --- the device script --------------------------------------------------------------------------
 
 def build_parser():
+    """The parser of ``python -m mlx_bricks.bench.user_path``; a bad flag exits 2 with one
+    line."""
     import argparse
 
     p = argparse.ArgumentParser(
-        prog="python -m mlx_bricks.bench.user_path",
+        prog=PROG,
         description="The user's path: mlx-lm's generate and benchmark CLIs in fresh processes, "
         "stock and --use-bricks (cold, cached, long-lived), on random-weight model directories; "
         "JSON, logs and a plot into --out-dir.")
@@ -440,21 +445,33 @@ def build_parser():
                    "model's is removed after its runs)")
     p.add_argument("--out-dir", required=True,
                    help="writes user_path_<group>.json (after every run), .md, .png and logs/")
-    return p
+    return _cli.one_line_errors(p)
 
 
 def main(argv=None) -> int:
     """The device script: run a group, write JSON (after every run), a Markdown table, a plot
-    and one log per process into ``--out-dir``; print the table."""
+    and one log per process into ``--out-dir``; print the table.
+
+    Raises:
+        SystemExit: 2 on bad input (one line on stderr), 130 on Ctrl-C.
+    """
     args = build_parser().parse_args(argv)
+    return _cli.run_cli(PROG, lambda: _run(args))
+
+
+def _run(args) -> int:
     known = {**CPU_MODELS, TINY_LLAMA.name: TINY_LLAMA} if args.group == "cpu" else GPU_MODELS
     names = args.models or list(CPU_MODELS if args.group == "cpu" else GPU_MODELS)
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise SystemExit(f"--models: unknown {unknown}; known: {', '.join(known)}")
+        raise _cli.CliError(f"--models: unknown {unknown}; known: {', '.join(known)}")
     layers = args.layers
     if layers is None and args.group == "gpu" and not args.full_size:
         layers = GPU_LAYERS
+    try:  # checked before any model is written
+        specs = {n: known[n].with_layers(None if args.full_size else layers) for n in names}
+    except ValueError as e:
+        raise _cli.CliError(f"--layers: {e}") from None
     max_tokens = args.max_tokens or (CPU_MAX_TOKENS if args.group == "cpu" else GPU_MAX_TOKENS)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -470,7 +487,7 @@ def main(argv=None) -> int:
         return doc
 
     for n in names:
-        spec = known[n].with_layers(None if args.full_size else layers)
+        spec = specs[n]
         prompts = args.prompts or (GPU_PLAN[n] if args.group == "gpu" else CPU_PROMPTS)
         if deadline is not None and time.monotonic() > deadline:
             models.append({"model": {"name": spec.name, "what": spec.describe()},
