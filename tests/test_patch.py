@@ -749,19 +749,21 @@ def default_lm():
 
 @pytest.mark.parametrize("prompt", REAL_PROMPTS)
 def test_default_model_greedy_matches_stock(default_lm, prompt):
-    """SmolLM2-135M (float16) patched on the reference backend: 32 greedy tokens identical to
-    stock, logits within a few float16 ulps. One prompt per test so xdist spreads them."""
+    """SmolLM2-135M (float16) patched on the reference backend: 8 greedy tokens identical to
+    stock, logits within a few float16 ulps. One prompt per test so xdist spreads them. The
+    patch covers the prefill; the decode steps run mlx-lm's classes on the cache it wrote, so
+    a wrong K/V shows in the first tokens (each float16 decode step costs seconds on a CPU)."""
     model, tokenizer = default_lm
     p = mx.array(tokenizer.encode(prompt))
     stock_logits = run(model, p[None]).astype(mx.float32)
-    stock = greedy(model, p, n=32)
+    stock = greedy(model, p, n=8)
     report = patch_model(model, backend="reference")
     try:
         diff = float(mx.abs(run(model, p[None]).astype(mx.float32) - stock_logits).max())
         scale = float(mx.abs(stock_logits).max())
         print(f"\ndefault model, reference backend, {prompt!r}: "
               f"max |patched - stock| logits {diff:.4g} (max |logit| {scale:.4g})")
-        assert greedy(model, p, n=32) == stock
+        assert greedy(model, p, n=8) == stock
         assert_bricks_used(report)
         # Measured: a few float16 ulps (about 0.1 at |logit| 30); a wrong brick moves them by O(1).
         assert diff <= 0.01 * scale
