@@ -156,15 +156,20 @@ def test_a_kernel_runs_only_where_its_gain_pays_its_build():
     assert not prior.pays(no_timing, "metal", 10, built=False)
 
 
-def test_cached_kernel_winner_that_does_not_pay_runs_stock(monkeypatch):
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_cached_kernel_winner_that_does_not_pay_runs_stock(monkeypatch, on_disk):
     """Through the dispatch: a cached kernel winner with a small gain runs stock in
-    ``cached`` mode (its build would cost more), and runs in ``auto`` mode."""
+    ``cached`` mode (its build would cost more), unless its kernels are already compiled on
+    this machine (the CUDA build cache: ``kernels.is_built``) or the gain pays the build."""
     monkeypatch.setattr(dispatch_mod, "TUNED_BACKENDS", ("metal", "cuda", "reference"))
     monkeypatch.setattr(prior, "BUILD_BACKENDS", ("cuda", "metal", "reference"))
     monkeypatch.setitem(prior.BUILD_S, "reference", 1.0)
+    asked = []
+    monkeypatch.setattr(dispatch_mod, "is_built", lambda k: asked.append(k) or on_disk)
     monkeypatch.setattr(KINDS["linear"], "variants",
                         lambda backend, dtype=None, args=None, names=None, settings=None: [
-                            Variant("64x64", {"tile": "64x64"})])
+                            Variant("64x64", {"tile": "64x64"},
+                                    cuda_kernels=KINDS["linear"].cuda_kernels)])
     model = build_model("llama", mx.float32, num_hidden_layers=2)
     attn = model.layers[0].self_attn
     o_args = {"x": Act((1, 20, attn.n_heads * 64), mx.float32), "weight": attn.o_proj.weight,
@@ -180,6 +185,10 @@ def test_cached_kernel_winner_that_does_not_pay_runs_stock(monkeypatch):
     stock = run(model, toks)
     report = patch_model(model, backend="reference", tune="cached")
     out = run(model, toks)
+    assert asked and set(asked) <= set(KINDS["linear"].cuda_kernels)  # the build cache asked
+    if on_disk:  # nothing to build: the measured winner runs
+        assert report.calls()["linear"] == 2
+        return
     assert "linear" not in report.calls()
     (o,) = [d for d in report.tuning()["decisions"] if d["key"] == key]
     assert o["winner"] == STOCK and "would not pay its build" in o["reason"]
@@ -454,3 +463,17 @@ def test_first_token_guard_is_on_for_one_shot_commands_only():
     from mlx_bricks.entry.commands import COMMANDS
 
     assert {n for n, c in COMMANDS.items() if c.first_token} == {"generate", "chat"}
+
+
+def test_a_variant_is_built_only_when_all_its_cuda_kernels_are(monkeypatch):
+    on_disk = {"gemm"}
+    monkeypatch.setattr(dispatch_mod, "is_built", lambda k: k in on_disk)
+    assert dispatch_mod.built(Variant("t", cuda_kernels=("gemm",)))
+    assert not dispatch_mod.built(Variant("t", cuda_kernels=("gemm", "gemm_splitk")))
+    assert not dispatch_mod.built(Variant("t"))  # kernels not known: not built
+    linear = KINDS["linear"]
+    assert linear.variant("64x64").cuda_kernels == linear.cuda_kernels
+    brick = next(c for c in linear.composites if c.name.startswith("dequant_brick"))
+    assert brick.bind({}).cuda_kernels == ("dequantize",)
+    on_disk.add("dequantize")
+    assert dispatch_mod.built(brick.bind({}))

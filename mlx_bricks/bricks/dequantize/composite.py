@@ -306,5 +306,5 @@ def dequant_composites(fn, applies, *, suffix: str = "", kwargs: dict | None = N
     return (Composite(f"dequant{suffix}", run("mx"), lambda args, backend: applies(args), kw),
             Composite(f"dequant_brick{suffix}", run("brick"),
                       lambda args, backend: has_kernel(backend) and brick_reads(args)
-                      and applies(args), kw, builds=True))
+                      and applies(args), kw, builds=True, cuda_kernels=("dequantize",)))
 

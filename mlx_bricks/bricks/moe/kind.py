@@ -97,6 +97,7 @@ class MoeMLP(OpKind):
     name = "moe_mlp"
     op_name = name
     activations = ("x",)
+    cuda_kernels = ("moe_route", "moe_gate_up", "moe_down", "moe_combine")
     composites = COMPOSITES
 
     def key(self, args):

@@ -71,6 +71,7 @@ class SwigluMLP(TokenRowsKind):
     name = "swiglu_mlp"
     op_name = name
     activations = ("x", "residual")
+    cuda_kernels = ("swiglu_fused", "gemm")  # split: the GEMM twin's epilogue; down: a GEMM
     composites = (
         *dequant_composites(_dequant_fused, lambda a: _mlp_quantized(a) and same_format(
             a["w_gate"], a["w_up"]), suffix="_fused", kwargs={"variant": "fused"}),
