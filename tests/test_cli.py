@@ -89,16 +89,6 @@ def installed(tmp_path_factory) -> SimpleNamespace:
                            base=base)
 
 
-@pytest.fixture(scope="session")
-def default_model_dir() -> Path:
-    from mlx_bricks.models import default_model
-
-    try:
-        return default_model()
-    except ModuleNotFoundError as e:  # scripts/setup.sh installs it
-        pytest.skip(str(e))
-
-
 def _mlx_lm(installed, command: str = "generate") -> list:
     """mlx-lm's console script ``mlx_lm.COMMAND``, run by the venv's interpreter (so its
     site-packages and .pth files apply); argv[0] stays the script, as when a user types it."""

@@ -21,7 +21,6 @@ from mlx_bricks.nn import DECODE, BricksBlock
 from mlx_bricks.patch import patch_model, unpatch_model
 from mlx_bricks.patch.core import stock_path
 from mlx_bricks.runtime import dispatch as dispatch_mod
-from mlx_bricks.runtime.guard import GUARD
 from mlx_bricks.runtime.kind import Act, Variant
 from mlx_bricks.tune import prior
 from mlx_bricks.tune.cache import DecisionCache
@@ -33,13 +32,7 @@ from tests.tolerance import assert_dtype_close
 KINDS = kinds()
 
 
-@pytest.fixture(autouse=True)
-def _clean(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLX_BRICKS_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("MLX_BRICKS_DEQUANT_CAP", raising=False)
-    GUARD.reset()
-    yield
-    GUARD.reset()
+pytestmark = pytest.mark.usefixtures("fresh_home")
 
 
 def _no_measuring(monkeypatch):

@@ -60,6 +60,36 @@ def run_chunks(model, runner, toks, chunks):
     return [runner(model, toks[:, a:b], cache) for a, b in chunks]
 
 
+def stock_side(model, toks, chunks, *, n_greedy, whole, runner64=None):
+    """What a patched-vs-stock check compares with, before patching ``model``: the float64
+    copy's (``runner64``, default :func:`run64`) and the stock model's logits per chunk (one
+    fresh cache), stock's greedy continuation (prefilled in chunks of ``chunks[0]``'s length)
+    and, with ``whole``, both models' logits of the whole prompt without a cache."""
+    runner64 = runner64 or run64
+    m64 = clone(model, mx.float64)
+    side = {"refs": run_chunks(m64, runner64, toks, chunks),
+            "stock": run_chunks(model, run, toks, chunks),
+            "greedy": greedy(model, toks[0], n=n_greedy, prefill_step_size=chunks[0][1])}
+    if whole:
+        side["whole"] = (runner64(m64, toks), run(model, toks))
+    return side
+
+
+def check_against_stock(model, side, toks, chunks, dtype, what, *, n_greedy):
+    """The patched ``model`` against :func:`stock_side`'s results: each chunk's (and the whole
+    prompt's) logits by the dtype-scaled rule against float64, greedy tokens equal up to a
+    rounding tie."""
+    if "whole" in side:
+        ref_whole, stock_whole = side["whole"]
+        assert_dtype_close(run(model, toks), ref_whole, stock_whole, dtype=dtype,
+                           what=f"{what} whole prompt")
+    patched = run_chunks(model, run, toks, chunks)
+    for (a, b), p, s, r in zip(chunks, patched, side["stock"], side["refs"]):
+        assert_dtype_close(p, r, s, dtype=dtype, what=f"{what} chunk {a}:{b}")
+    got = greedy(model, toks[0], n=n_greedy, prefill_step_size=chunks[0][1])
+    assert_same_greedy(model, dtype, [toks[0].tolist()], [side["greedy"]], [got])
+
+
 def greedy(model, prompt, n=N_GREEDY, *, cache=None, prefill_step_size=2048):
     """Greedy continuation through mlx-lm's own generate_step (argmax sampler by default)."""
     out = []

@@ -163,6 +163,21 @@ class Launch:
 
 
 @contextlib.contextmanager
+def launches_replaced(fake, *modules):
+    """Within the block, ``launch`` in each of ``modules`` (modules that did
+    ``from mlx_bricks.kernels import launch``) is ``fake`` (called as ``kernels.launch``);
+    restored after it."""
+    saved = [(m, m.launch) for m in modules]
+    try:
+        for m in modules:
+            m.launch = fake
+        yield
+    finally:
+        for m, orig in saved:
+            m.launch = orig
+
+
+@contextlib.contextmanager
 def recorded_launches(*modules):
     """Within the block, ``launch`` in each of ``modules`` (modules that did
     ``from mlx_bricks.kernels import launch``) records its CUDA launches instead of running
@@ -182,14 +197,8 @@ def recorded_launches(*modules):
                               [tuple(sh) for sh in output_shapes]))
         return [mx.zeros(sh, dtype=dt) for sh, dt in zip(output_shapes, output_dtypes)]
 
-    saved = [(m, m.launch) for m in modules]
-    try:
-        for m in modules:
-            m.launch = fake
+    with launches_replaced(fake, *modules):
         yield records
-    finally:
-        for m, orig in saved:
-            m.launch = orig
 
 
 # ---------------------------------------------------------------------------------------------

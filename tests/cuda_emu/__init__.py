@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from mlx_bricks import cudacheck, kernels
+from mlx_bricks.cuda.source import template_lines
 
 HERE = Path(__file__).resolve().parent
 CUDA_SRC = Path(kernels.__file__).resolve().parent / "cuda_src"
@@ -68,14 +69,7 @@ def _source(template) -> str:
     tdict = dict(template)
     T = _CTYPE[tdict["T"]]
     KT = "int8_t" if tdict["KV_Q8"] else T
-    consts = []
-    for name, value in template:
-        if isinstance(value, bool):
-            consts.append(f"  constexpr bool {name} = {'true' if value else 'false'};")
-        elif isinstance(value, int):
-            consts.append(f"  constexpr int {name} = {value};")
-        else:
-            consts.append(f"  using {name} = {_CTYPE[value]};")
+    consts = [line.rstrip("\n") for line in template_lines(template, lambda d: _CTYPE[d])]
     params = []
     for name, ct in (("q", T), ("k", KT), ("v", KT), ("k_scale", "__half"),
                      ("v_scale", "__half")):
@@ -378,11 +372,5 @@ def emulated_launches(*modules):
         return run_kernel(name, inputs, output_shapes, output_dtypes, grid, threadgroup,
                           template, shared_memory)
 
-    saved = [(m, m.launch) for m in modules]
-    try:
-        for m in modules:
-            m.launch = fake
+    with cudacheck.launches_replaced(fake, *modules):
         yield names
-    finally:
-        for m, orig in saved:
-            m.launch = orig
