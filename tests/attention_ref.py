@@ -41,7 +41,7 @@ def attention64(q, k, v, scale, causal, window=None, softcap=None, kv_start=None
     s = np.where(visible64(q.shape[2], k.shape[2], causal, window, kv_start), s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     if sinks is not None:
-        sk = np.asarray(sinks, np.float64)[None, :, None, None]
+        sk = to_f64(sinks)[None, :, None, None]
         m = np.maximum(m, sk)
     m = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(s - m)
@@ -64,8 +64,8 @@ def naive_attention(q, k, v, scale, causal, window=None, softcap=None, kv_start=
     vis = mx.array(visible64(q.shape[2], k.shape[2], causal, window, kv_start))
     s = mx.where(vis, s, mx.array(-float("inf"), dtype))
     if sinks is not None:
-        col = mx.broadcast_to(mx.array(np.asarray(sinks, np.float32)).astype(dtype)
-                              .reshape(1, -1, 1, 1), (*s.shape[:-1], 1))
+        sinks = sinks if isinstance(sinks, mx.array) else mx.array(np.asarray(sinks, np.float32))
+        col = mx.broadcast_to(sinks.astype(dtype).reshape(1, -1, 1, 1), (*s.shape[:-1], 1))
         out = mx.softmax(mx.concatenate([col, s], axis=-1), axis=-1)[..., 1:] @ v
     else:
         out = mx.softmax(s, axis=-1) @ v

@@ -787,41 +787,14 @@ def test_reference_kv_start_of_any_integer_dtype_is_clipped_before_use():
 
 def sinks_attention64(q, k, v, scale, sinks, causal, window=None, softcap=None, kv_start=None):
     """Float64 numpy attention with head h's softmax over its visible scores plus the column
-    ``sinks[h]`` of value 0 (independent of the brick's reference); padded batch rows' keys
+    ``sinks[h]`` of value 0 (``tests/attention_ref.py``); padded batch rows' keys
     ``j < kv_start[b]`` hidden. A row that sees no key is 0 (all weight on the sink)."""
-    q, k, v = to_f64(q), to_f64(k), to_f64(v)
-    rep = q.shape[1] // k.shape[1]
-    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
-    s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
-    if softcap is not None:
-        s = softcap * np.tanh(s / softcap)
-    Lq, Lk = q.shape[2], k.shape[2]
-    vis = visible64(Lq, Lk, causal, window)[None, None]
-    if kv_start is not None:
-        vis = vis & (np.arange(Lk)[None, None, None, :]
-                     >= np.asarray(kv_start)[:, None, None, None])
-    s = np.where(vis, s, -np.inf)
-    sk = to_f64(sinks)[None, :, None, None]
-    m = np.maximum(s.max(axis=-1, keepdims=True), sk)
-    p = np.exp(s - m)
-    return np.matmul(p, v) / (p.sum(axis=-1, keepdims=True) + np.exp(sk - m))
+    return attention64(q, k, v, scale, causal, window, softcap, kv_start, sinks)
 
 
 def sinks_naive(q, k, v, scale, sinks, causal, window=None, softcap=None, kv_start=None):
     """Same-dtype MLX ops: the sink as a first score column, dropped after the softmax."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
-    s = (q @ k.swapaxes(-1, -2)) * scale
-    if softcap is not None:
-        s = mx.tanh(s / softcap) * softcap
-    Lq, Lk = q.shape[2], k.shape[2]
-    vis = visible64(Lq, Lk, causal, window)[None, None]
-    if kv_start is not None:
-        vis = vis & (np.arange(Lk)[None, None, None, :]
-                     >= np.asarray(kv_start)[:, None, None, None])
-    s = s + mx.where(mx.array(vis), 0.0, -float("inf")).astype(q.dtype)
-    col = mx.broadcast_to(sinks.astype(q.dtype).reshape(1, -1, 1, 1), (*s.shape[:-1], 1))
-    return mx.softmax(mx.concatenate([col, s], axis=-1), axis=-1)[..., 1:] @ v
+    return naive_attention(q, k, v, scale, causal, window, softcap, kv_start, sinks)
 
 
 # (B, Lq, Lk, (Hq, Hkv), D, dtype, mask, softcap, q8, kv_start): sinks drawn per head around
