@@ -217,14 +217,7 @@ def _generic_source(name: str, input_dtypes, output_dtypes, template) -> str:
         ct = _ctype(dt)
         params.append(f"{ct}* {oname}")
         args.append(f"reinterpret_cast<{ct}*>(outs[{j}].data())")
-    consts = []
-    for tname, value in template:
-        if isinstance(value, bool):
-            consts.append(f"  constexpr bool {tname} = {'true' if value else 'false'};")
-        elif isinstance(value, int):
-            consts.append(f"  constexpr int {tname} = {value};")
-        else:
-            consts.append(f"  using {tname} = {_ctype(value)};")
+    consts = [line.rstrip("\n") for line in template_lines(template, _ctype)]
     return "\n".join([
         '#include "warp_emu.h"',
         header,
