@@ -3,6 +3,9 @@
 //   cp_async16 / cp_async_commit / cp_async_wait<N>   16-byte global -> shared copies that
 //                                                     bypass registers (Ampere cp.async.cg),
 //                                                     zero-filled when predicated off.
+//   mbar_init / mbar_arrive / cp_async_mbar_arrive   mbarrier producer / consumer handshake
+//   / mbar_wait / bar_sync / setmaxnreg_*            (warp-specialized kernels), named barrier,
+//                                                     register budget per warpgroup (sm_90a).
 //   ldmatrix_x4 / ldmatrix_x2 (+ _trans)              8x8 b16 fragments from shared memory.
 //   mma_16816<T>                                      D = A * B + D, m16n8k16, f32 accumulate,
 //                                                     T = __half or __nv_bfloat16.
@@ -200,6 +203,78 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }
+
+// ---------------------------------------------------------------------------------------------
+// mbarriers (sm_80+): the producer / consumer handshake of warp-specialized kernels
+// ---------------------------------------------------------------------------------------------
+
+// A 64-bit mbarrier in shared memory expecting `count` arrivals per phase.
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count)
+               : "memory");
+}
+
+// One arrival (release: this thread's earlier shared-memory accesses happen before the phase
+// completes for any waiter).
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(
+                   smem_addr(bar))
+               : "memory");
+}
+
+// One arrival triggered when all of this thread's earlier cp.async copies have landed; the
+// barrier's count must include it (.noinc).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar))
+               : "memory");
+}
+
+// Wait until the phase of parity `parity` has completed (a fresh barrier's phase "-1", parity
+// 1, counts as completed: producers start waiting on parity 1 of their empty barriers).
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  const uint32_t a = smem_addr(bar);
+  uint32_t done = 0;
+  while (!done) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 "selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(a), "r"(parity) : "memory");
+#else
+    asm volatile("{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 "selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(a), "r"(parity) : "memory");
+#endif
+  }
+}
+
+// Named barrier `id` (1..15) over `threads` threads (a multiple of 32): syncs a subset of the
+// block, e.g. the consumer warps of a warp-specialized kernel while the producer has left.
+__device__ __forceinline__ void bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Bytes of dynamic shared memory this launch was given (%dynamic_smem_size).
+__device__ __forceinline__ uint32_t dynamic_smem_size() {
+  uint32_t n;
+  asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(n));
+  return n;
+}
+
+// Per-thread register budget of this warpgroup from here on (sm_90a; all its threads execute
+// it): producers give registers back (dec), consumers take them (inc). A template so that it
+// is only instantiated (and assembled) for sm_90a kernels.
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+
+// 16-bit pair registers the compiler must keep as they are until this point (the A operand of
+// an asynchronous wgmma is read after the instruction issues).
+__device__ __forceinline__ void fence_reg(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
 
 // ---------------------------------------------------------------------------------------------
 // ldmatrix

@@ -3,7 +3,8 @@ scripts/server_latency.py.
 
 :class:`Server` starts ``mlx_lm.server`` (the installed console script, so ``--use-bricks`` goes
 through the installed import hook) on 127.0.0.1 at a free port, waits until it answers, and stops
-it (SIGINT, then SIGKILL after a grace period), checking that it leaves no process behind.
+it (SIGINT, then SIGKILL after a grace period), checking that it leaves no process behind
+(``mlx_bricks.bench.server_proc``, shared with the server bench).
 :func:`ask` sends one OpenAI-style request with the ``openai`` client when it is installed, else
 with ``http.client``; :func:`run_load` keeps N clients busy for T seconds and counts every
 request.
@@ -13,10 +14,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import sysconfig
 import threading
@@ -24,22 +22,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlx_bricks.bench.server_proc import REQUEST_TIMEOUT, ServerProcess, start_all  # noqa: F401
+
 try:
     import openai
 except ImportError:  # the test extra installs it; http.client does the same requests
     openai = None
 
 BIN = Path(sysconfig.get_path("scripts"))
-START_TIMEOUT = 600
-REQUEST_TIMEOUT = 600
-STOP_GRACE = 60
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 nobody listens on (the server binds it right after)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_env() -> dict:
@@ -50,21 +40,9 @@ def server_env() -> dict:
     return env
 
 
-def _children(pid: int) -> list[int]:
-    """Process ids whose parent is ``pid`` (Linux /proc)."""
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
-
-
-class Server:
-    """``mlx_lm.server ARGS`` on 127.0.0.1 at a free port, its output in ``log_path``.
+class Server(ServerProcess):
+    """``mlx_lm.server ARGS`` on 127.0.0.1 at a free port, its output in ``log_path``
+    (``mlx_bricks.bench.server_proc.ServerProcess``), in :func:`server_env`.
 
     Args:
         args: the server's flags (no ``--host`` / ``--port``).
@@ -74,82 +52,8 @@ class Server:
     """
 
     def __init__(self, args: list[str], log_path: Path, script: Path | None = None):
-        self.port = free_port()
-        self.log_path = Path(log_path)
         script = Path(script) if script is not None else BIN / "mlx_lm.server"
-        self.argv = [sys.executable, str(script), *map(str, args), "--host", "127.0.0.1",
-                     "--port", str(self.port)]
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=server_env(), cwd=self.log_path.parent,
-                                     start_new_session=True)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
-        """Until ``/health`` answers 200 (the HTTP server and its generation thread run).
-
-        Raises:
-            RuntimeError: the server exited or did not answer within ``timeout`` seconds.
-        """
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if self.request("GET", "/health", timeout=5)[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"server did not answer within {timeout} s:\n{self.log()}")
-
-    def request(self, method: str, path: str, body=None, *, raw: bytes | None = None,
-                timeout: float = REQUEST_TIMEOUT) -> tuple[int, bytes]:
-        """``(status, body)`` of one HTTP request; ``body`` is sent as JSON, ``raw`` as is."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-            headers = {"Content-Type": "application/json"} if data is not None else {}
-            conn.request(method, path, body=data, headers=headers)
-            response = conn.getresponse()
-            return response.status, response.read()
-        finally:
-            conn.close()
-
-    def stop(self) -> tuple[int, list[int]]:
-        """SIGINT (the server's own shutdown), SIGKILL after ``STOP_GRACE`` seconds.
-
-        Returns:
-            ``(exit status, child processes still alive afterwards)``.
-        """
-        kids = _children(self.proc.pid)
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=STOP_GRACE)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        alive = [k for k in kids if Path(f"/proc/{k}").exists()]
-        for k in alive:
-            os.kill(k, signal.SIGKILL)
-        return self.proc.returncode, alive
-
-
-def start_all(servers: dict) -> dict:
-    """Wait until every server of ``{name: Server}`` answers (they start in parallel); on a
-    failure stop them all and re-raise."""
-    try:
-        for s in servers.values():
-            s.wait_ready()
-    except BaseException:
-        for s in servers.values():
-            s.stop()
-        raise
-    return servers
+        super().__init__([sys.executable, script, *args], log_path, env=server_env())
 
 
 @dataclass

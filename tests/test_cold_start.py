@@ -382,11 +382,40 @@ def test_first_token_guard_matches_the_h100_measurements():
     # at 2,240 tokens were later than stock, 32 layers at 2,048 tokens too, and at 4,096 on one
     # of two H100s (0.82 + 0.31 s vs 0.56 + 0.47 s); 32 layers at 8,192 won on both (1.64 vs
     # 1.75 s, 0.82x in mlx_lm.generate).
-    eight, full = (prior.min_prompt_tokens("cuda", _llama3_8b_q4_bytes(n)) for n in (8, 32))
+    rate = prior.SAVED_S_PER_TOKEN_GIB["cuda"] / 2**30
+    eight, full = (prior.min_prompt_tokens("cuda", rate * _llama3_8b_q4_bytes(n))
+                   for n in (8, 32))
     assert eight > 2240 and 4096 < full <= 8192
     assert prior.min_prompt_tokens("cuda", 0) == float("inf")  # nothing the prior speeds up
-    assert prior.min_prompt_tokens("reference", 10**9) == 0  # no one-off cost measured
-    assert prior.min_prompt_tokens("metal", 10**9) == 0
+    assert prior.min_prompt_tokens("reference", 1.0) == 0  # no one-off cost measured
+    assert prior.min_prompt_tokens("metal", 1.0) == 0
+
+
+def test_saved_per_token_counts_each_piece_kind():
+    """The cost model is per model: a Gated DeltaNet mixer adds its own rate (per state
+    element, its projections not counted as linears), dense quantized linears theirs; on the
+    real Qwen3.5-35B-A3B shape (30 Gated DeltaNet layers of 32 x 128 x 128) the bricks pay from
+    a few hundred tokens where the per-GiB rule alone (only the attention layers' linears,
+    the MoE experts being stock on CUDA) said tens of thousands."""
+    from mlx_bricks.bricks.gated_delta.kind import SAVED_S_PER_TOKEN_STATE
+    from mlx_bricks.nn.gate import model_gate
+
+    model = build_model("qwen3_5", mx.float16)
+    nn.quantize(model, group_size=64, bits=4,
+                class_predicate=lambda p, m: isinstance(m, nn.Linear) and "layers" in p)
+    patch_model(model, backend="reference")
+    modules = [m for m, _, _ in model_gate(model).modules]
+    gdn = [m for m in modules if type(m).__name__.startswith("BricksMixer")]
+    dense = [m for m in modules if m not in gdn]
+    assert gdn and dense
+    per_state = SAVED_S_PER_TOKEN_STATE["cuda"]
+    want = (sum(per_state * m.num_v_heads * m.head_k_dim * m.head_v_dim for m in gdn)
+            + prior.SAVED_S_PER_TOKEN_GIB["cuda"] * prior.quantized_linear_bytes(dense) / 2**30)
+    assert prior.saved_s_per_token("cuda", modules) == pytest.approx(want)
+    assert prior.saved_s_per_token("metal", modules) == 0  # nothing measured there
+    unpatch_model(model)
+    real = 30 * per_state * 32 * 128 * 128
+    assert 100 < prior.min_prompt_tokens("cuda", real) < 512
 
 
 def test_quantized_linear_bytes_counts_each_dense_linear_once():
@@ -413,7 +442,7 @@ def test_first_token_guard_runs_a_short_prompt_stock_once_per_cold_process(monke
     # a one-off cost on the CPU backend such that this model pays from 16 tokens
     model = _quantized_llama(layers=2)
     qbytes = prior.quantized_linear_bytes(model.layers)
-    monkeypatch.setitem(prior.FIRST_PREFILL_S, "reference", 1.0)
+    monkeypatch.setitem(prior.FIRST_PREFILL_S, "reference", 1.0)  # see saved_s_per_token
     monkeypatch.setitem(prior.SAVED_S_PER_TOKEN_GIB, "reference", 2**30 / (16 * qbytes))
     monkeypatch.setattr(gate_mod, "WARM", set())
     stock_model = _quantized_llama(layers=2)
@@ -470,3 +499,41 @@ def test_a_variant_is_built_only_when_all_its_cuda_kernels_are(monkeypatch):
     assert brick.bind({}).cuda_kernels == ("dequantize",)
     on_disk.add("dequantize")
     assert dispatch_mod.built(brick.bind({}))
+
+
+def test_warm_first_use_dequantizes_each_format_once(monkeypatch):
+    """The composites' first-use costs are paid at patch time on CUDA: one small dequantize and
+    GEMM per weight format (dtype, bits, group_size, mode) the patched modules hold, evaluated;
+    nothing elsewhere."""
+    from mlx_bricks.bricks.dequantize import composite
+
+    model = build_model("llama", mx.float16)
+    nn.quantize(model.layers[0], group_size=64, bits=4)
+    nn.quantize(model.layers[1], group_size=32, bits=8)
+    nn.quantize(model.layers[2], group_size=64, bits=4)
+    calls = []
+    real = mx.dequantize
+
+    def spy(w, scales, biases=None, **kw):
+        calls.append((kw["bits"], kw["group_size"], w.shape[0]))
+        return real(w, scales, biases, **kw)
+
+    monkeypatch.setattr(composite.mx, "dequantize", spy)
+    assert composite.warm_first_use(model.layers, "reference") == 0.0 and not calls
+    assert composite.warm_first_use(model.layers, "cuda") > 0
+    assert sorted(calls) == [(4, 64, composite.WARM_ROWS), (8, 32, composite.WARM_ROWS)]
+    calls.clear()
+    assert composite.warm_first_use([build_model("llama", mx.float16)], "cuda") == 0.0
+    assert not calls
+
+
+def test_every_kind_names_registered_cuda_kernels():
+    """The kernels each kind says its variants launch on cuda are registered twins (a renamed
+    or new kernel shows up here, not as a build the dispatch counted as done)."""
+    from mlx_bricks import kernels
+
+    kinds()
+    for kind in KINDS.values():
+        assert kind.cuda_kernels, kind.name
+        for name in kind.cuda_kernels:
+            assert kernels.has_kernel(name, "cuda"), (kind.name, name)

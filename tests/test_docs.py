@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+#: Flags of other programs the documents quote (nvidia-smi's, in serving.md's peak memory).
+OTHER_TOOLS = {"--query-compute-apps"}
 #: The documents that state flags and defaults of the commands.
 DOCS = ("cli.md", "patch.md", "tuning.md", "serving.md", "setup.md")
 FLAG = re.compile(r"(?<![\w-])(--[a-z](?:[a-z0-9-]*[a-z0-9])?)(?![\w-]*\*)")
@@ -30,6 +32,7 @@ def _ours() -> dict[str, argparse.ArgumentParser]:
     """mlx-bricks' own commands, by program name, and the ``mlx-bricks`` group as mlx-lm's
     commands get it (every command's tune default)."""
     from mlx_bricks.bench.__main__ import build_parser as bench
+    from mlx_bricks.bench.server_report import build_parser as server
     from mlx_bricks.bench.user_path import build_parser as user_path
     from mlx_bricks.entry.commands import COMMANDS
     from mlx_bricks.entry.flags import add_bricks_flags
@@ -37,7 +40,7 @@ def _ours() -> dict[str, argparse.ArgumentParser]:
     from mlx_bricks.patch.__main__ import setup_arg_parser as patch
     from mlx_bricks.tune.__main__ import setup_arg_parser as tune
 
-    out = {p.prog: p for p in (patch(), tune(), bench(), gguf(), user_path())}
+    out = {p.prog: p for p in (patch(), tune(), bench(), gguf(), user_path(), server())}
     for c in COMMANDS.values():
         p = argparse.ArgumentParser(prog=c.module, add_help=False)
         add_bricks_flags(p, tune_default=c.tune)
@@ -80,7 +83,7 @@ def _doc_flags(name: str) -> set[str]:
 
 @pytest.mark.parametrize("name", DOCS)
 def test_every_flag_the_docs_name_exists(name, actions):
-    known = set(actions) | _mlx_lm_flags() | {"--help"}
+    known = set(actions) | _mlx_lm_flags() | {"--help"} | OTHER_TOOLS
     unknown = sorted(_doc_flags(name) - known)
     assert not unknown, f"docs/{name} names flags no command has: {unknown}"
 

@@ -51,6 +51,9 @@ FORMATS = {
     "float_q": ((None, (4, 32), (8, 32)), (8, 64, 96)),
     "q3q6": (((3, 32), (3, 32), (6, 64)), (8, 64, 96)),
     "q2q5": (((2, 128), (2, 128), (5, 32)), (8, 96, 128)),
+    # the register-dequantizing (ws) tiles' widths: ragged N past the 64-column act tile and D
+    # past the 128-column down tile
+    "q8q4": (((8, 64), (8, 64), (4, 32)), (8, 160, 192)),
 }
 
 
@@ -248,6 +251,10 @@ def test_cuda_tiles(tile):
     require_backend("cuda")
     if tile not in moe_cuda.tile_names(bits=(4, 4, 4)):
         pytest.skip(f"this GPU does not run tile {tile}")
+    if moe_cuda.TILES[tile].ws:  # 4 / 8-bit affine, gate and up of one format
+        run_case("cuda", 300, 8, "q4", "float16", "swiglu_oai", True, "one", tile=tile)
+        run_case("cuda", 70, 4, "q8q4", "bfloat16", "gelu_tanh", True, "random", tile=tile)
+        return
     run_case("cuda", 100, 2, "float", "bfloat16", "silu", True, "half", tile=tile)
     run_case("cuda", 300, 8, "q4", "float16", "swiglu_oai", True, "one", tile=tile)
     run_case("cuda", 70, 4, "mixed", "bfloat16", "gelu_tanh", False, "random", tile=tile)
@@ -562,6 +569,8 @@ CUDA_COMPILE_CASES = [
     ("bm64", "q8", 0, False, "sm_90a"),       # refused: fused 8-bit gate/up would spill
     ("bm64", "mixed", 2, True, "sm_90a"),      # split pair (MODE 1, 2), gpt-oss activation
     ("bm32", "q3q6", 1, False, "sm_80"),
+    ("qwg256", "q8", 2, True, "sm_90a"),      # weights dequantized in registers (qmoe_*.cu)
+    ("qmma128", "q4", 0, False, "sm_80"),
 ]
 CUDA_COMPILE_SLOW = [(t, f, a, b, arch) for t in moe_cuda.TILES for f in CUDA_COMPILE_FORMATS
                      for a, b in ((0, False), (2, True)) for arch in ("sm_90a", "sm_80")
@@ -587,7 +596,10 @@ def test_cuda_twins_compile(monkeypatch, tile, fmt, act, bias, arch):
     rec = _cuda_records(tile, fmts, act, bias)
     names = [r.name for r in rec]
     split = fmts[0] != fmts[1]
-    assert names == ["moe_route"] + ["moe_gate_up"] * (1 + split) + ["moe_down"]
+    if moe_cuda.TILES[tile].ws:
+        assert names == ["moe_route", "qmoe_gate_up", "qmoe_down"]
+    else:
+        assert names == ["moe_route"] + ["moe_gate_up"] * (1 + split) + ["moe_down"]
     if split:
         assert [dict(r.template)["MODE"] for r in rec[1:3]] == [1, 2]
     for r in rec:
@@ -629,6 +641,9 @@ CUDA_EMU_CASES = [
     ("bm64", 20, 8, "mixed", "bfloat16", "silu", True, "one"),
     ("bm32", 64, 1, "q3q6", "float16", "gelu_tanh", False, "one"),
     ("bm32", 40, 4, "float_q", "float16", "swiglu_oai", True, "random"),  # split: float gate
+    # weights dequantized in registers (qmoe_*.cu): gathered rows in, scattered rows out
+    ("qmma128", 70, 2, "q4", "float16", "swiglu_oai", True, "half"),
+    ("qmma128", 40, 8, "q8q4", "bfloat16", "silu", False, "random"),
 ]
 
 
@@ -647,6 +662,8 @@ def test_cuda_twins_in_the_cpu_emulation(monkeypatch, tile, T, k, fmt, dtype, ac
         route = moe_cuda.route(idx_u, order, a["E"], moe_cuda.TILES[tile].bm)
         mx.eval(y, route)
     assert names[0] == "moe_route"
+    if moe_cuda.TILES[tile].ws:
+        assert names[1:3] == ["qmoe_gate_up", "qmoe_down"]
     assert np.array_equal(np.array(route), _route64(np.array(idx).reshape(-1), a["E"],
                                                     moe_cuda.TILES[tile].bm))
     dt = DTYPES[dtype]

@@ -41,7 +41,8 @@ def test_groups_are_registered_and_run_only_when_named(monkeypatch):
     assert GROUPS["user_path_gpu"] == [f"user_path_gpu_{n}" for n in um.GPU_MODELS]
     assert {BENCHMARKS[n].backend for n in GROUPS["user_path_cpu"]} == {CPU}
     assert {BENCHMARKS[n].backend for n in GROUPS["user_path_gpu"]} == {KERNEL}
-    assert ON_REQUEST == {*GROUPS["user_path_cpu"], *GROUPS["user_path_gpu"]}
+    assert ON_REQUEST == {*GROUPS["user_path_cpu"], *GROUPS["user_path_gpu"],
+                          *GROUPS["server_cpu"], *GROUPS["server_gpu"]}
     assert set(um.GPU_PLAN) == set(um.GPU_MODELS)
     # the default run leaves them out: every benchmark is skipped here, none is a user path
     monkeypatch.setattr("mlx_bricks.bench.core._status", lambda backend: (False, "off"))

@@ -189,7 +189,8 @@ def _cuda_case_benchmarks() -> dict[str, dict[str, Benchmark]]:
         return brick, stock, lambda: facts
 
     sm90 = [n for n, t in gemm_cuda.LINEAR_TILES.items() if t.wgmma]
-    sm90_plain = [n for n in sm90 if gemm_cuda.LINEAR_TILES[n].split_k == 1]
+    # split SwiGLU and RMSNorm + QKV run the plain GEMM tiles (TILES: no split-K, no ws tile)
+    sm90_plain = [n for n, t in gemm_cuda.TILES.items() if t.wgmma]
     per_tile = [*gpu.linear_cases("cuda", tiles=sm90, formats=gpu.QUANT_FORMATS,
                                   shapes=("qo", "kv", "gate_up")),
                 *gpu.swiglu_cases("cuda", tiles=tuple(swiglu_cuda.SWIGLU_TILES),
@@ -252,9 +253,19 @@ def _user_path_benchmarks() -> dict[str, Benchmark]:
 
 
 BENCHMARKS.update(_user_path_benchmarks())
-#: Benchmarks that run only when named (``--only``): the user's path writes model directories
-#: (GBs at full size) and runs dozens of processes.
-ON_REQUEST = frozenset(n for n in BENCHMARKS if n.startswith("user_path_"))
+
+
+def _server_benchmarks() -> dict[str, Benchmark]:
+    """``mlx_lm.server`` stock vs ``--use-bricks`` with the openai client: ``bench.server``."""
+    from mlx_bricks.bench.server import benchmarks
+
+    return benchmarks()
+
+
+BENCHMARKS.update(_server_benchmarks())
+#: Benchmarks that run only when named (``--only``): the user's path and the server bench write
+#: model directories (GBs at full size) and run dozens of processes.
+ON_REQUEST = frozenset(n for n in BENCHMARKS if n.startswith(("user_path_", "server_")))
 
 #: Names that stand for several benchmarks (``--only GROUP``).
 GROUPS: dict[str, list[str]] = {
@@ -270,6 +281,8 @@ GROUPS: dict[str, list[str]] = {
     "e2e_qwen3_moe_4layer": [n for n in BENCHMARKS if n.startswith("e2e_qwen3_moe_4layer_")],
     "user_path_cpu": [n for n in BENCHMARKS if n.startswith("user_path_cpu_")],
     "user_path_gpu": [n for n in BENCHMARKS if n.startswith("user_path_gpu_")],
+    "server_cpu": [n for n in BENCHMARKS if n.startswith("server_cpu_")],
+    "server_gpu": [n for n in BENCHMARKS if n.startswith("server_gpu_")],
     "gated_delta": [n for n in BENCHMARKS if n.startswith(("gdn_", "e2e_qwen35_"))],
     "e2e_gpt_oss20b_4layer": [n for n in BENCHMARKS if n.startswith("e2e_gpt_oss20b_4layer_")],
     "e2e_small_gpt_oss_cpu": [n for n in BENCHMARKS if n.startswith("e2e_small_gpt_oss_cpu_")],

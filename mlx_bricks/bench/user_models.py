@@ -43,9 +43,10 @@ class ModelSpec:
         name: short name (benchmark names, directory names).
         config: mlx-lm config fields at the model's real size (``num_hidden_layers`` included).
         dtype: ``"bfloat16"`` / ``"float16"`` / ``"float32"``: the float weights and activations.
-        bits: None (float weights) or the MLX affine bits (``mlx_lm.utils.quantize_model``).
-        group_size: the affine group size.
+        bits: None (float weights) or the quantized bits (``mlx_lm.utils.quantize_model``).
+        group_size: the quantization group size.
         what: one line: the real model this has the shapes of.
+        mode: ``quantize_model``'s mode: ``"affine"``, or ``"mxfp4"`` (group 32) as gpt-oss.
     """
 
     name: str
@@ -54,22 +55,31 @@ class ModelSpec:
     bits: int | None = 4
     group_size: int = 64
     what: str = ""
+    mode: str = "affine"
+
+    @property
+    def text(self) -> dict:
+        """The text model's fields: ``config``, or its ``text_config`` (qwen3_5 nests them)."""
+        return self.config.get("text_config", self.config)
 
     def with_layers(self, layers: int | None) -> "ModelSpec":
         """The same model with ``layers`` decoder layers (None: unchanged)."""
-        if layers is None or layers == self.config["num_hidden_layers"]:
+        if layers is None or layers == self.text["num_hidden_layers"]:
             return self
         if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
             raise ValueError(f"layers must be a positive int or None, got {layers!r}")
-        pattern = self.config.get("sliding_window_pattern", 1)
+        pattern = self.text.get("sliding_window_pattern", 1)
         if layers < pattern:  # gemma3 masks with its first global layer's cache
             raise ValueError(f"layers must be at least {pattern} for {self.name} (one global "
                              f"layer every {pattern}), got {layers}")
-        return dataclasses.replace(self, config={**self.config, "num_hidden_layers": layers})
+        text = {**self.text, "num_hidden_layers": layers}
+        nested = "text_config" in self.config
+        return dataclasses.replace(self, config={**self.config, "text_config": text} if nested
+                                   else text)
 
     def describe(self) -> str:
-        c = self.config
-        w = "float" if self.bits is None else f"affine {self.bits}-bit gs{self.group_size}"
+        c = self.text
+        w = "float" if self.bits is None else f"{self.mode} {self.bits}-bit gs{self.group_size}"
         return (f"{self.what or self.name}: {c['model_type']}, {c['num_hidden_layers']} layers, "
                 f"hidden {c['hidden_size']}, vocab {c['vocab_size']}, {self.dtype}, {w} weights")
 
@@ -93,6 +103,22 @@ _GEMMA3_12B = dict(model_type="gemma3_text", hidden_size=3840, num_hidden_layers
                    sliding_window_pattern=6, max_position_embeddings=131072,
                    rope_scaling={"rope_type": "linear", "factor": 8.0})
 
+# Qwen3.5-35B-A3B: Gated DeltaNet layers, full attention every fourth; mlx-lm's qwen3_5 Model
+# reads the text model's fields from ``text_config``.
+_QWEN35_35B_A3B = dict(model_type="qwen3_5_moe", text_config=dict(
+    model_type="qwen3_5_moe", hidden_size=2048, num_hidden_layers=40, intermediate_size=512,
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+    full_attention_interval=4, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, rms_norm_eps=1e-6, vocab_size=248320,
+    max_position_embeddings=262144, tie_word_embeddings=False))
+# gpt-oss-20b: every layer MoE (biased SwiGLU-OAI experts), window-128 layers between full ones.
+_GPT_OSS_20B = dict(model_type="gpt_oss", hidden_size=2880, num_hidden_layers=24,
+                    intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
+                    num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                    vocab_size=201088, sliding_window=128, rope_theta=150000,
+                    rms_norm_eps=1e-5)
+
 #: The GPU group's models, at their real sizes (the device script cuts the layers:
 #: :data:`GPU_LAYERS`).
 GPU_MODELS = {s.name: s for s in (
@@ -101,12 +127,16 @@ GPU_MODELS = {s.name: s for s in (
     ModelSpec("gemma3_12b_q4", _GEMMA3_12B, bits=4, what="Gemma-3-12B 4-bit"),
     ModelSpec("llama3_8b_q8", _LLAMA3_8B, bits=8, what="Llama-3-8B 8-bit"),
     ModelSpec("llama3_8b_bf16", _LLAMA3_8B, bits=None, what="Llama-3-8B bf16"),
+    ModelSpec("qwen35_35b_a3b_q4", _QWEN35_35B_A3B, bits=4, what="Qwen3.5-35B-A3B 4-bit"),
+    ModelSpec("gpt_oss_20b_mxfp4", _GPT_OSS_20B, bits=4, group_size=32, mode="mxfp4",
+              what="gpt-oss-20b MXFP4"),
 )}
 
 #: The prompt lengths of each GPU model (all of :data:`GPU_PROMPTS` for the 4-bit llama, the
 #: middle ones for the others): what fits one device call.
 GPU_PLAN = {"llama3_8b_q4": GPU_PROMPTS, "qwen3_30b_a3b_q4": (2240, 8192),
-            "gemma3_12b_q4": (2240, 8192), "llama3_8b_q8": (2240,), "llama3_8b_bf16": (2240,)}
+            "gemma3_12b_q4": (2240, 8192), "llama3_8b_q8": (2240,), "llama3_8b_bf16": (2240,),
+            "qwen35_35b_a3b_q4": (2240, 8192, 32768), "gpt_oss_20b_mxfp4": (2240, 8192, 32768)}
 
 # The small models' vocabulary is the default model's tokenizer's (49152): the prompts' ids and
 # the sampled ones decode.
@@ -213,14 +243,15 @@ def write_model(spec: ModelSpec, path: str | os.PathLike, tokenizer: str | os.Pa
     # then prints no figures. Rows past the tokenizer give logit 0 instead; the GEMM's cost is
     # the same.
     words = _load_tokenizer(tokenizer).vocab_size
-    head = model["lm_head"] if "lm_head" in model else model.model.embed_tokens
+    lm = model.language_model if "language_model" in model else model  # qwen3_5 nests it
+    head = lm["lm_head"] if "lm_head" in lm else lm.model.embed_tokens
     if head.weight.shape[0] > words:
         w = head.weight
         head.weight = mx.concatenate([w[:words], mx.zeros((w.shape[0] - words, w.shape[1]),
                                                           dtype=w.dtype)])
     model.set_dtype(getattr(mx, spec.dtype))
     if spec.bits is not None:
-        model, config = quantize_model(model, config, spec.group_size, spec.bits)
+        model, config = quantize_model(model, config, spec.group_size, spec.bits, spec.mode)
     for layer in model.layers:
         mx.eval(layer.parameters())
     mx.eval(model.parameters())
@@ -253,10 +284,11 @@ def generate_prompt_tokens(tokenizer, text: str) -> int:
     return len(tokenizer.encode(text, add_special_tokens=True))
 
 
-def make_prompt(tokenizer, tokens: int) -> str:
+def make_prompt(tokenizer, tokens: int, count=generate_prompt_tokens) -> str:
     """A prompt text that ``mlx_lm.generate`` turns into exactly ``tokens`` tokens (chat
     template included): space-separated common words, their number corrected until the
-    measured count is exact.
+    measured count is exact. ``count(tokenizer, text)``: the tokens a text makes (default:
+    ``mlx_lm.generate``'s prompt; the server bench counts a whole conversation).
 
     Raises:
         ValueError: ``tokens`` is below the chat template's own tokens + 1, or no word count
@@ -269,7 +301,7 @@ def make_prompt(tokenizer, tokens: int) -> str:
     def text(n):
         return " ".join(words[i % len(words)] for i in range(n))
 
-    base = generate_prompt_tokens(tokenizer, text(1)) - 1
+    base = count(tokenizer, text(1)) - 1
     if tokens < base + 1:
         raise ValueError(f"tokens must be at least {base + 1} (the chat template takes {base}), "
                          f"got {tokens}")
@@ -277,7 +309,7 @@ def make_prompt(tokenizer, tokens: int) -> str:
     tried = set()
     while n not in tried and n >= 1:
         tried.add(n)
-        got = generate_prompt_tokens(tokenizer, text(n))
+        got = count(tokenizer, text(n))
         if got == tokens:
             return text(n)
         n += tokens - got

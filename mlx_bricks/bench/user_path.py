@@ -74,7 +74,7 @@ from mlx_bricks.bench.user_models import (
     prefill_chunks,
     write_model,
 )
-from mlx_bricks.bench.user_report import document, format_table, plot
+from mlx_bricks.bench.user_report import document, format_table, plot, write_report
 
 PROG = "python -m mlx_bricks.bench.user_path"
 #: Decoder layers of the GPU group's models in the device script (``--full-size``: the models'
@@ -325,7 +325,8 @@ def run_model(spec: ModelSpec, prompts, *, max_tokens: int, trials: int, work: P
         shutil.rmtree(home)
     tokenizer = Path(tokenizer) if tokenizer is not None else default_tokenizer_dir()
     entry = {"model": {"name": spec.name, "what": spec.describe(), "config": spec.config,
-                       "dtype": spec.dtype, "bits": spec.bits, "group_size": spec.group_size},
+                       "dtype": spec.dtype, "bits": spec.bits, "group_size": spec.group_size,
+                       "mode": spec.mode},
              "prefill_step_size": PREFILL_STEP, "max_tokens": max_tokens, "trials": trials,
              "prompts": []}
     try:
@@ -498,13 +499,7 @@ def _run(args) -> int:
                                 work=work, tokenizer=args.tokenizer, log_dir=out / "logs",
                                 deadline=deadline, on_run=write))
         write()
-    doc = write()
-    table = format_table(doc)
-    (out / f"user_path_{args.group}.md").write_text(table + "\n")
-    try:
-        plot(doc, out / f"user_path_{args.group}.png")
-    except (ValueError, ModuleNotFoundError) as e:
-        print(f"[user_path] no plot: {e}", file=sys.stderr)
+    table = write_report(write(), out / f"user_path_{args.group}", format_table, plot)
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
     print(table)

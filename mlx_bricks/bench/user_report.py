@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 from mlx_bricks.bench.record import now, version
 
@@ -89,9 +91,17 @@ def plot(doc: dict, path: str | os.PathLike) -> None:
             ax.set_yscale("log")
             ax.set_title(f"{m['model']['name']}: {label}", fontsize=9)
         row[0].legend(fontsize=7)
-    fig.suptitle(f"the user's path: mlx-lm's CLIs in fresh processes, stock vs --use-bricks; "
-                 f"{doc.get('device', '')}, MLX {doc.get('mlx')}, mlx-lm {doc.get('mlx_lm')}, "
-                 f"{doc.get('date', '')}", fontsize=10)
+    save_figure(fig, doc, "the user's path: mlx-lm's CLIs in fresh processes, stock vs "
+                "--use-bricks", path)
+
+
+def save_figure(fig, doc: dict, what: str, path) -> None:
+    """Title ``fig`` with ``what`` and the document's device, versions and date; save it to
+    ``path`` (PNG, 110 dpi) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(f"{what}; {doc.get('device', '')}, MLX {doc.get('mlx')}, mlx-lm "
+                 f"{doc.get('mlx_lm')}, {doc.get('date', '')}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -112,3 +122,15 @@ def document(group: str, started: str, models: list) -> dict:
             "mlx": mx.__version__, "mlx_lm": version("mlx-lm"),
             "mlx_bricks": version("mlx-bricks"), "python": platform.python_version(),
             "models": models}
+
+
+def write_report(doc: dict, stem: Path, format_table, plot) -> str:
+    """Write ``stem``.md (``format_table(doc)``) and ``stem``.png (``plot(doc, path)``; a line
+    on stderr where it cannot be drawn); return the table."""
+    table = format_table(doc)
+    stem.with_suffix(".md").write_text(table + "\n")
+    try:
+        plot(doc, stem.with_suffix(".png"))
+    except (ValueError, ModuleNotFoundError) as e:
+        print(f"[{stem.name}] no plot: {e}", file=sys.stderr)
+    return table

@@ -41,13 +41,15 @@ SHIM_DIR = Path(__file__).resolve().parent / "shim"
 @dataclass(frozen=True)
 class Resources:
     """``ptxas -v`` report of one kernel: registers per thread, spill bytes, stack frame bytes
-    and static shared memory bytes."""
+    and static shared memory bytes; ``perf_notes``: ptxas's "Potential Performance Loss" lines
+    (e.g. wgmma instructions serialized)."""
 
     registers: int
     spill_stores: int
     spill_loads: int
     stack: int
     smem: int
+    perf_notes: tuple = ()
 
 
 def find_nvcc() -> str | None:
@@ -78,6 +80,8 @@ def parse_ptxas(log: str) -> Resources:
         spill_stores=int(spill.group(2)) if spill else 0,
         spill_loads=int(spill.group(3)) if spill else 0,
         smem=int(smem.group(1)) if smem else 0,
+        perf_notes=tuple(line.strip() for line in log.splitlines()
+                         if "Potential Performance Loss" in line),
     )
 
 

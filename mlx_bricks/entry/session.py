@@ -318,12 +318,13 @@ class Session:
         Only with ``--bricks-tune cached`` (the default here): ``auto``, ``force`` and ``off``
         ask for the bricks to be measured or run."""
         from mlx_bricks.nn.gate import model_gate
-        from mlx_bricks.tune.prior import min_prompt_tokens, quantized_linear_bytes
+        from mlx_bricks.tune.prior import min_prompt_tokens, saved_s_per_token
 
         gate = model_gate(model)
         if gate is not None and report.options.get("tune") == "cached":
+            backend = report.backend.name
             gate.min_prompt = min_prompt_tokens(
-                report.backend.name, quantized_linear_bytes(m for m, _, _ in gate.modules))
+                backend, saved_s_per_token(backend, (m for m, _, _ in gate.modules)))
 
     def announce_guard(self, gate, tokens: int) -> None:
         """Say (once per session) that a prompt of ``tokens`` runs stock because of the

@@ -8,14 +8,14 @@ and removed with :func:`detach`. Prefill (L > 1) is split into pieces, each runn
 cover call the original ``__call__`` unchanged, with the reason counted in the module's
 :class:`BricksState`. Files: ``layout`` (BlockLayout), ``calls`` (per-call checks),
 ``structure`` (structure checks), ``runner`` (state, choices, running a piece),
-``attention``, ``block``, ``piece`` (the mixins), ``classes`` (switching classes).
+``attention``, ``block``, ``piece``, ``mixer`` (the mixins), ``classes`` (switching classes).
 """
 from __future__ import annotations
 
 from mlx_bricks.nn.attention import BricksAttention
 from mlx_bricks.nn.block import BricksBlock
 from mlx_bricks.nn.calls import DECODE
-from mlx_bricks.nn.gated_delta import BricksGatedDelta
+from mlx_bricks.nn.mixer import BricksMixer
 from mlx_bricks.nn.classes import attach, bricks_class, detach, is_patched
 from mlx_bricks.nn.layout import BlockLayout
 from mlx_bricks.nn.piece import BricksPiece
@@ -26,7 +26,7 @@ __all__ = [
     "BlockLayout",
     "BricksAttention",
     "BricksBlock",
-    "BricksGatedDelta",
+    "BricksMixer",
     "BricksPiece",
     "BricksState",
     "attach",

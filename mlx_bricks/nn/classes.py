@@ -9,13 +9,13 @@ import mlx.nn as nn
 
 from mlx_bricks.nn.attention import BricksAttention
 from mlx_bricks.nn.block import BricksBlock
-from mlx_bricks.nn.gated_delta import BricksGatedDelta
+from mlx_bricks.nn.mixer import BricksMixer
 from mlx_bricks.nn.piece import BricksPiece
 from mlx_bricks.nn.runner import BricksState
 from mlx_bricks.nn.shared_kv import BricksSharedKVAttention
 
 #: The mixins a patched module's class is built from.
-MIXINS = (BricksAttention, BricksPiece, BricksBlock, BricksGatedDelta, BricksSharedKVAttention)
+MIXINS = (BricksAttention, BricksPiece, BricksBlock, BricksMixer, BricksSharedKVAttention)
 
 _CLASSES: dict[tuple[type, type], type] = {}
 

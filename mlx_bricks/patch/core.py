@@ -7,7 +7,6 @@ report; decisions that depend on the call (mask, cache type, L == 1) are made by
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import weakref
 
@@ -17,10 +16,9 @@ from mlx_bricks.backends import active_backend
 from mlx_bricks.options import KV_CACHES
 from mlx_bricks.bricks.attention.msl import SUPPORTED_HEAD_DIMS
 from mlx_bricks.bricks.attention.piece import KIND as ATTENTION
-from mlx_bricks.bricks.dequantize.composite import CAP_SETTING, MIB, resolve_cap
-from mlx_bricks.bricks.gated_delta.piece import GDN_PIECE, MIXER, calls_gated_delta
+from mlx_bricks.bricks.dequantize.composite import CAP_SETTING, MIB, resolve_cap, warm_first_use
 from mlx_bricks.bricks.gemm.piece import KIND as LINEAR
-from mlx_bricks.bricks.moe.piece import MOE_PIECE, activation_of, switch_classes
+from mlx_bricks.bricks.moe.piece import switch_classes
 from mlx_bricks.bricks.norm_qkv.piece import KIND as RMS_NORM_QKV
 from mlx_bricks.bricks.norm_qkv.piece import rms_norm_reason
 from mlx_bricks.bricks.swiglu.piece import MLP_PIECE
@@ -31,7 +29,6 @@ from mlx_bricks.formats.q8_0 import KV_QUANTS, QK8_0
 from mlx_bricks.nn import (
     BricksAttention,
     BricksBlock,
-    BricksGatedDelta,
     BricksPiece,
     BricksState,
     attach,
@@ -53,7 +50,8 @@ from mlx_bricks.patch.report import (
     record_weight_formats,
 )
 from mlx_bricks.patch.table import layer_types, lookup, supported_model_types
-from mlx_bricks.patch.vetted import forward_reason
+from mlx_bricks.patch.modules import has_experts, has_mixer, mixer_piece, patch_experts, patch_mixers
+from mlx_bricks.patch.vetted import forward_reason, signature_reason
 
 
 _BLOCK_BRICKS = (RMS_NORM_QKV.op_name, ATTENTION.op_name, LINEAR.op_name,
@@ -66,31 +64,6 @@ def _model_type(model):
     if mt is None:
         mt = getattr(getattr(model, "args", None), "model_type", None)
     return mt
-
-
-def _signature_reason(module, names: tuple[str, ...]) -> str | None:
-    """None if ``type(module).__call__`` takes ``(self, <x>, *names)`` and nothing else required.
-
-    The bricks pass the call through positionally, so the positions (and, for mask/cache, the
-    names) must be mlx-lm's; further parameters are fine if they have defaults.
-    """
-    cls = type(module)
-    try:
-        params = list(inspect.signature(cls.__call__).parameters.values())[1:]
-    except (TypeError, ValueError):
-        return f"{cls.__name__}.__call__ has no inspectable signature"
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    want = 1 + len(names)
-    if len(positional) < want or [p.name for p in positional[1:want]] != list(names):
-        got = ", ".join(p.name for p in params)
-        expect = ", ".join(("x", *names))
-        return f"unknown call signature {cls.__name__}({got}); expected ({expect})"
-    for p in params:
-        if p in positional[:want] or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        if p.default is p.empty:
-            return f"unknown call signature: {cls.__name__}.__call__ requires {p.name!r}"
-    return None
 
 
 def describe_rope(rope) -> str:
@@ -167,7 +140,7 @@ def _attention_structure(attn, layout, kv_quant) -> tuple[str | None, int]:
     if kv_quant == "q8_0" and head_dim % QK8_0:
         return f"kv_quant='q8_0' needs head_dim % {QK8_0} == 0, head_dim is {head_dim}", 0
     return (forward_reason(attn, layout, layout.attention)
-            or _signature_reason(attn, layout.call_args)), head_dim
+            or signature_reason(attn, layout.call_args)), head_dim
 
 
 def sinks_reason(attn, layout=None) -> str | None:
@@ -190,7 +163,7 @@ def _mlp_structure(mlp, layout) -> str | None:
     if isinstance(mlp, nn.Module) and has_experts(mlp):
         return moe_block_reason(mlp, layout)
     return (MLP_PIECE.reason(mlp, layout) or forward_reason(mlp, layout, layout.mlp)
-            or _signature_reason(mlp, ()))
+            or signature_reason(mlp, ()))
 
 
 def moe_block_reason(mlp, layout=None) -> str:
@@ -229,7 +202,7 @@ def _block_structure(layer, layout) -> str | None:
         r = rms_norm_reason(name, getattr(layer, name, None), layout)
         if r is not None:
             return r
-    return forward_reason(layer, layout, "block") or _signature_reason(layer, layout.call_args)
+    return forward_reason(layer, layout, "block") or signature_reason(layer, layout.call_args)
 
 
 def _reads_affine(module, role, layout, piece=None) -> bool:
@@ -348,93 +321,6 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
             report.modules[-1].module = where
 
 
-def has_experts(layer) -> bool:
-    """Whether ``layer`` holds a ``SwitchGLU`` or ``SwitchMLP`` (mlx-lm's MoE experts)."""
-    classes = switch_classes()[:2]
-    return any(isinstance(m, classes) for _, m in layer.named_modules())
-
-
-def _patch_experts(report: PatchReport, i: int, layer, opts: dict, backend: str,
-                   dispatch: Dispatch | None, layout) -> None:
-    """Patch every ``SwitchGLU`` inside layer ``i`` by module, whatever the architecture (its
-    call ``(x, indices)`` runs the MoE piece, ``bricks.moe.piece.MOE_PIECE``; the model's
-    router, combine and shared experts stay its own), and report every ``SwitchMLP`` stock
-    with the reason. With
-    ``dispatch`` None, or composites only (no kernel backend) and float experts (the MoE
-    kind's ``dequant`` composite applies to quantized ones), they are reported stock with
-    :data:`NO_KERNEL_BACKEND`."""
-    glu, switch_mlp = switch_classes()[:2]
-    for path, module in layer.named_modules():
-        if not isinstance(module, (glu, switch_mlp)):
-            continue
-        where = path or "layer"
-        formats = MOE_PIECE.weight_formats(module) if isinstance(module, glu) else {}
-        add = report.modules.append
-        if not opts["mlp"]:
-            add(ModuleReport(i, MOE_PIECE.role, DISABLED, reason=f"{where}: mlp=False",
-                             weights=formats))
-            continue
-        reason = "module is already patched" if is_patched(module) else \
-            MOE_PIECE.reason(module) or _signature_reason(module, ("indices",))
-        if reason is not None:
-            add(ModuleReport(i, MOE_PIECE.role, FALLBACK, reason=f"{where}: {reason}",
-                             weights=formats))
-            continue
-        quantized = any(isinstance(getattr(module, n, None), switch_classes()[3])
-                        for n in MOE_PIECE.linears())
-        if dispatch is None or (dispatch.composites_only and not quantized):
-            add(ModuleReport(i, MOE_PIECE.role, STOCK, reason=NO_KERNEL_BACKEND,
-                             weights=formats))
-            continue
-        if dispatch.tuning:
-            tile = "tuned"
-        else:
-            tile = "reference" if backend == "reference" else "rule"
-        variant = f"{where}: activation={activation_of(module)[0]}, tile={tile}"
-        st = BricksState(backend=backend, layer=i, role=MOE_PIECE.role, layout=layout,
-                         piece=MOE_PIECE, dispatch=dispatch)
-        attach(module, BricksPiece, st)
-        add(ModuleReport(i, MOE_PIECE.role, PATCHED, MOE_PIECE.bricks, variant, backend,
-                         weights=formats, state=st))
-
-
-def has_gated_delta(layer) -> bool:
-    """Whether ``layer`` holds a module whose forward calls mlx-lm's ``gated_delta_update``."""
-    return any(calls_gated_delta(m) for _, m in layer.named_modules())
-
-
-def _patch_gated_delta(report: PatchReport, i: int, layer, opts: dict, backend: str,
-                       dispatch: Dispatch | None) -> None:
-    """Patch every Gated DeltaNet mixer inside layer ``i`` by module, whatever the
-    architecture (``bricks.gated_delta.piece``: the qwen3_5 / qwen3_5_moe / qwen3_next
-    classes; a module of another class whose forward calls ``gated_delta_update`` is reported
-    stock with the reason). Its prefill recurrence is tuned like any piece; on a machine
-    without a kernel backend the brick's chunked composite competes with stock's token loop.
-    Under ``attention=False`` it is reported disabled."""
-    add = report.modules.append
-    for path, module in layer.named_modules():
-        if not calls_gated_delta(module):
-            continue
-        where = path or "layer"
-        if not opts["attention"]:
-            add(ModuleReport(i, GDN_PIECE.role, DISABLED, reason=f"{where}: attention=False"))
-            continue
-        reason = GDN_PIECE.reason(module) or _signature_reason(module, ("mask", "cache"))
-        if reason is not None:
-            add(ModuleReport(i, GDN_PIECE.role, FALLBACK, reason=f"{where}: {reason}"))
-            continue
-        if dispatch is None:
-            add(ModuleReport(i, GDN_PIECE.role, STOCK, reason=NO_KERNEL_BACKEND))
-            continue
-        how = "tuned" if dispatch.tuning else "rule"
-        variant = f"{where}: {MIXER}, recurrence={how}"
-        st = BricksState(backend=backend, layer=i, role=GDN_PIECE.role, layout=None,
-                         piece=GDN_PIECE, dispatch=dispatch)
-        attach(module, BricksGatedDelta, st)
-        add(ModuleReport(i, GDN_PIECE.role, PATCHED, GDN_PIECE.bricks, variant, backend,
-                         state=st))
-
-
 #: Class-name marks of a decoder layer's token mixer, most specific first, and the words the
 #: report uses for them.
 _MIXER_KINDS = (("GatedDeltaNet", "Gated DeltaNet"), ("Mamba", "Mamba"),
@@ -444,7 +330,7 @@ _MIXER_KINDS = (("GatedDeltaNet", "Gated DeltaNet"), ("Mamba", "Mamba"),
 
 def layer_mixers(layer) -> list[tuple[str, str, str]]:
     """``(attribute, kind, class name)`` of each token mixer among ``layer``'s direct children
-    (attention, Gated DeltaNet, Mamba, short-conv), by class name (:data:`_MIXER_KINDS`)."""
+    (attention, Gated DeltaNet, Mamba, short-conv, ...), by class name (:data:`_MIXER_KINDS`)."""
     out = []
     for name, child in layer.children().items():
         if not isinstance(child, nn.Module):
@@ -459,14 +345,14 @@ def layer_mixers(layer) -> list[tuple[str, str, str]]:
 def _mixer_entries(report: PatchReport, i: int, layer, reason: str) -> None:
     """One stock entry per token mixer of layer ``i``, named by its attribute and kind (a layer
     without attention is not reported as a ``self_attn`` fallback); Gated DeltaNet mixers
-    have their own entries (:func:`_patch_gated_delta`)."""
+    have their own entries (``patch.modules.patch_mixers``)."""
     mixers = layer_mixers(layer)
-    if not mixers and not has_gated_delta(layer):
+    if not mixers and not has_mixer(layer):
         report.modules.append(ModuleReport(i, "mixer", FALLBACK,
                                            reason=f"no known token mixer: {reason}"))
     for name, kind, cls in mixers:
-        if calls_gated_delta(getattr(layer, name)):
-            continue  # patched by module, with its own entry (_patch_gated_delta)
+        if mixer_piece(getattr(layer, name)) is not None:
+            continue  # patched by module, with its own entry (patch.modules)
         why = (sinks_reason(getattr(layer, name)) if kind == "attention" else None) or reason
         report.modules.append(ModuleReport(i, name, FALLBACK, reason=f"{kind} ({cls}): {why}"))
 
@@ -609,13 +495,13 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
                          options=opts, dispatch=dispatch)
     layers = getattr(model, "layers", None)
     if layout is None and isinstance(layers, (list, tuple)) and (
-            any(map(has_experts, layers)) or any(map(has_gated_delta, layers))):
+            any(map(has_experts, layers)) or any(map(has_mixer, layers))):
         report.n_layers = len(layers)
         for i, layer in enumerate(layers):
-            if getattr(layer, "self_attn", None) is not None or not has_gated_delta(layer):
+            if getattr(layer, "self_attn", None) is not None or not has_mixer(layer):
                 _unlisted_layer(report, i, layer, model_type)
-            _patch_gated_delta(report, i, layer, opts, choice.name, dispatch)
-            _patch_experts(report, i, layer, opts, choice.name, dispatch, None)
+            patch_mixers(report, i, layer, opts, choice.name, dispatch)
+            patch_experts(report, i, layer, opts, choice.name, dispatch, None)
         if no_kernels and report.n_patched == 0:
             report.dispatch = None
     elif layout is None:
@@ -632,8 +518,8 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
         for i, layer in enumerate(layers):
             _patch_layer(report, i, layer, layout, opts, choice.name, dispatch, no_kernels,
                          types)
-            _patch_gated_delta(report, i, layer, opts, choice.name, dispatch)
-            _patch_experts(report, i, layer, opts, choice.name, dispatch, layout)
+            patch_mixers(report, i, layer, opts, choice.name, dispatch)
+            patch_experts(report, i, layer, opts, choice.name, dispatch, layout)
         record_weight_formats(report, layers, layout)
         if no_kernels and report.n_patched == 0:
             report.dispatch = None  # a float model: nothing to tune, exactly stock
@@ -641,8 +527,11 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
         report.dispatch.calls_hint = max(1, report.n_layers)  # against (tune.prior.pays)
     if kv_cache == "q8_0" and layout is not None:
         _route_q8_0_cache(model, report, choice.name)
+    patched = [m for m in model.modules() if is_patched(m)]
+    if report.dispatch is not None:  # first-use costs paid while loading, not by the prompt
+        report.warm_s = warm_first_use(patched, choice.name)
     # decode: one check per forward switches the patched modules to their stock classes
-    gate_model(model, [m for m in model.modules() if is_patched(m)], choice.name)
+    gate_model(model, patched, choice.name)
     object.__setattr__(model, "_bricks_report", report)
     return report
 

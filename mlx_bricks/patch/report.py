@@ -138,6 +138,8 @@ class PatchReport:
             guard's reasons), or None when nothing was patched on purpose (no kernel backend).
         kv_caches: with ``kv_cache="q8_0"``, one ``(layer, cache kind, reason)`` per layer:
             what ``mlx_bricks.make_prompt_cache(model)`` builds (empty for ``"fp16"``).
+        warm_s: seconds the patch spent paying the composites' first-use costs
+            (``bricks.dequantize.composite.warm_first_use``; 0.0 where none).
 
     Counters and decisions are live: run the model, then read ``calls()`` / ``tuning()`` /
     ``str(report)`` again.
@@ -151,6 +153,7 @@ class PatchReport:
     modules: list[ModuleReport] = field(default_factory=list)
     dispatch: object = field(default=None, repr=False)
     kv_caches: list = field(default_factory=list)
+    warm_s: float = 0.0
 
     @property
     def n_patched(self) -> int:

@@ -4,12 +4,10 @@ One entry per ``model_type`` (mlx-lm's ``config.json`` field); the patch routine
 all of them. Entries are data (``nn.layout.BlockLayout``), each with the mlx-lm forwards it was
 read against (``vetted``: a module whose ``__call__`` is not one of them stays stock,
 ``patch.vetted``). Biases are found on the modules themselves (qwen2 has q/k/v biases, llama has
-them with ``attention_bias``/``mlp_bias``), so they need no entry here. Neither do MoE experts:
-every mlx-lm ``SwitchGLU`` is patched by module, whatever the model_type (``patch.core``
-``_patch_experts``, ``bricks/moe/piece.py``), nor Gated DeltaNet mixers: qwen3_5 / qwen3_5_moe /
-qwen3_next's are patched by module whatever the model_type (``patch.core._patch_gated_delta``,
-``bricks/gated_delta/piece.py``); a model_type not listed here keeps its other token mixers and
-dense MLPs stock.
+them with ``attention_bias``/``mlp_bias``), so they need no entry here. Neither do MoE experts
+(every mlx-lm ``SwitchGLU``) nor the token mixers of ``patch.modules.MIXERS`` (Gated DeltaNet,
+...): they are patched by module class whatever the model_type (``patch.modules``); a
+model_type not listed here keeps its other token mixers and dense MLPs stock.
 """
 from __future__ import annotations
 

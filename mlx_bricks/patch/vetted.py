@@ -56,6 +56,31 @@ def forward_reason(module, layout, what: str) -> str | None:
             f"({got}): an op the patch does not know would be skipped, so it stays stock")
 
 
+def signature_reason(module, names: tuple[str, ...]) -> str | None:
+    """None if ``type(module).__call__`` takes ``(self, <x>, *names)`` and nothing else required.
+
+    The bricks pass the call through positionally, so the positions (and, for mask/cache, the
+    names) must be mlx-lm's; further parameters are fine if they have defaults.
+    """
+    cls = type(module)
+    try:
+        params = list(inspect.signature(cls.__call__).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return f"{cls.__name__}.__call__ has no inspectable signature"
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    want = 1 + len(names)
+    if len(positional) < want or [p.name for p in positional[1:want]] != list(names):
+        got = ", ".join(p.name for p in params)
+        expect = ", ".join(("x", *names))
+        return f"unknown call signature {cls.__name__}({got}); expected ({expect})"
+    for p in params:
+        if p in positional[:want] or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.default is p.empty:
+            return f"unknown call signature: {cls.__name__}.__call__ requires {p.name!r}"
+    return None
+
+
 def vetted_forwards(model) -> list[str]:
     """The fingerprints of every distinct ``__call__`` in ``model``'s decoder layers (blocks,
     attention modules, MLPs, MoE blocks), sorted: the candidates for a table entry's

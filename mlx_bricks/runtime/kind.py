@@ -302,6 +302,18 @@ class OpKind:
             out[n] = mx.random.normal(tuple(args[n].shape), key=k).astype(args[n].dtype)
         return out
 
+    def check_call(self, args: dict) -> dict:
+        """The arguments the first-call check (``runtime.guard``) runs the variant, stock and
+        the reference on: ``args`` itself (default), or a cheaper call whose output is a part of
+        this one's (a causal recurrence's first tokens), where checking the whole call would
+        cost more than the call."""
+        return args
+
+    def check_stock(self, args: dict):
+        """Stock's output for :meth:`check` on ``args``: as much of it as :meth:`tail` reads
+        (default: all of it, :meth:`stock`)."""
+        return self.stock(args)
+
     def check(self, out, naive, args: dict) -> CloseResult:
         """The tolerance rule for ``out`` against stock's ``naive`` output on the same ``args``
         (real arrays), on the last :data:`CHECK_ROWS` rows; ``naive`` None where stock failed
@@ -332,6 +344,18 @@ class TokenRowsKind(OpKind):
 
     def measured(self, args):
         return {"M": self.n_rows(args)}
+
+    def check_stock(self, args):
+        """Stock on the last :func:`check_rows` rows only (rows are independent: each
+        activation's last rows, as :meth:`tail` reads them): the check then costs a few rows of
+        stock, not a second full GEMM."""
+        rows = check_rows(self.n_rows(args))
+        cut = dict(args)
+        for n in self.activations:
+            a = args.get(n)
+            if a is not None:
+                cut[n] = a.reshape(-1, a.shape[-1])[-rows:]
+        return self.stock(cut)
 
 
 #: The registered op kinds by name (filled as the bricks' ``kind`` modules are imported;

@@ -64,6 +64,8 @@ PREFERRED = {"swiglu_mlp": "dequant_split"}
 FIRST_PREFILL_S = {"cuda": 0.40}
 #: Seconds the bricks save per prompt token and GiB of affine-quantized linear weights once
 #: warm: the 32-layer figures above, 0.16 s per 2,048 tokens over 3.66 GiB of 4-bit gs64 weights.
+#: Other pieces bring their own rate (:func:`saved_s_per_token`: a mixer piece's
+#: ``prior_saving``).
 SAVED_S_PER_TOKEN_GIB = {"cuda": 21e-6}
 
 _BITS = re.compile(r"q(\d+)g\d+")
@@ -167,25 +169,50 @@ def without_builds(decision: Decision, free: set[str], full_key: str) -> Decisio
                     decision.measured, source="cache", note=note)
 
 
-def min_prompt_tokens(backend: str, quantized_bytes: int) -> float:
+def min_prompt_tokens(backend: str, saved_per_token: float) -> float:
     """The shortest prompt whose first bricks prefill in a process is expected to come no later
-    than stock's: ``FIRST_PREFILL_S / (SAVED_S_PER_TOKEN_GIB x GiB of quantized weights)``.
+    than stock's: ``FIRST_PREFILL_S / saved_per_token``.
 
     Args:
         backend: the bricks' backend name (``"cuda"``, ``"metal"``, ``"reference"``).
-        quantized_bytes: bytes (packed weights, scales, biases) of the patched modules'
-            quantized dense linears (MoE experts excluded: the CUDA prior keeps them stock).
+        saved_per_token: seconds the model's patched pieces save per prompt token once warm
+            (:func:`saved_s_per_token`).
 
     Returns:
         0 where no one-off cost was measured (every prompt runs the bricks),
-        ``float("inf")`` where nothing the bricks do is measured to save time (no quantized
-        weights), else the token count (a float).
+        ``float("inf")`` where nothing the bricks do is measured to save time, else the token
+        count (a float).
     """
     cost = FIRST_PREFILL_S.get(backend)
     if not cost:
         return 0
-    rate = SAVED_S_PER_TOKEN_GIB[backend] * quantized_bytes / 2**30
-    return cost / rate if rate > 0 else float("inf")
+    return cost / saved_per_token if saved_per_token > 0 else float("inf")
+
+
+def saved_s_per_token(backend: str, modules) -> float:
+    """Seconds per prompt token the patched ``modules`` of one model are expected to save on
+    ``backend`` once warm, summed over their pieces (a cost model per model, not per GiB):
+
+    * dense affine-quantized linears run by the block, attention and MLP pieces:
+      :data:`SAVED_S_PER_TOKEN_GIB` per GiB (:func:`quantized_linear_bytes`);
+    * a module whose piece has ``prior_saving(module, backend)`` (a token mixer of
+      ``patch.modules.MIXERS``: seconds per token it saves there, from its brick's own
+      measurements, e.g. a Gated DeltaNet layer against stock's token loop); its projections
+      run its own code (stock), so they are not counted as linears.
+
+    Pieces the prior keeps stock on ``backend`` (MoE experts and microscaled weights on CUDA,
+    float weights) add nothing.
+    """
+    dense, total = [], 0.0
+    for m in modules:
+        piece = getattr(getattr(m, "_bricks_state", None), "piece", None)
+        saving = getattr(piece, "prior_saving", None)
+        if saving is None:
+            dense.append(m)
+        else:
+            total += saving(m, backend)
+    return total + (SAVED_S_PER_TOKEN_GIB.get(backend, 0.0) * quantized_linear_bytes(dense)
+                    / 2**30)
 
 
 def quantized_linear_bytes(modules) -> int:

@@ -31,6 +31,8 @@
 #   bench-gdn      Gated DeltaNet recurrence and 4-layer Qwen3.5-35B-A3B-shaped prefill, 2k/8k
 #   e2e-gpt-oss    4-layer gpt-oss-20b-shaped prefill (MXFP4 experts), M=2048
 #   shard          2 NCCL ranks (needs kind nvidia-h200-x2; NVLink multicast off)
+#   decode-probe   generation of 4-layer Qwen3.5-35B-A3B / gpt-oss-20b / Llama-3-8B-shaped models,
+#                  stock vs patched (cached, guard, auto) in one process (decode_probe.py)
 #   all-tests      the whole default suite on the GPU machine
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -102,6 +104,8 @@ for s in "$@"; do
             e2e_qwen35_35b_4layer_bf16_t8192 --out "$OUT/gdn.json" ;;
         e2e-gpt-oss) step e2e-gpt-oss 200 $BENCH --repeats 5 --only \
             e2e_gpt_oss20b_4layer_bf16_mxfp4_m2048 --out "$OUT/e2e_gpt_oss.json" ;;
+        decode-probe) step decode-probe 420 python3 scripts/gpu/decode_probe.py \
+            "$OUT/decode_probe.json" ;;
         all-tests) step all-tests 500 $PYT -n 8 -m "not slow" tests ;;
         *) echo "unknown step $s"; exit 2 ;;
     esac

@@ -14,6 +14,10 @@
 // nearest even (float64 arithmetic, an exact TwoSum error term for the last bit). wgmma is not
 // emulated: MmaPolicy gives the mma.sync WarpTile (wgmma.cuh is skipped).
 //
+// mbarriers are counters beside shared memory: cp.async.mbarrier.arrive lands the thread's
+// copies, then arrives; a wait blocks until the phase of the asked parity has completed (a
+// deadlock aborts after a minute).
+//
 // What it does not model: timing, bank conflicts, the exact rounding order inside the tensor
 // core (mma sums in float, in k order), ex2.approx's error (exact exp2f here).
 #pragma once
@@ -21,6 +25,7 @@
 #define BRICKS_HOST_EMULATION 1
 #define MLX_BRICKS_MMA_CUH 1  // the real mma.cuh is PTX; this file is its host twin
 #define MLX_BRICKS_WGMMA_CUH 1  // wgmma is not emulated (MmaPolicy below)
+#define MLX_BRICKS_QGEMM_WGMMA_CUH 1  // nor qgemm's wgmma consumer
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -28,6 +33,10 @@
 
 #include <array>
 #include <barrier>
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <mutex>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -49,8 +58,18 @@ struct Dim3 {
   unsigned x = 0, y = 0, z = 0;
 };
 
+// An mbarrier's state (kept beside shared memory, keyed by its shared address).
+struct MBar {
+  int expected = 0;
+  int pending = 0;
+  uint32_t completed = 0;  // phases completed so far
+};
+
 struct Block {
   int nthreads = 0;
+  std::mutex mu;  // guards mbars and lazily made named barriers
+  std::condition_variable cv;
+  std::map<uint32_t, MBar> mbars;
   std::unique_ptr<std::barrier<>> all;
   std::vector<std::unique_ptr<std::barrier<>>> warp;
   std::unique_ptr<std::barrier<>> named[16];
@@ -190,6 +209,18 @@ inline float2 unpack2(uint32_t r) {
   return make_float2(Num<T>::to_float(l), Num<T>::to_float(h));
 }
 
+// mma.cuh's ldg16_as_float_b16: 16 bytes of 8 16-bit floats as floats.
+template <typename T>
+inline void ldg16_as_float_b16(const T* p, float (&o)[8]) {
+  uint32_t w[4];
+  std::memcpy(w, p, 16);
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = unpack2<T>(w[i]);
+    o[2 * i] = f.x;
+    o[2 * i + 1] = f.y;
+  }
+}
+
 // mma.cuh's i8x4_to_float4, the same instructions (byte permute into the 2^23 magic, one FADD).
 inline float4 i8x4_to_float4(uint32_t w) {
   const uint32_t u = w ^ 0x80808080u;
@@ -249,6 +280,69 @@ inline void cp_async_wait() {
   }
 }
 inline void fence_proxy_async() {}
+
+// ---- mbarriers and named barriers (mma.cuh's mbar_* and bar_sync) ----
+inline emu::MBar& mbar_at(uint32_t a) {
+  auto it = emu::blk->mbars.find(a);
+  if (it == emu::blk->mbars.end()) {
+    std::fprintf(stderr, "emu: mbarrier at %u used before mbar_init\n", a);
+    std::abort();
+  }
+  return it->second;
+}
+inline void mbar_init(uint64_t* bar, int count) {
+  const uint32_t a = smem_addr(bar);
+  std::lock_guard<std::mutex> lk(emu::blk->mu);
+  emu::blk->mbars[a] = emu::MBar{count, count, 0};
+}
+inline void mbar_arrive(uint64_t* bar) {
+  const uint32_t a = smem_addr(bar);
+  std::lock_guard<std::mutex> lk(emu::blk->mu);
+  emu::MBar& m = mbar_at(a);
+  if (--m.pending == 0) {
+    m.pending = m.expected;
+    ++m.completed;
+    emu::blk->cv.notify_all();
+  } else if (m.pending < 0) {
+    std::fprintf(stderr, "emu: mbarrier at %u over-arrived\n", a);
+    std::abort();
+  }
+}
+inline void cp_async_mbar_arrive(uint64_t* bar) {
+  cp_async_commit();
+  cp_async_wait<0>();  // the copies land, then the arrival
+  mbar_arrive(bar);
+}
+inline void mbar_wait(uint64_t* bar, uint32_t parity) {
+  const uint32_t a = smem_addr(bar);
+  std::unique_lock<std::mutex> lk(emu::blk->mu);
+  const bool ok = emu::blk->cv.wait_for(lk, std::chrono::seconds(60), [&] {
+    return (mbar_at(a).completed & 1u) != (parity & 1u);
+  });
+  if (!ok) {
+    std::fprintf(stderr, "emu: mbarrier wait at %u (parity %u) timed out: deadlock\n", a, parity);
+    std::abort();
+  }
+}
+inline void bar_sync(int id, int threads) {
+  std::barrier<>* b;
+  {
+    std::lock_guard<std::mutex> lk(emu::blk->mu);
+    if (id <= 0 || id >= 16) {
+      std::fprintf(stderr, "emu: named barrier id %d\n", id);
+      std::abort();
+    }
+    if (!emu::blk->named[id]) emu::blk->named[id] = std::make_unique<std::barrier<>>(threads);
+    b = emu::blk->named[id].get();
+  }
+  b->arrive_and_wait();
+}
+inline void fence_reg(uint32_t&) {}
+inline uint32_t dynamic_smem_size() { return emu::blk->smem_size; }
+template <int REGS>
+inline void setmaxnreg_dec() {}
+template <int REGS>
+inline void setmaxnreg_inc() {}
 
 // ---- paired 16-bit arithmetic, bit-exact (mma.cuh's h2_* and lop3_and_or) ----
 inline uint32_t lop3_and_or(uint32_t a, uint32_t b, uint32_t c) { return (a & b) | c; }

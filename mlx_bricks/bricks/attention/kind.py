@@ -31,7 +31,8 @@ from mlx_bricks.bricks.attention.op import (
 from mlx_bricks.bricks.q8_0.op import dequantize_q8_0, quantize_q8_0
 from mlx_bricks.checks import dtype_name
 from mlx_bricks.formats.q8_0 import kv_dense
-from mlx_bricks.runtime.kind import Composite, Key, OpKind, flags, high_precision, register_kind
+from mlx_bricks.runtime.kind import (Composite, Key, OpKind, check_rows, flags, high_precision,
+                                     register_kind)
 from mlx_bricks.tune.buckets import attention_bucket
 
 #: Options that change the values and have no stock fast path (their stock is the brick's
@@ -148,6 +149,16 @@ class Attention(OpKind):
 
     def tail(self, out, rows):
         return out[:, :, -rows:, :]
+
+    def check_stock(self, args):
+        """Stock for the last query rows :meth:`tail` reads, where the mask is None or
+        ``"causal"`` (bottom-right aligned: the last queries see the same keys) and stock is
+        MLX's fused attention; any other call's stock runs whole."""
+        if (args.get("mask") not in (None, "causal") or args.get("kv_quant") is not None
+                or any(self._options(args).values()) or args.get("kv_start") is not None):
+            return self.stock(args)
+        rows = check_rows(self.n_rows(args))
+        return self.stock(dict(args, q=args["q"][:, :, -rows:, :]))
 
     def reference_tail(self, args, rows):
         q, k, v = args["q"], args["k"], args["v"]

@@ -289,6 +289,56 @@ class DenseTiles:
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
 
 
+#: Backends whose composites pay one-off first-use costs in a fresh process worth paying while
+#: the model loads (:func:`warm_first_use`).
+WARM_BACKENDS = ("cuda",)
+#: Rows of the warm-up's dequantize and GEMM (a few: the point is the first use, not speed).
+WARM_ROWS = 16
+
+
+def warm_first_use(modules, backend: str) -> float:
+    """Pay at patch time what the composites' first call in a fresh process would otherwise add
+    to the first prompt's time: the float GEMM library's first use (cuBLAS on CUDA: its handle
+    and first heuristic query, 0.083 s on an H100, bench/results/2026-12-06-h100-first-call.jsonl)
+    and MLX's dequantize kernel of each (dtype, bits, group_size, mode) the ``modules``'
+    ``nn.QuantizedLinear`` layers hold: one ``WARM_ROWS``-row slice of a real weight of each
+    format dequantized and multiplied, evaluated.
+
+    Args:
+        modules: the patched modules (their quantized dense linears are read).
+        backend: the bricks' backend; nothing is done off :data:`WARM_BACKENDS`.
+
+    Returns:
+        Seconds spent (0.0 where nothing was done).
+    """
+    import time
+
+    import mlx.nn as nn
+
+    if backend not in WARM_BACKENDS:
+        return 0.0
+    t0 = time.perf_counter()
+    seen, outs = set(), []
+    for module in modules:
+        for sub in module.modules():
+            if not isinstance(sub, nn.QuantizedLinear):
+                continue
+            mode = getattr(sub, "mode", "affine")
+            key = (sub.scales.dtype, sub.bits, sub.group_size, mode)
+            if key in seen:
+                continue
+            seen.add(key)
+            biases = getattr(sub, "biases", None)
+            w = mx.dequantize(sub.weight[:WARM_ROWS], sub.scales[:WARM_ROWS],
+                              None if biases is None else biases[:WARM_ROWS],
+                              group_size=sub.group_size, bits=sub.bits, mode=mode)
+            outs.append(mx.ones((WARM_ROWS, w.shape[1]), dtype=w.dtype) @ w.T)
+    if not outs:
+        return 0.0
+    mx.eval(outs)
+    return time.perf_counter() - t0
+
+
 def dequant_composites(fn, applies, *, suffix: str = "", kwargs: dict | None = None
                        ) -> tuple[Composite, Composite]:
     """The two composites of a quantized kind computing ``fn(args, tiles)`` (``tiles`` a

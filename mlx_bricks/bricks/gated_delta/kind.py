@@ -70,6 +70,15 @@ def sequential(q, k, v, g, beta, state=None, mask=None, *, dtype=mx.float32):
 #: (about ten op launches per token and layer) against about fifteen per 32-token chunk; not
 #: measured yet, so from 64 tokens. Metal: stock is mlx-lm's own kernel: stock until measured.
 PRIOR_MIN_TOKENS = {"reference": 32, "cuda": 64}
+#: Seconds per prompt token and state element (Hv x Dk x Dv) of one layer that the brick saves
+#: against stock's token loop once warm: H100, T = 2,048, 32 x 128 x 128: stock 0.173 s, the
+#: kernel 0.0034 s (bench/results/2026-12-06-h100-gated-delta.json); 0.17 s / 2,048 / 524,288.
+#: The prior runs the chunked composite (no build), not yet timed on a GPU: the same rate is
+#: assumed (stock's loop is the cost; both forms are a few launches per chunk).
+SAVED_S_PER_TOKEN_STATE = {"cuda": 1.58e-10}
+#: Tokens of the first-call check (:meth:`GatedDelta.check_call`): several chunks of the
+#: kernel (16 tokens in the MSL kernel) and of the composite (:data:`CHUNK`).
+CHECK_TOKENS = 160
 
 
 class GatedDelta(OpKind):
@@ -160,6 +169,21 @@ class GatedDelta(OpKind):
         if args.get("mask") is not None:
             out["mask"] = mx.ones((B, T), dtype=mx.bool_)
         return out
+
+    def check_call(self, args):
+        """The first :data:`CHECK_TOKENS` tokens of the call (state in, mask rows too): the
+        recurrence is causal, so its output there is the call's, and the reference and stock
+        (mlx-lm's token loop) then run a few chunks instead of the whole prompt. Two chunks
+        of the kernel's own size at least: the state handed from one chunk to the next is
+        checked too."""
+        T = args["q"].shape[1]
+        if T <= CHECK_TOKENS:
+            return args
+        cut = dict(args)
+        for n in ("q", "k", "v", "g", "beta", "mask"):
+            if args.get(n) is not None:
+                cut[n] = args[n][:, :CHECK_TOKENS]
+        return cut
 
     def tail(self, out, rows):
         y, S = out

@@ -155,8 +155,8 @@ def epilogue(m, y, state, z, cache, S):
 
 
 class GatedDeltaPiece:
-    """A Gated DeltaNet mixer as one piece (what ``mlx_bricks.nn.gated_delta.BricksGatedDelta``
-    runs).
+    """A Gated DeltaNet mixer as one piece (what ``mlx_bricks.nn.mixer.BricksMixer`` runs; the
+    protocol is that module's docstring).
 
     Attributes:
         role: the module's role in reports (``"linear_attn"``, its attribute in the layer).
@@ -164,10 +164,46 @@ class GatedDeltaPiece:
         bricks: the brick ops the module runs in prefill (for the report).
     """
 
+    name = MIXER
     role = "linear_attn"
     kind = GATED_DELTA
     bricks = (GATED_DELTA.op_name,)
     watched = ("conv1d", "norm")
+    call_names = ("mask", "cache")
+    #: The forwards this piece follows (``patch.vetted`` fingerprints, mlx-lm 0.32.2).
+    vetted = ("mlx_lm.models.qwen3_5.GatedDeltaNet.__call__=190c5a99ab7d",
+              "mlx_lm.models.qwen3_next.Qwen3NextGatedDeltaNet.__call__=65ff8ae4bfdf")
+
+    def matches(self, module) -> bool:
+        """Whether ``module`` is a Gated DeltaNet mixer (known to this piece or not)."""
+        return calls_gated_delta(module)
+
+    def prior_saving(self, module, backend: str) -> float:
+        """Seconds per prompt token this mixer's prefill saves on ``backend`` once warm
+        (``tune.prior.saved_s_per_token``; ``kind.SAVED_S_PER_TOKEN_STATE`` per state
+        element), 0 where nothing was measured."""
+        from mlx_bricks.bricks.gated_delta.kind import SAVED_S_PER_TOKEN_STATE
+
+        rate = SAVED_S_PER_TOKEN_STATE.get(backend, 0.0)
+        return rate * module.num_v_heads * module.head_k_dim * module.head_v_dim
+
+    def call_reason(self, module, inputs, call) -> str | None:
+        """Why this call's mask or cache is not one the piece follows (None: it is)."""
+        mask = call["mask"]
+        if mask is not None and (not isinstance(mask, mx.array) or mask.dtype != mx.bool_
+                                 or tuple(mask.shape) != tuple(inputs.shape[:2])):
+            return "mask is not a (B, L) bool array"
+        return cache_reason(call["cache"])
+
+    def shape_key(self, module, inputs, call) -> tuple:
+        return (inputs.shape, inputs.dtype, call["mask"] is not None, call["cache"] is None)
+
+    def prologue(self, module, inputs, call):
+        return prologue(module, inputs, call["mask"], call["cache"])
+
+    def epilogue(self, module, out, ctx, inputs, call):
+        y, state = out
+        return epilogue(module, y, state, ctx, call["cache"], inputs.shape[1])
 
     def linears(self, layout=None, module=None) -> tuple[str, ...]:
         """The linear layers the piece reads (structure fingerprint)."""
@@ -177,10 +213,11 @@ class GatedDeltaPiece:
     def reason(self, module, layout=None, dtype=None) -> str | None:
         return gdn_reason(module, dtype)
 
-    def placeholders(self, module, inputs, mask) -> dict:
+    def placeholders(self, module, inputs, call) -> dict:
         """The kind's arguments as shapes (``runtime.kind.Act``) for the dispatcher's key."""
         from mlx_bricks.runtime.kind import Act
 
+        mask = call["mask"]
         B, S, _ = inputs.shape
         Hk, Hv = module.num_k_heads, module.num_v_heads
         Dk, Dv = module.head_k_dim, module.head_v_dim

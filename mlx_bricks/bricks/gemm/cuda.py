@@ -10,6 +10,10 @@ per stage, dynamic shared memory sized here with the formula of ``GemmSmem`` in 
 
 float16 and bfloat16 run on the tensor cores; float32 has no twin (the ops keep the reference
 path for it when the backend was chosen automatically, and raise when ``cuda`` was asked for).
+
+The ``ws`` tiles (:data:`WS_TILES`) launch ``qgemm.cu`` instead: MLX affine 4 / 8-bit weights
+dequantized in registers on a warp-specialized pipeline (``cuda_src/qgemm.cuh``, docs/bricks.md
+"Weights dequantized in registers"); the tuner times them, no rule picks them.
 """
 from __future__ import annotations
 
@@ -39,6 +43,19 @@ register(KernelSpec(
     cuda_headers=("mma.cuh",),
 ))
 
+#: Headers of the register-dequantizing kernels (``qgemm*.cu``; the last one is sm_90a's).
+QGEMM_HEADERS = ("mma.cuh", "dequant.cuh", "gemm.cuh", "wgmma.cuh", "qgemm.cuh", "qgemm_ops.cuh",
+                 "qgemm_wgmma.cuh")
+#: The quantized linear with the weights dequantized in registers (``ws`` tiles).
+register(KernelSpec(
+    name="qgemm",
+    body=None,
+    input_names=("x", "w", "scales", "biases", "bias", "residual"),
+    output_names=("y",),
+    cuda_body="qgemm.cu",
+    cuda_headers=QGEMM_HEADERS,
+))
+
 #: K per pipeline stage (gemm.cuh GEMM_BK).
 BK = 64
 #: Dtypes the CUDA twins take (16-bit tensor-core operands).
@@ -58,7 +75,11 @@ class CudaTile:
     ``depth``: wgmma groups kept in flight across K steps (1: the tensor cores always have the
     next stage queued, at one stage less of prefetch and a third dequantized tile);
     ``split_k``: K splits (> 1: partial sums of each split in float32, added by a second
-    launch; for grids with fewer blocks than SMs)."""
+    launch; for grids with fewer blocks than SMs); ``ws``: the warp-specialized kernel of
+    ``qgemm.cuh`` (affine 4 / 8-bit weights dequantized in registers, :data:`WS_BITS`; 384
+    threads; ``stages`` is then the most it takes where shared memory allows, ``wm`` the
+    mma.sync warps along the weight rows, ``mi`` the m16 (mma.sync) or m64 (wgmma) blocks per
+    warp)."""
 
     bm: int
     bn: int
@@ -69,16 +90,48 @@ class CudaTile:
     max_bits: int = 8
     depth: int = 0
     split_k: int = 1
+    ws: bool = False
+    mi: int = 1
 
     @property
     def threads(self) -> int:
-        return self.wm * self.wn * 32
+        return WS_THREADS if self.ws else self.wm * self.wn * 32
 
 
 def wgmma_tile(bm: int, bn: int, stages: int = 4, max_bits: int = 8, depth: int = 0,
         split_k: int = 1) -> CudaTile:
     return CudaTile(bm, bn, bm // 16, 1, stages, wgmma=True, max_bits=max_bits, depth=depth,
                     split_k=split_k)
+
+
+#: Threads of a ``ws`` block (qgemm.cuh kQThreads: 2 consumer warpgroups, 1 producer).
+WS_THREADS = 384
+#: Affine widths the ``ws`` kernels take.
+WS_BITS = (4, 8)
+
+
+def ws_tile(bm: int, bn: int, *, wgmma: bool, mi: int, wr: int = 1, depth: int = 2,
+            stages: int = 8) -> CudaTile:
+    """A ``qgemm.cuh`` tile: BM tokens x BN output columns per block (per weight operand)."""
+    return CudaTile(bm, bn, wr, 1, stages, wgmma=wgmma, depth=depth if wgmma else 0, ws=True,
+                    mi=mi)
+
+
+def ws_plan(t: CudaTile, bits: int, weight_operands: int = 1,
+            cc: tuple[int, int] | None = None) -> tuple[int, int] | None:
+    """``(stages, shared memory bytes)`` of ``ws`` tile ``t`` for ``bits``-bit weights on a GPU
+    of capability ``cc``: the deepest ring up to ``t.stages`` that fits (``QConfig::SMEM`` of
+    qgemm.cuh: the X and packed-W slots or the float output tile reusing them, then the
+    mbarriers and the row table, 1024 bytes of alignment), or None below 3 stages."""
+    limit = max_shared_memory(device_capability() if cc is None else cc)
+    rows = weight_operands * t.bn
+    slot = t.bm * 128 + rows * (BK * bits // 8)
+    out = weight_operands * t.bm * (t.bn + 4) * 4
+    for stages in range(t.stages, 2, -1):
+        smem = max(stages * slot, out) + stages * 16 + t.bm * 8 + 1024
+        if smem <= limit:
+            return stages, smem
+    return None
 
 
 #: Tile variants of the GEMM twin (and of the QKV twin), by name (the ``tile=`` argument).
@@ -109,13 +162,25 @@ SPLITK_TILES = {
     "wg128x128k4": wgmma_tile(128, 128, split_k=4),
     "128x128k2": CudaTile(128, 128, 2, 4, 4, split_k=2),
 }
+#: The register-dequantizing linear tiles (``qgemm.cu``; affine 4 / 8-bit only), BM tokens x
+#: BN weight rows. Never chosen by the tile rule; the tuner times them (``LINEAR_TILES``).
+#: ptxas -v (nvcc 13.0, bf16; tests/test_qgemm_compile.py fails on any spill):
+#: see docs/bricks.md, "Weights dequantized in registers".
+WS_TILES = {
+    "qwg256x128": ws_tile(256, 128, wgmma=True, mi=1),
+    "qwg128x256": ws_tile(128, 256, wgmma=True, mi=2),
+    "qwg128x128": ws_tile(128, 128, wgmma=True, mi=1),
+    "qwg64x128": ws_tile(64, 128, wgmma=True, mi=1),
+    "qmma128x128": ws_tile(128, 128, wgmma=False, mi=2, wr=4),
+}
 #: Every tile the linear twin takes (``tile=``; the tuner's listing).
-LINEAR_TILES = {**TILES, **SPLITK_TILES}
+LINEAR_TILES = {**TILES, **SPLITK_TILES, **WS_TILES}
 #: Threads per block of every tile. mx.fast.cuda_kernel generates the __global__ signature, so a
 #: twin cannot carry __launch_bounds__ and ptxas may use up to 255 registers per thread: 256
-#: threads x 255 registers still fit an SM's 64 K registers, 512 would fail to launch.
+#: threads x 255 registers still fit an SM's 64 K registers, 512 would fail to launch. The ``ws``
+#: kernels (384 threads) get the bound through their header's __global__ macro (qgemm.cuh).
 MAX_THREADS = 256
-assert all(t.threads <= MAX_THREADS for t in LINEAR_TILES.values())
+assert all(t.threads <= MAX_THREADS or t.ws for t in LINEAR_TILES.values())
 #: Blocks below which the large tiles leave SMs idle (an H100/H200 has 132 SMs).
 MIN_BLOCKS = 132
 
@@ -140,7 +205,9 @@ def tile_names(tiles: dict = TILES, cc: tuple[int, int] | None = None, weight_op
     limit = max_shared_memory(cc)
     return tuple(n for n, t in tiles.items()
                  if (not t.wgmma or cc[0] == 9) and (bits or 0) <= t.max_bits
-                 and shared_memory_bytes(t, weight_operands, bits) <= limit)
+                 and (bits in WS_BITS and ws_plan(t, bits, weight_operands, cc) is not None
+                      if t.ws else
+                      shared_memory_bytes(t, weight_operands, bits) <= limit))
 
 
 def unsupported_reason(dtype) -> str | None:
@@ -171,7 +238,7 @@ def select_tile(M: int, N: int, tiles: dict = TILES, weight_operands: int = 1,
                 bits: int | None = None, cc: tuple[int, int] | None = None) -> str:
     """Tile rule (until the tuner decides): among the tiles this GPU can run, wgmma first on
     sm_90, the largest whose grid still fills the SMs, else the smallest."""
-    names = tile_names(tiles, cc, weight_operands, bits)
+    names = tuple(n for n in tile_names(tiles, cc, weight_operands, bits) if not tiles[n].ws)
     if not names:
         raise NotImplementedError("no CUDA tile fits this GPU's shared memory: has no CUDA twin")
     names = sorted(names, key=lambda n: (not tiles[n].wgmma, -tiles[n].bm * tiles[n].bn))
@@ -185,7 +252,12 @@ def select_tile(M: int, N: int, tiles: dict = TILES, weight_operands: int = 1,
 def shared_memory_bytes(tile: CudaTile, weight_operands: int = 1, bits: int | None = None) -> int:
     """Dynamic shared memory of a block (``GemmSmem`` in gemm.cuh): the A ring and the weight
     ring (16-bit tiles, or packed words plus two dequantized 16-bit tiles for affine weights),
-    each rounded up to 1024 bytes, plus 1024 bytes to align the start."""
+    each rounded up to 1024 bytes, plus 1024 bytes to align the start (``ws`` tiles:
+    :func:`ws_plan`)."""
+    if tile.ws:
+        plan = ws_plan(tile, bits or 0, weight_operands) if bits in WS_BITS else None
+        return plan[1] if plan else 1 << 30
+
     def up(n):
         return -(-n // 1024) * 1024
     rows = weight_operands * tile.bn
@@ -211,6 +283,9 @@ def pick_tile(tiles: dict, tile: str | None, M: int, N: int, weight_operands: in
     if (bits or 0) > tiles[tile].max_bits:
         raise ValueError(f"tile {tile!r} takes affine weights of at most {tiles[tile].max_bits} "
                          f"bits, got {bits}")
+    if tiles[tile].ws and bits not in WS_BITS:
+        raise ValueError(f"tile {tile!r} takes {'/'.join(map(str, WS_BITS))}-bit affine weights, "
+                         f"got {bits or 'a float weight'}")
     return tiles[tile]
 
 
@@ -270,6 +345,44 @@ def gemm_launch(x2, triple, bits, gs, bias, residual, t: CudaTile, swiglu_up: bo
     return y
 
 
+def ws_geometry(t: CudaTile, dtype, bits: int, gs: int, weight_operands: int = 1):
+    """``(template, shared memory)`` every ``qgemm*.cu`` launch of tile ``t`` takes."""
+    plan = ws_plan(t, bits, weight_operands)
+    if plan is None:
+        raise NotImplementedError(f"tile needs more shared memory than this GPU has: has no "
+                                  f"CUDA twin for {bits}-bit weights")
+    stages, smem = plan
+    return [("T", dtype), ("BM", t.bm), ("BN", t.bn * weight_operands), ("STAGES", stages),
+            ("WGMMA", t.wgmma), ("MI", t.mi), ("WR", t.wm), ("DEPTH", t.depth),
+            ("BITS", bits), ("GS", gs)], smem
+
+
+def ws_grid(t: CudaTile, M: int, N: int):
+    """``(grid, threadgroup)`` of a ``qgemm*.cu`` launch: one 384-thread block per output
+    tile."""
+    blocks = math.ceil(M / t.bm) * math.ceil(N / t.bn)
+    return (blocks * WS_THREADS, 1, 1), (WS_THREADS, 1, 1)
+
+
+def qgemm_launch(x2, triple, bits, gs, bias, residual, t: CudaTile):
+    """One launch of ``qgemm.cu`` (affine weight dequantized in registers)."""
+    M, K = x2.shape
+    N = triple[0].shape[0]
+    template, smem = ws_geometry(t, x2.dtype, bits, gs)
+    grid, tg = ws_grid(t, M, N)
+    ph = triple[1]
+    (y,) = launch(
+        "qgemm", "cuda",
+        inputs=[x2, *triple, ph if bias is None else mx.contiguous(bias),
+                ph if residual is None else residual],
+        template=template + [("HAS_BIAS", bias is not None),
+                             ("HAS_RESIDUAL", residual is not None)],
+        grid=grid, threadgroup=tg, output_shapes=[(M, N)], output_dtypes=[x2.dtype],
+        shared_memory=smem,
+    )
+    return y
+
+
 def gemm_splitk_launch(x2, triple, bits, gs, bias, residual, t: CudaTile):
     """The split-K linear: ``gemm_splitk`` (t.split_k float32 partial products), then
     ``gemm_splitk_reduce`` (their sum in order, bias, residual, one rounding)."""
@@ -315,7 +428,9 @@ def linear(x, weight, bias=None, residual=None, *, tile=None):
     triple, bits, gs = weight_triple(weight, x.dtype)
     t = pick_tile(TILES if tile is None else LINEAR_TILES, tile, M, N, 1, bits)
     res = None if residual is None else mx.contiguous(residual.reshape(M, N))
-    if t.split_k > 1:
+    if t.ws:
+        y = qgemm_launch(x2, triple, bits, gs, bias, res, t)
+    elif t.split_k > 1:
         y = gemm_splitk_launch(x2, triple, bits, gs, bias, res, t)
     else:
         y = gemm_launch(x2, triple, bits, gs, bias, res, t)

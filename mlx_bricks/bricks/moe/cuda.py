@@ -17,9 +17,37 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlx_bricks.bricks.moe.msl import route_size, route_threads, tiles_max
-from mlx_bricks.kernels import launch
+from mlx_bricks.kernels import KernelSpec, launch, register
 from mlx_bricks.bricks.gemm import cuda as gemm_cuda
-from mlx_bricks.bricks.gemm.cuda import CudaTile, check_dtype, shared_memory_bytes
+from mlx_bricks.bricks.gemm.cuda import (
+    QGEMM_HEADERS,
+    WS_BITS,
+    CudaTile,
+    check_dtype,
+    shared_memory_bytes,
+    ws_geometry,
+    ws_tile,
+)
+
+#: The grouped GEMMs with the expert weights dequantized in registers (``ws`` tiles: qgemm.cuh).
+_QMOE_HEADERS = (*QGEMM_HEADERS, "moe.cuh", "qmoe.cuh")
+register(KernelSpec(
+    name="qmoe_gate_up",
+    body=None,
+    input_names=("x", "order", "route", "w_gate", "scales_gate", "biases_gate", "w_up",
+                 "scales_up", "biases_up", "b_gate", "b_up", "act_params"),
+    output_names=("act",),
+    cuda_body="qmoe_gate_up.cu",
+    cuda_headers=_QMOE_HEADERS,
+))
+register(KernelSpec(
+    name="qmoe_down",
+    body=None,
+    input_names=("act", "order", "route", "w_down", "down_scales", "down_biases", "b_down"),
+    output_names=("y",),
+    cuda_body="qmoe_down.cu",
+    cuda_headers=_QMOE_HEADERS,
+))
 
 
 @dataclass(frozen=True)
@@ -38,6 +66,10 @@ class MoeCudaTile:
     def wgmma(self) -> bool:
         return self.gate_up.wgmma
 
+    @property
+    def ws(self) -> bool:
+        return self.gate_up.ws
+
 
 def _wg(bm: int, bn: int) -> CudaTile:
     return CudaTile(bm, bn, bm // 16, 1, 4, wgmma=True)
@@ -52,14 +84,26 @@ TILES = {
     # 8-bit gate and up fused: 64 bytes of spills on sm_90a (ptxas -v), so at most 6 bits.
     "bm64": MoeCudaTile(CudaTile(64, 64, 2, 2, 4, max_bits=6), CudaTile(64, 64, 2, 2, 4)),
     "bm32": MoeCudaTile(CudaTile(32, 64, 2, 2, 4), CudaTile(32, 64, 2, 2, 4)),
+    # Expert weights dequantized in registers (qmoe_gate_up.cu / qmoe_down.cu on qgemm.cuh:
+    # gate and up affine 4 / 8-bit of one format, down 4 / 8-bit): BM sorted rows, gate/up act
+    # tile of 64 columns (128 weight rows), down tile of 128 columns. Tuner-only.
+    "qwg256": MoeCudaTile(ws_tile(256, 64, wgmma=True, mi=1), ws_tile(256, 128, wgmma=True, mi=1)),
+    "qwg128": MoeCudaTile(ws_tile(128, 64, wgmma=True, mi=1), ws_tile(128, 128, wgmma=True, mi=1)),
+    "qwg64": MoeCudaTile(ws_tile(64, 64, wgmma=True, mi=1), ws_tile(64, 128, wgmma=True, mi=1)),
+    "qmma128": MoeCudaTile(ws_tile(128, 64, wgmma=False, mi=2, wr=4),
+                           ws_tile(128, 128, wgmma=False, mi=2, wr=4)),
 }
 
 
 def _fits(t: MoeCudaTile, bits) -> bool:
     """Whether tile ``t`` takes weights of ``bits`` = (gate, up, down) (0: float) without
     spilling: gate and up of one width run fused (``gate_up.max_bits``), of two widths split
-    (one operand per launch, fewer registers); down within ``down.max_bits``."""
+    (one operand per launch, fewer registers); down within ``down.max_bits``. ``ws`` tiles:
+    gate and up of one width, all three 4- or 8-bit affine (the formats' group sizes are the
+    caller's: ``moe_rows`` refuses different ones)."""
     g, u, d = bits
+    if t.ws:
+        return g == u and g in WS_BITS and d in WS_BITS
     return (g != u or g <= t.gate_up.max_bits) and d <= t.down.max_bits
 
 
@@ -69,9 +113,15 @@ def tile_names(cc: tuple[int, int] | None = None, bits=(0, 0, 0)) -> tuple[str, 
     fit and no kernel may spill (:func:`_fits`)."""
     cc = gemm_cuda.device_capability() if cc is None else cc
     limit = gemm_cuda.max_shared_memory(cc)
+
+    def fits_smem(t):
+        if t.ws:
+            return (gemm_cuda.ws_plan(t.gate_up, bits[0], 2, cc) is not None
+                    and gemm_cuda.ws_plan(t.down, bits[2], 1, cc) is not None)
+        return max(_smem(t, b) for b in bits) <= limit
+
     return tuple(n for n, t in TILES.items()
-                 if (not t.wgmma or cc[0] == 9) and _fits(t, bits)
-                 and max(_smem(t, b) for b in bits) <= limit)
+                 if (not t.wgmma or cc[0] == 9) and _fits(t, bits) and fits_smem(t))
 
 
 def select_tile(R: int, E: int, cc: tuple[int, int] | None = None, bits=(0, 0, 0)) -> str:
@@ -150,6 +200,11 @@ def moe_rows(x2, idx, order, gate, up, down, biases, E: int, act: int, act_param
     b_gate, b_up, b_down = (None if b is None else mx.contiguous(b) for b in biases)
     ph = gate[0][1]
     params = mx.array(act_params, dtype=mx.float32)
+    if t.ws:
+        if not fused:
+            raise ValueError(f"tile {tile!r} takes gate and up in one format")
+        return _qmoe(x2, order, rt, tiles, gate, up, down, (b_gate, b_up, b_down), params,
+                     act, t, R, N, D)
     gu = t.gate_up
 
     def gate_up(mode, fmt, up_rows):
@@ -182,6 +237,34 @@ def moe_rows(x2, idx, order, gate, up, down, biases, E: int, act: int, act_param
         threadgroup=(dn.threads, 1, 1),
         output_shapes=[(R, D)], output_dtypes=[dtype],
         shared_memory=shared_memory_bytes(dn, 1, down[1] or None),
+    )
+    return y
+
+
+def _qmoe(x2, order, rt, tiles, gate, up, down, biases, params, act, t, R, N, D):
+    """The grouped GEMMs of a ``ws`` tile: ``qmoe_gate_up`` (gate and up fused), then
+    ``qmoe_down``; arguments as :func:`moe_rows` has them."""
+    b_gate, b_up, b_down = biases
+    dtype = x2.dtype
+    ph = gate[0][1]
+    gu, dn = t.gate_up, t.down
+    template, smem = ws_geometry(gu, dtype, gate[1], gate[2], weight_operands=2)
+    (act_rows,) = launch(
+        "qmoe_gate_up", "cuda",
+        inputs=[x2, order, rt, *gate[0], *up[0], ph if b_gate is None else b_gate,
+                ph if b_up is None else b_up, params],
+        template=template + [("HAS_BIAS_GATE", b_gate is not None),
+                             ("HAS_BIAS_UP", b_up is not None), ("ACT", act)],
+        grid=(tiles * math.ceil(N / gu.bn) * gu.threads, 1, 1), threadgroup=(gu.threads, 1, 1),
+        output_shapes=[(R, N)], output_dtypes=[dtype], shared_memory=smem,
+    )
+    template, smem = ws_geometry(dn, dtype, down[1], down[2])
+    (y,) = launch(
+        "qmoe_down", "cuda",
+        inputs=[act_rows, order, rt, *down[0], ph if b_down is None else b_down],
+        template=template + [("HAS_BIAS", b_down is not None)],
+        grid=(tiles * math.ceil(D / dn.bn) * dn.threads, 1, 1), threadgroup=(dn.threads, 1, 1),
+        output_shapes=[(R, D)], output_dtypes=[dtype], shared_memory=smem,
     )
     return y
 

@@ -37,7 +37,8 @@ from mlx_bricks.bricks.moe.op import (
 from mlx_bricks.checks import dtype_name
 from mlx_bricks.formats import dense, format_of, formats_key, kernel_readable
 from mlx_bricks.formats.microscaling import MicroscaledWeight
-from mlx_bricks.runtime.kind import Key, OpKind, flags, high_precision, register_kind
+from mlx_bricks.runtime.kind import (Key, OpKind, check_rows, flags, high_precision,
+                                     register_kind)
 from mlx_bricks.tune.buckets import M_EDGES, m_bucket
 
 _WEIGHTS = ("w_gate", "w_up", "w_down")
@@ -97,7 +98,8 @@ class MoeMLP(OpKind):
     name = "moe_mlp"
     op_name = name
     activations = ("x",)
-    cuda_kernels = ("moe_route", "moe_gate_up", "moe_down", "moe_combine")
+    cuda_kernels = ("moe_route", "moe_gate_up", "moe_down", "moe_combine", "qmoe_gate_up",
+                    "qmoe_down")
     composites = COMPOSITES
 
     def key(self, args):
@@ -154,6 +156,17 @@ class MoeMLP(OpKind):
 
     def tail(self, out, rows):
         return out.reshape(-1, out.shape[-1])[-rows:]
+
+    def check_stock(self, args):
+        """Stock on the tokens whose (token, slot) rows :meth:`tail` reads (tokens are
+        independent), not on the whole call."""
+        idx = args["indices"]
+        k = idx.shape[-1]
+        tokens = -(-check_rows(self.n_rows(args)) // k)
+        x = args["x"]
+        cut = dict(args, x=x.reshape(-1, x.shape[-1])[-tokens:],
+                   indices=idx.reshape(-1, k)[-tokens:])
+        return self.stock(cut)
 
     def reference_tail(self, args, rows):
         """The last ``rows`` (token, slot) rows, each expert's MLP in high precision."""

@@ -7,6 +7,7 @@ import mlx.core as mx
 
 from mlx_bricks.bricks.gemm.cuda import (
     MAX_THREADS,
+    QGEMM_HEADERS,
     TILES,
     CudaTile,
     as_rows,
@@ -18,8 +19,22 @@ from mlx_bricks.bricks.gemm.cuda import (
     smem_of,
     weight_triple,
     wgmma_tile,
+    ws_geometry,
+    ws_grid,
+    ws_tile,
 )
-from mlx_bricks.kernels import launch
+from mlx_bricks.kernels import KernelSpec, launch, register
+
+#: The fused SwiGLU with gate and up dequantized in registers (``ws`` tiles, qgemm.cuh).
+register(KernelSpec(
+    name="qgemm_swiglu",
+    body=None,
+    input_names=("x", "w_gate", "scales_gate", "biases_gate", "w_up", "scales_up", "biases_up",
+                 "b_gate", "b_up"),
+    output_names=("act",),
+    cuda_body="qgemm_swiglu.cu",
+    cuda_headers=QGEMM_HEADERS,
+))
 
 #: Fused SwiGLU tiles, named by the act tile; each block also stages 2 * BN weight rows.
 SWIGLU_TILES = {
@@ -32,8 +47,14 @@ SWIGLU_TILES = {
     # ptxas: float and 2-4 bits without spills (242-255 registers); 6-bit spills 48 bytes with
     # a gate bias (none without), 8-bit 20 bytes.
     "wg128x128": wgmma_tile(128, 128, max_bits=4),
+    # gate and up dequantized in registers (qgemm_swiglu.cu; affine 4 / 8-bit of one format):
+    # BM tokens x BN act columns, 2 BN weight rows per block (half the consumers each).
+    "qwg256x64": ws_tile(256, 64, wgmma=True, mi=1),
+    "qwg128x128": ws_tile(128, 128, wgmma=True, mi=2),
+    "qwg128x64": ws_tile(128, 64, wgmma=True, mi=1),
+    "qmma128x64": ws_tile(128, 64, wgmma=False, mi=2, wr=4),
 }
-assert all(t.threads <= MAX_THREADS for t in SWIGLU_TILES.values())
+assert all(t.threads <= MAX_THREADS or t.ws for t in SWIGLU_TILES.values())
 
 
 def swiglu(x, w_gate, w_up, b_gate=None, b_up=None, *, variant="fused", tile=None, act=0):
@@ -56,19 +77,26 @@ def swiglu(x, w_gate, w_up, b_gate=None, b_up=None, *, variant="fused", tile=Non
     u3, u_bits, u_gs = weight_triple(w_up, x.dtype, "w_up")
     if variant == "fused" and (g_bits, g_gs) == (u_bits, u_gs):
         t = pick_tile(SWIGLU_TILES, tile, M, N, 2, g_bits)
-        grid, tg = grid_of(t, M, N)
+        if t.ws:  # gate and up dequantized in registers (qgemm_swiglu.cu)
+            name, (template, smem), (grid, tg) = (
+                "qgemm_swiglu", ws_geometry(t, x.dtype, g_bits, g_gs, weight_operands=2),
+                ws_grid(t, M, N))
+        else:
+            name, template, smem, (grid, tg) = (
+                "swiglu_fused", geometry(t, x.dtype) + [("BITS", g_bits), ("GS", g_gs)],
+                smem_of(t, [g_bits], weight_operands=2), grid_of(t, M, N))
         ph = g3[1]
         (act,) = launch(
-            "swiglu_fused", "cuda",
+            name, "cuda",
             inputs=[x2, *g3, *u3, ph if b_gate is None else mx.contiguous(b_gate),
                     ph if b_up is None else mx.contiguous(b_up)],
-            template=geometry(t, x.dtype) + [
-                ("BITS", g_bits), ("GS", g_gs), ("HAS_BIAS_GATE", b_gate is not None),
-                ("HAS_BIAS_UP", b_up is not None), ("ACT", act)],
+            template=template + [("HAS_BIAS_GATE", b_gate is not None),
+                                 ("HAS_BIAS_UP", b_up is not None), ("ACT", act)],
             grid=grid, threadgroup=tg, output_shapes=[(M, N)], output_dtypes=[x.dtype],
-            shared_memory=smem_of(t, [g_bits], weight_operands=2),
+            shared_memory=smem,
         )
         return act
     t = pick_tile(TILES, None if variant == "fused" else tile, M, N, 1, max(g_bits, u_bits))
     up = gemm_launch(x2, u3, u_bits, u_gs, b_up, None, t)
     return gemm_launch(x2, g3, g_bits, g_gs, b_gate, up, t, swiglu_up=True, act=act)
+

@@ -14,6 +14,11 @@ float GEMM per row tile on gate and up dequantized side by side (gate and up of 
 and ``dequant_split`` / ``dequant_brick_split``, a GEMM per projection; then the activation and
 the down projection the same way. They record ``{"variant": style}``, so a fixed
 ``mlp_variant`` keeps its style's composites.
+
+Variants ``qfused_<tile>`` (cuda, gate / up affine 4- or 8-bit of one format): the fused SwiGLU
+on a ``ws`` tile of ``swiglu.cuda.SWIGLU_TILES`` (weights dequantized in registers, qgemm.cuh)
+and the down projection on the ``ws`` linear tile of the same token rows (:data:`WS_DOWN`; the
+linear rule's tile when down is in another format). They count as ``fused``.
 """
 from __future__ import annotations
 
@@ -23,7 +28,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_bricks.bricks.dequantize.composite import dequant_composites, quantized
-from mlx_bricks.bricks.swiglu.op import run_swiglu_mlp, variant_for, variant_names
+from mlx_bricks.bricks.gemm import cuda as gemm_cuda
+from mlx_bricks.bricks.gemm.op import run_linear
+from mlx_bricks.bricks.swiglu import cuda as swiglu_cuda
+from mlx_bricks.bricks.swiglu.op import run_swiglu, run_swiglu_mlp, variant_for, variant_names
 from mlx_bricks.checks import dtype_name
 from mlx_bricks.formats import dense, format_of, formats_key, kernel_readable, same_format
 from mlx_bricks.runtime.kind import Key, TokenRowsKind, flags, high_precision, register_kind
@@ -65,13 +73,40 @@ def _mlp_quantized(args) -> bool:
     return quantized(args["w_gate"], args["w_up"], args["w_down"])
 
 
+#: Prefix of the register-dequantizing variants' names (``qfused_<swiglu tile>``).
+WS_PREFIX = "qfused_"
+#: The down projection's ``ws`` linear tile for each fused ``ws`` tile (same token rows).
+WS_DOWN = {"qwg256x64": "qwg256x128", "qwg128x128": "qwg128x256", "qwg128x64": "qwg128x128",
+           "qmma128x64": "qmma128x128"}
+
+
+def _ws_bits(w) -> int | None:
+    """The width of an affine weight the ``ws`` kernels take, else None."""
+    fmt = format_of(w)
+    ok = fmt.quantized and not fmt.microscaled and fmt.bits in gemm_cuda.WS_BITS
+    return fmt.bits if ok else None
+
+
+def _ws_variants(backend, dtype, args) -> tuple[str, ...]:
+    """``qfused_<tile>`` for each ``ws`` fused tile this GPU runs on these weights."""
+    if backend != "cuda" or args is None or not same_format(args["w_gate"], args["w_up"]):
+        return ()
+    bits = _ws_bits(args["w_gate"])
+    if bits is None:
+        return ()
+    tiles = swiglu_cuda.SWIGLU_TILES
+    return tuple(WS_PREFIX + n for n in gemm_cuda.dtype_tile_names(tiles, dtype, 2, bits)
+                 if tiles[n].ws)
+
+
 class SwigluMLP(TokenRowsKind):
     """The SwiGLU MLP kind (module docstring)."""
 
     name = "swiglu_mlp"
     op_name = name
     activations = ("x", "residual")
-    cuda_kernels = ("swiglu_fused", "gemm")  # split: the GEMM twin's epilogue; down: a GEMM
+    # split: the GEMM twins' SwiGLU epilogue; down: a GEMM
+    cuda_kernels = ("swiglu_fused", "gemm", "qgemm_swiglu", "qgemm")
     composites = (
         *dequant_composites(_dequant_fused, lambda a: _mlp_quantized(a) and same_format(
             a["w_gate"], a["w_up"]), suffix="_fused", kwargs={"variant": "fused"}),
@@ -89,12 +124,23 @@ class SwigluMLP(TokenRowsKind):
                    dtype_name(x.dtype), formats_key(wg, args["w_up"], args["w_down"]))
 
     def brick(self, args, backend, **kwargs):
+        if "tile" in kwargs:  # a qfused_<tile> variant
+            return self._ws_brick(args, backend, kwargs["tile"])
         if "variant" not in kwargs:  # the brick's own rule, as ops.swiglu_mlp(variant=None)
             kwargs["variant"] = variant_for(None, args["w_gate"], args["w_up"])
         return run_swiglu_mlp(args["x"], args["w_gate"], args["w_up"], args["w_down"],
                               args.get("residual"), args.get("b_gate"), args.get("b_up"),
                               args.get("b_down"), activation=args.get("activation", "silu"),
                               backend=backend, **kwargs)
+
+    @staticmethod
+    def _ws_brick(args, backend, tile):
+        act = run_swiglu(args["x"], args["w_gate"], args["w_up"], args.get("b_gate"),
+                         args.get("b_up"), activation=args.get("activation", "silu"),
+                         variant="fused", tile=tile, backend=backend)
+        down = WS_DOWN[tile] if _ws_bits(args["w_down"]) else None
+        return run_linear(act, args["w_down"], args.get("b_down"), args.get("residual"),
+                          tile=down, backend=backend)
 
     def stock(self, args):
         x = args["x"]
@@ -117,10 +163,12 @@ class SwigluMLP(TokenRowsKind):
             return ()
         names = variant_names(backend, dtype)
         if args is None or same_format(args["w_gate"], args["w_up"]):
-            return names
+            return names + _ws_variants(backend, dtype, args)
         return tuple(n for n in names if n != "fused")
 
     def variant_kwargs(self, name):
+        if name.startswith(WS_PREFIX):
+            return {"variant": "fused", "tile": name[len(WS_PREFIX):]}
         return {"variant": name}
 
     def rule_kwargs(self, args, settings):
