@@ -9,8 +9,8 @@ from mlx_bricks import _cli
 from mlx_bricks.bench import user_path as up
 from mlx_bricks.bench.user_models import tokenizer_files
 from mlx_bricks.bench.user_report import save_figure
-from mlx_bricks.bench.server import (CPU_SERVER_MODELS, CPU_SETTINGS, GPU_SERVER_MODELS,
-                                     GPU_SETTINGS, SIDES, make_plan)
+from mlx_bricks.bench.server_plan import (CPU_SERVER_MODELS, CPU_SETTINGS, GPU_SERVER_MODELS,
+                                          GPU_SETTINGS, SIDES, make_plan)
 
 
 def build_parser() -> argparse.ArgumentParser:
