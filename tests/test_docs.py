@@ -202,3 +202,12 @@ def test_home_and_tune_defaults():
     cli = (ROOT / "docs" / "cli.md").read_text()
     assert f"default `{DEFAULT_HOME}/models/`" in cli
     assert f"(default `{' '.join(map(str, DEFAULT_M))}`" in cli
+
+
+def test_readme_gives_the_two_commands_first_and_links_only_the_repository():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    for command in ("bash scripts/run.sh", "bash scripts/test.sh"):
+        first = next(i for i, line in enumerate(lines, 1) if line.startswith(command))
+        assert first <= 25, f"README: {command!r} first at line {first}"
+    for target in re.findall(r"\]\(([^)#]+)", "\n".join(lines)):
+        assert target.startswith("http") or (ROOT / target).exists(), target
