@@ -1,5 +1,9 @@
 // gemm.h -- the shared ingestion pipeline and MMA pieces of the bricks (Bricks 1 and 2).
 //
+// Over 600 lines on purpose: every GEMM-family kernel (gemm, swiglu, rms_norm_qkv, moe) uses
+// the loaders, the MMA tile and the epilogues together; split, each spec would list the same
+// headers and no kernel would include one part alone.
+//
 // Separable parts, each a small template named by its parameters (as in MLX steel):
 //
 //   TileLoader<T, ROWS, BK, LD, NTHREADS>   global (ROWS x BK slice of a row-major operand)

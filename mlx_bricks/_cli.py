@@ -59,18 +59,22 @@ def positive_int(text: str) -> int:
 
 
 def run_cli(prog: str, body: Callable[[], int | None]) -> int:
-    """Run ``body`` with the CLI conventions: ``CliError`` and ``BackendError`` become one line
-    and exit 2; Ctrl-C exits 130 without a traceback.
+    """Run ``body`` with the CLI conventions: the environment is checked first
+    (``mlx_bricks.env.check``: a bad ``MLX_BRICKS_*`` value stops the command before any
+    work); ``CliError``, ``BackendError`` and ``EnvError`` become one line and exit 2; Ctrl-C
+    exits 130 without a traceback.
 
     Raises:
         SystemExit: on every failure (so callers that ignore the return value, such as
             ``python -m mlx_lm generate``, still exit with the right status).
     """
+    from mlx_bricks import env
     from mlx_bricks.backends import BackendError
 
     try:
+        env.check()
         return body() or EXIT_OK
-    except (CliError, BackendError) as e:
+    except (CliError, BackendError, env.EnvError) as e:
         fail(prog, e)
     except KeyboardInterrupt:
         sys.stdout.flush()

@@ -20,12 +20,13 @@ run is an error that says why; nothing switches silently.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+from mlx_bricks import env
 from mlx_bricks._availability import Availability  # noqa: F401  (re-exported)
+from mlx_bricks.cuda.toolchain import MIN_CUDA_CAPABILITY, cuda_capability  # noqa: F401
+from mlx_bricks.options import BACKENDS  # noqa: F401  (re-exported)
 
-BACKENDS = ("metal", "cuda", "emulator", "reference")
 ENV_VAR = "MLX_BRICKS_BACKEND"
 
 
@@ -57,24 +58,6 @@ def _metal_status() -> tuple[bool, str]:
     if mx.metal.is_available():
         return True, "mx.metal.is_available() is True"
     return False, "mx.metal.is_available() is False (no Apple GPU / MLX built without Metal)"
-
-
-#: Oldest compute capability the CUDA twins are built for (mma.sync bf16 needs sm_80).
-MIN_CUDA_CAPABILITY = (8, 0)
-
-
-def cuda_capability() -> tuple[int, int] | None:
-    """``(major, minor)`` of the default CUDA device as MLX reports it, or None without one."""
-    import mlx.core as mx
-
-    cuda = getattr(mx, "cuda", None)
-    if cuda is None or not cuda.is_available():
-        return None
-    info = mx.device_info(mx.gpu)
-    try:
-        return int(info["compute_capability_major"]), int(info["compute_capability_minor"])
-    except (KeyError, TypeError, ValueError):
-        return None
 
 
 def _cuda_status() -> tuple[bool, str]:
@@ -204,9 +187,13 @@ def active_backend(backend: str | None = None) -> BackendChoice:
     """
     if backend is not None:
         source, what = "argument", "backend"
-    elif os.environ.get(ENV_VAR):
-        backend, source, what = os.environ[ENV_VAR].strip(), "env", f"{ENV_VAR} value"
     else:
+        try:
+            backend = env.get(ENV_VAR)
+        except env.EnvError as e:
+            raise BackendError(str(e)) from None
+        source, what = "env", f"{ENV_VAR} value"
+    if backend is None:
         skipped = []
         for name in ("metal", "cuda"):
             ok, why = backend_status(name)

@@ -9,8 +9,11 @@ reads its sources through ``importlib.resources`` and builds the kernel object:
 * ``emulator``: ``mlx_bricks.emulator.metal_kernel`` (same MSL and arguments, runs on the CPU);
 * ``cuda``: ``mx.fast.cuda_kernel`` from ``mlx_bricks.cuda_src`` (the spec's CUDA twin), one
   object per dynamic shared-memory size (a construction argument of ``cuda_kernel``), behind
-  ``mlx_bricks.cuda_build.CudaKernel``: each variant is compiled once per machine and loaded
-  with ``mx.fast.precompiled_cuda_kernel`` where it can be (``MLX_BRICKS_CUDA_CACHE=0``: off).
+  ``mlx_bricks.cuda.build.CudaKernel``: each variant is compiled once per machine and loaded
+  from MLX's JIT disk cache where it can be (``MLX_BRICKS_CUDA_CACHE=0``: off).
+
+The registry sits on the CUDA build cache (``mlx_bricks.cuda``), which knows nothing of it: the
+registry hands each ``CudaKernel`` its sources and the factory of its ``cuda_kernel`` object.
 
 Metal and the emulator get the same launch geometry and template arguments, so product code is
 identical for both; a CUDA twin has its own geometry (``mlx_bricks/ops``) and the same inputs,
@@ -201,7 +204,7 @@ def get_kernel(name: str, backend: str, shared_memory: int = 0):
             atomic_outputs=s.atomic_outputs,
         )
     else:
-        from mlx_bricks import cuda_build
+        from mlx_bricks.cuda import build
 
         stock_name, stock_body = kname, body
         if shared_memory:
@@ -223,9 +226,9 @@ def get_kernel(name: str, backend: str, shared_memory: int = 0):
             )
 
         # Served from the per-machine build cache where it can, else by ``stock``.
-        kernel = cuda_build.CudaKernel(name, kname, header, body, s.inputs_for("cuda"),
-                                       s.output_names, s.ensure_row_contiguous, shared_memory,
-                                       stock_name, stock_body, stock)
+        kernel = build.CudaKernel(name, kname, header, body, s.inputs_for("cuda"),
+                                  s.output_names, s.ensure_row_contiguous, shared_memory,
+                                  stock_name, stock_body, stock)
     BUILD_COUNTS[(name, backend)] += 1
     return kernel
 
@@ -245,17 +248,41 @@ def launch(name: str, backend: str, *, shared_memory: int = 0, **kwargs):
 def build_cost(kernel: str, template=None) -> float | None:
     """Seconds this process spent building CUDA kernel ``kernel`` at its first calls (one
     variant with ``template``, else all summed), or None when none was built through the build
-    cache here (``mlx_bricks.cuda_build.build_cost``: the compile on a miss, the read of the
+    cache here (``mlx_bricks.cuda.build.build_cost``: the compile on a miss, the read of the
     stored cubin on a hit)."""
-    from mlx_bricks import cuda_build
+    from mlx_bricks.cuda import build
 
-    return cuda_build.build_cost(kernel, template)
+    return build.build_cost(kernel, template)
 
 
 def is_built(kernel: str, template=None) -> bool:
     """Whether CUDA kernel ``kernel`` (its variant with ``template``, if given) is compiled on
     disk for this GPU and toolchain, so no process builds it again
-    (``mlx_bricks.cuda_build.is_built``)."""
-    from mlx_bricks import cuda_build
+    (``mlx_bricks.cuda.build.is_built``)."""
+    from mlx_bricks.cuda import build
 
-    return cuda_build.is_built(kernel, template)
+    return build.is_built(kernel, template)
+
+
+def prebuild(launches, workers: int | None = None, root=None) -> list[tuple[str, str, float, str]]:
+    """Compile the CUDA variants of ``launches`` that are not on disk yet, ``workers`` at a time
+    in separate processes; later launches then load them (``mlx_bricks.cuda.build.prebuild``).
+
+    Args:
+        launches: objects with ``name`` (a registered kernel), ``inputs`` (``[(dtype, ndim),
+            ...]``), ``output_dtypes``, ``template``, ``shared_memory``
+            (``mlx_bricks.cudacheck.Launch``, e.g. from ``cudacheck.recorded_launches``).
+        workers: processes (default: one per CPU).
+        root: the home directory (default ``mlx_bricks.home``).
+
+    Returns:
+        ``(kernel, template tag, seconds, how)`` per distinct variant, ``how`` ``"loaded"``,
+        ``"compiled"`` or ``"error: ..."``.
+
+    Raises:
+        mlx_bricks.cuda.toolchain.Unavailable: no CUDA device or libnvrtc.
+    """
+    from mlx_bricks.cuda import build
+
+    return build.prebuild([(get_kernel(r.name, "cuda", r.shared_memory), r) for r in launches],
+                          workers, root)

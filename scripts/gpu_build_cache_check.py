@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU check of the CUDA build cache (``mlx_bricks.cuda_build``), on the GPU machine.
+"""GPU check of the CUDA build cache (``mlx_bricks.cuda``), on the GPU machine.
 
 Runs every CUDA kernel variant the patch can choose for a set of representative cases (each
 brick's op kind with its candidates on ``cuda``: every tile / variant / composite, float16 and
@@ -7,7 +7,7 @@ bfloat16, float and affine weights; attention with its causal / window / soft-ca
 padded-batch forms at head_dim 64 and 128; decode attention), in three fresh processes:
 
 1. ``build``: an empty ``MLX_BRICKS_HOME``; the cases' launches are recorded (outputs are zeros),
-   their variants compiled in parallel (``cuda_build.prebuild``), then every case runs on the
+   their variants compiled in parallel (``kernels.prebuild``), then every case runs on the
    GPU through the cache;
 2. ``load``: the same home; every variant must load from disk (none compiled); a launch-overhead
    probe compares a precompiled kernel with its ``mx.fast.cuda_kernel`` twin;
@@ -248,8 +248,8 @@ def launch_overhead(n: int = 300) -> dict:
     cache (``MLX_BRICKS_CUDA_CACHE=mlx``) and through ``mx.fast.cuda_kernel`` as before."""
     import mlx.core as mx
 
-    from mlx_bricks import cuda_build
     from mlx_bricks.bricks.gemm import cuda as gemm_cuda
+    from mlx_bricks.cuda import build as cuda_build
 
     x = _rand((16, 512), mx.bfloat16, 7)
     w = _rand((512, 512), mx.bfloat16, 8, 0.04)
@@ -272,7 +272,8 @@ def launch_overhead(n: int = 300) -> dict:
 def phase(name: str, work: Path, quick: bool, workers: int) -> None:
     import mlx.core as mx
 
-    from mlx_bricks import cuda_build
+    from mlx_bricks import kernels
+    from mlx_bricks.cuda import build as cuda_build
 
     assert mx.cuda.is_available(), "no CUDA device"
     res = {"phase": name, "mlx": mx.__version__, "device": mx.device_info().get("device_name")}
@@ -284,7 +285,7 @@ def phase(name: str, work: Path, quick: bool, workers: int) -> None:
                     mx.eval(*_flat(fn()))
         res["recorded_launches"] = len(recs)
         t1 = time.perf_counter()
-        built = cuda_build.prebuild(recs, workers=workers)
+        built = kernels.prebuild(recs, workers=workers)
         res["prebuild_wall_s"] = round(time.perf_counter() - t1, 3)
         res["prebuild"] = [{"kernel": k, "tag": t, "seconds": round(sec, 3), "how": h}
                            for k, t, sec, h in built]

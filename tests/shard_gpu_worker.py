@@ -1,6 +1,6 @@
 """One rank of the two-GPU tensor-parallel check (``tests/test_shard_gpu.py``).
 
-Started as ``python -m tests.shard_gpu_worker OUT_DIR`` by ``mlx_bricks.launch.launch_local``
+Started as ``python -m tests.shard_gpu_worker OUT_DIR`` by ``tests.launch.launch_local``
 (NCCL, one GPU per rank): ``mlx_bricks.bench.shard.run_rank`` on the 8B-shaped 4-layer llama at
 M = 2048, bf16, patched on ``cuda`` with the tuner on, written to ``OUT_DIR/rank<r>.json``
 (correctness for the test; the same-process timing ratio stays in the JSON).
@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from mlx_bricks.launch import NCCL_SAFE_ENV
+from tests.launch import NCCL_SAFE_ENV
 
 os.environ.update(NCCL_SAFE_ENV)  # NVLink multicast off before NCCL starts
 os.environ.setdefault("MLX_ENABLE_TF32", "0")  # the float32 reference stays float32

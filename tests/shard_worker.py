@@ -1,6 +1,6 @@
 """One rank of the tensor-parallel patch test (``tests/test_shard.py``).
 
-Started as ``python -m tests.shard_worker OUT_DIR`` by ``mlx_bricks.launch.launch_local``
+Started as ``python -m tests.shard_worker OUT_DIR`` by ``tests.launch.launch_local``
 (ring backend over loopback, 2 ranks). For each case every rank builds the same tiny random
 model (seeded), keeps a float64 copy of the whole (unsharded) model as the reference, shards
 the model with mlx-lm's own ``Model.shard(group)``, runs it stock (logits of a prompt, greedy

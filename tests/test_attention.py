@@ -25,7 +25,15 @@ from mlx_bricks.bricks.attention.msl import (
     attention_threadgroup_bytes,
     attention_tile_config,
 )
-from mlx_bricks.bricks.q8_0.op import dequantize_q8_0_reference, quantize_q8_0, quantize_q8_0_reference
+from mlx_bricks.bricks.q8_0.op import quantize_q8_0, quantize_q8_0_reference
+from tests.attention_ref import (  # noqa: F401  (q8_round_trip: also the GPU tests')
+    assert_q8_within_bound,
+    attention64,
+    make_qkv,
+    naive_attention,
+    q8_round_trip,
+    visible64,
+)
 from tests.support import sampled
 from tests.tolerance import EPS, assert_dtype_close, to_f64
 
@@ -40,79 +48,6 @@ def dt_name(dtype):
 
 # ---------------------------------------------------------------------------------------------
 # references
-
-
-def visible64(Lq, Lk, causal, window=None):
-    """Boolean (Lq, Lk): query i at position p = Lk - Lq + i sees key j iff j <= p (causal) and
-    j > p - window (window)."""
-    pos = np.arange(Lk - Lq, Lk)[:, None]
-    keys = np.arange(Lk)[None, :]
-    vis = np.ones((Lq, Lk), bool)
-    if causal:
-        vis &= keys <= pos
-    if window is not None:
-        vis &= keys > pos - window
-    return vis
-
-
-def attention64(q, k, v, scale, causal, window=None, softcap=None):
-    """Softmax attention in float64 numpy; GQA by head repetition; masks aligned bottom-right;
-    soft-capping on the scaled score; a row with no visible key is 0."""
-    q, k, v = to_f64(q), to_f64(k), to_f64(v)
-    rep = q.shape[1] // k.shape[1]
-    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
-    s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
-    if softcap is not None:
-        s = softcap * np.tanh(s / softcap)
-    s = np.where(visible64(q.shape[2], k.shape[2], causal, window), s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(s - m)
-    l = p.sum(axis=-1, keepdims=True)
-    return np.matmul(p, v) / np.where(l > 0, l, 1.0)
-
-
-def naive_attention(q, k, v, scale, causal, window=None, softcap=None):
-    """The same-dtype MLX computation the tolerance rule compares with."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
-    s = (q @ k.swapaxes(-1, -2)) * scale
-    if softcap is not None:
-        s = mx.tanh(s / softcap) * softcap
-    vis = mx.array(visible64(q.shape[2], k.shape[2], causal, window))
-    s = s + mx.where(vis, 0.0, -float("inf")).astype(q.dtype)
-    return mx.softmax(s, axis=-1) @ v
-
-
-def q8_round_trip(x):
-    """K/V exactly as the kernel sees them with kv_quant='q8_0' (dequantized to x's dtype)."""
-    return dequantize_q8_0_reference(*quantize_q8_0_reference(x), x.dtype)
-
-
-def make_qkv(B, Lq, Lk, Hq, Hkv, D, dtype, seed):
-    rng = np.random.default_rng(seed)
-
-    def rand(*shape):
-        return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
-
-    return rand(B, Hq, Lq, D), rand(B, Hkv, Lk, D), rand(B, Hkv, Lk, D)
-
-
-def q8_bound(q, k, v, kd, vd, scale):
-    """Per-row bound on |attention(k, v) - attention(kd, vd)| in exact arithmetic.
-
-    The scores move by |s'_ij - s_ij| = scale |q_i . (kd_j - k_j)| <= delta_i (soft-capping is
-    1-Lipschitz, so also after it), so every probability of row i moves by a factor in
-    [e^-2delta_i, e^2delta_i] and ||p' - p||_1 <= e^(2 delta_i) - 1. Since both rows of p sum
-    to 1, |p'v' - pv| <= max|v' - v| + ||p' - p||_1 * max_d (max_j v_jd - min_j v_jd) / 2.
-    Shape (B, Hq, Lq, 1).
-    """
-    qf, kf, vf, kdf, vdf = (to_f64(a) for a in (q, k, v, kd, vd))
-    rep = qf.shape[1] // kf.shape[1]
-    dk = np.repeat(kdf - kf, rep, axis=1)
-    delta = scale * np.abs(np.matmul(qf, np.swapaxes(dk, -1, -2))).max(-1, keepdims=True)
-    half_range = ((vf.max(axis=2) - vf.min(axis=2)) / 2).max()
-    return np.abs(vdf - vf).max() + np.expm1(2 * delta) * half_range
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,16 +132,9 @@ def check_case(backend, case):
     assert_dtype_close(out, ref, naive_attention(q, kd, vd, scale, causal, window, cap),
                        dtype=dtype, what=case_id(case),
                        factor=4.0 if backend == "reference" else 2.0)
-    if q8:
-        # Stated bound of Q8_0 against full precision: the exact-arithmetic bound of q8_bound
-        # plus the kernel's own dtype budget.
-        full = attention64(q, k, v, scale, causal, window, cap)
-        err = np.abs(to_f64(out) - full)
-        slack = np.abs(to_f64(out) - ref).max() + 4 * EPS[dtype]
-        assert np.all(err <= q8_bound(q, k, v, kd, vd, scale) + slack)
-        # And the typical error for N(0, 1) data is far below that bound: under 2% RMS.
-        rms = np.sqrt(np.mean(err**2) / np.mean(full**2))
-        assert rms < 0.02, f"Q8_0 relative RMS error {rms:.3g}"
+    if q8:  # the stated bound of Q8_0 against full precision
+        assert_q8_within_bound(out, ref, attention64(q, k, v, scale, causal, window, cap),
+                               q, k, v, kd, vd, scale, dtype)
 
 
 @pytest.mark.parametrize("case", COVERING, ids=case_id)
@@ -632,36 +560,12 @@ def test_bad_arguments_raise_clear_errors(kwargs, exc, match):
 def batch_attention64(q, k, v, scale, kv_start, causal, window=None, softcap=None):
     """:func:`attention64` with batch row b's keys ``j < kv_start[b]`` hidden (float64 numpy,
     independent of the brick's reference); a row with no visible key is 0."""
-    q, k, v = to_f64(q), to_f64(k), to_f64(v)
-    rep = q.shape[1] // k.shape[1]
-    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
-    s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
-    if softcap is not None:
-        s = softcap * np.tanh(s / softcap)
-    Lq, Lk = q.shape[2], k.shape[2]
-    vis = visible64(Lq, Lk, causal, window)[None, None] & (
-        np.arange(Lk)[None, None, None, :] >= np.asarray(kv_start)[:, None, None, None])
-    s = np.where(vis, s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(s - m)
-    l = p.sum(axis=-1, keepdims=True)
-    return np.matmul(p, v) / np.where(l > 0, l, 1.0)
+    return attention64(q, k, v, scale, causal, window, softcap, kv_start=kv_start)
 
 
 def batch_naive(q, k, v, scale, kv_start, causal, window=None, softcap=None):
     """Same-dtype MLX ops with the padded-batch mask (rows with no visible key 0)."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
-    s = (q @ k.swapaxes(-1, -2)) * scale
-    if softcap is not None:
-        s = mx.tanh(s / softcap) * softcap
-    Lq, Lk = q.shape[2], k.shape[2]
-    vis = mx.array(visible64(Lq, Lk, causal, window)[None, None] & (
-        np.arange(Lk)[None, None, None, :] >= np.asarray(kv_start)[:, None, None, None]))
-    s = s + mx.where(vis, 0.0, -float("inf")).astype(q.dtype)
-    out = mx.softmax(s, axis=-1) @ v
-    return mx.where(vis.any(axis=-1, keepdims=True), out, mx.array(0, q.dtype))
+    return naive_attention(q, k, v, scale, causal, window, softcap, kv_start=kv_start)
 
 
 # (B, Lq, Lk, (Hq, Hkv), D, dtype, kv_start, mask, softcap, q8). Paddings 0, partial tiles,
@@ -883,41 +787,14 @@ def test_reference_kv_start_of_any_integer_dtype_is_clipped_before_use():
 
 def sinks_attention64(q, k, v, scale, sinks, causal, window=None, softcap=None, kv_start=None):
     """Float64 numpy attention with head h's softmax over its visible scores plus the column
-    ``sinks[h]`` of value 0 (independent of the brick's reference); padded batch rows' keys
+    ``sinks[h]`` of value 0 (``tests/attention_ref.py``); padded batch rows' keys
     ``j < kv_start[b]`` hidden. A row that sees no key is 0 (all weight on the sink)."""
-    q, k, v = to_f64(q), to_f64(k), to_f64(v)
-    rep = q.shape[1] // k.shape[1]
-    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
-    s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
-    if softcap is not None:
-        s = softcap * np.tanh(s / softcap)
-    Lq, Lk = q.shape[2], k.shape[2]
-    vis = visible64(Lq, Lk, causal, window)[None, None]
-    if kv_start is not None:
-        vis = vis & (np.arange(Lk)[None, None, None, :]
-                     >= np.asarray(kv_start)[:, None, None, None])
-    s = np.where(vis, s, -np.inf)
-    sk = to_f64(sinks)[None, :, None, None]
-    m = np.maximum(s.max(axis=-1, keepdims=True), sk)
-    p = np.exp(s - m)
-    return np.matmul(p, v) / (p.sum(axis=-1, keepdims=True) + np.exp(sk - m))
+    return attention64(q, k, v, scale, causal, window, softcap, kv_start, sinks)
 
 
 def sinks_naive(q, k, v, scale, sinks, causal, window=None, softcap=None, kv_start=None):
     """Same-dtype MLX ops: the sink as a first score column, dropped after the softmax."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
-    s = (q @ k.swapaxes(-1, -2)) * scale
-    if softcap is not None:
-        s = mx.tanh(s / softcap) * softcap
-    Lq, Lk = q.shape[2], k.shape[2]
-    vis = visible64(Lq, Lk, causal, window)[None, None]
-    if kv_start is not None:
-        vis = vis & (np.arange(Lk)[None, None, None, :]
-                     >= np.asarray(kv_start)[:, None, None, None])
-    s = s + mx.where(mx.array(vis), 0.0, -float("inf")).astype(q.dtype)
-    col = mx.broadcast_to(sinks.astype(q.dtype).reshape(1, -1, 1, 1), (*s.shape[:-1], 1))
-    return mx.softmax(mx.concatenate([col, s], axis=-1), axis=-1)[..., 1:] @ v
+    return naive_attention(q, k, v, scale, causal, window, softcap, kv_start, sinks)
 
 
 # (B, Lq, Lk, (Hq, Hkv), D, dtype, mask, softcap, q8, kv_start): sinks drawn per head around

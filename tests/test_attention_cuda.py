@@ -36,6 +36,7 @@ from mlx_bricks.bricks.attention.cuda import (
     variants,
 )
 from tests import cuda_emu
+from tests.attention_ref import attention64, naive_attention
 from tests.tolerance import EPS, assert_dtype_close
 
 F16, BF16, F32 = mx.float16, mx.bfloat16, mx.float32
@@ -271,67 +272,18 @@ def from_bits(b: np.ndarray, dtype) -> np.ndarray:
 
 
 def reference64(q, k, v, scale, causal, window, softcap, kv_start=None, sinks=None):
-    """float64 attention with the twin's semantics: GQA, bottom-right causal, window
-    (``p - window < j <= p``), soft-capping of the scaled score, batch row b's keys
-    ``j < kv_start[b]`` hidden, head h's sink logit ``sinks[h]`` one more softmax column of
-    value 0; a row with no key is 0."""
-    Lq, Lk = q.shape[2], k.shape[2]
-    rep = q.shape[1] // k.shape[1]
-    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
-    s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
-    if softcap is not None:
-        s = softcap * np.tanh(s / softcap)
-    pos = np.arange(Lq)[:, None] + (Lk - Lq)
-    j = np.arange(Lk)[None, :]
-    visible = np.ones((Lq, Lk), bool)
-    if causal or window is not None:
-        visible &= j <= pos
-    if window is not None:
-        visible &= j > pos - window
-    visible = visible[None, None]
-    if kv_start is not None:
-        visible = visible & (j[None, None] >= np.asarray(kv_start)[:, None, None, None])
-    s = np.where(visible, s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    if sinks is not None:
-        sk = np.asarray(sinks, np.float64)[None, :, None, None]
-        m = np.maximum(m, sk)
-    m = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(s - m)
-    l = p.sum(axis=-1, keepdims=True)
-    if sinks is not None:
-        l = l + np.exp(sk - m)
-    return np.matmul(p, v) / np.where(l > 0, l, 1.0)
+    """float64 attention with the twin's semantics (``tests/attention_ref.py``): a window
+    (``p - window < j <= p``) implies the causal bound."""
+    return attention64(q, k, v, scale, causal or window is not None, window, softcap,
+                       kv_start, sinks)
 
 
 def naive(q, k, v, scale, causal, window, softcap, dtype, kv_start=None, sinks=None):
-    """The same-dtype MLX computation (CPU) the tolerance rule compares with (rows that see
-    no key 0; sinks as an extra score column, dropped after the softmax)."""
+    """The same-dtype MLX computation (CPU) of numpy inputs the tolerance rule compares with,
+    as float64 numpy."""
     q, k, v = (mx.array(a.astype(np.float32)).astype(dtype) for a in (q, k, v))
-    rep = q.shape[1] // k.shape[1]
-    k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
-    s = (q @ k.swapaxes(-1, -2)) * scale
-    if softcap is not None:
-        s = mx.tanh(s / softcap) * softcap
-    Lq, Lk = q.shape[2], k.shape[2]
-    pos = mx.arange(Lq)[:, None] + (Lk - Lq)
-    j = mx.arange(Lk)[None, :]
-    visible = mx.ones((Lq, Lk), mx.bool_)
-    if causal or window is not None:
-        visible = visible & (j <= pos)
-    if window is not None:
-        visible = visible & (j > pos - window)
-    visible = visible[None, None]
-    if kv_start is not None:
-        visible = visible & (j[None, None] >= mx.array(kv_start)[:, None, None, None])
-    s = mx.where(visible, s, mx.array(-float("inf"), dtype))
-    if sinks is not None:
-        col = mx.broadcast_to(mx.array(np.asarray(sinks, np.float32)).astype(dtype)
-                              .reshape(1, -1, 1, 1), (*s.shape[:-1], 1))
-        out = mx.softmax(mx.concatenate([col, s], axis=-1), axis=-1)[..., 1:] @ v
-    else:
-        out = mx.softmax(s, axis=-1) @ v
-    out = mx.where(visible.any(axis=-1, keepdims=True), out, mx.array(0, dtype))
+    out = naive_attention(q, k, v, scale, causal or window is not None, window, softcap,
+                          kv_start, sinks)
     return np.array(out.astype(F32)).astype(np.float64)
 
 

@@ -21,7 +21,7 @@ from mlx_bricks.bricks.attention import msl as _attention  # noqa: F401  (regist
 from mlx_bricks.bricks.attention.cuda import CUDA_HEAD_DIMS, launch_attention_cuda, variants
 from mlx_bricks.bricks.q8_0.op import quantize_q8_0_reference
 from tests.gpu_support import gpu
-from tests.test_attention import attention64, naive_attention, q8_round_trip
+from tests.attention_ref import attention64, naive_attention, q8_round_trip
 from tests.tolerance import assert_dtype_close, to_f64
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}

@@ -11,7 +11,7 @@ import pytest
 
 from mlx_bricks.bricks.attention.kind import ATTENTION, DEQUANT_KV, dense_kv
 from mlx_bricks.formats.q8_0 import kv_dense, quantize_q8_0_reference
-from tests.test_attention import attention64, make_qkv, naive_attention
+from tests.attention_ref import attention64, make_qkv, naive_attention
 from tests.tolerance import assert_dtype_close
 
 F16, BF16, F32 = mx.float16, mx.bfloat16, mx.float32

@@ -89,16 +89,6 @@ def installed(tmp_path_factory) -> SimpleNamespace:
                            base=base)
 
 
-@pytest.fixture(scope="session")
-def default_model_dir() -> Path:
-    from mlx_bricks.models import default_model
-
-    try:
-        return default_model()
-    except ModuleNotFoundError as e:  # scripts/setup.sh installs it
-        pytest.skip(str(e))
-
-
 def _mlx_lm(installed, command: str = "generate") -> list:
     """mlx-lm's console script ``mlx_lm.COMMAND``, run by the venv's interpreter (so its
     site-packages and .pth files apply); argv[0] stays the script, as when a user types it."""
@@ -499,3 +489,40 @@ def test_compare_and_verdict_figures():
     ok = dict(f, top1_agreement=1.0, greedy_match=True)
     assert verdict(ok, n_patched=3) == []
     assert verdict(ok, n_patched=0) == ["no module was patched (see the report for why)"]
+
+
+# ---------------------------------------------------------------------------------------------
+# python -m mlx_bricks
+
+def test_package_main_lists_the_commands_and_the_bricks_flags():
+    """``python -m mlx_bricks`` (a fresh process): the commands, every flag of the group
+    ``--use-bricks`` adds (from the parser itself) and the environment variables; exit 0."""
+    import argparse
+
+    from mlx_bricks.__main__ import COMMANDS, FLAGS
+    from mlx_bricks.entry.flags import add_bricks_flags
+    from mlx_bricks.env import VARIABLES
+
+    r = subprocess.run([sys.executable, "-m", "mlx_bricks"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stderr == ""
+    for command in ("patch", "tune", "bench", "gguf"):
+        assert f"python -m mlx_bricks.{command}" in r.stdout
+    group = add_bricks_flags(argparse.ArgumentParser(add_help=False))
+    assert {a.dest for a in group._group_actions} == set(FLAGS)
+    for action in group._group_actions:
+        assert any(line.lstrip().startswith(action.option_strings[0]) and FLAGS[action.dest]
+                   in line for line in r.stdout.splitlines()), action.option_strings
+    assert all(name in r.stdout for name in VARIABLES)
+    assert len(r.stdout.splitlines()) <= 30 and len(COMMANDS) == 5
+
+
+def test_package_main_rejects_arguments_in_one_line(capsys):
+    from mlx_bricks.__main__ import main
+
+    assert main(["--help"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["patch"])
+    assert e.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("python -m mlx_bricks: error: unknown argument 'patch'")

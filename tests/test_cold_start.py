@@ -21,7 +21,6 @@ from mlx_bricks.nn import DECODE, BricksBlock
 from mlx_bricks.patch import patch_model, unpatch_model
 from mlx_bricks.patch.core import stock_path
 from mlx_bricks.runtime import dispatch as dispatch_mod
-from mlx_bricks.runtime.guard import GUARD
 from mlx_bricks.runtime.kind import Act, Variant
 from mlx_bricks.tune import prior
 from mlx_bricks.tune.cache import DecisionCache
@@ -33,13 +32,7 @@ from tests.tolerance import assert_dtype_close
 KINDS = kinds()
 
 
-@pytest.fixture(autouse=True)
-def _clean(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLX_BRICKS_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("MLX_BRICKS_DEQUANT_CAP", raising=False)
-    GUARD.reset()
-    yield
-    GUARD.reset()
+pytestmark = pytest.mark.usefixtures("fresh_home")
 
 
 def _no_measuring(monkeypatch):
@@ -156,15 +149,20 @@ def test_a_kernel_runs_only_where_its_gain_pays_its_build():
     assert not prior.pays(no_timing, "metal", 10, built=False)
 
 
-def test_cached_kernel_winner_that_does_not_pay_runs_stock(monkeypatch):
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_cached_kernel_winner_that_does_not_pay_runs_stock(monkeypatch, on_disk):
     """Through the dispatch: a cached kernel winner with a small gain runs stock in
-    ``cached`` mode (its build would cost more), and runs in ``auto`` mode."""
+    ``cached`` mode (its build would cost more), unless its kernels are already compiled on
+    this machine (the CUDA build cache: ``kernels.is_built``) or the gain pays the build."""
     monkeypatch.setattr(dispatch_mod, "TUNED_BACKENDS", ("metal", "cuda", "reference"))
     monkeypatch.setattr(prior, "BUILD_BACKENDS", ("cuda", "metal", "reference"))
     monkeypatch.setitem(prior.BUILD_S, "reference", 1.0)
+    asked = []
+    monkeypatch.setattr(dispatch_mod, "is_built", lambda k: asked.append(k) or on_disk)
     monkeypatch.setattr(KINDS["linear"], "variants",
                         lambda backend, dtype=None, args=None, names=None, settings=None: [
-                            Variant("64x64", {"tile": "64x64"})])
+                            Variant("64x64", {"tile": "64x64"},
+                                    cuda_kernels=KINDS["linear"].cuda_kernels)])
     model = build_model("llama", mx.float32, num_hidden_layers=2)
     attn = model.layers[0].self_attn
     o_args = {"x": Act((1, 20, attn.n_heads * 64), mx.float32), "weight": attn.o_proj.weight,
@@ -180,6 +178,10 @@ def test_cached_kernel_winner_that_does_not_pay_runs_stock(monkeypatch):
     stock = run(model, toks)
     report = patch_model(model, backend="reference", tune="cached")
     out = run(model, toks)
+    assert asked and set(asked) <= set(KINDS["linear"].cuda_kernels)  # the build cache asked
+    if on_disk:  # nothing to build: the measured winner runs
+        assert report.calls()["linear"] == 2
+        return
     assert "linear" not in report.calls()
     (o,) = [d for d in report.tuning()["decisions"] if d["key"] == key]
     assert o["winner"] == STOCK and "would not pay its build" in o["reason"]
@@ -485,6 +487,20 @@ def test_first_token_guard_is_on_for_one_shot_commands_only():
     assert {n for n, c in COMMANDS.items() if c.first_token} == {"generate", "chat"}
 
 
+def test_a_variant_is_built_only_when_all_its_cuda_kernels_are(monkeypatch):
+    on_disk = {"gemm"}
+    monkeypatch.setattr(dispatch_mod, "is_built", lambda k: k in on_disk)
+    assert dispatch_mod.built(Variant("t", cuda_kernels=("gemm",)))
+    assert not dispatch_mod.built(Variant("t", cuda_kernels=("gemm", "gemm_splitk")))
+    assert not dispatch_mod.built(Variant("t"))  # kernels not known: not built
+    linear = KINDS["linear"]
+    assert linear.variant("64x64").cuda_kernels == linear.cuda_kernels
+    brick = next(c for c in linear.composites if c.name.startswith("dequant_brick"))
+    assert brick.bind({}).cuda_kernels == ("dequantize",)
+    on_disk.add("dequantize")
+    assert dispatch_mod.built(brick.bind({}))
+
+
 def test_warm_first_use_dequantizes_each_format_once(monkeypatch):
     """The composites' first-use costs are paid at patch time on CUDA: one small dequantize and
     GEMM per weight format (dtype, bits, group_size, mode) the patched modules hold, evaluated;
@@ -509,3 +525,15 @@ def test_warm_first_use_dequantizes_each_format_once(monkeypatch):
     calls.clear()
     assert composite.warm_first_use([build_model("llama", mx.float16)], "cuda") == 0.0
     assert not calls
+
+
+def test_every_kind_names_registered_cuda_kernels():
+    """The kernels each kind says its variants launch on cuda are registered twins (a renamed
+    or new kernel shows up here, not as a build the dispatch counted as done)."""
+    from mlx_bricks import kernels
+
+    kinds()
+    for kind in KINDS.values():
+        assert kind.cuda_kernels, kind.name
+        for name in kind.cuda_kernels:
+            assert kernels.has_kernel(name, "cuda"), (kind.name, name)

@@ -10,10 +10,8 @@ memory under the cap; bad cap values.
 """
 from __future__ import annotations
 
-import math
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -22,7 +20,7 @@ from mlx_bricks.bricks.gemm.kind import LINEAR
 from mlx_bricks.bricks.norm_qkv.kind import RMS_NORM_QKV
 from mlx_bricks.bricks.swiglu.kind import SWIGLU_MLP
 from mlx_bricks.formats.affine import QuantizedWeight
-from tests.quant_support import DTYPES, dequant64, product, randn, weight
+from tests.quant_support import DTYPES, dequant64, mlp_case, product, randn, weight
 from tests.support import require_backend
 from tests.tolerance import assert_dtype_close, to_f64
 
@@ -30,15 +28,6 @@ Q4, Q8, Q3 = (4, 64), (8, 32), (3, 32)
 EPS = 1e-5
 #: Small enough for several row tiles in every case below.
 SMALL_CAP = 48 << 10
-
-
-def _silu64(g):
-    e = np.exp(-np.abs(g))
-    return np.where(g >= 0, g / (1.0 + e), g * e / (1.0 + e))
-
-
-def _gelu64(g):
-    return 0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3)))
 
 
 def _composites(kind, args, backend, cap):
@@ -157,31 +146,7 @@ MLP_CASES = [  # M, K, F, (gate, up, down formats), dtype, bias, residual, activ
 @pytest.mark.parametrize("M,K,F,fmts,dtype,bias,residual,activation", MLP_CASES)
 def test_swiglu_mlp_composites(kernel_backend, cap, M, K, F, fmts, dtype, bias, residual,
                                activation):
-    dt = DTYPES[dtype]
-    s = M + K + F
-    x = randn((M, K), dt, s)
-    wg, wu, wd = (weight(F, K, fmts[0], dt, s + 1), weight(F, K, fmts[1], dt, s + 2),
-                  weight(K, F, fmts[2], dt, s + 3))
-    bg, bu, bd = ((randn((F,), dt, s + 4), randn((F,), dt, s + 5), randn((K,), dt, s + 6))
-                  if bias else (None, None, None))
-    r = randn((M, K), dt, s + 7) if residual else None
-    x64 = to_f64(x)
-    g64, u64, g, u = x64 @ dequant64(wg).T, x64 @ dequant64(wu).T, product(x, wg), product(x, wu)
-    if bias:
-        g64, u64, g, u = g64 + to_f64(bg), u64 + to_f64(bu), g + bg, u + bu
-    if activation == "gelu_tanh":
-        a64, a = _gelu64(g64) * u64, nn.gelu_approx(g) * u
-    else:
-        a64, a = _silu64(g64) * u64, nn.silu(g) * u
-    ref, naive = a64 @ dequant64(wd).T, product(a, wd)
-    if bias:
-        ref, naive = ref + to_f64(bd), naive + bd
-    if residual:
-        ref, naive = ref + to_f64(r), r + naive
-    args = {"x": x, "w_gate": wg, "w_up": wu, "w_down": wd, "b_gate": bg, "b_up": bu,
-            "b_down": bd, "residual": r}
-    if activation != "silu":
-        args["activation"] = activation
+    args, ref, naive, dt = mlp_case(M, K, F, fmts, dtype, bias, residual, activation)
     names = (["dequant_split", "dequant_brick_split"] if fmts[0] != fmts[1] else
              ["dequant_fused", "dequant_brick_fused", "dequant_split", "dequant_brick_split"])
     _check_all(SWIGLU_MLP, args, kernel_backend, cap, ref, naive, dt, names,
@@ -304,8 +269,7 @@ def test_bad_cap_environment(monkeypatch, env):
     monkeypatch.setenv(composite.CAP_ENV_VAR, env)
     with pytest.raises(ValueError) as e:
         composite.resolve_cap()
-    assert str(e.value) == (f"MLX_BRICKS_DEQUANT_CAP must be a number of MiB above 0, got "
-                            f"{env!r}")
+    assert str(e.value) == f"MLX_BRICKS_DEQUANT_CAP={env!r}: expected a number of MiB above 0"
     assert "\n" not in str(e.value)
 
 

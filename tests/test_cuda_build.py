@@ -1,4 +1,4 @@
-"""The persistent CUDA build cache (``mlx_bricks.cuda_build``): the translation unit handed to
+"""The persistent CUDA build cache (``mlx_bricks.cuda``): the translation unit handed to
 NVRTC, the cache's keys and entries, the kernel object behind ``kernels.launch`` and its
 fallback to ``mx.fast.cuda_kernel``. Runs without a GPU: NVRTC compiles where ``libnvrtc`` is
 found (``MLX_BRICKS_NVRTC`` or the ``nvidia-cuda-nvrtc`` wheel), launches are recorded. The
@@ -15,13 +15,16 @@ import subprocess
 import mlx.core as mx
 import pytest
 
-from mlx_bricks import cuda_build, cudacheck, kernels
+from mlx_bricks import cudacheck, kernels
+from mlx_bricks.cuda import build as cuda_build
+from mlx_bricks.cuda import source as cuda_source
+from mlx_bricks.cuda import toolchain as cuda_toolchain
 from mlx_bricks.kernels import KernelSpec
 import mlx_bricks.bricks.attention.msl  # noqa: F401  (registers the specs)
 import mlx_bricks.bricks.gemm.msl  # noqa: F401
 from tests.gpu_support import gpu
 
-NVRTC = cuda_build.find_nvrtc()
+NVRTC = cuda_toolchain.find_nvrtc()
 needs_nvrtc = pytest.mark.skipif(
     NVRTC is None, reason="libnvrtc not found (nvidia-cuda-nvrtc wheel or MLX_BRICKS_NVRTC)")
 
@@ -70,7 +73,7 @@ def test_unit_is_mlx_build_with_a_c_signature():
     spec = kernels.spec("gemm")
     ins = [(n, mx.bfloat16 if n in ("x",) else mx.uint32, 2) for n in spec.inputs_for("cuda")]
     template = [("T", mx.bfloat16), ("BM", 128), ("WGMMA", True)]
-    unit = cuda_build.translation_unit("k_gemm", header, body, ins, spec.output_names,
+    unit = cuda_source.translation_unit("k_gemm", header, body, ins, spec.output_names,
                                        [mx.bfloat16], template, spec.ensure_row_contiguous)
     mlx_src = cudacheck.generated_source("k_gemm", header, body, ins, spec.output_names,
                                          [mx.bfloat16], template)
@@ -90,7 +93,7 @@ def test_unit_is_mlx_build_with_a_c_signature():
 
 
 def test_shape_strides_and_ndim_become_scalars_in_order():
-    unit = cuda_build.translation_unit(
+    unit = cuda_source.translation_unit(
         "k", "", SHAPED_BODY, [("x", mx.float16, 2), ("s", mx.float32, 0)], ["out"],
         [mx.float16], [("T", mx.float16), ("SCALE", 3)])
     _, sig = _signature(unit.source)
@@ -109,7 +112,7 @@ def test_shape_strides_and_ndim_become_scalars_in_order():
 def test_int64_strides_survive_the_int_halves(stride):
     """The kernel rebuilds int64((uint64(uint32(hi)) << 32) | uint64(uint32(lo))) from the
     int32 scalars; the same arithmetic here gives the stride back."""
-    unit = cuda_build.translation_unit("k", "", "out[0] = x[x_strides[0]];",
+    unit = cuda_source.translation_unit("k", "", "out[0] = x[x_strides[0]];",
                                        [("x", mx.float32, 2)], ["out"], [mx.float32])
     lo, hi = unit.scalars([(1, stride)])[0:2]
     assert all(-2**31 <= v < 2**31 for v in (lo, hi))
@@ -118,52 +121,52 @@ def test_int64_strides_survive_the_int_halves(stride):
 
 
 def test_row_contiguous_strides():
-    assert cuda_build.row_contiguous_strides((2, 3, 4)) == [12, 4, 1]
-    assert cuda_build.row_contiguous_strides((5,)) == [1]
-    assert cuda_build.row_contiguous_strides(()) == []
+    assert cuda_source.row_contiguous_strides((2, 3, 4)) == [12, 4, 1]
+    assert cuda_source.row_contiguous_strides((5,)) == [1]
+    assert cuda_source.row_contiguous_strides(()) == []
 
 
 def test_views_whose_strides_are_read_are_refused():
     kname, header, body = kernels.kernel_source("flash_attention", "cuda")
     spec = kernels.spec("flash_attention")
-    assert cuda_build.reads_view_strides(spec.inputs_for("cuda"), body, False)
+    assert cuda_source.reads_view_strides(spec.inputs_for("cuda"), body, False)
     with pytest.raises(ValueError, match="strides of views"):
-        cuda_build.translation_unit("k", header, body,
+        cuda_source.translation_unit("k", header, body,
                                     [(n, mx.float16, 4) for n in spec.inputs_for("cuda")],
                                     spec.output_names, [mx.float16], (), False)
     # Row-contiguous inputs have known strides: the same body is accepted then.
-    assert not cuda_build.reads_view_strides(spec.inputs_for("cuda"), body, True)
+    assert not cuda_source.reads_view_strides(spec.inputs_for("cuda"), body, True)
 
 
 @pytest.mark.parametrize("bad", ["1k", "k-1", "k k", ""])
 def test_func_name_must_be_an_identifier(bad):
     with pytest.raises(ValueError, match="func_name"):
-        cuda_build.translation_unit(bad, "", "", [("x", mx.float32, 1)], ["y"], [mx.float32])
+        cuda_source.translation_unit(bad, "", "", [("x", mx.float32, 1)], ["y"], [mx.float32])
 
 
 def test_template_tag_is_mlx_style():
-    assert cuda_build.template_tag([("T", mx.bfloat16), ("N", 64), ("F", False),
+    assert cuda_source.template_tag([("T", mx.bfloat16), ("N", 64), ("F", False),
                                     ("G", True)]) == "_bfloat16_64_f_t"
-    assert cuda_build.template_tag([]) == ""
+    assert cuda_source.template_tag([]) == ""
 
 
 def test_arch_option_adds_a_from_sm90():
-    assert cuda_build.arch_option((9, 0)) == "--gpu-architecture=sm_90a"
-    assert cuda_build.arch_option((10, 0)) == "--gpu-architecture=sm_100a"
-    assert cuda_build.arch_option((8, 6)) == "--gpu-architecture=sm_86"
+    assert cuda_toolchain.arch_option((9, 0)) == "--gpu-architecture=sm_90a"
+    assert cuda_toolchain.arch_option((10, 0)) == "--gpu-architecture=sm_100a"
+    assert cuda_toolchain.arch_option((8, 6)) == "--gpu-architecture=sm_86"
 
 
 def test_include_options_follow_mlx(tmp_path, monkeypatch):
     root = tmp_path / "site" / "mlx"
     (root / "include" / "cccl").mkdir(parents=True)
     (tmp_path / "site" / "nvidia" / "cu13" / "include").mkdir(parents=True)
-    assert cuda_build.include_options(13, root) == [
+    assert cuda_toolchain.include_options(13, root) == [
         f"--include-path={root / 'include'}", f"--include-path={root / 'include' / 'cccl'}",
         f"--include-path={tmp_path / 'site' / 'nvidia' / 'cu13' / 'include'}"]
     cuda = tmp_path / "cuda"
     (cuda / "include" / "cccl").mkdir(parents=True)
     monkeypatch.setenv("CUDA_HOME", str(cuda))
-    assert cuda_build.include_options(12, root)[-1] == f"--include-path={cuda / 'include'}"
+    assert cuda_toolchain.include_options(12, root)[-1] == f"--include-path={cuda / 'include'}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,19 +179,19 @@ class FakeNvrtc:
     def compile(self, source, options, headers=None, name="kernel.cu", ptx=False):
         self.calls.append(name)
         if self.fail:
-            raise cuda_build.CompileError("NVRTC failed:\nkernel.cu(3): error: nope")
+            raise cuda_toolchain.CompileError("NVRTC failed:\nkernel.cu(3): error: nope")
         return b"\x7fELF" + source.encode()[-64:]
 
 
 def _toolchain(nvrtc=None, cc=(9, 0), mlx_version="0.32.4"):
     nv = nvrtc or FakeNvrtc()
-    return cuda_build.Toolchain(nv, cc, mlx_version,
+    return cuda_toolchain.Toolchain(nv, cc, mlx_version,
                                 ("--device-as-default-execution-space",
-                                 cuda_build.arch_option(cc), "--include-path=/x"))
+                                 cuda_toolchain.arch_option(cc), "--include-path=/x"))
 
 
 def _unit(body="out[0] = x[0];", name="k"):
-    return cuda_build.translation_unit(name, "", body, [("x", mx.float32, 1)], ["out"],
+    return cuda_source.translation_unit(name, "", body, [("x", mx.float32, 1)], ["out"],
                                        [mx.float32])
 
 
@@ -200,7 +203,7 @@ def test_entry_key_covers_source_toolchain_and_versions():
         cuda_build.entry_key(_unit(), _toolchain(cc=(10, 0))),
         cuda_build.entry_key(_unit(), _toolchain(FakeNvrtc((13, 1)))),
         cuda_build.entry_key(_unit(), _toolchain(mlx_version="0.32.5")),
-        cuda_build.entry_key(cuda_build.translation_unit(
+        cuda_build.entry_key(cuda_source.translation_unit(
             "k", "", "out[0] = x[0];", [("x", mx.float16, 1)], ["out"], [mx.float32]),
             _toolchain()),
     ]
@@ -326,7 +329,7 @@ def test_compile_error_falls_back_to_cuda_kernel_once(monkeypatch, recorded, cap
 
 def test_no_toolchain_falls_back_with_one_note(monkeypatch, recorded, capsys):
     def none():
-        raise cuda_build.Unavailable("no libnvrtc found")
+        raise cuda_toolchain.Unavailable("no libnvrtc found")
     monkeypatch.setattr(cuda_build, "toolchain", none)
     name = _register_shaped()
     _launch(name)
@@ -384,7 +387,7 @@ def test_view_strided_kernel_is_put_in_mlx_jit_cache(monkeypatch, recorded, tmp_
     func = f"custom_kernel_{kname}_smem512_float16_t_2"
     src = cudacheck.generated_source(func, "", built["source"], [("x", mx.float16, 2)],
                                      ("out",), [mx.float16], list(template))
-    module = f"{func}_{cuda_build.std_hash(src.encode()):x}"
+    module = f"{func}_{cuda_source.std_hash(src.encode()):x}"
     ptx = tmp_path / "ptx" / f"{module}.ptx"
     assert ptx.read_bytes().startswith(b"\x7fELF")
     expr = f"mlx::core::cu::{func}"
@@ -418,7 +421,7 @@ def test_mlx_route_sends_every_kernel_through_mlx_jit_cache(monkeypatch, recorde
 
 
 def test_mlx_names_and_paths():
-    assert cuda_build.mlx_kernel_name("k", [("T", mx.bfloat16), ("N", 3), ("B", True),
+    assert cuda_source.mlx_kernel_name("k", [("T", mx.bfloat16), ("N", 3), ("B", True),
                                             ("U", mx.float32)]) == \
         "custom_kernel_k_bfloat16_t_3_t_float"
     long = "m" * 600
@@ -452,7 +455,7 @@ def test_std_hash_is_libstdcxx(tmp_path):
     for data in (b"", b"a", b"1234567", b"12345678", b"123456789", header.encode(),
                  (header + body).encode()):
         out = subprocess.run([str(exe)], input=data, capture_output=True, check=True).stdout
-        assert int(out, 16) == cuda_build.std_hash(data), data[:20]
+        assert int(out, 16) == cuda_source.std_hash(data), data[:20]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -460,14 +463,14 @@ def test_std_hash_is_libstdcxx(tmp_path):
 
 @needs_nvrtc
 def test_nvrtc_builds_a_cubin_with_the_plain_symbol(tmp_path):
-    tc = cuda_build.make_toolchain((9, 0), NVRTC)
-    unit = cuda_build.translation_unit(
+    tc = cuda_toolchain.make_toolchain((9, 0), NVRTC)
+    unit = cuda_source.translation_unit(
         "mlx_bricks_test_shaped", "", SHAPED_BODY, [("x", mx.bfloat16, 2)], ["out"],
         [mx.bfloat16], [("T", mx.bfloat16), ("SCALE", 3)])
     data, _, how, _ = cuda_build.load_or_build("test_shaped", "_x", unit, tc, tmp_path)
     assert how == "compiled" and data.startswith(b"\x7fELF")
     assert b"mlx_bricks_test_shaped\0" in data  # extern "C": unmangled, as MLX looks it up
-    with pytest.raises(cuda_build.CompileError, match="NVRTC failed"):
+    with pytest.raises(cuda_toolchain.CompileError, match="NVRTC failed"):
         tc.compile(_unit("out[0] = undeclared_name;"))
 
 
@@ -485,11 +488,11 @@ def test_nvrtc_builds_a_gemm_twin_from_a_recorded_launch(monkeypatch, tmp_path):
     (r,) = rec
     spec = kernels.spec(r.name)
     kname, header, body = kernels.kernel_source(r.name, "cuda")
-    unit = cuda_build.translation_unit(
-        f"{kname}{cuda_build.template_tag(r.template)}", header, body,
+    unit = cuda_source.translation_unit(
+        f"{kname}{cuda_source.template_tag(r.template)}", header, body,
         [(n, d, nd) for n, (d, nd) in zip(spec.inputs_for("cuda"), r.inputs)],
         spec.output_names, r.output_dtypes, r.template, spec.ensure_row_contiguous)
-    data = cuda_build.make_toolchain((8, 0), NVRTC).compile(unit)
+    data = cuda_toolchain.make_toolchain((8, 0), NVRTC).compile(unit)
     assert data.startswith(b"\x7fELF") and unit.func_name.encode() + b"\0" in data
 
 
@@ -522,13 +525,13 @@ def test_nvrtc_builds_the_exact_mlx_source_of_a_view_kernel():
     dts = [mx.float16] * 5 + [mx.int32, mx.float32]
     ins = [(n, d, 4 if i < 5 else 1) for i, (n, d) in enumerate(zip(spec.inputs_for("cuda"), dts))]
     template = [("T", mx.float16), ("D", 128), ("RT", 8), ("KV_Q8", False), ("CAUSAL", False)]
-    unit = cuda_build.jit_unit(kname, header, body, ins, spec.output_names,
+    unit = cuda_source.jit_unit(kname, header, body, ins, spec.output_names,
                                [mx.float32, mx.float32], template)
     assert unit.func_name == f"custom_kernel_{kname}_float16_t_128_8_f_f"
     assert unit.source == cudacheck.generated_source(unit.func_name, header, body, ins,
                                                      spec.output_names,
                                                      [mx.float32, mx.float32], template)
-    data, meta = unit.build(cuda_build.make_toolchain((9, 0), NVRTC))
+    data, meta = unit.build(cuda_toolchain.make_toolchain((9, 0), NVRTC))
     assert data.startswith(b"\x7fELF")
     lowered = meta["lowered"]
     assert unit.func_name in lowered and lowered.encode() + b"\0" in data
@@ -542,16 +545,16 @@ def test_prebuild_compiles_each_variant_once_in_parallel(monkeypatch, tmp_path):
 
     monkeypatch.setattr(gemm_cuda, "device_capability", lambda: (8, 0))
     monkeypatch.setattr(cuda_build, "toolchain",
-                        lambda: cuda_build.make_toolchain((8, 0), NVRTC))
+                        lambda: cuda_toolchain.make_toolchain((8, 0), NVRTC))
     x = mx.zeros((40, 128), dtype=mx.float16)
     with cudacheck.recorded_launches(gemm_cuda, swiglu_cuda, qkv_cuda) as rec:
         for _ in range(2):  # the same variants twice: built once
             gemm_cuda.linear(x, mx.zeros((64, 128), dtype=mx.float16), tile="128x128k2")
     assert [r.name for r in rec] == ["gemm_splitk", "gemm_splitk_reduce"] * 2
-    done = cuda_build.prebuild(rec, workers=2, root=tmp_path)
+    done = kernels.prebuild(rec, workers=2, root=tmp_path)
     assert sorted((k, how) for k, _, _, how in done) == [
         ("gemm_splitk", "compiled"), ("gemm_splitk_reduce", "compiled")]
-    again = cuda_build.prebuild(rec, workers=2, root=tmp_path)
+    again = kernels.prebuild(rec, workers=2, root=tmp_path)
     assert {how for *_, how in again} == {"loaded"}
     tc = cuda_build.toolchain()
     assert len(list((tmp_path / "cuda" / tc.tag).glob("*/*.cubin"))) == 2
@@ -596,8 +599,8 @@ def test_stand_in_header_gives_the_cubin_of_mlx_own_headers():
 
     lib = Path(os.environ.get("MLX_BRICKS_MLX_LIB") or Path(mx.__file__).parent / "lib" /
                "libmlx.so")
-    tc = cuda_build.make_toolchain((9, 0), NVRTC, mlx_root=lib.parent.parent)
-    stand_in = {cuda_build.DEVICE_HEADER_NAME: cuda_build.DEVICE_HEADER}
+    tc = cuda_toolchain.make_toolchain((9, 0), NVRTC, mlx_root=lib.parent.parent)
+    stand_in = {cuda_source.DEVICE_HEADER_NAME: cuda_source.DEVICE_HEADER}
     import mlx_bricks.bricks.decode.op  # noqa: F401
     import mlx_bricks.bricks.gemm.cuda  # noqa: F401
 
@@ -606,7 +609,7 @@ def test_stand_in_header_gives_the_cubin_of_mlx_own_headers():
     dts = [mx.float16] * 5 + [mx.int32, mx.float32]
     ins = [(n, d, 4 if i < 5 else 1)
            for i, (n, d) in enumerate(zip(spec.inputs_for("cuda"), dts))]
-    ju = cuda_build.jit_unit(kname, header, body, ins, spec.output_names,
+    ju = cuda_source.jit_unit(kname, header, body, ins, spec.output_names,
                              [mx.float32, mx.float32],
                              [("T", mx.float16), ("D", 128), ("RT", 8), ("KV_Q8", False),
                               ("CAUSAL", False)])
@@ -615,7 +618,7 @@ def test_stand_in_header_gives_the_cubin_of_mlx_own_headers():
     assert mine == theirs
     kname, header, body = kernels.kernel_source("gemm_splitk_reduce", "cuda")
     spec = kernels.spec("gemm_splitk_reduce")
-    unit = cuda_build.translation_unit(
+    unit = cuda_source.translation_unit(
         "k", header, body, [(n, mx.float32 if n == "partial" else mx.bfloat16, 2)
                             for n in spec.inputs_for("cuda")],
         spec.output_names, [mx.bfloat16],
@@ -628,7 +631,7 @@ def test_stand_in_header_gives_the_cubin_of_mlx_own_headers():
 #: the GPU, outputs saved for the comparison in the test below.
 _GPU_CHILD = """
 import sys, mlx.core as mx
-from mlx_bricks import cuda_build
+from mlx_bricks.cuda import build as cuda_build
 from mlx_bricks.bricks.attention.op import flash_attention
 from mlx_bricks.bricks.gemm import cuda as gemm_cuda
 k = [mx.random.key(i) for i in range(5)]

@@ -26,8 +26,14 @@ from mlx_bricks.bricks.decode.op import (
     rows_per_threadgroup,
 )
 from mlx_bricks.bricks.q8_0.op import quantize_q8_0_reference
+from tests.attention_ref import (
+    assert_q8_within_bound,
+    attention64,
+    make_qkv,
+    naive_attention,
+)
 from tests.support import sampled
-from tests.tolerance import EPS, assert_dtype_close, to_f64
+from tests.tolerance import assert_dtype_close, to_f64
 
 F16, BF16, F32 = mx.float16, mx.bfloat16, mx.float32
 DTYPES = (F16, BF16, F32)
@@ -37,61 +43,10 @@ DTYPES = (F16, BF16, F32)
 # references
 
 
-def attention64(q, k, v, scale, causal):
-    """Softmax attention in float64 numpy (numpy inputs or mx arrays); GQA by head repetition;
-    causal aligned bottom-right; a row with no visible key is 0."""
-    q, k, v = to_f64(q), to_f64(k), to_f64(v)
-    Lq, Lk = q.shape[2], k.shape[2]
-    rep = q.shape[1] // k.shape[1]
-    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
-    s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
-    if causal:
-        visible = np.arange(Lk)[None, :] <= np.arange(Lq)[:, None] + (Lk - Lq)
-        s = np.where(visible, s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(s - m)
-    l = p.sum(axis=-1, keepdims=True)
-    return np.matmul(p, v) / np.where(l > 0, l, 1.0)
-
-
-def naive_attention(q, k, v, scale, causal):
-    """The same-dtype MLX computation the tolerance rule compares with."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
-    s = (q @ k.swapaxes(-1, -2)) * scale
-    if causal:
-        Lq, Lk = q.shape[2], k.shape[2]
-        visible = mx.arange(Lk)[None, :] <= mx.arange(Lq)[:, None] + (Lk - Lq)
-        s = s + mx.where(visible, 0.0, -float("inf")).astype(q.dtype)
-    return mx.softmax(s, axis=-1) @ v
-
-
 def dequant64(qs, d):
     """Exact Q8_0 values qs * d in float64 (what the kernel multiplies in float32, exactly)."""
     qs, d = to_f64(qs), to_f64(d)
     return (qs.reshape(*qs.shape[:-1], -1, 32) * d[..., None]).reshape(qs.shape)
-
-
-def q8_bound(q, k, v, kd, vd, scale):
-    """Per-row bound on |attention(k, v) - attention(kd, vd)| in exact arithmetic (see
-    tests/test_attention.py): max|v' - v| + (e^(2 delta) - 1) * halfrange(v), with
-    delta = scale * max_j |q . (k'_j - k_j)|. Shape (B, Hq, Lq, 1)."""
-    qf, kf, vf, kdf, vdf = (to_f64(a) for a in (q, k, v, kd, vd))
-    rep = qf.shape[1] // kf.shape[1]
-    dk = np.repeat(kdf - kf, rep, axis=1)
-    delta = scale * np.abs(np.matmul(qf, np.swapaxes(dk, -1, -2))).max(-1, keepdims=True)
-    half_range = ((vf.max(axis=2) - vf.min(axis=2)) / 2).max()
-    return np.abs(vdf - vf).max() + np.expm1(2 * delta) * half_range
-
-
-def make_qkv(B, Lq, Lk, Hq, Hkv, D, dtype, seed):
-    rng = np.random.default_rng(seed)
-
-    def rand(*shape):
-        return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
-
-    return rand(B, Hq, Lq, D), rand(B, Hkv, Lk, D), rand(B, Hkv, Lk, D)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,14 +128,9 @@ def check_case(backend, case):
     ref = attention64(q, kd64, vd64, scale, causal)
     assert_dtype_close(out, ref, naive_attention(q, kn, vn, scale, causal), dtype=dtype,
                        what=case_id(case))
-    if q8:
-        # Against full precision: the exact-arithmetic bound plus the kernel's own error.
-        full = attention64(q, k, v, scale, causal)
-        err = np.abs(to_f64(out) - full)
-        slack = np.abs(to_f64(out) - ref).max() + 4 * EPS[dtype]
-        assert np.all(err <= q8_bound(q, k, v, kd64, vd64, scale) + slack)
-        rms = np.sqrt(np.mean(err**2) / np.mean(full**2))
-        assert rms < 0.02, f"Q8_0 relative RMS error {rms:.3g}"
+    if q8:  # against full precision: the exact-arithmetic bound plus the kernel's own error
+        assert_q8_within_bound(out, ref, attention64(q, k, v, scale, causal), q, k, v, kd64,
+                               vd64, scale, dtype)
 
 
 @pytest.mark.parametrize("case", COVERING, ids=case_id)

@@ -20,7 +20,6 @@ from mlx_bricks.runtime import dispatch as dispatch_mod
 from mlx_bricks.patch import patch_model
 from mlx_bricks.runtime.dispatch import NO_KERNEL_BACKEND
 from mlx_bricks.tune.cache import DecisionCache
-from mlx_bricks.runtime.guard import GUARD
 from mlx_bricks.bricks import kinds
 from mlx_bricks.runtime.kind import Act, Variant
 from mlx_bricks.tune.tuner import Decision
@@ -33,13 +32,7 @@ KINDS = kinds()
 PIECES = ("qkv", "attention", "o_proj", "mlp")
 
 
-@pytest.fixture(autouse=True)
-def _clean(tmp_path, monkeypatch):
-    """Own cache directory; the process-wide guard starts and ends empty."""
-    monkeypatch.setenv("MLX_BRICKS_HOME", str(tmp_path / "home"))
-    GUARD.reset()
-    yield
-    GUARD.reset()
+pytestmark = pytest.mark.usefixtures("fresh_home")
 
 
 @pytest.fixture

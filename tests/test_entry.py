@@ -18,16 +18,6 @@ from tests.test_cli import _bad_model_dirs
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def default_model_dir() -> Path:
-    from mlx_bricks.models import default_model
-
-    try:
-        return default_model()
-    except ModuleNotFoundError as e:  # scripts/setup.sh installs it
-        pytest.skip(str(e))
-
-
 @pytest.mark.parametrize("argv, orig_argv, expected", [
     (["/venv/bin/mlx_lm.generate", "--use-bricks"], [], "generate"),
     (["C:\\venv\\Scripts\\mlx_lm.generate.exe", "--use-bricks"], [], "generate"),

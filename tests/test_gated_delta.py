@@ -366,7 +366,7 @@ def test_kernel_reasons():
 def test_cuda_twin_emulated(case):
     """The CUDA twin on the CPU (tests/cuda_emu: the exact body, threads as OS threads)."""
     from tests import cuda_emu
-    from mlx_bricks.bricks.gated_delta import cuda as gdn_cuda
+    from mlx_bricks.bricks.gated_delta import msl as gdn_kernel
 
     if cuda_emu.toolchain() is None:
         pytest.skip("no host C++ compiler or CUDA headers")
@@ -374,7 +374,7 @@ def test_cuda_twin_emulated(case):
     def run(args, mask):
         from mlx_bricks.bricks.gated_delta.op import run_kernel
 
-        with cuda_emu.emulated_launches(gdn_cuda) as names:
+        with cuda_emu.emulated_launches(gdn_kernel) as names:
             out = run_kernel(**args, mask=mask, backend="cuda")
             mx.eval(out)
         assert names == ["gated_delta"]
@@ -390,7 +390,7 @@ def test_cuda_twin_compiles(dtype, vec):
     shapes; ``vec``: Kimi-Linear's, 32 heads of 128 with a gate per key dim), in registers (no
     local memory), its shared memory within the 48 KB a block gets without opting in."""
     from mlx_bricks import cudacheck
-    from mlx_bricks.bricks.gated_delta import cuda as gdn_cuda
+    from mlx_bricks.bricks.gated_delta import msl as gdn_kernel
     from mlx_bricks.bricks.gated_delta.op import run_kernel
 
     if cudacheck.find_nvcc() is None:
@@ -400,7 +400,7 @@ def test_cuda_twin_compiles(dtype, vec):
         ("q", (1, 64, hk, 128), dtype), ("k", (1, 64, hk, 128), dtype),
         ("v", (1, 64, 32, 128), dtype), ("g", (1, 64, 32, 128) if vec else (1, 64, 32), F32),
         ("beta", (1, 64, 32), F32))}
-    with cudacheck.recorded_launches(gdn_cuda) as rec:
+    with cudacheck.recorded_launches(gdn_kernel) as rec:
         run_kernel(**args, backend="cuda")
     assert [r.name for r in rec] == ["gated_delta"]
     for arch in ("sm_90a", "sm_80"):

@@ -36,8 +36,16 @@ from mlx_bricks.formats import format_of
 from mlx_bricks.formats.affine import QuantizedWeight
 from mlx_bricks.formats.microscaling import MODES, MicroscaledWeight
 from mlx_bricks.patch import patch_model
-from mlx_bricks.runtime.guard import GUARD
-from tests.quant_support import DTYPES, dequant64, microscaled, product, randn, weight
+from tests.quant_support import (
+    DTYPES,
+    dequant64,
+    microscaled,
+    mlp_case,
+    product,
+    randn,
+    silu64,
+    weight,
+)
 from tests.tolerance import assert_dtype_close, to_f64
 
 MICRO = tuple(MODES)
@@ -45,19 +53,7 @@ SMALL_CAP = 40 << 10
 Q4 = (4, 64)
 
 
-@pytest.fixture(autouse=True)
-def _clean(tmp_path, monkeypatch):
-    """Own decision cache; the process-wide guard starts and ends empty."""
-    monkeypatch.setenv("MLX_BRICKS_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("MLX_BRICKS_BACKEND", raising=False)
-    GUARD.reset()
-    yield
-    GUARD.reset()
-
-
-def _silu64(g):
-    e = np.exp(-np.abs(g))
-    return np.where(g >= 0, g / (1.0 + e), g * e / (1.0 + e))
+pytestmark = pytest.mark.usefixtures("fresh_home")
 
 
 def _composites(kind, args, backend="reference", cap=None):
@@ -245,26 +241,8 @@ MLP_CASES = [  # M, K, F, (gate, up, down formats), dtype, bias, residual
 @pytest.mark.parametrize("cap", [None, SMALL_CAP])
 @pytest.mark.parametrize("M,K,F,fmts,dtype,bias,residual", MLP_CASES)
 def test_swiglu_mlp_composites(cap, M, K, F, fmts, dtype, bias, residual):
-    dt = DTYPES[dtype]
-    s = M + K + F
-    x = randn((M, K), dt, s)
-    wg, wu, wd = (weight(F, K, fmts[0], dt, s + 1), weight(F, K, fmts[1], dt, s + 2),
-                  weight(K, F, fmts[2], dt, s + 3))
-    bg, bu, bd = ((randn((F,), dt, s + 4), randn((F,), dt, s + 5), randn((K,), dt, s + 6))
-                  if bias else (None, None, None))
-    r = randn((M, K), dt, s + 7) if residual else None
-    x64 = to_f64(x)
-    g64, u64, g, u = x64 @ dequant64(wg).T, x64 @ dequant64(wu).T, product(x, wg), product(x, wu)
-    if bias:
-        g64, u64, g, u = g64 + to_f64(bg), u64 + to_f64(bu), g + bg, u + bu
-    a64, a = _silu64(g64) * u64, nn.silu(g) * u
-    ref, naive = a64 @ dequant64(wd).T, product(a, wd)
-    if bias:
-        ref, naive = ref + to_f64(bd), naive + bd
-    if residual:
-        ref, naive = ref + to_f64(r), r + naive
-    args = {"x": x, "w_gate": wg, "w_up": wu, "w_down": wd, "b_gate": bg, "b_up": bu,
-            "b_down": bd, "residual": r}
+    args, ref, naive, dt = mlp_case(M, K, F, fmts, dtype, bias, residual)
+    wg, wu = args["w_gate"], args["w_up"]
     assert SWIGLU_MLP.listing("emulator", dt, args) == ()
     cands = _composites(SWIGLU_MLP, args, "emulator", cap)
     same = format_of(wg) == format_of(wu)
@@ -325,7 +303,7 @@ def _moe_case(tokens, E, k, D, N, mode, dt, activation, bias, seed, global_scale
             g, u = g64[e] @ x64[t], u64[e] @ x64[t]
             if bias:
                 g, u = g + to_f64(bs[0])[e], u + to_f64(bs[1])[e]
-            a = _oai64(g, u) if activation == "swiglu_oai" else _silu64(g) * u
+            a = _oai64(g, u) if activation == "swiglu_oai" else silu64(g) * u
             y = d64[e] @ a
             ref[t, s] = y + to_f64(bs[2])[e] if bias else y
     return args, ref.reshape(1, tokens, k, D)

@@ -32,7 +32,6 @@ from mlx_bricks.nn.calls import DECODE
 from mlx_bricks.nn.classes import is_patched
 from mlx_bricks.patch import patch_model, unpatch_model
 from mlx_bricks.patch.core import NO_KERNEL_BACKEND
-from mlx_bricks.runtime.guard import GUARD
 from tests.support import require_backend
 from tests.tolerance import assert_dtype_close
 
@@ -165,13 +164,7 @@ def expected_moe_layers(model) -> list[int]:
             if any(isinstance(m, switch_layers.SwitchGLU) for _, m in layer.named_modules())]
 
 
-@pytest.fixture(autouse=True)
-def _clean(tmp_path, monkeypatch):
-    """Own cache directory; the process-wide guard starts and ends empty."""
-    monkeypatch.setenv("MLX_BRICKS_HOME", str(tmp_path / "home"))
-    GUARD.reset()
-    yield
-    GUARD.reset()
+pytestmark = pytest.mark.usefixtures("fresh_home")
 
 
 def check_patched(model_type, backend, n_tokens=20, dtype=mx.float32, quantize=None,

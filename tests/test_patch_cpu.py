@@ -103,8 +103,8 @@ def test_bad_cap_is_one_line_naming_the_variable(monkeypatch):
     with pytest.raises(ValueError, match="^dequant_cap must be a number of MiB above 0, got 0$"):
         patch_model(model, dequant_cap=0)
     monkeypatch.setenv("MLX_BRICKS_DEQUANT_CAP", "lots")
-    with pytest.raises(ValueError, match="^MLX_BRICKS_DEQUANT_CAP must be a number of MiB "
-                                         "above 0, got 'lots'$"):
+    with pytest.raises(ValueError, match="^MLX_BRICKS_DEQUANT_CAP='lots': expected a number of "
+                                         "MiB above 0$"):
         patch_model(model)
 
 

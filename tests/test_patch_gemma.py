@@ -18,16 +18,15 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_bricks import kernels
 from mlx_bricks.nn import BricksAttention, BricksPiece
 from mlx_bricks.patch import patch_model, unpatch_model
-from tests.models import build_model, clone, tokens
+from tests.models import build_model, tokens
 from tests.support import require_backend
 from tests.test_patch import (
     DTYPES,
     assert_bricks_used,
-    assert_same_greedy,
-    greedy,
+    check_against_stock,
     run,
     run64,
-    run_chunks,
+    stock_side,
 )
 from tests.tolerance import assert_dtype_close
 
@@ -59,24 +58,12 @@ def _case(backend, dtype, *, arch="gemma3_text", whole=True, n_greedy=16):
         assert [type(c) for c in cache] == [RotatingKVCache, KVCache]
         assert cache[0].max_size == WINDOW
     toks = tokens(N_TOKENS)
-    m64 = clone(model, mx.float64)
-    refs = run_chunks(m64, run64, toks, CHUNKS)
-    stock = run_chunks(model, run, toks, CHUNKS)
-    stock_greedy = greedy(model, toks[0], n=n_greedy, prefill_step_size=CHUNKS[0][1])
-    if whole:
-        ref_whole, stock_whole = run64(m64, toks), run(model, toks)
+    side = stock_side(model, toks, CHUNKS, n_greedy=n_greedy, whole=whole)
 
     report = patch_model(model, backend=backend)
     try:
         what = f"{arch} {backend} {dtype}"
-        if whole:
-            assert_dtype_close(run(model, toks), ref_whole, stock_whole, dtype=dt,
-                               what=f"{what} whole prompt")
-        patched = run_chunks(model, run, toks, CHUNKS)
-        for (a, b), p, s, r in zip(CHUNKS, patched, stock, refs):
-            assert_dtype_close(p, r, s, dtype=dt, what=f"{what} chunk {a}:{b}")
-        got = greedy(model, toks[0], n=n_greedy, prefill_step_size=CHUNKS[0][1])
-        assert_same_greedy(model, dt, [toks[0].tolist()], [stock_greedy], [got])
+        check_against_stock(model, side, toks, CHUNKS, dt, what, n_greedy=n_greedy)
         _check_report(report, arch)
         return report
     finally:

@@ -28,10 +28,10 @@ from tests.test_moe_patch import _gathered_switch
 from tests.test_patch import (
     DTYPES,
     assert_bricks_used,
-    assert_same_greedy,
-    greedy,
+    check_against_stock,
     run,
     run_chunks,
+    stock_side,
 )
 from tests.test_patch import run64 as _run64
 from tests.tolerance import assert_dtype_close
@@ -87,24 +87,12 @@ def _case_body(backend, dtype, arch, *, whole, n_greedy):
         assert [type(c) for c in cache] == [RotatingKVCache, KVCache]
         assert cache[0].max_size == 8
     toks = tokens(N_TOKENS)
-    m64 = clone(model, mx.float64)
-    refs = run_chunks(m64, run64, toks, CHUNKS)
-    stock = run_chunks(model, run, toks, CHUNKS)
-    stock_greedy = greedy(model, toks[0], n=n_greedy, prefill_step_size=CHUNKS[0][1])
-    if whole:
-        ref_whole, stock_whole = run64(m64, toks), run(model, toks)
+    side = stock_side(model, toks, CHUNKS, n_greedy=n_greedy, whole=whole, runner64=run64)
 
     report = patch_model(model, backend=backend)
     what = f"{arch} {backend} {dtype}"
     try:
-        if whole:
-            assert_dtype_close(run(model, toks), ref_whole, stock_whole, dtype=dt,
-                               what=f"{what} whole prompt")
-        patched = run_chunks(model, run, toks, CHUNKS)
-        for (a, b), p, s, r in zip(CHUNKS, patched, stock, refs):
-            assert_dtype_close(p, r, s, dtype=dt, what=f"{what} chunk {a}:{b}")
-        got = greedy(model, toks[0], n=n_greedy, prefill_step_size=CHUNKS[0][1])
-        assert_same_greedy(model, dt, [toks[0].tolist()], [stock_greedy], [got])
+        check_against_stock(model, side, toks, CHUNKS, dt, what, n_greedy=n_greedy)
         _expect(report, arch)
     finally:
         n = report.n_patched
@@ -112,7 +100,7 @@ def _case_body(backend, dtype, arch, *, whole, n_greedy):
     assert not any(is_patched(m) for m in model.modules())
     # unpatched: stock again, bit for bit
     again = run_chunks(model, run, toks, CHUNKS)
-    for a, b in zip(again, stock):
+    for a, b in zip(again, side["stock"]):
         assert mx.array_equal(a, b)
     return report
 

@@ -48,16 +48,6 @@ def _require_hook():
 
 
 @pytest.fixture(scope="module")
-def default_model_dir() -> Path:
-    from mlx_bricks.models import default_model
-
-    try:
-        return default_model()
-    except ModuleNotFoundError as e:  # scripts/setup.sh installs it
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
     """A random 2-layer llama (hidden 128, head_dim 64, GQA 2:1, float16) with the default
     model's tokenizer, context ``TINY_CONTEXT``."""

@@ -1,7 +1,7 @@
 """Tensor-parallel (sharded) mlx-lm models under the patch (issue 18; docs/sharding.md).
 
 The main test starts two ranks of MLX's ``ring`` backend over loopback on this machine
-(``mlx_bricks.launch``; the rank side is ``tests/shard_worker.py``): tiny random llama and
+(``tests.launch``; the rank side is ``tests/shard_worker.py``): tiny random llama and
 qwen3 models sharded with mlx-lm's own ``Model.shard()``, stock vs patched on the reference
 backend (named), fused block and unfused modules, with and without biases, float32 and
 bfloat16. The in-process tests use the singleton group (size 1: ``all_sum`` is the identity),
@@ -18,7 +18,7 @@ import mlx.nn as nn
 import pytest
 from mlx.nn.layers.distributed import shard_linear
 
-from mlx_bricks.launch import launch_local, rank_envs
+from tests.launch import launch_local, rank_envs
 from mlx_bricks.nn import DECODE
 from mlx_bricks.patch import patch_model
 from tests.models import build_model, tokens

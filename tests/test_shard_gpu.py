@@ -20,7 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from mlx_bricks.launch import launch_local
+from tests.launch import launch_local
 from tests.gpu_support import gpu
 
 ROOT = Path(__file__).resolve().parents[1]

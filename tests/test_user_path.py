@@ -9,22 +9,25 @@ import sys
 
 import pytest
 
+from mlx_bricks.bench import user_models as um
 from mlx_bricks.bench import user_path as up
+from mlx_bricks.bench import user_report as ur
 
 
 @pytest.fixture(scope="module")
 def tokenizer_dir():
-    return up.default_tokenizer_dir()
+    return um.default_tokenizer_dir()
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tokenizer_dir):
-    return up._load_tokenizer(tokenizer_dir)
+    return um._load_tokenizer(tokenizer_dir)
 
 
 def test_bench_modules_import_without_a_circle():
     # bench.core imports the modules that define benchmarks; none of them imports bench.core
-    code = ("import sys; import mlx_bricks.bench.moe, mlx_bricks.bench.user_path; "
+    code = ("import sys; import mlx_bricks.bench.moe, mlx_bricks.bench.user_path, "
+            "mlx_bricks.bench.formats, mlx_bricks.bench.gated_delta; "
             "print('mlx_bricks.bench.core' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
@@ -34,13 +37,13 @@ def test_bench_modules_import_without_a_circle():
 def test_groups_are_registered_and_run_only_when_named(monkeypatch):
     from mlx_bricks.bench.core import BENCHMARKS, CPU, GROUPS, KERNEL, ON_REQUEST, run_benchmarks
 
-    assert GROUPS["user_path_cpu"] == [f"user_path_cpu_{n}" for n in up.CPU_MODELS]
-    assert GROUPS["user_path_gpu"] == [f"user_path_gpu_{n}" for n in up.GPU_MODELS]
+    assert GROUPS["user_path_cpu"] == [f"user_path_cpu_{n}" for n in um.CPU_MODELS]
+    assert GROUPS["user_path_gpu"] == [f"user_path_gpu_{n}" for n in um.GPU_MODELS]
     assert {BENCHMARKS[n].backend for n in GROUPS["user_path_cpu"]} == {CPU}
     assert {BENCHMARKS[n].backend for n in GROUPS["user_path_gpu"]} == {KERNEL}
     assert ON_REQUEST == {*GROUPS["user_path_cpu"], *GROUPS["user_path_gpu"],
                           *GROUPS["server_cpu"], *GROUPS["server_gpu"]}
-    assert set(up.GPU_PLAN) == set(up.GPU_MODELS)
+    assert set(um.GPU_PLAN) == set(um.GPU_MODELS)
     # the default run leaves them out: every benchmark is skipped here, none is a user path
     monkeypatch.setattr("mlx_bricks.bench.core._status", lambda backend: (False, "off"))
     names = [r["name"] for r in run_benchmarks(None, 1)["results"]]
@@ -48,7 +51,7 @@ def test_groups_are_registered_and_run_only_when_named(monkeypatch):
 
 
 def test_gpu_models_have_the_real_models_shapes():
-    llama, qwen, gemma = (up.GPU_MODELS[n].config for n in
+    llama, qwen, gemma = (um.GPU_MODELS[n].config for n in
                           ("llama3_8b_q4", "qwen3_30b_a3b_q4", "gemma3_12b_q4"))
     assert (llama["hidden_size"], llama["intermediate_size"], llama["num_hidden_layers"],
             llama["num_key_value_heads"], llama["vocab_size"]) == (4096, 14336, 32, 8, 128256)
@@ -56,18 +59,18 @@ def test_gpu_models_have_the_real_models_shapes():
             qwen["moe_intermediate_size"], qwen["num_hidden_layers"]) == (2048, 128, 8, 768, 48)
     assert (gemma["hidden_size"], gemma["intermediate_size"], gemma["head_dim"],
             gemma["num_hidden_layers"], gemma["sliding_window"]) == (3840, 15360, 256, 48, 1024)
-    assert [up.GPU_MODELS[n].bits for n in ("llama3_8b_q8", "llama3_8b_bf16")] == [8, None]
-    spec = up.GPU_MODELS["llama3_8b_q4"].with_layers(8)
+    assert [um.GPU_MODELS[n].bits for n in ("llama3_8b_q8", "llama3_8b_bf16")] == [8, None]
+    spec = um.GPU_MODELS["llama3_8b_q4"].with_layers(8)
     assert spec.config["num_hidden_layers"] == 8 and llama["num_hidden_layers"] == 32
     with pytest.raises(ValueError, match="layers must be a positive int"):
         spec.with_layers(0)
     with pytest.raises(ValueError, match="layers must be at least 6 for gemma3_12b_q4"):
-        up.GPU_MODELS["gemma3_12b_q4"].with_layers(4)
+        um.GPU_MODELS["gemma3_12b_q4"].with_layers(4)
 
 
 @pytest.mark.parametrize("tokens", [31, 48, 128, 777, 2240])
 def test_prompt_has_the_exact_token_count(tokenizer, tokens):
-    text = up.make_prompt(tokenizer, tokens)
+    text = um.make_prompt(tokenizer, tokens)
     # mlx_lm.generate's own steps: the chat template, then encode without special tokens
     templated = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                               tokenize=False, add_generation_prompt=True)
@@ -76,7 +79,7 @@ def test_prompt_has_the_exact_token_count(tokenizer, tokens):
 
 def test_prompt_shorter_than_the_template_is_refused(tokenizer):
     with pytest.raises(ValueError, match=r"tokens must be at least \d+ \(the chat template"):
-        up.make_prompt(tokenizer, 5)
+        um.make_prompt(tokenizer, 5)
 
 
 def test_prefill_chunks_follow_mlx_lm(monkeypatch):
@@ -102,8 +105,8 @@ def test_prefill_chunks_follow_mlx_lm(monkeypatch):
         gen = generate_step(mx.zeros((tokens,), dtype=mx.int32), Recorder(), max_tokens=1,
                             prompt_cache=[KVCache()])
         next(gen)
-        assert up.prefill_chunks(tokens) == seen[:len(up.prefill_chunks(tokens))]
-        assert sum(up.prefill_chunks(tokens)) == tokens
+        assert um.prefill_chunks(tokens) == seen[:len(um.prefill_chunks(tokens))]
+        assert sum(um.prefill_chunks(tokens)) == tokens
 
 
 def test_parsers_read_the_clis_lines():
@@ -156,12 +159,12 @@ def _small(spec_config, **over):
 
 
 @pytest.mark.parametrize("name,config,bits", [
-    ("llama_q8", _small(up._SMALL_LLAMA, num_attention_heads=2, num_key_value_heads=1), 8),
-    ("qwen3_moe_q4", _small(up._SMALL_QWEN3_MOE, num_attention_heads=2, num_key_value_heads=1,
+    ("llama_q8", _small(um._SMALL_LLAMA, num_attention_heads=2, num_key_value_heads=1), 8),
+    ("qwen3_moe_q4", _small(um._SMALL_QWEN3_MOE, num_attention_heads=2, num_key_value_heads=1,
                             head_dim=32, moe_intermediate_size=64, num_experts=4,
                             num_experts_per_tok=2), 4),
-    ("gemma3_q4", _small(up._SMALL_GEMMA3, head_dim=64), 4),
-    ("llama_float", _small(up._SMALL_LLAMA, num_attention_heads=2, num_key_value_heads=1),
+    ("gemma3_q4", _small(um._SMALL_GEMMA3, head_dim=64), 4),
+    ("llama_float", _small(um._SMALL_LLAMA, num_attention_heads=2, num_key_value_heads=1),
      None),
 ])
 def test_written_model_loads_in_mlx_lm(tmp_path, tokenizer_dir, name, config, bits):
@@ -169,8 +172,8 @@ def test_written_model_loads_in_mlx_lm(tmp_path, tokenizer_dir, name, config, bi
     import mlx.nn as nn
     from mlx_lm.utils import load
 
-    spec = up.ModelSpec(name, config, dtype="float16", bits=bits)
-    info = up.write_model(spec, tmp_path / name, tokenizer_dir)
+    spec = um.ModelSpec(name, config, dtype="float16", bits=bits)
+    info = um.write_model(spec, tmp_path / name, tokenizer_dir)
     assert info["bytes"] > 0 and info["write_s"] > 0
     saved = json.loads((tmp_path / name / "config.json").read_text())
     if bits is None:
@@ -192,7 +195,7 @@ def test_written_model_loads_in_mlx_lm(tmp_path, tokenizer_dir, name, config, bi
     assert logits.shape == (1, 3, 256) and logits.dtype == mx.float16
     assert mx.isfinite(logits).all().item()
     with pytest.raises(FileExistsError, match="already holds a model"):
-        up.write_model(spec, tmp_path / name, tokenizer_dir)
+        um.write_model(spec, tmp_path / name, tokenizer_dir)
 
 
 def test_lm_head_rows_past_the_tokenizer_are_zero(tmp_path, tokenizer_dir):
@@ -201,9 +204,9 @@ def test_lm_head_rows_past_the_tokenizer_are_zero(tmp_path, tokenizer_dir):
     import mlx.core as mx
     from mlx_lm.utils import load
 
-    config = _small(up._SMALL_LLAMA, num_attention_heads=2, num_key_value_heads=1,
+    config = _small(um._SMALL_LLAMA, num_attention_heads=2, num_key_value_heads=1,
                     vocab_size=49152 + 128)
-    up.write_model(up.ModelSpec("wide", config, dtype="float16", bits=4), tmp_path / "w",
+    um.write_model(um.ModelSpec("wide", config, dtype="float16", bits=4), tmp_path / "w",
                    tokenizer_dir)
     model, _ = load(str(tmp_path / "w"))
     head = model.lm_head
@@ -219,7 +222,7 @@ def test_cpu_group_machinery_on_the_tiny_model(tmp_path, tokenizer_dir):
     own (the token counts they print are the ones asked for). About 45 s on 2 loaded cores
     (20 processes), so not marked slow."""
     prompts, max_tokens, trials = (40, 72), 3, 1
-    entry = up.run_model(up.TINY_LLAMA, prompts, max_tokens=max_tokens, trials=trials,
+    entry = up.run_model(um.TINY_LLAMA, prompts, max_tokens=max_tokens, trials=trials,
                          work=tmp_path / "work", tokenizer=tokenizer_dir,
                          log_dir=tmp_path / "logs", keep=True)
     assert json.loads(json.dumps(entry)) == entry
@@ -230,7 +233,7 @@ def test_cpu_group_machinery_on_the_tiny_model(tmp_path, tokenizer_dir):
     assert kinds == [["stock", "cold", "cached", "long_stock", "long"],
                      ["stock", "first", "cached", "long_stock", "long"]]
     for item in entry["prompts"]:
-        assert item["prefill_chunks"] == up.prefill_chunks(item["tokens"])
+        assert item["prefill_chunks"] == um.prefill_chunks(item["tokens"])
         by = {r["kind"]: r for r in item["runs"]}
         for kind, r in by.items():
             assert "error" not in r, f"{kind}: {r['error']}"
@@ -261,7 +264,7 @@ def test_cpu_group_machinery_on_the_tiny_model(tmp_path, tokenizer_dir):
     assert first["runs"][1]["home_files_before"] == 0 or "retried" in first["runs"][1]
     assert second["runs"][1]["home_files_before"] > 0  # the first prompt's decisions are there
     doc = {"models": [entry], "device": "cpu", "date": "today"}
-    table = up.format_table(doc)
+    table = ur.format_table(doc)
     assert table.count("| tiny_llama_q4 |") == 10
 
 
@@ -274,7 +277,7 @@ def test_a_run_killed_by_a_signal_runs_once_more(tmp_path, tokenizer_dir, tokeni
     import signal
 
     model_dir = tmp_path / "tiny"
-    up.write_model(up.TINY_LLAMA, model_dir, tokenizer_dir)
+    um.write_model(um.TINY_LLAMA, model_dir, tokenizer_dir)
     real, argvs = up.run_cli, []
 
     def first_one_ends(argv, **kw):
@@ -282,13 +285,13 @@ def test_a_run_killed_by_a_signal_runs_once_more(tmp_path, tokenizer_dir, tokeni
         return real([sys.executable, "-c", first_end] if len(argvs) == 1 else argv, **kw)
 
     monkeypatch.setattr(up, "run_cli", first_one_ends)
-    r = up.run_one("stock", model_dir, tmp_path / "home", 40, up.make_prompt(tokenizer, 40),
+    r = up.run_one("stock", model_dir, tmp_path / "home", 40, um.make_prompt(tokenizer, 40),
                    max_tokens=2, trials=1)
     if retried:
         assert len(argvs) == 2 and argvs[0] == argvs[1]
         assert r["retried"]["returncode"] == -signal.SIGABRT and "error" not in r
         assert r["prompt_tokens"] == 40 and r["generation_tps"] > 0
-        table = up.format_table({"models": [{"model": {"name": "tiny"}, "prompts": [
+        table = ur.format_table({"models": [{"model": {"name": "tiny"}, "prompts": [
             {"tokens": 40, "runs": [r], "ratios": {}}]}]})
         assert f"stock (2nd try: the 1st exited {-signal.SIGABRT})" in table
     else:

@@ -1,6 +1,7 @@
 """What a benchmark is: :class:`Benchmark` and the backend tags of the benchmarks that run on
 whichever backend the patch selects. The table (``bench.core``) and the modules that define
-benchmarks (``bench.moe``, ``bench.user_path``) both import it, so neither imports the other."""
+benchmarks (``bench.moe``, ``bench.formats``, ``bench.gated_delta``, ``bench.user_path``) all
+import it, so none of them imports the table."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,7 +1,6 @@
 """The benchmark table, the timer and the runner behind ``python -m mlx_bricks.bench``."""
 from __future__ import annotations
 
-import datetime
 import os
 import platform
 import statistics
@@ -9,6 +8,7 @@ import sys
 from typing import Callable
 
 from mlx_bricks.bench.case import CPU, KERNEL, Benchmark
+from mlx_bricks.bench.record import load_average, now, version
 
 __all__ = ["BENCHMARKS", "CPU", "GROUPS", "KERNEL", "Benchmark", "run_benchmarks", "run_one",
            "time_call"]
@@ -189,9 +189,9 @@ def _cuda_case_benchmarks() -> dict[str, dict[str, Benchmark]]:
         return brick, stock, lambda: facts
 
     sm90 = [n for n, t in gemm_cuda.LINEAR_TILES.items() if t.wgmma]
-    # the split SwiGLU and RMSNorm + QKV launches take the classic tiles (the register-weight
-    # qgemm tiles have their own benchmark: scripts/gpu/gemm_bench.py)
-    sm90_plain = [n for n in sm90 if n in gemm_cuda.TILES]
+    # split SwiGLU and RMSNorm + QKV run the plain GEMM tiles (TILES: no split-K, no ws tile;
+    # the register-weight qgemm tiles have their own benchmark: scripts/gpu/gemm_bench.py)
+    sm90_plain = [n for n, t in gemm_cuda.TILES.items() if t.wgmma]
     per_tile = [*gpu.linear_cases("cuda", tiles=sm90, formats=gpu.QUANT_FORMATS,
                                   shapes=("qo", "kv", "gate_up")),
                 *gpu.swiglu_cases("cuda", tiles=tuple(swiglu_cuda.SWIGLU_TILES),
@@ -426,15 +426,15 @@ def run_benchmarks(names=None, repeats: int = 3, on_result=None) -> dict:
     names = ([n for n in BENCHMARKS if n not in ON_REQUEST] if names is None
              else expand(names))
     results = []
-    started = _now()
+    started = now()
 
     def document():
-        return {"date": started, "finished": _now(),
+        return {"date": started, "finished": now(),
                 "machine": {"platform": platform.platform(), "processor": platform.machine(),
                             "cpus": os.cpu_count(), "device": str(mx.default_device()),
                             "device_info": {k: str(v) for k, v in mx.device_info().items()}},
-                "mlx": mx.__version__, "mlx_lm": _version("mlx-lm"),
-                "mlx_bricks": _version("mlx-bricks"), "repeats": repeats, "results": results}
+                "mlx": mx.__version__, "mlx_lm": version("mlx-lm"),
+                "mlx_bricks": version("mlx-bricks"), "repeats": repeats, "results": results}
 
     from tqdm import tqdm
 
@@ -449,28 +449,10 @@ def run_benchmarks(names=None, repeats: int = 3, on_result=None) -> dict:
         if not ok:
             entry["skipped"] = f"backend {b.backend} unavailable: {why}"
         else:
-            entry["load_average"] = {"before": _load()}
+            entry["load_average"] = {"before": load_average()}
             entry.update(b.run(repeats) if b.run is not None else run_one(b, repeats))
-            entry["load_average"]["after"] = _load()
+            entry["load_average"]["after"] = load_average()
         results.append(entry)
         if on_result is not None:
             on_result(document())
     return document()
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-def _load() -> list[float] | None:
-    """The 1, 5 and 15 minute load averages (the CPU may be shared), where the OS has them."""
-    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-
-
-def _version(dist: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return None

@@ -42,8 +42,29 @@ FORMATS = {"": None, "_q4g64": (4, 64), "_q8g64": (8, 64)}
 M_VALUES = (512, 2048, 8192)
 
 
+class _Shape:
+    """What the shapes share: mlx-lm's model class and ``ModelArgs`` of :attr:`model_type`
+    (``mlx_lm.models.<model_type>``), built from :meth:`fields`."""
+
+    model_type = ""
+
+    def fields(self) -> dict:
+        raise NotImplementedError
+
+    def _module(self):
+        import importlib
+
+        return importlib.import_module(f"mlx_lm.models.{self.model_type}")
+
+    def model_class(self):
+        return self._module().Model
+
+    def model_args(self):
+        return self._module().ModelArgs(model_type=self.model_type, **self.fields())
+
+
 @dataclass(frozen=True)
-class LlamaShape:
+class LlamaShape(_Shape):
     """The shape of a llama model (mlx-lm ``ModelArgs`` fields)."""
 
     hidden: int
@@ -53,28 +74,27 @@ class LlamaShape:
     kv_heads: int
     head_dim: int
     vocab: int
+    model_type = "llama"
 
     def describe(self) -> str:
         return (f"hidden {self.hidden}, intermediate {self.intermediate}, {self.heads}/"
                 f"{self.kv_heads} heads of {self.head_dim}, vocab {self.vocab}")
 
-    def model_class(self):
-        from mlx_lm.models.llama import Model
+    def fields(self) -> dict:
+        return dict(hidden_size=self.hidden, num_hidden_layers=self.layers,
+                    intermediate_size=self.intermediate, num_attention_heads=self.heads,
+                    num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
+                    rms_norm_eps=1e-5, vocab_size=self.vocab, rope_theta=500000.0,
+                    tie_word_embeddings=False)
 
-        return Model
 
-    def model_args(self):
-        from mlx_lm.models.llama import ModelArgs
-
-        return ModelArgs(model_type="llama", hidden_size=self.hidden,
-                         num_hidden_layers=self.layers, intermediate_size=self.intermediate,
-                         num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
-                         head_dim=self.head_dim, rms_norm_eps=1e-5, vocab_size=self.vocab,
-                         rope_theta=500000.0, tie_word_embeddings=False)
+def _moe_describe(shape, width: int) -> str:
+    return (f"hidden {shape.hidden}, {shape.experts} experts of {width}, top-{shape.top_k}, "
+            f"{shape.heads}/{shape.kv_heads} heads of {shape.head_dim}, vocab {shape.vocab}")
 
 
 @dataclass(frozen=True)
-class Qwen3MoeShape:
+class Qwen3MoeShape(_Shape):
     """The shape of a qwen3_moe model (mlx-lm ``ModelArgs`` fields): every layer a MoE layer
     (``SwitchGLU`` experts, the router's top-k)."""
 
@@ -87,33 +107,24 @@ class Qwen3MoeShape:
     kv_heads: int
     head_dim: int
     vocab: int
+    model_type = "qwen3_moe"
 
     def describe(self) -> str:
-        return (f"hidden {self.hidden}, {self.experts} experts of {self.moe_intermediate}, "
-                f"top-{self.top_k}, {self.heads}/{self.kv_heads} heads of {self.head_dim}, "
-                f"vocab {self.vocab}")
+        return _moe_describe(self, self.moe_intermediate)
 
-    def model_class(self):
-        from mlx_lm.models.qwen3_moe import Model
-
-        return Model
-
-    def model_args(self):
-        from mlx_lm.models.qwen3_moe import ModelArgs
-
-        return ModelArgs(model_type="qwen3_moe", hidden_size=self.hidden,
-                         num_hidden_layers=self.layers, intermediate_size=4 * self.hidden,
-                         num_attention_heads=self.heads, num_experts=self.experts,
-                         num_experts_per_tok=self.top_k, decoder_sparse_step=1,
-                         mlp_only_layers=[], moe_intermediate_size=self.moe_intermediate,
-                         rms_norm_eps=1e-6, vocab_size=self.vocab,
-                         num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
-                         rope_theta=1000000.0, tie_word_embeddings=False,
-                         max_position_embeddings=40960, norm_topk_prob=True)
+    def fields(self) -> dict:
+        return dict(hidden_size=self.hidden, num_hidden_layers=self.layers,
+                    intermediate_size=4 * self.hidden, num_attention_heads=self.heads,
+                    num_experts=self.experts, num_experts_per_tok=self.top_k,
+                    decoder_sparse_step=1, mlp_only_layers=[],
+                    moe_intermediate_size=self.moe_intermediate, rms_norm_eps=1e-6,
+                    vocab_size=self.vocab, num_key_value_heads=self.kv_heads,
+                    head_dim=self.head_dim, rope_theta=1000000.0, tie_word_embeddings=False,
+                    max_position_embeddings=40960, norm_topk_prob=True)
 
 
 @dataclass(frozen=True)
-class GptOssShape:
+class GptOssShape(_Shape):
     """The shape of a gpt_oss model (mlx-lm ``ModelArgs`` fields): every layer a MoE layer
     (SwigluOAI experts with biases), sliding-window layers between full ones."""
 
@@ -126,25 +137,17 @@ class GptOssShape:
     kv_heads: int
     head_dim: int
     vocab: int
+    model_type = "gpt_oss"
 
     def describe(self) -> str:
-        return (f"hidden {self.hidden}, {self.experts} experts of {self.intermediate}, "
-                f"top-{self.top_k}, {self.heads}/{self.kv_heads} heads of {self.head_dim}, "
-                f"vocab {self.vocab}")
+        return _moe_describe(self, self.intermediate)
 
-    def model_class(self):
-        from mlx_lm.models.gpt_oss import Model
-
-        return Model
-
-    def model_args(self):
-        from mlx_lm.models.gpt_oss import ModelArgs
-
-        return ModelArgs(model_type="gpt_oss", hidden_size=self.hidden,
-                         num_hidden_layers=self.layers, intermediate_size=self.intermediate,
-                         num_local_experts=self.experts, num_experts_per_tok=self.top_k,
-                         num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
-                         head_dim=self.head_dim, vocab_size=self.vocab, sliding_window=128)
+    def fields(self) -> dict:
+        return dict(hidden_size=self.hidden, num_hidden_layers=self.layers,
+                    intermediate_size=self.intermediate, num_local_experts=self.experts,
+                    num_experts_per_tok=self.top_k, num_attention_heads=self.heads,
+                    num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
+                    vocab_size=self.vocab, sliding_window=128)
 
 
 #: gpt-oss-20b's layer shapes, 4 layers (a 32000-token vocabulary as for the llama case).

@@ -13,7 +13,7 @@ Where no kernel backend exists the patch weighs exactly these against each other
 """
 from __future__ import annotations
 
-from mlx_bricks.bench.core import CPU, Benchmark
+from mlx_bricks.bench.case import CPU, Benchmark
 
 MODES = ("mxfp4", "nvfp4", "mxfp8")
 DTYPES = ("fp16", "bf16")

@@ -228,7 +228,7 @@ def recurrence(T: int, dtype="bf16", *, Hk: int = 16, vec: bool = False):
 
 def benchmarks() -> dict:
     """The Gated DeltaNet benchmarks by name, for ``bench.core``."""
-    from mlx_bricks.bench.core import CPU, KERNEL, Benchmark
+    from mlx_bricks.bench.case import CPU, KERNEL, Benchmark
     from mlx_bricks.bench.e2e import setup
 
     table = {}

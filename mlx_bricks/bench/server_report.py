@@ -7,8 +7,10 @@ import os
 
 from mlx_bricks import _cli
 from mlx_bricks.bench import user_path as up
-from mlx_bricks.bench.server import (CPU_SERVER_MODELS, CPU_SETTINGS, GPU_SERVER_MODELS,
-                                     GPU_SETTINGS, SIDES, make_plan)
+from mlx_bricks.bench.user_models import tokenizer_files
+from mlx_bricks.bench.user_report import save_figure
+from mlx_bricks.bench.server_plan import (CPU_SERVER_MODELS, CPU_SETTINGS, GPU_SERVER_MODELS,
+                                          GPU_SETTINGS, SIDES, make_plan)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,7 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     try:
         args.specs = {m: known[m].with_layers(layers) for m in names}
         tokenizer = args.tokenizer or up.default_tokenizer_dir()
-        up.tokenizer_files(tokenizer)
+        tokenizer_files(tokenizer)
         make_plan(up._load_tokenizer(tokenizer), args.settings)
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
@@ -176,5 +178,5 @@ def plot(doc: dict, path: str | os.PathLike) -> None:
         a_conc.legend(fontsize=7)
     for ax in axes.flat:
         ax.title.set_fontsize(9)
-    up.save_figure(fig, doc, "mlx_lm.server stock vs --use-bricks (openai client, prompt cache "
+    save_figure(fig, doc, "mlx_lm.server stock vs --use-bricks (openai client, prompt cache "
                    "reused)", path)

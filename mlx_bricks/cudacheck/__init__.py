@@ -4,7 +4,8 @@
 ``build_kernel`` in ``mlx/backend/cuda/custom_kernel.cpp``: inputs as ``const T*`` plus
 ``<name>_shape`` / ``_strides`` / ``_ndim`` parameters when the body mentions them, outputs as
 ``T*``, template arguments as ``constexpr`` / ``using`` lines) and compiles it with NVRTC for the
-device (``sm_90a`` on an H100/H200). :func:`generated_source` reproduces that text and
+device (``sm_90a`` on an H100/H200). :func:`twin_source` gives that text for a registered
+kernel (``mlx_bricks.cuda.source.generated_source`` writes it, as the build cache does) and
 :func:`compile_twin` compiles it with ``nvcc -cubin`` for a chosen architecture, returning the
 resource report of ``ptxas -v`` (registers, spills, stack, shared memory);
 :func:`compile_source_nvrtc` compiles it with NVRTC itself where ``libnvrtc`` is at hand (the
@@ -25,72 +26,16 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-#: MLX 0.32's dtype_to_cuda_type.
-CUDA_TYPES = {
-    "bool": "bool", "int8": "int8_t", "int16": "int16_t", "int32": "int32_t",
-    "int64": "int64_t", "uint8": "uint8_t", "uint16": "uint16_t", "uint32": "uint32_t",
-    "uint64": "uint64_t", "float16": "__half", "bfloat16": "__nv_bfloat16",
-    "float32": "float", "float64": "double",
-}
-
-DEFAULT_HEADER = """
-#include "mlx/backend/cuda/device/utils.cuh"
-
-#include <cooperative_groups.h>
-
-"""
+from mlx_bricks import kernels
+from mlx_bricks.cuda import toolchain as _toolchain
+from mlx_bricks.cuda.source import (  # noqa: F401  (MLX's generator, re-exported)
+    CUDA_TYPES,
+    DEFAULT_HEADER,
+    generated_source,
+    template_lines,
+)
 
 SHIM_DIR = Path(__file__).resolve().parent / "shim"
-
-
-def _dtype_name(dtype) -> str:
-    return str(dtype).replace("mlx.core.", "")
-
-
-def template_lines(template, ctype=None) -> list[str]:
-    """The constants MLX's ``build_kernel`` declares at the top of a kernel body for its
-    ``template``: ``constexpr`` ints and bools, ``using`` for dtypes (``ctype(dtype)``: the CUDA
-    type's name; default :data:`CUDA_TYPES`); a blank line after them."""
-    ctype = ctype or (lambda d: CUDA_TYPES[_dtype_name(d)])
-    lines = []
-    for name, value in template:
-        if isinstance(value, bool):
-            lines.append(f"  constexpr bool {name} = {'true' if value else 'false'};\n")
-        elif isinstance(value, int):
-            lines.append(f"  constexpr int {name} = {value};\n")
-        else:
-            lines.append(f"  using {name} = {ctype(value)};\n")
-    return lines + ["\n"] if lines else lines
-
-
-def generated_source(func_name: str, header: str, body: str, inputs, output_names,
-                     output_dtypes, template=()) -> str:
-    """The CUDA source ``mx.fast.cuda_kernel`` builds (MLX 0.32 ``build_kernel``).
-
-    Args:
-        func_name: the ``__global__`` function's name.
-        header, body: as given to ``cuda_kernel``.
-        inputs: ``[(name, dtype, ndim), ...]`` in launch order (dtype an ``mx.Dtype`` or its
-            name; ndim 0 for a scalar array, which gets no shape/strides parameters).
-        output_names, output_dtypes: the outputs.
-        template: ``[(name, value), ...]``: int, bool or dtype.
-    """
-    lines = [DEFAULT_HEADER, header, "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"]
-    sig = [f"__global__ void {func_name}(\n"]
-    for name, dtype, ndim in inputs:
-        sig.append(f"    const {CUDA_TYPES[_dtype_name(dtype)]}* {name},\n")
-        if ndim > 0:
-            if f"{name}_shape" in body:
-                sig.append(f"    const __grid_constant__ Shape {name}_shape,\n")
-            if f"{name}_strides" in body:
-                sig.append(f"    const __grid_constant__ Strides {name}_strides,\n")
-            if f"{name}_ndim" in body:
-                sig.append(f"    const __grid_constant__ int {name}_ndim,\n")
-    for i, (name, dtype) in enumerate(zip(output_names, output_dtypes)):
-        end = ",\n" if i < len(output_names) - 1 else ") {\n"
-        sig.append(f"    {CUDA_TYPES[_dtype_name(dtype)]}* {name}{end}")
-    consts = template_lines(template)
-    return "".join(lines + sig + consts + [body, "\n}\n\n} // namespace mlx::core::cu\n"])
 
 
 @dataclass(frozen=True)
@@ -167,28 +112,31 @@ def compile_source(source: str, arch: str = "sm_90a", nvcc: str | None = None) -
     return parse_ptxas(res.stderr)
 
 
+def twin_source(name: str, inputs, output_dtypes, template=()) -> str:
+    """The source ``mx.fast.cuda_kernel`` builds for the CUDA twin of registered kernel
+    ``name`` (``mlx_bricks.kernels``); ``inputs``: ``[(dtype, ndim), ...]`` per input of the
+    spec, in order; ``output_dtypes``: one per output; ``template``: the launch's.
+
+    Raises:
+        ValueError: unknown kernel; NotImplementedError: no CUDA twin.
+    """
+    spec = kernels.spec(name)
+    kname, header, body = kernels.kernel_source(name, "cuda")
+    ins = [(n, d, nd) for n, (d, nd) in zip(spec.inputs_for("cuda"), inputs)]
+    return generated_source(f"custom_kernel_{kname}", header, body, ins, spec.output_names,
+                            output_dtypes, template)
+
+
 def compile_twin(name: str, inputs, output_dtypes, template=(), arch: str = "sm_90a",
                  nvcc: str | None = None) -> Resources:
-    """Compile the CUDA twin of registered kernel ``name`` as MLX would build it.
-
-    Args:
-        name: a registered kernel with a CUDA twin (``mlx_bricks.kernels``).
-        inputs: ``[(dtype, ndim), ...]`` per input of the spec, in order.
-        output_dtypes: one dtype per output.
-        template: the launch's template arguments.
-        arch: ``sm_90a`` (H100/H200, what MLX targets there) or ``sm_80`` etc.
+    """Compile the CUDA twin of registered kernel ``name`` as MLX would build it
+    (:func:`twin_source`) for ``arch``: ``sm_90a`` (H100/H200, what MLX targets there) or
+    ``sm_80`` etc.
 
     Raises:
         FileNotFoundError, CompileError: see :func:`compile_source`.
     """
-    from mlx_bricks import kernels
-
-    spec = kernels.spec(name)
-    kname, header, body = kernels.kernel_source(name, "cuda")
-    ins = [(n, d, nd) for n, (d, nd) in zip(spec.inputs_for("cuda"), inputs)]
-    src = generated_source(f"custom_kernel_{kname}", header, body, ins, spec.output_names,
-                           output_dtypes, template)
-    return compile_source(src, arch, nvcc)
+    return compile_source(twin_source(name, inputs, output_dtypes, template), arch, nvcc)
 
 
 @dataclass
@@ -215,13 +163,22 @@ class Launch:
 
     def source(self) -> str:
         """The source ``mx.fast.cuda_kernel`` would build for this launch."""
-        from mlx_bricks import kernels
+        return twin_source(self.name, self.inputs, self.output_dtypes, self.template)
 
-        spec = kernels.spec(self.name)
-        kname, header, body = kernels.kernel_source(self.name, "cuda")
-        ins = [(n, d, nd) for n, (d, nd) in zip(spec.inputs_for("cuda"), self.inputs)]
-        return generated_source(f"custom_kernel_{kname}", header, body, ins, spec.output_names,
-                                self.output_dtypes, self.template)
+
+@contextlib.contextmanager
+def launches_replaced(fake, *modules):
+    """Within the block, ``launch`` in each of ``modules`` (modules that did
+    ``from mlx_bricks.kernels import launch``) is ``fake`` (called as ``kernels.launch``);
+    restored after it."""
+    saved = [(m, m.launch) for m in modules]
+    try:
+        for m in modules:
+            m.launch = fake
+        yield
+    finally:
+        for m, orig in saved:
+            m.launch = orig
 
 
 @contextlib.contextmanager
@@ -244,14 +201,8 @@ def recorded_launches(*modules):
                               [tuple(sh) for sh in output_shapes]))
         return [mx.zeros(sh, dtype=dt) for sh, dt in zip(output_shapes, output_dtypes)]
 
-    saved = [(m, m.launch) for m in modules]
-    try:
-        for m in modules:
-            m.launch = fake
+    with launches_replaced(fake, *modules):
         yield records
-    finally:
-        for m, orig in saved:
-            m.launch = orig
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,18 +220,12 @@ def cuda_include_dir() -> Path | None:
 
 
 def find_nvrtc() -> str | None:
-    """Path of libnvrtc (``$MLX_BRICKS_NVRTC``, else the ``nvidia-cuda-nvrtc`` wheel's
-    ``nvidia/cu13/lib/libnvrtc.so.13`` on ``sys.path``), or None."""
-    import sys
-
-    cand = os.environ.get("MLX_BRICKS_NVRTC")
-    if cand:
-        return cand if Path(cand).is_file() else None
-    for entry in sys.path:
-        p = Path(entry) / "nvidia" / "cu13" / "lib" / "libnvrtc.so.13"
-        if p.is_file():
-            return str(p)
-    return None
+    """Path of the libnvrtc the build cache would use (``mlx_bricks.cuda.toolchain.find_nvrtc``:
+    ``$MLX_BRICKS_NVRTC``, the wheel's, the toolkit's), or None."""
+    try:
+        return _toolchain.find_nvrtc()
+    except _toolchain.Unavailable:
+        return None
 
 
 def compile_source_nvrtc(source: str, arch: str = "sm_90a", nvrtc: str | None = None) -> None:
@@ -292,30 +237,15 @@ def compile_source_nvrtc(source: str, arch: str = "sm_90a", nvrtc: str | None = 
         FileNotFoundError: no libnvrtc or no CUDA headers.
         CompileError: the compile failed (message: NVRTC's log).
     """
-    import ctypes
-
     lib_path = nvrtc or find_nvrtc()
     inc = cuda_include_dir()
     if lib_path is None or inc is None:
         raise FileNotFoundError("libnvrtc or the CUDA toolkit headers not found")
-    # libnvrtc loads libnvrtc-builtins from its own directory through the loader path.
-    ctypes.CDLL(str(Path(lib_path).with_name("libnvrtc-builtins.so.13.0")), mode=ctypes.RTLD_GLOBAL)
-    lib = ctypes.CDLL(lib_path)
-    prog = ctypes.c_void_p()
-    if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None):
-        raise CompileError("nvrtcCreateProgram failed")
     # -default-device as MLX's JIT compiles (unannotated helpers such as GemmSmem::round built
     # and ran on the H200).
     opts = [f"--gpu-architecture={arch}", "-std=c++17", "-default-device", f"-I{inc}",
             f"-I{inc / 'cccl'}", f"-I{SHIM_DIR}"]
-    arr = (ctypes.c_char_p * len(opts))(*(o.encode() for o in opts))
     try:
-        res = lib.nvrtcCompileProgram(prog, len(opts), arr)
-        size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetProgramLog(prog, log)
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    if res != 0:
-        raise CompileError(f"NVRTC failed for {arch}:\n{log.value.decode()[-6000:]}")
+        _toolchain.Nvrtc(lib_path).compile(source, opts, ptx=True)
+    except _toolchain.CompileError as e:
+        raise CompileError(f"NVRTC failed for {arch}:\n{e}") from None

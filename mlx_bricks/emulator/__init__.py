@@ -25,6 +25,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from mlx_bricks import env
+
 from . import source as _source
 from .compile import (
     COMPILE_SECONDS,
@@ -78,27 +80,9 @@ class Checks:
     perturb: int = 0
 
 
-def _perturb_from_env() -> int:
-    v = os.environ.get("MLX_BRICKS_EMULATOR_PERTURB", "0").strip().lower()
-    if v in ("", "0", "false", "off", "no"):
-        return 0
-    if v in ("true", "on", "yes"):
-        return 1
-    try:
-        seed = int(v)
-    except ValueError:
-        raise ValueError(
-            f"MLX_BRICKS_EMULATOR_PERTURB must be 0 (off) or a seed 1..2**32-1, got {v!r}"
-        ) from None
-    if not 0 <= seed < 2**32:
-        raise ValueError(f"MLX_BRICKS_EMULATOR_PERTURB must be a seed 1..2**32-1, got {seed}")
-    return seed
-
-
 def _checks_from_env() -> Checks:
-    v = os.environ.get("MLX_BRICKS_EMULATOR_CHECKS", "1").strip()
-    perturb = _perturb_from_env()
-    if v in ("0", "false", "off", "no"):
+    perturb = env.get("MLX_BRICKS_EMULATOR_PERTURB")
+    if not env.get("MLX_BRICKS_EMULATOR_CHECKS"):
         return Checks(bounds=False, unwritten=False, schedules=1, perturb=perturb)
     return Checks(perturb=perturb)
 
@@ -171,10 +155,7 @@ def is_available():
 
 
 def _threads() -> int:
-    v = os.environ.get("MLX_BRICKS_EMULATOR_THREADS")
-    if v:
-        return max(1, int(v))
-    return max(1, min(4, os.cpu_count() or 1))
+    return env.get("MLX_BRICKS_EMULATOR_THREADS") or max(1, min(4, os.cpu_count() or 1))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
+from mlx_bricks import env
+
 from .bfloat_rules import refused_conversions
 from .source import Generated, TgDecl, cpp_translation_unit
 from .toolchain import (  # noqa: F401  (find_clang, MIN_CLANG: re-exported)
@@ -81,10 +83,7 @@ LINK_FLAGS = ["-shared", "-nostdlib"]
 
 def _opt_flag() -> str:
     """Optimisation level for kernels: ``MLX_BRICKS_EMULATOR_OPT`` (0-3), default 1."""
-    level = os.environ.get("MLX_BRICKS_EMULATOR_OPT", "1").strip()
-    if level not in ("0", "1", "2", "3"):
-        raise ValueError(f"MLX_BRICKS_EMULATOR_OPT must be 0, 1, 2 or 3, got {level!r}")
-    return "-O" + level
+    return "-O" + env.get("MLX_BRICKS_EMULATOR_OPT")
 
 
 def _digest(*parts: str) -> str:

@@ -6,11 +6,12 @@ translator never reaches back into the compiler driver.
 """
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
 from functools import lru_cache
+
+from mlx_bricks import env
 
 MIN_CLANG = 15
 
@@ -41,14 +42,17 @@ def _clang_version(path: str) -> tuple[int, str] | None:
 @lru_cache(maxsize=None)
 def find_clang() -> tuple[str | None, str]:
     """(path, version line) of a usable clang++ (>= 15), or (None, reason)."""
-    env = os.environ.get("MLX_BRICKS_CLANG")
-    if env:
-        v = _clang_version(env)
+    try:
+        env_clang = env.get("MLX_BRICKS_CLANG")
+    except env.EnvError as e:
+        return None, str(e)
+    if env_clang:
+        v = _clang_version(env_clang)
         if v is None:
-            return None, f"MLX_BRICKS_CLANG={env!r} is not a working clang++"
+            return None, f"MLX_BRICKS_CLANG={env_clang!r} is not a working clang++"
         if v[0] < MIN_CLANG:
-            return None, f"MLX_BRICKS_CLANG={env!r} is clang {v[0]}; need >= {MIN_CLANG}"
-        return env, v[1]
+            return None, f"MLX_BRICKS_CLANG={env_clang!r} is clang {v[0]}; need >= {MIN_CLANG}"
+        return env_clang, v[1]
     candidates = ["clang++-19"] + [f"clang++-{n}" for n in range(25, MIN_CLANG - 1, -1) if n != 19]
     candidates.append("clang++")
     for name in candidates:

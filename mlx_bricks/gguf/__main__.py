@@ -11,6 +11,8 @@ PROG = "python -m mlx_bricks.gguf"
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     """The parser of ``python -m mlx_bricks.gguf PATH.gguf OUT_DIR [...]``."""
+    from mlx_bricks._cli import one_line_errors
+
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Convert a GGUF model (llama, qwen2, qwen3, gemma3) into a directory "
@@ -31,7 +33,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--force", action="store_true",
                         help="replace OUT_DIR if it exists and is not empty")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return parser
+    return one_line_errors(parser)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = setup_arg_parser().parse_args(argv)
     try:
+        from mlx_bricks import env
+
+        env.check()  # a bad MLX_BRICKS_* value: one line, before any work
         logging.basicConfig(format="%(message)s", level=logging.INFO)
         from .convert import convert_gguf
 
@@ -48,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                            keep_quantized=args.keep_quantized, force=args.force,
                            progress=not args.no_progress)
     except (ValueError, OSError) as e:  # OSError: missing file, OUT_DIR exists, disk full...
+        # (ValueError includes env.EnvError)
         print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:  # convert_gguf has removed its temporary directory

@@ -24,13 +24,22 @@ import json
 from dataclasses import dataclass
 
 from mlx_bricks.backends import BackendChoice, neural_accelerators
-from mlx_bricks.bricks.dequantize.composite import CAP_SETTING
-from mlx_bricks.options import TUNE_MODES
+from mlx_bricks.kernels import is_built
+from mlx_bricks.options import CAP_SETTING, TUNE_MODES
 from mlx_bricks.runtime.guard import GUARD
 from mlx_bricks.runtime.kind import Key, Variant
 from mlx_bricks.runtime.kind import kind as kind_of
 from mlx_bricks.tune.prior import pays, prior_decision, without_builds
 from mlx_bricks.tune.tuner import Decision, tune_op
+
+
+def built(variant: Variant) -> bool:
+    """Whether every kernel ``variant`` launches on ``cuda`` is compiled on this machine (the
+    CUDA build cache, ``kernels.is_built``): running it then builds nothing in this process.
+    False where its kernels are not known, and on any other backend (MLX builds Metal kernels
+    in every process)."""
+    return bool(variant.cuda_kernels) and all(is_built(k) for k in variant.cuda_kernels)
+
 
 #: Backends where tuning applies (the kernel backends a user runs).
 TUNED_BACKENDS = ("metal", "cuda")
@@ -224,7 +233,7 @@ class Dispatch:
                                                        full), usable=usable)
         if d.brick and d.source == "cache":
             v = next(c for c in candidates() if c.name == d.winner)
-            if v.builds and not pays(d, self.backend, self.calls_hint, built=False):
+            if v.builds and not pays(d, self.backend, self.calls_hint, built=built(v)):
                 d = without_builds(d, {c.name for c in candidates() if not c.builds}, full)
                 self.decisions[full] = d
         return d

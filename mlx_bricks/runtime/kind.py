@@ -89,12 +89,17 @@ class Variant:
         builds: running it compiles a kernel in the process (on ``metal`` / ``cuda``): a
             kernel variant, or a composite that calls a brick; False for a composite of stock
             MLX ops (``tune.prior`` weighs the build against the gain).
+        cuda_kernels: the registered kernels it launches on ``cuda`` (:attr:`OpKind.
+            cuda_kernels` for a kernel variant); the dispatch asks the CUDA build cache whether
+            each is compiled on this machine (``kernels.is_built``). Empty: not known, counted
+            as not built.
     """
 
     name: str
     kwargs: dict = field(default_factory=dict)
     fn: Callable | None = field(default=None, compare=False)
     builds: bool = field(default=True, compare=False)
+    cuda_kernels: tuple[str, ...] = field(default=(), compare=False)
 
     def run(self, args: dict, backend: str):
         """The variant's output for ``args`` on ``backend``.
@@ -124,6 +129,8 @@ class Composite:
             as a kernel variant's keyword arguments (e.g. the SwiGLU style it computes).
         builds: it calls a brick kernel (compiled in the process on ``metal`` / ``cuda``);
             default False: stock MLX ops only.
+        cuda_kernels: the registered kernels it launches on ``cuda`` (as
+            :attr:`Variant.cuda_kernels`).
     """
 
     name: str
@@ -131,12 +138,13 @@ class Composite:
     applies: Callable = field(default=lambda args, backend: True, compare=False)
     kwargs: dict = field(default_factory=dict, compare=False)
     builds: bool = field(default=False, compare=False)
+    cuda_kernels: tuple[str, ...] = field(default=(), compare=False)
 
     def bind(self, settings: dict) -> Variant:
         """The composite as a :class:`Variant` computing with ``settings``."""
         return Variant(self.name, dict(self.kwargs),
                        functools.partial(_run_composite, self.fn, dict(settings)),
-                       builds=self.builds)
+                       builds=self.builds, cuda_kernels=self.cuda_kernels)
 
 
 def _run_composite(fn, settings, args, backend):
@@ -176,12 +184,15 @@ class OpKind:
         activations: argument names that are activations (synthesised for timing, sliced for
             the check).
         composites: composites of stock MLX ops the brick offers beside its kernels.
+        cuda_kernels: the registered kernels its kernel variants launch on ``cuda`` (every
+            one a variant may launch: a variant counts as built only when all are).
     """
 
     name = ""
     op_name = ""
     activations: tuple[str, ...] = ()
     composites: tuple[Composite, ...] = ()
+    cuda_kernels: tuple[str, ...] = ()
 
     # --- what the brick fills in -----------------------------------------------------------
 
@@ -255,7 +266,8 @@ class OpKind:
         """Kernel variant ``name`` bound to the brick op (``kwargs``: default
         :meth:`variant_kwargs` of the name)."""
         kw = self.variant_kwargs(name) if kwargs is None else dict(kwargs)
-        return Variant(name, kw, functools.partial(self._run_brick, kw))
+        return Variant(name, kw, functools.partial(self._run_brick, kw),
+                       cuda_kernels=self.cuda_kernels)
 
     def _run_brick(self, kwargs, args, backend):
         return self.brick(args, backend, **kwargs)

@@ -40,7 +40,7 @@ def _sync_time(fn):
 
 
 def write(path, layers=None):
-    from mlx_bricks.bench.user_path import GPU_MODELS, write_model
+    from mlx_bricks.bench.user_models import GPU_MODELS, write_model
 
     spec = GPU_MODELS["llama3_8b_q4"].with_layers(layers)
     print(json.dumps(write_model(spec, path, ".bench-tok")))

@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from mlx_bricks.bench.user_path import (GPU_MODELS, _load_tokenizer, make_prompt, run_one,
-                                        write_model)
+from mlx_bricks.bench.user_models import GPU_MODELS, _load_tokenizer, make_prompt, write_model
+from mlx_bricks.bench.user_path import run_one
 
 SEQUENCE = ("stock", "stock", "cold", "cached", "stock")
 LABELS = ("stock_jit", "stock", "cold", "cached", "stock_after")

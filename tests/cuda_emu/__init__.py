@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from mlx_bricks import cudacheck, kernels
+from mlx_bricks.cuda.source import template_lines
 
 HERE = Path(__file__).resolve().parent
 CUDA_SRC = Path(kernels.__file__).resolve().parent / "cuda_src"
@@ -79,14 +80,7 @@ def _source(template, kernel: str = "flash_attention") -> str:
     tdict = dict(template)
     T = _CTYPE[tdict["T"]]
     KT = "int8_t" if tdict.get("KV_Q8") else T
-    consts = []
-    for name, value in template:
-        if isinstance(value, bool):
-            consts.append(f"  constexpr bool {name} = {'true' if value else 'false'};")
-        elif isinstance(value, int):
-            consts.append(f"  constexpr int {name} = {value};")
-        else:
-            consts.append(f"  using {name} = {_CTYPE[value]};")
+    consts = [line.rstrip("\n") for line in template_lines(template, lambda d: _CTYPE[d])]
     params = []
     for name, ct in _ATTN_STRIDED[kernel]:
         ct = {"T": T, "KT": KT}.get(ct, ct)
@@ -236,14 +230,7 @@ def _generic_source(name: str, input_dtypes, output_dtypes, template) -> str:
         ct = _ctype(dt)
         params.append(f"{ct}* {oname}")
         args.append(f"reinterpret_cast<{ct}*>(outs[{j}].data())")
-    consts = []
-    for tname, value in template:
-        if isinstance(value, bool):
-            consts.append(f"  constexpr bool {tname} = {'true' if value else 'false'};")
-        elif isinstance(value, int):
-            consts.append(f"  constexpr int {tname} = {value};")
-        else:
-            consts.append(f"  using {tname} = {_ctype(value)};")
+    consts = [line.rstrip("\n") for line in template_lines(template, _ctype)]
     return "\n".join([
         '#include "warp_emu.h"',
         header,
@@ -391,11 +378,5 @@ def emulated_launches(*modules):
         return run_kernel(name, inputs, output_shapes, output_dtypes, grid, threadgroup,
                           template, shared_memory)
 
-    saved = [(m, m.launch) for m in modules]
-    try:
-        for m in modules:
-            m.launch = fake
+    with cudacheck.launches_replaced(fake, *modules):
         yield names
-    finally:
-        for m, orig in saved:
-            m.launch = orig

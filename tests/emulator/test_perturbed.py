@@ -133,19 +133,19 @@ def test_mma_accumulation_order_is_shuffled():
 
 
 def test_perturb_setting_is_checked(monkeypatch):
-    from mlx_bricks.emulator import _perturb_from_env
+    from mlx_bricks.emulator import _checks_from_env
 
     with pytest.raises(ValueError, match="perturb"):
         em.set_checks(perturb=-1)
     with pytest.raises(ValueError, match="perturb"):
         em.set_checks(perturb=True)
     monkeypatch.setenv("MLX_BRICKS_EMULATOR_PERTURB", "17")
-    assert _perturb_from_env() == 17
+    assert _checks_from_env().perturb == 17
     monkeypatch.setenv("MLX_BRICKS_EMULATOR_PERTURB", "off")
-    assert _perturb_from_env() == 0
+    assert _checks_from_env().perturb == 0
     monkeypatch.setenv("MLX_BRICKS_EMULATOR_PERTURB", "lots")
     with pytest.raises(ValueError, match="MLX_BRICKS_EMULATOR_PERTURB"):
-        _perturb_from_env()
+        _checks_from_env().perturb
 
 
 # ---------------------------------------------------------------------------------------------

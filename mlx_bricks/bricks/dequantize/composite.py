@@ -23,56 +23,29 @@ rounded up to one row.
 """
 from __future__ import annotations
 
-import math
-import numbers
-import os
 from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
 
+from mlx_bricks import env
 from mlx_bricks.bricks.dequantize.op import has_kernel, run_dequantize
 from mlx_bricks.formats import FLOAT, format_of
 from mlx_bricks.formats.affine import QuantizedWeight
 from mlx_bricks.formats.microscaling import MicroscaledWeight
+from mlx_bricks.options import (  # noqa: F401  (the cap's vocabulary, re-exported)
+    CAP_SETTING,
+    DEFAULT_CAP_FRACTION,
+    DEFAULT_CAP_MIB,
+    MIB,
+    parse_cap,
+)
 from mlx_bricks.runtime.kind import Composite
 
 #: Environment variable of the cap, in MiB.
 CAP_ENV_VAR = "MLX_BRICKS_DEQUANT_CAP"
-#: The cap when neither the argument nor the environment sets one, in MiB.
-DEFAULT_CAP_MIB = 256
-#: The dispatch setting (``Dispatch(common=...)``) that carries the cap, in bytes.
-CAP_SETTING = "dequant_cap"
-MIB = 1 << 20
 
 
-def parse_cap(value, name: str) -> int:
-    """``value`` MiB (a number, or its text) in bytes (at least 1).
-
-    Raises:
-        TypeError: ``value`` is neither a number nor a str (``name`` in the message).
-        ValueError: not a number, not finite, or zero or below.
-    """
-    what = f"{name} must be a number of MiB above 0"
-    if isinstance(value, str):
-        try:
-            mib = float(value.strip())
-        except ValueError:
-            raise ValueError(f"{what}, got {value!r}") from None
-    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
-        mib = float(value)
-    else:
-        raise TypeError(f"{what}, got {type(value).__name__}")
-    if not math.isfinite(mib) or mib <= 0:
-        raise ValueError(f"{what}, got {value!r}")
-    return max(1, int(mib * MIB))
-
-
-#: Without an explicit cap, the transient float weights are also kept to this fraction of the
-#: model's own weight bytes (at least 1 MiB): a user feels memory relative to the model. A
-#: 4-layer hidden-512 4-bit model on the CPU peaked 1.12x stock with whole weights dequantized
-#: at once (0.126 vs 0.113 GB, 2026-12-05) and 0.99x with 2 MiB tiles, at the same speed.
-DEFAULT_CAP_FRACTION = 32
 
 
 def model_cap(model_bytes: int) -> int:
@@ -92,9 +65,9 @@ def resolve_cap(value=None, model_bytes: int | None = None) -> tuple[int, str]:
     """
     if value is not None:
         return parse_cap(value, "dequant_cap"), "argument"
-    env = os.environ.get(CAP_ENV_VAR, "")
-    if env.strip():
-        return parse_cap(env, CAP_ENV_VAR), "env"
+    cap = env.get(CAP_ENV_VAR)
+    if cap is not None:
+        return cap, "env"
     if model_bytes is not None and model_cap(model_bytes) < DEFAULT_CAP_MIB * MIB:
         return model_cap(model_bytes), f"default, 1/{DEFAULT_CAP_FRACTION} of the weights"
     return DEFAULT_CAP_MIB * MIB, "default"
@@ -383,5 +356,5 @@ def dequant_composites(fn, applies, *, suffix: str = "", kwargs: dict | None = N
     return (Composite(f"dequant{suffix}", run("mx"), lambda args, backend: applies(args), kw),
             Composite(f"dequant_brick{suffix}", run("brick"),
                       lambda args, backend: has_kernel(backend) and brick_reads(args)
-                      and applies(args), kw, builds=True))
+                      and applies(args), kw, builds=True, cuda_kernels=("dequantize",)))
 

@@ -19,9 +19,10 @@ import math
 
 import mlx.core as mx
 
-from mlx_bricks.kernels import launch
+from mlx_bricks.bricks.dequantize import msl as _msl  # noqa: F401  (registers the spec)
 from mlx_bricks.checks import dtype_name
 from mlx_bricks.formats.affine import FLOAT_DTYPES, QuantizedWeight
+from mlx_bricks.kernels import launch
 
 #: Threads per block of the launch (any size works: the grid is a flat list of runs).
 THREADS = 256

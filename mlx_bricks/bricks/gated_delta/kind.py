@@ -107,6 +107,7 @@ class GatedDelta(OpKind):
     name = "gated_delta"
     op_name = "gated_delta"
     activations = ("q", "k", "v")
+    cuda_kernels = ("gated_delta",)
     composites = (Composite("chunked", _chunked), Composite("blas", _blas, applies=on_cpu))
 
     def prior(self, args, backend):

@@ -1,11 +1,14 @@
-"""The Gated DeltaNet brick's MSL kernel (``metal_src/gated_delta.metal``): spec, tiles and
-launch. What it computes: ``op.py`` (the chunked form); the kernel file documents its layout.
+"""The Gated DeltaNet brick's kernel (``metal_src/gated_delta.metal``) and its CUDA twin
+(``cuda_src/gated_delta.cu``): spec, tiles and the one launch of both. The twin runs the MSL
+kernel's algorithm and geometry with its threadgroup arrays in dynamic shared memory. What it
+computes: ``op.py`` (the chunked form); the kernel files document their layout.
 """
 from __future__ import annotations
 
 import mlx.core as mx
 
 from mlx_bricks import kernels
+from mlx_bricks.kernels import launch
 
 #: Tokens per chunk of the kernel (a gate per head: the (C x C) products on one 8x8 tile per
 #: SIMD-group; a gate per key dim: those products pair by pair, cheaper per token at 8, and the
@@ -66,14 +69,18 @@ def kernel_reason(q, v, g) -> str | None:
     return None
 
 
-def launch_kwargs(q, k, v, g, beta, state) -> dict:
-    """The kernel call's arguments (inputs, geometry, outputs, template), shared by the MSL
-    kernel and the CUDA twin (``cuda.py``)."""
+def launch_gated_delta(q, k, v, g, beta, state, *, backend: str):
+    """Run the kernel on ``backend`` (``metal``, ``emulator``, or the twin on ``cuda``, its
+    threadgroup arrays in dynamic shared memory); arguments checked by the op (a gate per head
+    or per key dim, Dk <= MAX_DK, Dv a multiple of 8, a float32 state). Returns
+    ``(y, state)``."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
     dvb = value_block(Dv)
     vec = g.ndim == 4
-    return dict(
+    smem = {"shared_memory": shared_bytes(Dk, dvb, vec)} if backend == "cuda" else {}
+    y, s = launch(
+        "gated_delta", backend, **smem,
         inputs=[q, k, v, g.astype(mx.float32), beta.astype(mx.float32),
                 state.astype(mx.float32), mx.array([T], mx.int32)],
         grid=(THREADS * (Dv // dvb), Hv, B), threadgroup=(THREADS, 1, 1),
@@ -82,11 +89,4 @@ def launch_kwargs(q, k, v, g, beta, state) -> dict:
         template=[("InT", q.dtype), ("DK", Dk), ("DV", Dv), ("HK", Hk), ("HV", Hv),
                   ("C", chunk_of(vec)), ("DVB", dvb), ("NT", THREADS), ("VEC", int(vec))],
     )
-
-
-def launch_gated_delta(q, k, v, g, beta, state, *, backend: str):
-    """Run the kernel on ``backend`` (metal or emulator); arguments checked by the op
-    (Dk <= MAX_DK, Dv a multiple of 8, a float32 state). Returns
-    ``(y, state)``."""
-    y, s = kernels.launch("gated_delta", backend, **launch_kwargs(q, k, v, g, beta, state))
     return y, s

@@ -207,12 +207,7 @@ def run_kernel(q, k, v, g, beta, state=None, mask=None, *, backend: str):
         g = mx.where(keep, g.astype(mx.float32), 1.0)
         beta = mx.where(mask[:, :, None], beta.astype(mx.float32), 0.0)
     s = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32) if state is None else state
-    if backend == "cuda":
-        from mlx_bricks.bricks.gated_delta.cuda import launch_gated_delta_cuda
-
-        y, S = launch_gated_delta_cuda(q, k, v, g, beta, s)
-    else:
-        y, S = msl.launch_gated_delta(q, k, v, g, beta, s, backend=backend)
+    y, S = msl.launch_gated_delta(q, k, v, g, beta, s, backend=backend)
     if mask is not None:
         y = mx.where(mask[:, :, None, None], y, mx.zeros((), y.dtype))
     return y, S if state is None else S.astype(state.dtype)

@@ -31,6 +31,7 @@ class Linear(TokenRowsKind):
     name = "linear"
     op_name = "linear"
     activations = ("x", "residual")
+    cuda_kernels = ("gemm", "gemm_splitk", "gemm_splitk_reduce", "qgemm")
     composites = dequant_composites(_dequant_linear, lambda a: quantized(a["weight"]))
 
     def key(self, args):

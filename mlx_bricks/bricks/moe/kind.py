@@ -98,6 +98,8 @@ class MoeMLP(OpKind):
     name = "moe_mlp"
     op_name = name
     activations = ("x",)
+    cuda_kernels = ("moe_route", "moe_gate_up", "moe_down", "moe_combine", "qmoe_gate_up",
+                    "qmoe_down")
     composites = COMPOSITES
 
     def key(self, args):

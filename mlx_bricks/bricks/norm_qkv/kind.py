@@ -35,6 +35,7 @@ class RmsNormQKV(OpKind):
     name = QKV_SPEC.name
     op_name = name
     activations = ("x",)
+    cuda_kernels = (QKV_SPEC.name,)
     composites = dequant_composites(_dequant_qkv,
                                     lambda a: quantized(a["wq"], a["wk"], a["wv"]))
 

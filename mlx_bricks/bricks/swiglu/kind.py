@@ -105,6 +105,8 @@ class SwigluMLP(TokenRowsKind):
     name = "swiglu_mlp"
     op_name = name
     activations = ("x", "residual")
+    # split: the GEMM twins' SwiGLU epilogue; down: a GEMM
+    cuda_kernels = ("swiglu_fused", "gemm", "qgemm_swiglu", "qgemm")
     composites = (
         *dequant_composites(_dequant_fused, lambda a: _mlp_quantized(a) and same_format(
             a["w_gate"], a["w_up"]), suffix="_fused", kwargs={"variant": "fused"}),

@@ -3,10 +3,8 @@ importing MLX (the CLIs list them in ``--help``). The rule and its reasons are i
 ``docs/bricks.md`` (Brick 3)."""
 from __future__ import annotations
 
-import os
-
-#: The variants, in the order the docs describe them.
-VARIANTS = ("fused", "split")
+from mlx_bricks import env
+from mlx_bricks.options import SWIGLU_VARIANTS as VARIANTS  # noqa: F401  (this brick's name)
 #: What ``variant=None`` runs when ``MLX_BRICKS_SWIGLU_VARIANT`` is unset (rule: docs/bricks.md).
 DEFAULT_VARIANT = "fused"
 #: Environment variable that overrides the default variant (e.g. to benchmark both per chip).
@@ -38,17 +36,13 @@ def resolve_variant(variant: str | None, name: str = "variant") -> str:
     else :data:`DEFAULT_VARIANT`. ``name`` is the argument named in the error.
 
     Raises:
-        ValueError: an unknown variant (from the argument or the environment), listing
-            :data:`VARIANTS`.
+        ValueError: an unknown variant, listing :data:`VARIANTS`; ``env.EnvError`` (a
+            ``ValueError``) for an unknown one in the environment.
     """
-    source = name
     if variant is None:
-        env = os.environ.get(VARIANT_ENV_VAR, "").strip()
-        if not env:
-            return DEFAULT_VARIANT
-        variant, source = env, VARIANT_ENV_VAR
+        return env.get(VARIANT_ENV_VAR) or DEFAULT_VARIANT
     if variant not in VARIANTS:
         raise ValueError(
-            f"{source} must be None or one of {', '.join(map(repr, VARIANTS))}, got {variant!r}"
+            f"{name} must be None or one of {', '.join(map(repr, VARIANTS))}, got {variant!r}"
         )
     return variant

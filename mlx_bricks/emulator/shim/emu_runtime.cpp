@@ -1,4 +1,6 @@
 // mlx_bricks MSL emulator: the fiber runtime.
+// Over 600 lines on purpose: the scheduler, the SIMD-group collectives and the fault handler
+// share this unit's static state and are built once into libemu_runtime.so.
 //
 // Each threadgroup runs on one OS thread; its GPU threads are cooperative fibers switched by a
 // hand-written x86-64 context switch (ucontext elsewhere). Fibers block at threadgroup

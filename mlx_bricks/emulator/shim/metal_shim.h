@@ -1,5 +1,7 @@
 // mlx_bricks MSL emulator: the subset of the Metal Shading Language standard library (and of
 // the helpers MLX prepends to custom kernels) that the emulator supports, as C++ for clang.
+// Over 600 lines on purpose: it stands for <metal_stdlib>, one header every kernel includes,
+// compiled once into a precompiled header per toolchain.
 //
 // Compiled once per kernel, with device/constant/threadgroup as distinct clang address spaces
 // (`thread` is the default one): address-space mistakes fail as they do on Metal, overloads and

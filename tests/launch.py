@@ -6,8 +6,9 @@ What ``mlx.launch`` does for local ranks, reduced to the environment each MLX ba
 loopback address each); **nccl** reads ``MLX_RANK``, ``MLX_WORLD_SIZE``, ``NCCL_HOST_IP`` and
 ``NCCL_PORT`` (rank 0's address), and each rank sees one GPU through ``CUDA_VISIBLE_DEVICES``.
 NVLink multicast (NVLS) stays off for NCCL (``NCCL_NVLS_ENABLE=0`` is forced: on the shared GPU
-hosts it can take the GPUs out of service). Used by the sharding test and
-``tests/test_shard_gpu.py``, which need each rank's exit status and output separately.
+hosts it can take the GPUs out of service). Used by the sharding tests (``tests/test_shard.py``,
+``tests/test_shard_gpu.py``), which need each rank's exit status and output separately; users
+start ranks with ``mlx.launch`` (docs/sharding.md).
 """
 from __future__ import annotations
 
