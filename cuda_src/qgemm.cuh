@@ -8,8 +8,9 @@
 //
 //   block   384 threads: warpgroups 0-1 consume, warpgroup 2 produces (kQThreads). The kernels
 //           carry __launch_bounds__(384, 1): 168 registers per thread (an SM sub-partition holds
-//           3 of the 12 warps); on sm_90a the producers drop to 40 with setmaxnreg and the
-//           consumers rise to 232 (the 128 accumulators of a 64 x 256 wgmma tile need it).
+//           3 of the 12 warps); on sm_90a the producers drop to kQProducerRegs (56) with
+//           setmaxnreg and the consumers rise to kQConsumerRegs (224): the 128 accumulators of
+//           a 64 x 256 wgmma tile need it (128 x 56 + 256 x 224 = 64,512 of 65,536 registers).
 //   stage   64 k: the activation tile X (BM tokens x 128 bytes, 16-byte chunk c of row r at
 //           chunk c ^ (r % 8): conflict-free for ldmatrix and wgmma's 128-byte swizzle) and the
 //           packed weight tile W (BN rows x 8 BITS bytes, chunks XOR-swizzled per row so that a

@@ -4,8 +4,9 @@
 //
 // Template: T (dtype of q, of k/v unless KV_Q8, and of out), D (head_dim of q and k, multiple
 // of 8 * WD), DV (head_dim of v and out, multiple of 8 * WD: D for plain attention, less for
-// multi-head latent attention, e.g. 192 / 128), BK (keys per K/V tile, multiple of 8), WQ (8-row query blocks per threadgroup), WD (SIMD-groups
-// splitting D: each owns D / WD columns of Q and O), KV_SHARED (K and V take turns in one
+// multi-head latent attention, e.g. 192 / 128), BK (keys per K/V tile, multiple of 8), WQ
+// (8-row query blocks per threadgroup), WD (SIMD-groups splitting the head dims: each owns
+// D / WD columns of Q and DV / WD columns of O), KV_SHARED (K and V take turns in one
 // threadgroup buffer), CAUSAL (bottom-right aligned), WINDOW (sliding window, needs CAUSAL),
 // SOFTCAP (s = cap * tanh(s / cap)), KV_Q8 (k/v are Q8_0), KV_START (per-batch-row first valid
 // key: a left-padded batch), SINKS (a learned logit per query head in the softmax, gpt-oss).

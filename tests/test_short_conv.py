@@ -220,3 +220,43 @@ def test_cuda_twin_compiles(dtype):
             assert res.stack == 0 and res.spill_stores == 0 and res.spill_loads == 0, res
         if cudacheck.find_nvrtc() is not None:
             cudacheck.compile_source_nvrtc(r.source())
+
+
+def test_cuda_twin_under_the_sanitizers(monkeypatch):
+    """The CUDA emulation under ASan + UBSan (tests/cuda_emu ``MLX_BRICKS_CUDA_EMU_SANITIZE``,
+    the kernel review's bounds check of the twins, which the plain build lacks): a ragged case
+    (130 channels: a partial block; lengths and mask) runs clean, and the same body with its
+    store moved one row down (the last run writes past y) fails the run."""
+    from tests import cuda_emu
+    from mlx_bricks.bricks.short_conv import cuda as conv_cuda
+    from mlx_bricks.bricks.short_conv.op import run_kernel
+
+    if cuda_emu.toolchain() is None:
+        pytest.skip("no host C++ compiler or CUDA headers")
+    monkeypatch.setenv("MLX_BRICKS_CUDA_EMU_SANITIZE", "1")
+    a = inputs(b=2, T=33, C=130, K=4, dtype=BF16, gates=True, bias=True, activation="silu",
+               seed=33)
+    m = np.ones((2, 33), bool)
+    m[1, :6] = False
+    a.update(mask=mx.array(m), lengths=mx.array([33, 5]))
+    order = ("x", "weight", "bias", "state", "mask", "gate_in", "gate_out", "activation",
+             "lengths")
+
+    def run():
+        with cuda_emu.emulated_launches(conv_cuda):
+            out = run_kernel(*(a[n] for n in order), backend="cuda")
+            mx.eval(out)
+        return out
+
+    y, S = run()
+    assert mx.array_equal(S, conv64(**a)[1])
+    generic = cuda_emu._generic_source
+
+    def shifted(*args):
+        src = generic(*args)
+        assert src.count("y[i] = ") == 1
+        return src.replace("y[i] = ", "y[i + CH] = ")
+
+    monkeypatch.setattr(cuda_emu, "_generic_source", shifted)
+    with pytest.raises(RuntimeError, match="AddressSanitizer"):
+        run()

@@ -10,6 +10,11 @@ against the CUDA toolkit's headers (types only), and runs one launch with the ge
 ``launch_attention_cuda`` would use. Inputs are numpy buffers with
 explicit element offsets and strides, so transposed views, cache slices, non-unit head_dim
 strides and misaligned rows reach the kernel exactly as MLX would pass them.
+
+``MLX_BRICKS_CUDA_EMU_SANITIZE=1`` builds the host programs with AddressSanitizer and
+UndefinedBehaviorSanitizer (a separate cache entry), so an out-of-bounds global or heap access
+of a twin (an output row past its end, a scale read past its group) fails the run as the MSL
+emulator's guarded buffers do; shared memory keeps its 16 bytes of slack.
 """
 from __future__ import annotations
 
@@ -34,6 +39,21 @@ CUDA_SRC = Path(kernels.__file__).resolve().parent / "cuda_src"
 _CACHE = Path(tempfile.gettempdir()) / "mlx_bricks_cuda_emu"
 
 _CTYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "int8": "int8_t"}
+
+
+def _sanitize() -> bool:
+    """Whether the host programs run under ASan + UBSan (``MLX_BRICKS_CUDA_EMU_SANITIZE``)."""
+    return os.environ.get("MLX_BRICKS_CUDA_EMU_SANITIZE", "") not in ("", "0")
+
+
+_SANITIZE_FLAGS = ["-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
+
+
+def _run(cmd, timeout: int):
+    """Run a host program; under the sanitizers without leak checks (the programs never free
+    their input buffers)."""
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0") if _sanitize() else None
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def toolchain() -> tuple[str, str] | None:
@@ -189,8 +209,7 @@ def run_attention(q: Tensor, k: Tensor, v: Tensor, k_scale: Tensor | None,
                          struct.pack("<6q", grid[0], grid[1], grid[2], threads, smem,
                                      out_elems)])
         fin.write_bytes(blob)
-        res = subprocess.run([str(exe), str(fin), str(fout)], capture_output=True, text=True,
-                             timeout=600)
+        res = _run([str(exe), str(fin), str(fout)], timeout=600)
         if res.returncode != 0:
             raise RuntimeError(f"emulated kernel failed ({res.returncode}): {res.stderr[-3000:]}")
         raw = fout.read_bytes()
@@ -292,7 +311,8 @@ def _build_source(src: str, tag: str) -> Path:
     if tc is None:
         raise FileNotFoundError("no host C++ compiler or CUDA headers for the CUDA emulator")
     cxx, inc = tc
-    digest = hashlib.sha1((src + cxx).encode()).hexdigest()[:16]
+    flags = _SANITIZE_FLAGS if _sanitize() else []
+    digest = hashlib.sha1((src + cxx + " ".join(flags)).encode()).hexdigest()[:16]
     exe = _CACHE / f"{tag}_{digest}"
     if exe.is_file():
         return exe
@@ -300,8 +320,8 @@ def _build_source(src: str, tag: str) -> Path:
     cpp = _CACHE / f"{tag}_{digest}.cpp"
     cpp.write_text(src)
     tmp = exe.with_suffix(f".tmp{os.getpid()}")
-    cmd = [cxx, "-std=c++20", "-O1", "-pthread", "-w", "-I", str(HERE), "-I", str(CUDA_SRC),
-           "-I", inc, "-o", str(tmp), str(cpp)]
+    cmd = [cxx, "-std=c++20", "-O1", *flags, "-pthread", "-w", "-I", str(HERE), "-I",
+           str(CUDA_SRC), "-I", inc, "-o", str(tmp), str(cpp)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"host compile failed:\n{res.stderr[-6000:]}")
@@ -346,8 +366,7 @@ def run_kernel(name: str, inputs, output_shapes, output_dtypes, grid, threadgrou
     with tempfile.TemporaryDirectory() as tmp:
         fin, fout = Path(tmp) / "in.bin", Path(tmp) / "out.bin"
         fin.write_bytes(b"".join(parts))
-        res = subprocess.run([str(exe), str(fin), str(fout)], capture_output=True, text=True,
-                             timeout=900)
+        res = _run([str(exe), str(fin), str(fout)], timeout=900)
         if res.returncode != 0:
             raise RuntimeError(f"emulated {name} failed ({res.returncode}): {res.stderr[-3000:]}")
         raw = fout.read_bytes()
