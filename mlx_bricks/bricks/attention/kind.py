@@ -78,7 +78,7 @@ class Attention(OpKind):
     name = "attention"
     op_name = "flash_attention"
     activations = ("q", "k", "v")
-    cuda_kernels = ("flash_attention",)
+    cuda_kernels = ("flash_attention", "flash_attention_fa")
     # On reference the round trip is MLX ops, the same graph as stock: offered where the
     # backend has the q8_0 kernels.
     composites = (Composite("dequant_kv_sdpa", _dequant_kv_sdpa,

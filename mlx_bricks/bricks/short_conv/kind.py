@@ -73,6 +73,7 @@ class ShortConv(ScanKind):
     ``(y, next state)``: y checked by the dtype rule, the state bit-exact (it is a copy)."""
 
     name = "short_conv"
+    cuda_kernels = ("short_conv",)
     op_name = "short_conv"
     activations = ("x", "gate_in", "gate_out")
     composites = (Composite("shifted", _shifted),)

@@ -84,6 +84,7 @@ class SSD(ScanKind):
     ``(y, final state)``, both checked."""
 
     name = "ssd"
+    cuda_kernels = ("ssd",)
     op_name = "ssd"
     activations = ("x", "B", "C", "dt")
     composites = (Composite("chunked", _chunked),)
