@@ -73,10 +73,10 @@ def test_cached_mode_runs_the_prior_without_measuring(monkeypatch):
     assert_dtype_close(out, ref, stock, dtype=mx.float16, what="logits")
     decisions = report.tuning()["decisions"]
     assert decisions and {d["source"] for d in decisions} == {"prior"}
-    # every quantized piece ran its composite (attention has no candidate here: stock)
+    # every quantized piece ran its composite, the products through NumPy's BLAS on the CPU
+    # (attention has no candidate here: stock)
     winners = {d["key"].split("[")[0].split("|")[1]: d["winner"] for d in decisions}
-    assert winners == {"rms_norm_qkv": "dequant", "linear": "dequant",
-                       "swiglu_mlp": "dequant_split"}
+    assert winners == {"rms_norm_qkv": "blas", "linear": "blas", "swiglu_mlp": "blas_fused"}
     assert report.calls()["linear"] == len(model.layers)
     assert DecisionCache().decisions() == {}  # a prior is never written as a measurement
 
@@ -122,7 +122,7 @@ def test_prior_rules():
             (q4, 300, "cuda", "dequant"), (q4, 100, "cuda", STOCK), (q8, 600, "cuda", STOCK),
             (q8, 2048, "cuda", "dequant"), (small, 2048, "cuda", STOCK),
             (flt, 4096, "cuda", STOCK), (q4, 4096, "metal", STOCK),
-            (q4, 8, "reference", "dequant")]:
+            (q4, 8, "reference", "blas")]:
         assert winner(layer, M, backend) == want, (M, backend, want)
     # float32 activations on the CPU: stock (its quantized matmul was not measured slower)
     assert winner(q4, 64, "reference", mx.float32) == STOCK

@@ -2,7 +2,7 @@
 "dequantize the weight, then the stock float computation", tiled over N under the cap.
 
 Every composite a kind offers on a backend (``mx.dequantize`` everywhere, the dequantize brick
-where the backend has its kernel) against float64 numpy of the weights decoded from their
+where the backend has its kernel, the products through NumPy's float32 BLAS on the CPU) against float64 numpy of the weights decoded from their
 packed bits, with the tolerance rule (the same-dtype computation is stock MLX's:
 ``mx.quantized_matmul`` for every quantized projection), with the default cap and with a cap
 small enough for several tiles; the tiles counted and sized against the cap; the CPU's peak
@@ -36,9 +36,18 @@ def _composites(kind, args, backend, cap):
 
 
 def _expected_names(backend, names):
+    """The composites offered: ``names`` (the dequantize brick's where the backend has it),
+    each group followed by its NumPy-BLAS twin where MLX runs on the CPU."""
     from mlx_bricks.bricks.dequantize.op import has_kernel
+    from mlx_bricks.checks import on_cpu
 
-    return [n for n in names if has_kernel(backend) or "brick" not in n]
+    out = []
+    for n in names:
+        if has_kernel(backend) or "brick" not in n:
+            out.append(n)
+        if n.startswith("dequant_brick") and on_cpu():
+            out.append("blas" + n[len("dequant_brick"):])
+    return out
 
 
 def _check_all(kind, args, backend, cap, ref64, naive, dt, names, what):
@@ -83,15 +92,24 @@ def test_linear_composites(kernel_backend, cap, B, L, K, N, fmt, dtype, bias, re
                f"{kernel_backend} linear {fmt} {dtype}")
 
 
-def test_no_composite_for_float_weights():
+def test_float_weights_get_only_the_blas_composite():
+    """Float weights: no dequantize composite; where MLX runs on the CPU the NumPy-BLAS one
+    (its products in float32), within the tolerance rule of float64."""
+    from mlx_bricks.checks import on_cpu
+
     x = randn((1, 4, 64), mx.float16, 0)
     args = {"x": x, "weight": randn((32, 64), mx.float16, 1), "bias": None, "residual": None}
-    assert _composites(LINEAR, args, "reference", None) == []
+    cands = _composites(LINEAR, args, "reference", None)
+    assert [v.name for v in cands] == (["blas"] if on_cpu() else [])
+    for v in cands:
+        assert_dtype_close(v.run(args, "reference"), to_f64(x) @ to_f64(args["weight"]).T,
+                           x @ args["weight"].T, dtype=mx.float16, what="float blas")
     mlp = {"x": x, "w_gate": randn((48, 64), mx.float16, 2), "w_up": randn((48, 64), mx.float16,
                                                                            3),
            "w_down": randn((64, 48), mx.float16, 4), "b_gate": None, "b_up": None,
            "b_down": None, "residual": None}
-    assert _composites(SWIGLU_MLP, mlp, "emulator", None) == []
+    assert [v.name for v in _composites(SWIGLU_MLP, mlp, "emulator", None)] == (
+        ["blas_fused", "blas_split"] if on_cpu() else [])
 
 
 # ---- RMSNorm + QKV --------------------------------------------------------------------------
@@ -154,6 +172,8 @@ def test_swiglu_mlp_composites(kernel_backend, cap, M, K, F, fmts, dtype, bias, 
 
 
 def test_a_fixed_mlp_variant_keeps_its_styles_composites():
+    from mlx_bricks.checks import on_cpu
+
     x = randn((3, 64), mx.float16, 0)
     args = {"x": x, "w_gate": weight(32, 64, Q4, mx.float16, 1),
             "w_up": weight(32, 64, Q4, mx.float16, 2), "w_down": weight(64, 32, Q8, mx.float16, 3),
@@ -162,7 +182,8 @@ def test_a_fixed_mlp_variant_keeps_its_styles_composites():
         settings = {"variant": style, "fixed": True}
         kept = SWIGLU_MLP.restrict(SWIGLU_MLP.variants("emulator", args=args, settings=settings),
                                    settings)
-        assert [v.name for v in kept] == [style, f"dequant_{style}", f"dequant_brick_{style}"]
+        want = [style, f"dequant_{style}", f"dequant_brick_{style}"]
+        assert [v.name for v in kept] == want + ([f"blas_{style}"] if on_cpu() else [])
 
 
 # ---- the cap --------------------------------------------------------------------------------

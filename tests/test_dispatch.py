@@ -414,8 +414,12 @@ def test_with_neural_accelerators_stock_is_kept_without_measuring(monkeypatch):
     is timed, and the reason names the accelerators."""
     from mlx_bricks.backends import BackendChoice
 
+    from mlx_bricks.bricks.dequantize import composite as composite_mod
+
     reason = "applegpu_g17s: MLX runs matmul ... on the GPU's neural accelerators"
     monkeypatch.setattr(dispatch_mod, "neural_accelerators", lambda: reason)
+    # a Mac computes on its GPU: the CPU's NumPy-BLAS composite does not apply there
+    monkeypatch.setattr(composite_mod, "on_cpu", lambda *a: False)
     monkeypatch.setattr(dispatch_mod, "tune_op", lambda *a, **k: pytest.fail("measured"))
     d = dispatch_mod.Dispatch(BackendChoice("metal", "argument", "test"), "auto")
     w = mx.random.normal((64, 32))

@@ -26,6 +26,7 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_bricks.bricks.dequantize import composite
+from mlx_bricks.checks import on_cpu
 from mlx_bricks.bricks.gemm.kind import LINEAR
 from mlx_bricks.bricks.gemm.op import linear
 from mlx_bricks.bricks.moe.kind import MOE_MLP
@@ -56,10 +57,13 @@ Q4 = (4, 64)
 pytestmark = pytest.mark.usefixtures("fresh_home")
 
 
-def _composites(kind, args, backend="reference", cap=None):
+def _composites(kind, args, backend="reference", cap=None, blas=False):
+    """The kind's candidates on ``backend``: the ``mx.dequantize`` composites (and kernels), or
+    with ``blas`` only their NumPy-BLAS twins (where MLX runs on the CPU)."""
     settings = {} if cap is None else {composite.CAP_SETTING: cap}
-    return kind.variants(backend, args=args, names=kind.listing(backend, kind.dtype(args), args),
-                         settings=settings)
+    out = kind.variants(backend, args=args, names=kind.listing(backend, kind.dtype(args), args),
+                        settings=settings)
+    return [v for v in out if v.name.startswith("blas") == blas]
 
 
 # ---- the format -----------------------------------------------------------------------------
@@ -105,7 +109,8 @@ def test_format_key_stock_and_no_kernel(mode):
     for backend in ("emulator", "cuda", "metal"):
         assert LINEAR.listing(backend, mx.float16, args) == ()
     # the composites: mx.dequantize only (the dequantize brick reads MLX affine)
-    assert [v.name for v in LINEAR.variants("emulator", args=args, names=())] == ["dequant"]
+    assert [v.name for v in LINEAR.variants("emulator", args=args, names=())
+            if not v.name.startswith("blas")] == ["dequant"]
     with pytest.raises(ValueError, match=f"weight is {mode}: the kernels read float and MLX "
                                          "affine"):
         linear(x, q, backend="reference")
@@ -247,7 +252,9 @@ def test_swiglu_mlp_composites(cap, M, K, F, fmts, dtype, bias, residual):
     cands = _composites(SWIGLU_MLP, args, "emulator", cap)
     same = format_of(wg) == format_of(wu)
     assert [v.name for v in cands] == (["dequant_fused"] if same else []) + ["dequant_split"]
-    for v in cands:
+    blas = _composites(SWIGLU_MLP, args, "emulator", cap, blas=True)  # the CPU's BLAS twins
+    assert [v.name for v in blas] == ([f"blas_{v.name[8:]}" for v in cands] if on_cpu() else [])
+    for v in cands + blas:
         out = v.run(args, "emulator")
         assert out.dtype == dt and out.shape == (M, K)
         assert_dtype_close(out, ref, naive, dtype=dt, what=f"mlp {fmts} {v.name} cap={cap}")
@@ -439,7 +446,8 @@ def test_llama_microscaled_on_the_composites(mode):
     assert_dtype_close(out, ref, stock, dtype=dt, what=f"llama {mode}")
     decisions = report.dispatch.summary()["decisions"]
     assert decisions and all(f"w={mode}" in d["key"] for d in decisions)
-    assert all(d["winner"] in ("stock", "dequant", "dequant_fused", "dequant_split")
+    assert all(d["winner"] in ("stock", "dequant", "dequant_fused", "dequant_split", "blas",
+                               "blas_fused", "blas_split")
                for d in decisions)
 
 

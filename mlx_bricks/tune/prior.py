@@ -50,6 +50,10 @@ MICROSCALED_BITS = {"mxfp4": 4, "nvfp4": 4, "mxfp8": 8}
 MICROSCALED_BACKENDS = ("reference",)
 #: Composite preferred by the prior, per kind (the one that won most often in bench/results).
 PREFERRED = {"swiglu_mlp": "dequant_split"}
+#: Where MLX runs on the CPU, the composites preferred first, in order: the products through
+#: NumPy's float32 BLAS (26x MLX's bf16 CPU matmul on a 512 x 2048 x 2048 product, 2-core x86,
+#: 2026-12-06; ``bricks/dequantize/composite.py``), the SwiGLU's gate and up as one product.
+PREFERRED_CPU = ("blas_fused", "blas", "blas_split")
 
 #: The first-token guard (one-shot commands; ``nn.gate``): seconds by which a process's first
 #: bricks prefill is later than stock's beyond what its GEMMs save, per backend. H100, MLX 0.32.4,
@@ -129,6 +133,8 @@ def prior_decision(kind, args: dict, candidates: list, backend: str, full_key: s
         return Decision(full_key, STOCK, measured=measured, source="prior", note=why)
     want = PREFERRED.get(kind.name)
     best = next((v for v in free if v.name == want), free[0])
+    if backend == "reference":
+        best = next((v for n in PREFERRED_CPU for v in free if v.name == n), best)
     return Decision(full_key, best.name, dict(best.kwargs), measured=measured, source="prior",
                     note=f"prior: {best.name} (composite, no build; bench/results)")
 

@@ -25,7 +25,7 @@ from mlx_bricks.bricks.gated_delta.op import (
     gated_delta_chunked,
     gated_delta_stock,
 )
-from mlx_bricks.checks import dtype_name
+from mlx_bricks.checks import dtype_name, on_cpu
 from mlx_bricks.runtime.kind import Composite, Key, OpKind, flags, high_precision, register_kind
 from mlx_bricks.tune.buckets import m_bucket
 from mlx_bricks.tune.check import dtype_close, worst
@@ -45,12 +45,6 @@ def _blas(args, backend, settings):
     return gated_delta_blas(*(args[n] for n in ("q", "k", "v", "g", "beta")),
                             *(args.get(n) for n in _OPTIONAL),
                             chunk=settings.get("blas_chunk", BLAS_CHUNK))
-
-
-def on_cpu(args, backend) -> bool:
-    """Whether MLX computes on the CPU here (the ``blas`` composite's condition: its NumPy
-    products would otherwise copy the arguments off the GPU and back)."""
-    return mx.default_device() == mx.cpu
 
 
 def sequential(q, k, v, g, beta, state=None, mask=None, *, dtype=mx.float32):

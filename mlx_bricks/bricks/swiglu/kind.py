@@ -109,7 +109,8 @@ class SwigluMLP(TokenRowsKind):
     cuda_kernels = ("swiglu_fused", "gemm", "qgemm_swiglu", "qgemm")
     composites = (
         *dequant_composites(_dequant_fused, lambda a: _mlp_quantized(a) and same_format(
-            a["w_gate"], a["w_up"]), suffix="_fused", kwargs={"variant": "fused"}),
+            a["w_gate"], a["w_up"]), suffix="_fused", kwargs={"variant": "fused"},
+            blas_applies=lambda a: same_format(a["w_gate"], a["w_up"])),
         *dequant_composites(_dequant_split, _mlp_quantized, suffix="_split",
                             kwargs={"variant": "split"}))
 
