@@ -6,13 +6,6 @@ import mlx.core as mx
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 
-def on_cpu(args=None, backend=None) -> bool:
-    """Whether MLX computes on the CPU here (the condition of the composites that run NumPy's
-    BLAS: elsewhere they would copy their arguments off the GPU and back). The arguments are
-    a composite's ``applies(args, backend)`` signature; neither is read."""
-    return mx.default_device() == mx.cpu
-
-
 def dtype_name(dtype) -> str:
     """``mx.float16`` -> ``"float16"`` (for error messages)."""
     return str(dtype).replace("mlx.core.", "")

@@ -39,7 +39,7 @@ def _expected_names(backend, names):
     """The composites offered: ``names`` (the dequantize brick's where the backend has it),
     each group followed by its NumPy-BLAS twin where MLX runs on the CPU."""
     from mlx_bricks.bricks.dequantize.op import has_kernel
-    from mlx_bricks.checks import on_cpu
+    from mlx_bricks.cpu import on_cpu
 
     out = []
     for n in names:
@@ -95,7 +95,7 @@ def test_linear_composites(kernel_backend, cap, B, L, K, N, fmt, dtype, bias, re
 def test_float_weights_get_only_the_blas_composite():
     """Float weights: no dequantize composite; where MLX runs on the CPU the NumPy-BLAS one
     (its products in float32), within the tolerance rule of float64."""
-    from mlx_bricks.checks import on_cpu
+    from mlx_bricks.cpu import on_cpu
 
     x = randn((1, 4, 64), mx.float16, 0)
     args = {"x": x, "weight": randn((32, 64), mx.float16, 1), "bias": None, "residual": None}
@@ -172,7 +172,7 @@ def test_swiglu_mlp_composites(kernel_backend, cap, M, K, F, fmts, dtype, bias, 
 
 
 def test_a_fixed_mlp_variant_keeps_its_styles_composites():
-    from mlx_bricks.checks import on_cpu
+    from mlx_bricks.cpu import on_cpu
 
     x = randn((3, 64), mx.float16, 0)
     args = {"x": x, "w_gate": weight(32, 64, Q4, mx.float16, 1),

@@ -431,7 +431,7 @@ def test_no_token_passes_the_state_through():
 
 def test_one_blas_thread_restores_the_count():
     """The blas composite runs NumPy's OpenBLAS on one thread and gives the count back."""
-    from mlx_bricks.bricks.gated_delta.op import _openblas_threads, one_blas_thread
+    from mlx_bricks.cpu import _openblas_threads, one_blas_thread
 
     fns = _openblas_threads()
     if fns is None:

@@ -26,7 +26,7 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_bricks.bricks.dequantize import composite
-from mlx_bricks.checks import on_cpu
+from mlx_bricks.cpu import on_cpu
 from mlx_bricks.bricks.gemm.kind import LINEAR
 from mlx_bricks.bricks.gemm.op import linear
 from mlx_bricks.bricks.moe.kind import MOE_MLP

@@ -30,7 +30,7 @@ import mlx.core as mx
 
 from mlx_bricks import env
 from mlx_bricks.bricks.dequantize.op import has_kernel, run_dequantize
-from mlx_bricks.checks import on_cpu
+from mlx_bricks.cpu import on_cpu, one_blas_thread
 from mlx_bricks.formats import FLOAT, format_of
 from mlx_bricks.formats.affine import QuantizedWeight
 from mlx_bricks.formats.microscaling import MicroscaledWeight
@@ -302,9 +302,10 @@ class DenseTiles:
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
 
     def _blas_tile(self, x, w, bias):
-        """One tile's ``x @ w.T + bias`` through NumPy's float32 BLAS: the weight rows
-        dequantized (or cast) to float32 by MLX, both operands copied to NumPy (x once per
-        call), the product copied back in x's dtype."""
+        """One tile's ``x @ w.T + bias`` through NumPy's float32 BLAS on one thread
+        (``cpu.one_blas_thread``): the weight rows dequantized (or cast) to float32 by MLX,
+        both operands copied to NumPy (x once per call), the product copied back in x's
+        dtype."""
         import numpy as np
 
         if self._host is None or self._host[0] is not x:
@@ -312,7 +313,8 @@ class DenseTiles:
         f = format_of(w)
         wf = (self.dequantizer.fn(w, mx.float32, self.backend) if f.quantized
               else w.astype(mx.float32))
-        y = self._host[1] @ np.asarray(wf).T
+        with one_blas_thread():
+            y = self._host[1] @ np.asarray(wf).T
         if bias is not None:
             y += np.asarray(bias.astype(mx.float32))
         return mx.array(y).reshape(*x.shape[:-1], y.shape[-1]).astype(x.dtype)

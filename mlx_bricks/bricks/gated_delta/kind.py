@@ -25,7 +25,8 @@ from mlx_bricks.bricks.gated_delta.op import (
     gated_delta_chunked,
     gated_delta_stock,
 )
-from mlx_bricks.checks import dtype_name, on_cpu
+from mlx_bricks.checks import dtype_name
+from mlx_bricks.cpu import on_cpu
 from mlx_bricks.runtime.kind import Composite, Key, OpKind, flags, high_precision, register_kind
 from mlx_bricks.tune.buckets import m_bucket
 from mlx_bricks.tune.check import dtype_close, worst

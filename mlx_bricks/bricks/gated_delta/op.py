@@ -10,8 +10,6 @@ The chunked form and its sources: ``chunked.py`` (one algorithm over MLX ops or 
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 
 import mlx.core as mx
 import numpy as np
@@ -20,6 +18,7 @@ from mlx_bricks.backends import op_backend
 from mlx_bricks.bricks.gated_delta import msl
 from mlx_bricks.bricks.gated_delta.chunked import LEAF, MLX, NUMPY, chunked
 from mlx_bricks.checks import check_array, check_float_dtype, dtype_name
+from mlx_bricks.cpu import one_blas_thread
 
 #: Tokens per chunk of the MLX-ops composite. The state products cost 3 * 2 * Dk * Dv flops per
 #: token whatever the chunk, the intra-chunk ones about 8 * C * D: smaller chunks do less work
@@ -114,44 +113,6 @@ def gated_delta_blas(q, k, v, g, beta, state=None, mask=None, *, chunk: int = BL
                        leaf=leaf)
     return (mx.array(y).astype(q.dtype),
             mx.array(S).astype(mx.float32 if state is None else state.dtype))
-
-
-@functools.lru_cache(maxsize=1)
-def _openblas_threads():
-    """``(get, set)`` of the thread count of NumPy's bundled OpenBLAS (the Linux wheels'
-    ``numpy.libs/libscipy_openblas*``), or None where NumPy has another BLAS."""
-    import ctypes
-    import glob
-    import os
-
-    libs = os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs")
-    for path in sorted(glob.glob(os.path.join(libs, "libscipy_openblas*.so*"))):
-        lib = ctypes.CDLL(path)  # the library NumPy loaded: same file, same handle
-        get = getattr(lib, "scipy_openblas_get_num_threads64_", None)
-        put = getattr(lib, "scipy_openblas_set_num_threads64_", None)
-        if get is not None and put is not None:
-            return get, put
-    return None
-
-
-@contextlib.contextmanager
-def one_blas_thread():
-    """Within the block NumPy's OpenBLAS runs one thread (restored after; no effect where NumPy
-    has another BLAS). The composite's products are small (a (C, Dk) by (Dk, Dv) product per
-    head and chunk): more threads only add their synchronisation, and on a loaded 2-core x86
-    machine two OpenBLAS threads made it 3x slower in wall time (Qwen3.5-shaped layer, 512
-    tokens, bf16: 1.34 s vs 0.45 s; stock's token loop 1.66 / 2.59 s, 2026-12-06)."""
-    fns = _openblas_threads()
-    if fns is None:
-        yield
-        return
-    get, put = fns
-    n = get()
-    put(1)
-    try:
-        yield
-    finally:
-        put(n)
 
 
 def gated_delta(q, k, v, g, beta, state=None, mask=None, *, chunk: int = CHUNK,
