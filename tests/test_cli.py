@@ -47,7 +47,7 @@ def _copy_sources(dst: Path) -> None:
     for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy2(ROOT / name, dst / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
-    for name in ("mlx_bricks", "metal_src"):
+    for name in ("mlx_bricks", "metal_src", "cuda_src"):
         shutil.copytree(ROOT / name, dst / name, symlinks=True, ignore=ignore)
 
 

@@ -13,7 +13,6 @@ import weakref
 import mlx.nn as nn
 
 from mlx_bricks.backends import active_backend
-from mlx_bricks.cpu import on_cpu
 from mlx_bricks.options import KV_CACHES
 from mlx_bricks.bricks.attention.msl import SUPPORTED_HEAD_DIMS
 from mlx_bricks.bricks.attention.piece import KIND as ATTENTION
@@ -438,9 +437,10 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
     opts = {"attention": attention, "mlp": mlp, "fuse_block": fuse_block, "kv_quant": kv_quant,
             "kv_cache": kv_cache, "mlp_variant": mlp_variant, "tune": tune,
             "dequant_cap": f"{cap / MIB:g} MiB ({cap_source})"}
-    # No kernel backend: only the composites can beat stock (reference is the same math as
-    # stock), and only by measurement or the CPU prior: the dequantize composites of quantized
-    # weights anywhere, the NumPy-BLAS products of any weight where MLX runs on the CPU.
+    # No kernel backend: only the composites of quantized weights can beat stock (reference
+    # is the same math as stock), and only by measurement or the prior. Float modules stay
+    # stock: their NumPy-BLAS products were 2x stock's CPU prefill but not its greedy text
+    # (tests/test_patch_cpu.py), and a float model on the CPU is exactly stock.
     no_kernels = no_kernel_backend(choice)
     if no_kernels and tune == "off":
         dispatch = None
@@ -473,8 +473,8 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
         report.n_layers = len(layers)
         types = layer_types(model, layout.layer_types) if layout.layer_types else None
         for i, layer in enumerate(layers):
-            _patch_layer(report, i, layer, layout, opts, choice.name, dispatch,
-                         no_kernels and not on_cpu(), types)
+            _patch_layer(report, i, layer, layout, opts, choice.name, dispatch, no_kernels,
+                         types)
             patch_mixers(report, i, layer, opts, choice.name, dispatch)
             patch_experts(report, i, layer, opts, choice.name, dispatch, layout)
         record_weight_formats(report, layers, layout)

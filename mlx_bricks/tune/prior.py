@@ -54,10 +54,6 @@ PREFERRED = {"swiglu_mlp": "dequant_split"}
 #: NumPy's float32 BLAS (26x MLX's bf16 CPU matmul on a 512 x 2048 x 2048 product, 2-core x86,
 #: 2026-12-06; ``bricks/dequantize/composite.py``), the SwiGLU's gate and up as one product.
 PREFERRED_CPU = ("blas_fused", "blas", "blas_split")
-#: The fewest rows from which the CPU prior runs float weights' products through NumPy's BLAS
-#: (the float32 copies of x and of the weight rows are O(M K + N K) against the product's
-#: O(M N K)).
-PRIOR_MIN_ROWS_FLOAT_CPU = 16
 
 #: The first-token guard (one-shot commands; ``nn.gate``): seconds by which a process's first
 #: bricks prefill is later than stock's beyond what its GEMMs save, per backend. H100, MLX 0.32.4,
@@ -123,15 +119,6 @@ def prior_decision(kind, args: dict, candidates: list, backend: str, full_key: s
         return Decision(full_key, v.name, dict(v.kwargs), measured=measured, source="prior",
                         note=f"prior: {v.name} ({kind.name}'s rule, no build)")
     bits = _bits(key.weights, backend)
-    if bits is None and backend == "reference" and kind.name in PRIOR_KINDS["reference"]:
-        blas = next((v for n in PREFERRED_CPU for v in candidates
-                     if v.name == n and not v.builds), None)
-        rows = measured.get("M")
-        if (blas is not None and key.weights.split("/") == ["float"] * len(key.weights.split("/"))
-                and isinstance(rows, int) and rows >= PRIOR_MIN_ROWS_FLOAT_CPU):
-            return Decision(full_key, blas.name, dict(blas.kwargs), measured=measured,
-                            source="prior", note=f"prior: {blas.name} (float weights through "
-                            "NumPy's BLAS on the CPU; bench/results)")
     rows_by_bits = PRIOR_MIN_ROWS.get(backend)
     if bits is None or rows_by_bits is None or kind.name not in PRIOR_KINDS.get(backend, ()):
         return Decision(full_key, STOCK, measured=measured, source="prior", note=why)
