@@ -34,6 +34,23 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {exc.value}")
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """``--dist loadgroup`` in an xdist worker: the ``@group`` suffix on the node ids of
+    ``xdist_group`` tests (the servers of test_server.py start once, on one worker). pytest-xdist
+    3.8 writes ``item._nodeid``, which pytest 9.2 no longer reads (it keeps ``_id``), so the
+    groups were spread over the workers, each starting its own servers."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        if names and "@" not in item.nodeid and hasattr(item, "_id"):
+            from _pytest.nodeid import NodeId
+
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
+
+
 @pytest.fixture(params=("metal", "emulator"))
 def msl_backend(request) -> str:
     """Backends that run the MSL itself (metal, emulator): for kernel-only properties."""

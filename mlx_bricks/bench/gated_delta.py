@@ -290,4 +290,10 @@ def benchmarks() -> dict:
             f"({QWEN35_SMALL_4LAYER.describe()}), random weights; stock mlx-lm vs "
             "patch_model(tune='auto') with no kernel backend (the chunked composite)",
             lambda T=T: setup(QWEN35_SMALL_4LAYER, "bf16", T))
+        name = f"e2e_qwen35_small_cpu_bf16_q4g64_t{T}"
+        table[name] = Benchmark(
+            name, CPU,
+            f"the same with its decoder layers' linears 4-bit gs64 (MLX affine) on both sides: "
+            "the chunked composite and the GEMM kinds' NumPy-BLAS composites",
+            lambda T=T: setup(QWEN35_SMALL_4LAYER, "bf16", T, fmt=(4, 64)))
     return table
