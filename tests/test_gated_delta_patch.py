@@ -88,6 +88,8 @@ def test_patched_matches_stock(model_type, dtype):
     cache = model.make_cache()
     out = run(model, toks, cache)
     assert sum(m.calls.get("gated_delta", 0) for m in gdn) == 3
+    # the big projections ran as linear stages (qkv, z, out; qwen3_next: qkvz, out)
+    assert sum(m.calls.get("linear", 0) for m in gdn) == 3 * (3 if model_type == "qwen3_5" else 2)
     if dtype == mx.float32:
         np.testing.assert_allclose(np.array(out), np.array(stock), atol=2e-4, rtol=2e-4)
     else:
@@ -242,3 +244,43 @@ def test_cached_mode_prior_on_the_cpu(tmp_path, monkeypatch):
     gdn = [m for m in report.modules if m.module == "linear_attn"]
     assert sum(m.calls.get("gated_delta", 0) for m in gdn) == 3  # the 40-token prefill
     assert sum(sum(m.tuned_stock_calls.values()) for m in gdn) == 3  # the 9-token one
+
+
+def test_quantized_projections_run_as_gemm_stages_on_the_cpu(tmp_path, monkeypatch):
+    """No kernel backend, tune='cached': a 4-bit mixer's big projections run the linear kind's
+    composites (the CPU prior's NumPy-BLAS ones) as stages, its gates' few columns the module's
+    own layers; the logits within the dtype rule of a float32 truth on the same 4-bit weights."""
+    import mlx.nn as nn
+
+    from mlx_bricks.backends import active_backend
+
+    if active_backend(None).name != "reference":
+        pytest.skip("a kernel backend is available here")
+    monkeypatch.setenv("MLX_BRICKS_HOME", str(tmp_path))
+
+    def quantized(dtype):
+        m = build("qwen3_5", mx.bfloat16)
+        nn.quantize(m, group_size=32, bits=4,
+                    class_predicate=lambda p, x: isinstance(x, nn.Linear) and "linear_attn" in p)
+        m.set_dtype(dtype)  # the scales and biases; the packed weights stay
+        mx.eval(m.parameters())
+        return m
+
+    model = quantized(mx.bfloat16)
+    toks = tokens(70)
+    truth = run(quantized(mx.float32), toks)
+    stock = run(model, toks)
+    report = patch_model(model, tune="cached", mlp=False)
+    out = run(model, toks)
+    gdn = [m for m in report.modules if m.module == "linear_attn"]
+    assert len(gdn) == 3 and all(m.status == "patched" for m in gdn), report
+    assert sum(m.calls.get("gated_delta", 0) for m in gdn) == 3
+    assert sum(m.calls.get("linear", 0) for m in gdn) == 9, report
+    assert_dtype_close(out, truth, stock, dtype=mx.bfloat16, what="4-bit qwen3_5 logits")
+    # float projections stay the module's own there (no kernel backend: float is stock)
+    float_model = build("qwen3_5", mx.bfloat16)
+    report = patch_model(float_model, tune="cached", mlp=False)
+    run(float_model, toks)
+    gdn = [m for m in report.modules if m.module == "linear_attn"]
+    assert sum(m.calls.get("linear", 0) for m in gdn) == 0
+    assert not any("in_proj" in k or "out_proj" in k for m in gdn for k in m.tuned_stock_calls)

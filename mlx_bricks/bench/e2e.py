@@ -199,7 +199,9 @@ def _quantized_layer(path: str, module) -> bool:
     import mlx.nn as nn
     from mlx_lm.models.switch_layers import SwitchLinear
 
-    return (isinstance(module, (nn.Linear, SwitchLinear)) and path.startswith("model.layers.")
+    # "model.layers." or, in the multimodal wrappers (qwen3_5), "language_model.model.layers."
+    return (isinstance(module, (nn.Linear, SwitchLinear))
+            and (path.startswith("model.layers.") or ".model.layers." in path)
             and not path.endswith("mlp.gate"))
 
 

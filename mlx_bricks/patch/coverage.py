@@ -19,7 +19,8 @@ Counted per prompt token at prompt length ``tokens`` (one sequence, no cache):
   ``gated_delta`` kind): ``6 * Hv * Dk * Dv`` (the state's products with k and q and its
   rank-1 update, per value head), in bricks when the mixer is patched. A patched mixer's own
   projections run mlx-lm's linears inside it (stock GEMMs): they count as in bricks like the
-  rest of a patched module and are also reported apart (``mixer_linears``).
+  rest of a patched module and are also reported apart (``mixer_linears``), except those its
+  piece runs as ``linear`` stages (the GEMM brick: ``stage_names``, qwen3_5 / qwen3_next).
 
 Norms, RoPE, routers' softmax/top-k, activations and other recurrent mixers' state updates
 (Mamba: only their projections are counted) are left out: a few percent at most of a
@@ -126,8 +127,10 @@ def prefill_flops(model, tokens: int = 2048) -> dict:
             counts[0 if patched else 1] += flops
             by_class.setdefault(top, [0, 0])[0 if patched else 1] += flops
 
+        skip: set[int] = set()  # a mixer's linears that run as its GEMM stages
+
         def walk(m, patched, parent, top, in_mixer=False):
-            nonlocal mixer_linears
+            nonlocal mixer_linears, skip
             patched = patched or is_patched(m)
             if is_mla(m):  # multi-head latent attention (bricks/mla): part by part
                 bricks, stock = mla_prefill_flops(m, tokens, patched, _linear_flops)
@@ -137,6 +140,12 @@ def prefill_flops(model, tokens: int = 2048) -> dict:
             piece = mixer_piece(m)
             if piece is not None:  # a token mixer: its own linears are counted apart too
                 in_mixer = patched
+                staged = (getattr(piece, "stage_names", None) if getattr(piece, "stages", None)
+                          else None)
+                if patched and staged is not None:  # projections run as GEMM stages
+                    for name in staged(m, None):
+                        add(_linear_flops(m[name]), True, top)
+                    skip = {id(m[name]) for name in staged(m, None)}
                 if getattr(getattr(piece, "kind", None), "name", None) == "gated_delta":
                     try:
                         _, hv, dk, dv, _ = piece.heads(m)
@@ -147,6 +156,8 @@ def prefill_flops(model, tokens: int = 2048) -> dict:
                 add(_switch_flops(m, _top_k(parent, default_k)), patched, top)
                 return
             if isinstance(m, (nn.Linear, nn.QuantizedLinear)):
+                if id(m) in skip:  # counted above, on the GEMM brick
+                    return
                 add(_linear_flops(m), patched, top)
                 mixer_linears += _linear_flops(m) if in_mixer else 0
                 return

@@ -261,6 +261,10 @@ class FamilyPiece(GatedDeltaPiece):
             return H, H, D, D, True
         return super().heads(module)
 
+    #: The families' projections run the module's own layers (their forwards interleave
+    #: them with the gates and short convolutions: no stages yet).
+    stages = None
+
     def prologue(self, module, inputs, call):
         """The family's prologue; the state from the cache's last slot (float32 zeros when
         empty, as ``gated_delta_update``). Returns ``(args, inputs)``."""

@@ -43,7 +43,7 @@ def calls_gated_delta(module) -> bool:
     """Whether ``module``'s class's ``__call__`` refers to mlx-lm's ``gated_delta_update`` (the
     name among its code's globals or closure variables): a Gated DeltaNet mixer, known to this
     piece or not."""
-    call = getattr(type(module), "__call__", None)
+    call = getattr(base_class(module), "__call__", None)  # a patched module: its mlx-lm class
     code = getattr(call, "__code__", None)
     return code is not None and "gated_delta_update" in (*code.co_names, *code.co_freevars)
 
@@ -97,10 +97,16 @@ def cache_reason(cache, entries: tuple[str, ...] = ("conv", "recurrent")) -> str
     return None
 
 
-def prologue(m, inputs, mask, cache):
+def _own(m, name, x):
+    """The module's own linear ``name`` on ``x`` (the projector of a call without stages)."""
+    return m[name](x)
+
+
+def prologue(m, inputs, mask, cache, proj=_own):
     """The module's own computation up to ``gated_delta_update`` (mlx-lm 0.32.2's
-    ``GatedDeltaNet.__call__`` / ``Qwen3NextGatedDeltaNet.__call__``): the projections, the
-    conv state read and written, conv1d + SiLU, q/k normalisation and the gates.
+    ``GatedDeltaNet.__call__`` / ``Qwen3NextGatedDeltaNet.__call__``): the projections (each
+    through ``proj(module, name, x)``: the module's linear, or its GEMM piece), the conv state
+    read and written, conv1d + SiLU, q/k normalisation and the gates.
 
     Returns ``(args, z)``: the brick's arguments (q, k, v, g, beta, state, mask) and the
     output gate z (B, S, Hv, Dv).
@@ -110,12 +116,12 @@ def prologue(m, inputs, mask, cache):
 
     B, S, _ = inputs.shape
     if base_class(m) is qwen3_5.GatedDeltaNet:
-        mixed = m.in_proj_qkv(inputs)
-        z = m.in_proj_z(inputs).reshape(B, S, m.num_v_heads, m.head_v_dim)
+        mixed = proj(m, "in_proj_qkv", inputs)
+        z = proj(m, "in_proj_z", inputs).reshape(B, S, m.num_v_heads, m.head_v_dim)
         b = m.in_proj_b(inputs)
         a = m.in_proj_a(inputs)
     else:
-        q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(inputs),
+        q, k, v, z, b, a = m.fix_query_key_value_ordering(proj(m, "in_proj_qkvz", inputs),
                                                            m.in_proj_ba(inputs))
         mixed = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1),
                                 v.reshape(B, S, -1)], axis=-1)
@@ -147,14 +153,24 @@ def prologue(m, inputs, mask, cache):
     return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "state": state, "mask": mask}, z
 
 
-def epilogue(m, y, state, z, cache, S):
+def epilogue(m, y, state, z, cache, S, proj=_own):
     """The module's own computation after ``gated_delta_update``: the recurrent state and the
-    offset written to the cache, the gated RMSNorm, the out-projection."""
+    offset written to the cache, the gated RMSNorm, the out-projection (through ``proj``)."""
     if cache is not None:
         cache[1] = state
         cache.advance(S)
     out = m.norm(y, z)
-    return m.out_proj(out.reshape(y.shape[0], S, -1))
+    return proj(m, "out_proj", out.reshape(y.shape[0], S, -1))
+
+
+def projections(m) -> tuple[str, ...]:
+    """The module's big projections (the input ones that are not the gates' few columns, and
+    out_proj): those the piece runs as ``linear`` stages."""
+    from mlx_lm.models import qwen3_5
+
+    if base_class(m) is qwen3_5.GatedDeltaNet:
+        return ("in_proj_qkv", "in_proj_z", "out_proj")
+    return ("in_proj_qkvz", "out_proj")
 
 
 class GatedDeltaPiece:
@@ -205,12 +221,57 @@ class GatedDeltaPiece:
     def shape_key(self, module, inputs, call) -> tuple:
         return (inputs.shape, inputs.dtype, call["mask"] is not None, call["cache"] is None)
 
-    def prologue(self, module, inputs, call):
-        return prologue(module, inputs, call["mask"], call["cache"])
+    def stage_names(self, module, dtype) -> tuple[str, ...]:
+        """The projections that run as ``linear`` stages: those of :func:`projections` the
+        GEMM brick can read (``formats.layers.linear_reason``), quantized ones only where
+        there is no kernel backend (float weights stay stock there, as the dense modules do:
+        ``patch.core``); any other runs the module's own layer."""
+        from mlx_bricks.formats.layers import linear_reason
+
+        dispatch = getattr(module.__dict__.get("_bricks_state"), "dispatch", None)
+        float_too = not getattr(dispatch, "composites_only", False)
+        return tuple(n for n in projections(module)
+                     if linear_reason(n, module.get(n), dtype) is None
+                     and (float_too or isinstance(module.get(n), nn.QuantizedLinear)))
+
+    def stages(self, module, inputs, call) -> dict:
+        """The projections on the GEMM brick (``linear`` kind), each tuned and guarded as
+        every linear: ``{name: (LINEAR, its arguments as shapes)}``. Their inputs: the
+        mixer's input, and for ``out_proj`` the normed heads (B, S, Hv * Dv)."""
+        from mlx_bricks.bricks.gemm import piece as linear_piece
+        from mlx_bricks.runtime.kind import Act
+
+        B, S, _ = inputs.shape
+        _, Hv, _, Dv, _ = self.heads(module)
+        x = Act(tuple(inputs.shape), inputs.dtype)
+        return {n: (linear_piece.KIND, linear_piece.linear_args(
+                    module[n], Act((B, S, Hv * Dv), inputs.dtype) if n == "out_proj" else x))
+                for n in self.stage_names(module, inputs.dtype)}
+
+    def prologue(self, module, inputs, call, run=None):
+        proj = self._projector(module, inputs.dtype, run)
+        args, z = prologue(module, inputs, call["mask"], call["cache"], proj)
+        return args, (z, proj)
 
     def epilogue(self, module, out, ctx, inputs, call):
         y, state = out
-        return epilogue(module, y, state, ctx, call["cache"], inputs.shape[1])
+        z, proj = ctx
+        return epilogue(module, y, state, z, call["cache"], inputs.shape[1], proj)
+
+    def _projector(self, module, dtype, run):
+        """``proj(module, name, x)``: a stage through ``run`` (brick or stock, as chosen),
+        any other projection the module's own layer."""
+        if run is None:
+            return _own
+        from mlx_bricks.bricks.gemm import piece as linear_piece
+
+        staged = set(self.stage_names(module, dtype))
+
+        def proj(m, name, x):
+            if name not in staged:
+                return m[name](x)
+            return run(name, linear_piece.KIND, linear_piece.linear_args(m[name], x))
+        return proj
 
     def linears(self, layout=None, module=None) -> tuple[str, ...]:
         """The linear layers the piece reads (structure fingerprint)."""
