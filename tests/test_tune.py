@@ -284,7 +284,8 @@ def test_tuner_never_picks_a_variant_that_fails_the_check():
     d = tune_op(KINDS["linear"], args, "reference", guard=guard,
                 variants=[Variant("wrong", fn=_memo(args, 1.01))])
     assert d.winner == STOCK and d.ratio is None
-    assert d.reason == "tuned: no brick variant passed the numeric check"
+    assert d.reason.startswith("tuned: no brick variant passed its checks (wrong: linear "
+                               "variant wrong on reference: numeric check failed")
 
 
 def test_tuner_when_stock_fails_to_run(monkeypatch):

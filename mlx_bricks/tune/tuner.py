@@ -83,8 +83,12 @@ class Decision:
             return f"tuned: {self.winner} faster (x{self.ratio:.2f})"
         if self.note:
             return f"tuned: {self.note}"
-        if self.ratio is None:
-            return "tuned: no brick variant passed the numeric check"
+        if self.ratio is None:  # every variant failed a check: the first one's error says why
+            errors = [f"{n}: {v['error']}" for n, v in self.variants.items()
+                      if isinstance(v, dict) and v.get("error")]
+            more = f"; {len(errors) - 1} more" if len(errors) > 1 else ""
+            return ("tuned: no brick variant passed its checks"
+                    + (f" ({errors[0]}{more})" if errors else ""))
         if self.ratio < 1:
             return f"tuned: stock faster (x{self.ratio:.2f})"
         return (f"tuned: stock kept (best brick x{self.ratio:.2f}, under the "
