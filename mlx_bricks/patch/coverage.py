@@ -130,7 +130,7 @@ def prefill_flops(model, tokens: int = 2048) -> dict:
         skip: set[int] = set()  # a mixer's linears that run as its GEMM stages
 
         def walk(m, patched, parent, top, in_mixer=False):
-            nonlocal mixer_linears, skip
+            nonlocal mixer_linears
             patched = patched or is_patched(m)
             if is_mla(m):  # multi-head latent attention (bricks/mla): part by part
                 bricks, stock = mla_prefill_flops(m, tokens, patched, _linear_flops)
@@ -145,7 +145,7 @@ def prefill_flops(model, tokens: int = 2048) -> dict:
                 if patched and staged is not None:  # projections run as GEMM stages
                     for name in staged(m, None):
                         add(_linear_flops(m[name]), True, top)
-                    skip = {id(m[name]) for name in staged(m, None)}
+                        skip.add(id(m[name]))
                 if getattr(getattr(piece, "kind", None), "name", None) == "gated_delta":
                     try:
                         _, hv, dk, dv, _ = piece.heads(m)

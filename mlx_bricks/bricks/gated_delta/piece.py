@@ -97,12 +97,7 @@ def cache_reason(cache, entries: tuple[str, ...] = ("conv", "recurrent")) -> str
     return None
 
 
-def _own(m, name, x):
-    """The module's own linear ``name`` on ``x`` (the projector of a call without stages)."""
-    return m[name](x)
-
-
-def prologue(m, inputs, mask, cache, proj=_own):
+def prologue(m, inputs, mask, cache, proj):
     """The module's own computation up to ``gated_delta_update`` (mlx-lm 0.32.2's
     ``GatedDeltaNet.__call__`` / ``Qwen3NextGatedDeltaNet.__call__``): the projections (each
     through ``proj(module, name, x)``: the module's linear, or its GEMM piece), the conv state
@@ -153,7 +148,7 @@ def prologue(m, inputs, mask, cache, proj=_own):
     return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "state": state, "mask": mask}, z
 
 
-def epilogue(m, y, state, z, cache, S, proj=_own):
+def epilogue(m, y, state, z, cache, S, proj):
     """The module's own computation after ``gated_delta_update``: the recurrent state and the
     offset written to the cache, the gated RMSNorm, the out-projection (through ``proj``)."""
     if cache is not None:
@@ -248,7 +243,7 @@ class GatedDeltaPiece:
                     module[n], Act((B, S, Hv * Dv), inputs.dtype) if n == "out_proj" else x))
                 for n in self.stage_names(module, inputs.dtype)}
 
-    def prologue(self, module, inputs, call, run=None):
+    def prologue(self, module, inputs, call, run):
         proj = self._projector(module, inputs.dtype, run)
         args, z = prologue(module, inputs, call["mask"], call["cache"], proj)
         return args, (z, proj)
@@ -261,8 +256,6 @@ class GatedDeltaPiece:
     def _projector(self, module, dtype, run):
         """``proj(module, name, x)``: a stage through ``run`` (brick or stock, as chosen),
         any other projection the module's own layer."""
-        if run is None:
-            return _own
         from mlx_bricks.bricks.gemm import piece as linear_piece
 
         staged = set(self.stage_names(module, dtype))
