@@ -243,13 +243,15 @@ def test_cached_mode_prior_on_the_cpu(tmp_path, monkeypatch):
     run(model, tokens(9))
     gdn = [m for m in report.modules if m.module == "linear_attn"]
     assert sum(m.calls.get("gated_delta", 0) for m in gdn) == 3  # the 40-token prefill
-    assert sum(sum(m.tuned_stock_calls.values()) for m in gdn) == 3  # the 9-token one
+    # the 9-token one: the recurrence and the three bfloat16 projection stages (Dispatch.admits)
+    assert sum(sum(m.tuned_stock_calls.values()) for m in gdn) == 3 * 4, report
 
 
 def test_quantized_projections_run_as_gemm_stages_on_the_cpu(tmp_path, monkeypatch):
     """No kernel backend, tune='cached': a 4-bit mixer's big projections run the linear kind's
     composites (the CPU prior's NumPy-BLAS ones) as stages, its gates' few columns the module's
-    own layers; the logits within the dtype rule of a float32 truth on the same 4-bit weights."""
+    own layers; the logits within the dtype rule of a float32 truth on the same 4-bit weights.
+    bfloat16 weights run as stages too, float16 ones stay the module's own."""
     import mlx.nn as nn
 
     from mlx_bricks.backends import active_backend
@@ -277,10 +279,19 @@ def test_quantized_projections_run_as_gemm_stages_on_the_cpu(tmp_path, monkeypat
     assert sum(m.calls.get("gated_delta", 0) for m in gdn) == 3
     assert sum(m.calls.get("linear", 0) for m in gdn) == 9, report
     assert_dtype_close(out, truth, stock, dtype=mx.bfloat16, what="4-bit qwen3_5 logits")
-    # float projections stay the module's own there (no kernel backend: float is stock)
-    float_model = build("qwen3_5", mx.bfloat16)
-    report = patch_model(float_model, tune="cached", mlp=False)
-    run(float_model, toks)
-    gdn = [m for m in report.modules if m.module == "linear_attn"]
-    assert sum(m.calls.get("linear", 0) for m in gdn) == 0
-    assert not any("in_proj" in k or "out_proj" in k for m in gdn for k in m.tuned_stock_calls)
+    # float weights (Dispatch.admits): bfloat16 projections run as stages too (the prior's
+    # NumPy-BLAS products), float16 ones stay the module's own layers
+    for dtype, stage_calls in ((mx.bfloat16, 9), (mx.float16, 0)):
+        float_model = build("qwen3_5", mx.bfloat16)
+        float_model.set_dtype(dtype)
+        truth_model = build("qwen3_5", mx.bfloat16)
+        truth_model.set_dtype(mx.float32)
+        truth, stock = run(truth_model, toks), run(float_model, toks)
+        report = patch_model(float_model, tune="cached", mlp=False)
+        out = run(float_model, toks)
+        gdn = [m for m in report.modules if m.module == "linear_attn"]
+        assert sum(m.calls.get("gated_delta", 0) for m in gdn) == 3
+        assert sum(m.calls.get("linear", 0) for m in gdn) == stage_calls, report
+        assert not any("in_proj" in k or "out_proj" in k
+                       for m in gdn for k in m.tuned_stock_calls)
+        assert_dtype_close(out, truth, stock, dtype=dtype, what=f"{dtype} qwen3_5 logits")

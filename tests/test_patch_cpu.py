@@ -1,16 +1,17 @@
 """patch_model on a machine without a kernel backend (auto selection gives ``reference``):
-quantized models get the composites where they measure faster than stock, float models stay
-stock.
+quantized models and bfloat16 ones get the composites where they measure (or the prior says
+they run) faster than stock; float16 and float32 models stay stock.
 
 A tiny llama quantized with ``nn.quantize`` (4-bit gs64, float16 and bfloat16 activations) is
 patched and tuned on ``reference``-auto: its pieces' composites win (MLX 0.32.4's CPU
 ``quantized_matmul`` is 17-57x slower than the dequantized float GEMM at these activation
 dtypes, a margin no load on the machine closes); its logits meet the tolerance rule against
 float64 of the dequantized weights and its greedy continuation is stock's (a difference
-accepted only at a float64 tie, tests/test_patch.py's rule). Modules with float weights only
-stay stock with the no-kernel-backend reason; ``tune="off"`` patches nothing. The default model quantized to 4 bits gives stock's 16 greedy
-tokens exactly (slow: the stock side's float16 ``quantized_matmul`` takes minutes on 2
-cores).
+accepted only at a float64 tie, tests/test_patch.py's rule). Modules with float16 weights only
+stay stock with the no-kernel-backend reason; bfloat16 ones run the NumPy-BLAS products (MLX's
+CPU GEMM is tens of times slower: ``Dispatch.admits``); ``tune="off"`` patches nothing. The
+default model quantized to 4 bits gives stock's 16 greedy tokens exactly (slow: the stock
+side's float16 ``quantized_matmul`` takes minutes on 2 cores).
 """
 from __future__ import annotations
 
@@ -71,6 +72,29 @@ def test_quantized_model_runs_the_composites(dtype):
     # attention has no composite for float K/V: mlx-lm's own, with the reason
     assert all(r.startswith("attention: no kernel backend on this machine and no composite")
                for r in report.runtime_fallbacks())
+
+
+def test_bfloat16_model_runs_the_blas_products():
+    """bfloat16 weights on the CPU (``Dispatch.admits``), tune='cached': every dense piece runs
+    the prior's NumPy-BLAS composite from 16 rows; logits within the dtype rule of float64 on
+    the same weights, greedy tokens stock's up to a float64 tie; unpatched, stock's logits."""
+    model = build_model("llama", mx.bfloat16)
+    toks = tokens(24)
+    ref = run64(dense64(model), toks)
+    stock_logits = run(model, toks)
+    stock = greedy(model, toks[0], 12)
+    report = patch_model(model, tune="cached")
+    assert report.n_patched == len(model.layers) and report.n_stock == 0, report
+    assert_dtype_close(run(model, toks), ref, stock_logits, dtype=mx.bfloat16, what="logits")
+    assert_same_greedy_q(model, dense64(model), mx.bfloat16, toks[0].tolist(), stock,
+                         greedy(model, toks[0], 12))
+    decisions = report.tuning()["decisions"]
+    assert decisions and all(d["winner"].startswith("blas") and d["source"] == "prior"
+                             for d in decisions), decisions
+    n = 2 * len(model.layers)  # the logits' prefill and the greedy prompt's
+    assert report.calls()["linear"] == report.calls()["swiglu_mlp"] == n
+    unpatch_model(model)
+    assert mx.array_equal(run(model, toks), stock_logits)
 
 
 def test_float_modules_stay_stock_with_the_reason():

@@ -23,7 +23,6 @@ from mlx_bricks.bricks.norm_qkv.piece import KIND as RMS_NORM_QKV
 from mlx_bricks.bricks.norm_qkv.piece import rms_norm_reason
 from mlx_bricks.bricks.swiglu.piece import MLP_PIECE
 from mlx_bricks.bricks.swiglu.variants import VARIANT_ENV_VAR, resolve_variant
-from mlx_bricks.formats import format_of
 from mlx_bricks.formats.layers import linear_reason, weight_of
 from mlx_bricks.formats.q8_0 import KV_QUANTS, QK8_0
 from mlx_bricks.nn import (
@@ -202,11 +201,10 @@ def _block_structure(layer, layout) -> str | None:
     return forward_reason(layer, layout, "block") or signature_reason(layer, layout.call_args)
 
 
-def _reads_affine(module, role, layout, piece=None) -> bool:
-    """Whether a linear layer the module's bricks read holds a quantized weight (affine or
-    microscaled: the composites' weights)."""
-    return any(m is not None and format_of(weight_of(m)).quantized
-               for m in linears(module, role, layout, piece).values())
+def _weights_read(module, role, layout, piece=None) -> list:
+    """The weights of the linear layers the module's bricks read (``Dispatch.admits``)."""
+    return [weight_of(m) for m in linears(module, role, layout, piece).values()
+            if m is not None]
 
 
 def layer_sliding(layer, i: int, layout, types) -> bool | None:
@@ -224,12 +222,11 @@ def layer_sliding(layer, i: int, layout, types) -> bool | None:
 
 
 def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend: str,
-                 dispatch: Dispatch | None, quantized_only: bool = False,
-                 types=None) -> None:
+                 dispatch: Dispatch | None, types=None) -> None:
     """Patch layer ``i`` (or, with ``dispatch`` None, only report what would be patched: the
-    modules are then left stock with :data:`NO_KERNEL_BACKEND`; with ``quantized_only``, so
-    are the modules whose linears are all float). ``types``: the model's per-layer attention
-    types where the layout has ``layer_types`` (``patch.table.layer_types``)."""
+    modules are then left stock with :data:`NO_KERNEL_BACKEND`; so are the modules whose
+    weights the dispatch does not admit, ``Dispatch.admits``). ``types``: the model's per-layer
+    attention types where the layout has ``layer_types`` (``patch.table.layer_types``)."""
     attention, mlp, fuse_block, kv_quant = (
         opts["attention"], opts["mlp"], opts["fuse_block"], opts["kv_quant"])
     attn_mod = getattr(layer, layout.attention, None)
@@ -266,8 +263,7 @@ def _patch_layer(report: PatchReport, i: int, layer, layout, opts: dict, backend
         mlp_variant = f"swiglu={opts['mlp_variant']}"
 
     def patch(module, mixin, role, bricks, variant, rope="", piece=None):
-        if dispatch is None or (quantized_only and not _reads_affine(module, role, layout,
-                                                                      piece)):
+        if dispatch is None or not dispatch.admits(_weights_read(module, role, layout, piece)):
             add(ModuleReport(i, role, STOCK, reason=NO_KERNEL_BACKEND, rope=rope))
             return
         st = BricksState(backend=backend, layer=i, role=role, layout=layout,
@@ -437,10 +433,9 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
     opts = {"attention": attention, "mlp": mlp, "fuse_block": fuse_block, "kv_quant": kv_quant,
             "kv_cache": kv_cache, "mlp_variant": mlp_variant, "tune": tune,
             "dequant_cap": f"{cap / MIB:g} MiB ({cap_source})"}
-    # No kernel backend: only the composites of quantized weights can beat stock (reference
-    # is the same math as stock), and only by measurement or the prior. Float modules stay
-    # stock: their NumPy-BLAS products were 2x stock's CPU prefill but not its greedy text
-    # (tests/test_patch_cpu.py), and a float model on the CPU is exactly stock.
+    # No kernel backend: only the composites can beat stock (reference is the same math as
+    # stock), and only by measurement or the prior; which modules they take: Dispatch.admits
+    # (quantized weights, and bfloat16 ones where MLX runs on the CPU).
     no_kernels = no_kernel_backend(choice)
     if no_kernels and tune == "off":
         dispatch = None
@@ -473,13 +468,12 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
         report.n_layers = len(layers)
         types = layer_types(model, layout.layer_types) if layout.layer_types else None
         for i, layer in enumerate(layers):
-            _patch_layer(report, i, layer, layout, opts, choice.name, dispatch, no_kernels,
-                         types)
+            _patch_layer(report, i, layer, layout, opts, choice.name, dispatch, types)
             patch_mixers(report, i, layer, opts, choice.name, dispatch)
             patch_experts(report, i, layer, opts, choice.name, dispatch, layout)
         record_weight_formats(report, layers, layout)
         if no_kernels and report.n_patched == 0:
-            report.dispatch = None  # a float model: nothing to tune, exactly stock
+            report.dispatch = None  # nothing admitted (a float16 model): exactly stock
     if report.dispatch is not None:  # one call per layer and forward: what a build is weighed
         report.dispatch.calls_hint = max(1, report.n_layers)  # against (tune.prior.pays)
     if kv_cache == "q8_0" and layout is not None:

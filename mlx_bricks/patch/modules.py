@@ -91,9 +91,9 @@ def patch_fused_mlps(report, i: int, layer, opts: dict, backend: str,
     (granitemoehybrid's shared MLP, plamo2's MLP: ``bricks/swiglu/fused_piece.py``) by module,
     whatever the architecture, as one ``swiglu_mlp`` piece; one whose forward was not vetted
     or whose parts the piece does not read is reported stock with the reason. With ``dispatch``
-    None, or composites only and float weights, reported stock (:data:`NO_KERNEL_BACKEND`);
+    None, or weights it does not admit (``Dispatch.admits``), reported stock
+    (:data:`NO_KERNEL_BACKEND`);
     under ``mlp=False`` disabled."""
-    from mlx_bricks.formats import format_of
     from mlx_bricks.formats.layers import weight_of
 
     piece = FUSED_MLP_PIECE
@@ -112,8 +112,7 @@ def patch_fused_mlps(report, i: int, layer, opts: dict, backend: str,
             add(ModuleReport(i, where, FALLBACK, reason=reason))
             continue
         layers = [module.get(n) for n in piece.linears() if module.get(n) is not None]
-        quantized = any(format_of(weight_of(m)).quantized for m in layers)
-        if dispatch is None or (dispatch.composites_only and not quantized):
+        if dispatch is None or not dispatch.admits([weight_of(m) for m in layers]):
             add(ModuleReport(i, where, STOCK, reason=NO_KERNEL_BACKEND))
             continue
         st = BricksState(backend=backend, layer=i, role=piece.role, layout=None, piece=piece,

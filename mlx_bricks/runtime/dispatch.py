@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import mlx.core as mx
+
 from mlx_bricks.backends import BackendChoice, neural_accelerators
 from mlx_bricks.kernels import is_built
 from mlx_bricks.options import CAP_SETTING, TUNE_MODES
@@ -149,6 +151,24 @@ class Dispatch:
         else:
             self.why = (f"not applied: backend {backend.name} was named "
                         f"({backend.source}); the bricks run as asked")
+
+    def admits(self, weights) -> bool:
+        """Whether a module whose bricks read ``weights`` (what ``formats.layers.weight_of``
+        gives for each of its linears) is patched: always with a kernel backend; with
+        composites only, where any weight is quantized or all are bfloat16 arrays and MLX runs
+        on the CPU. There MLX's GEMM is tens of times behind the composites' NumPy float32 BLAS
+        products (512 x 512 x 8192, 2-core x86, 2026-12-07: MLX bf16 5.6 GFLOP/s, float16 4.4,
+        float32 2.3, NumPy float32 145), and a bf16 product rounded once from float32 is as
+        close to the truth as stock's; float16 and float32 models stay exactly stock (the
+        default model's greedy text is stock's, tests/test_patch_cpu.py)."""
+        from mlx_bricks.cpu import on_cpu
+        from mlx_bricks.formats import format_of
+
+        weights = [w for w in weights if w is not None]
+        if not self.composites_only or any(format_of(w).quantized for w in weights):
+            return True
+        return bool(weights) and on_cpu() and all(
+            getattr(w, "dtype", None) == mx.bfloat16 for w in weights)
 
     @property
     def generation(self) -> int:

@@ -48,6 +48,10 @@ PRIOR_KINDS = {"cuda": ("linear", "rms_norm_qkv", "swiglu_mlp"),
 MICROSCALED_BITS = {"mxfp4": 4, "nvfp4": 4, "mxfp8": 8}
 #: Backends where the prior knows the microscaled formats (their composites measured there).
 MICROSCALED_BACKENDS = ("reference",)
+#: The fewest rows from which the CPU prior runs bfloat16 weights' products through NumPy's
+#: float32 BLAS (the float32 copies of x and of the weight rows cost O(M K + N K) against the
+#: product's O(M N K)); the only float weights the CPU patches (``Dispatch.admits``).
+PRIOR_MIN_ROWS_FLOAT_CPU = 16
 #: Composite preferred by the prior, per kind (the one that won most often in bench/results).
 PREFERRED = {"swiglu_mlp": "dequant_split"}
 #: Where MLX runs on the CPU, the composites preferred first, in order: the products through
@@ -104,8 +108,9 @@ def prior_decision(kind, args: dict, candidates: list, backend: str, full_key: s
     The kind's own rule first (``OpKind.prior``: a no-build variant's name, ``"stock"``, or
     None to defer); then a composite that needs no kernel build wins where
     :data:`PRIOR_MIN_ROWS` and :data:`PRIOR_MIN_WEIGHT` say it beat stock on this kind of
-    device; everything else (float weights, kernel variants, attention, backends without
-    measurements) keeps stock.
+    device, and on the CPU the NumPy-BLAS composite of bfloat16 weights from
+    :data:`PRIOR_MIN_ROWS_FLOAT_CPU` rows; everything else (other float weights, kernel
+    variants, attention, backends without measurements) keeps stock.
     Source: bench/results (2026-12-02 CPU, 2026-12-03/04 H200), module docstring.
     """
     key = kind.key(args)
@@ -119,6 +124,16 @@ def prior_decision(kind, args: dict, candidates: list, backend: str, full_key: s
         return Decision(full_key, v.name, dict(v.kwargs), measured=measured, source="prior",
                         note=f"prior: {v.name} ({kind.name}'s rule, no build)")
     bits = _bits(key.weights, backend)
+    if bits is None and backend == "reference" and kind.name in PRIOR_KINDS["reference"]:
+        blas = next((v for n in PREFERRED_CPU for v in candidates
+                     if v.name == n and not v.builds), None)
+        rows = measured.get("M")
+        if (blas is not None and key.dtype == "bfloat16"
+                and set(key.weights.split("/")) == {"float"}
+                and isinstance(rows, int) and rows >= PRIOR_MIN_ROWS_FLOAT_CPU):
+            return Decision(full_key, blas.name, dict(blas.kwargs), measured=measured,
+                            source="prior", note=f"prior: {blas.name} (bfloat16 weights through "
+                            "NumPy's float32 BLAS on the CPU; Dispatch.admits)")
     rows_by_bits = PRIOR_MIN_ROWS.get(backend)
     if bits is None or rows_by_bits is None or kind.name not in PRIOR_KINDS.get(backend, ()):
         return Decision(full_key, STOCK, measured=measured, source="prior", note=why)

@@ -23,10 +23,12 @@ rounded up to one row.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_bricks import env
 from mlx_bricks.bricks.dequantize.op import has_kernel, run_dequantize
@@ -243,11 +245,12 @@ class DenseTiles:
         self.backend = backend
         self.gemm = gemm
         self.last = None  # the output of the last tile (the next one waits for it)
-        self._host = None  # (x, its float32 NumPy rows) of the call (blas)
+        self._host = None  # (x, (m0, m1), those rows of x in float32 NumPy) (blas)
 
     def _value_bytes(self, weights: tuple, dtype) -> float:
         """Bytes alive per value of a tile row while it is made: the dequantizer's peak, and
-        the copy that stacks several weights' rows (a single float weight's rows are a view)."""
+        the copy that stacks several weights' rows or casts a float weight's rows to ``dtype``
+        (a single float weight's rows in its own dtype are a view)."""
         total = 0.0
         for w in weights:
             f = format_of(w)
@@ -256,7 +259,7 @@ class DenseTiles:
                 if len(weights) > 1:  # the stacked packed rows, scales and biases (if any)
                     fields = 1 if f.microscaled else 2
                     total += f.bits / 8 + fields * w.scales.dtype.size / f.group_size
-            elif len(weights) > 1:
+            elif len(weights) > 1 or w.dtype != dtype:
                 total += dtype.size
         return total
 
@@ -272,19 +275,13 @@ class DenseTiles:
         """
         dtype = x.dtype
         N, K = weights[0].shape
-        tile_dtype = mx.float32 if self.gemm == "blas" else dtype
-        rows = max(1, min(N, int(self.cap // max(1.0, K * self._value_bytes(weights,
-                                                                             tile_dtype)))))
+        if self.gemm == "blas":
+            return self._blas_linear(x, weights, biases, finish)
+        rows = max(1, min(N, int(self.cap // max(1.0, K * self._value_bytes(weights, dtype)))))
         outs = []
         for n0 in range(0, N, rows):
             n1 = min(N, n0 + rows)
             parts = [_rows(wt, n0, n1) for wt in weights]
-            if self.gemm == "blas":
-                y = self._blas_tile(x, _stack(parts), _stacked_bias(biases, n0, n1,
-                                                                   mx.float32))
-                parts = mx.split(y, len(weights), axis=-1) if len(weights) > 1 else [y]
-                outs.append(finish(*parts) if finish is not None else parts[0])
-                continue
             # Wait for the tile before (one tile alive at a time); the first tile waits for x,
             # so no layer's weights are dequantized before the layers ahead of it have run.
             dep = x if self.last is None else self.last
@@ -301,23 +298,72 @@ class DenseTiles:
                 IN_FLIGHT.queued(out, (n1 - n0) * K * dtype.size * len(weights), self.cap)
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
 
-    def _blas_tile(self, x, w, bias):
-        """One tile's ``x @ w.T + bias`` through NumPy's float32 BLAS on one thread
-        (``cpu.one_blas_thread``): the weight rows dequantized (or cast) to float32 by MLX,
-        both operands copied to NumPy (x once per call), the product copied back in x's
-        dtype."""
-        import numpy as np
+    def _blas_linear(self, x, weights: tuple, biases: tuple, finish=None):
+        """:meth:`linear` with each tile's product through NumPy's float32 BLAS on one thread
+        (``cpu.one_blas_thread``), eagerly. What a tile holds stays within the cap: a block of
+        x's rows in float32 (at most a quarter of the cap), the weight rows dequantized or
+        cast to float32, the product's float32 columns (NumPy's and MLX's copy). With more
+        than one tile the results are written into one output allocated up front (no
+        concatenation holding every tile beside the output)."""
+        N, K = weights[0].shape
+        lead = x.shape[:-1]
+        M = math.prod(lead)
+        x2 = x.reshape(M, K)
+        m_rows = max(1, min(M, int(self.cap // 4 // (4 * K))))
+        per_row = K * self._value_bytes(weights, mx.float32) + 2 * 4 * m_rows * len(weights)
+        rows = max(1, min(N, int((self.cap - 4 * K * m_rows) // max(1.0, per_row))))
+        out = view = None
+        for n0 in range(0, N, rows):
+            n1 = min(N, n0 + rows)
+            w = _stack([_rows(wt, n0, n1) for wt in weights])
+            f = format_of(w)
+            wf = np.asarray(self.dequantizer.fn(w, mx.float32, self.backend) if f.quantized
+                            else w.astype(mx.float32))
+            bias = _stacked_bias(biases, n0, n1, mx.float32)
+            bias = None if bias is None else np.asarray(bias.astype(mx.float32))
+            for m0 in range(0, M, m_rows):
+                m1 = min(M, m0 + m_rows)
+                with one_blas_thread():
+                    y = self._host_rows(x, x2, m0, m1) @ wf.T
+                if bias is not None:
+                    y += bias
+                y = mx.array(y).astype(x.dtype)
+                parts = mx.split(y, len(weights), axis=-1) if len(weights) > 1 else [y]
+                t = finish(*parts) if finish is not None else parts[0]
+                if n1 - n0 == N and m1 - m0 == M:
+                    return t.reshape(*lead, t.shape[-1])
+                if out is None:
+                    out, view = _host_writable((M, N), t.dtype)
+                mx.eval(t)
+                view[m0:m1, n0:n1] = _host_view(t)
+            del wf, bias  # this tile's rows go before the next tile's are made
+        return out.reshape(*lead, N)
 
-        if self._host is None or self._host[0] is not x:
-            self._host = (x, np.asarray(x.reshape(-1, x.shape[-1]).astype(mx.float32)))
-        f = format_of(w)
-        wf = (self.dequantizer.fn(w, mx.float32, self.backend) if f.quantized
-              else w.astype(mx.float32))
-        with one_blas_thread():
-            y = self._host[1] @ np.asarray(wf).T
-        if bias is not None:
-            y += np.asarray(bias.astype(mx.float32))
-        return mx.array(y).reshape(*x.shape[:-1], y.shape[-1]).astype(x.dtype)
+    def _host_rows(self, x, x2, m0: int, m1: int):
+        """Rows ``m0:m1`` of ``x2`` (``x`` as 2-D) as float32 NumPy rows, kept for the next
+        tile and the next call on the same ``x`` (a QKV piece's three projections)."""
+        if self._host is None or self._host[0] is not x or self._host[1] != (m0, m1):
+            self._host = None  # the previous block's rows go before the next are made
+            self._host = (x, (m0, m1), np.asarray(x2[m0:m1].astype(mx.float32)))
+        return self._host[2]
+
+
+def _host_view(a):
+    """A NumPy view of evaluated ``a``'s buffer (2-byte floats as uint16: NumPy has no
+    bfloat16)."""
+    return np.asarray(a.view(mx.uint16) if a.dtype.size == 2 else a)
+
+
+def _host_writable(shape, dtype):
+    """An evaluated MLX array of ``shape`` and ``dtype`` that nothing else references, and a
+    writable NumPy view of its buffer (where MLX runs on the CPU its memory is the host's):
+    the BLAS tiles are written into it in place."""
+    out = mx.zeros(shape, dtype)
+    mx.eval(out)
+    view = _host_view(out)
+    if not view.flags.writeable or view.size != out.size or not view.flags.c_contiguous:
+        raise RuntimeError("MLX gave no writable host view of a fresh array")
+    return out, view
 
 
 #: Backends whose composites pay one-off first-use costs in a fresh process worth paying while

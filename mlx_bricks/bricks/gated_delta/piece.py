@@ -218,16 +218,15 @@ class GatedDeltaPiece:
 
     def stage_names(self, module, dtype) -> tuple[str, ...]:
         """The projections that run as ``linear`` stages: those of :func:`projections` the
-        GEMM brick can read (``formats.layers.linear_reason``), quantized ones only where
-        there is no kernel backend (float weights stay stock there, as the dense modules do:
-        ``patch.core``); any other runs the module's own layer."""
-        from mlx_bricks.formats.layers import linear_reason
+        GEMM brick can read (``formats.layers.linear_reason``) and whose weight the dispatch
+        admits (``Dispatch.admits``: without a kernel backend, quantized ones and bfloat16 ones
+        on the CPU, as for the dense modules); any other runs the module's own layer."""
+        from mlx_bricks.formats.layers import linear_reason, weight_of
 
         dispatch = getattr(module.__dict__.get("_bricks_state"), "dispatch", None)
-        float_too = not getattr(dispatch, "composites_only", False)
         return tuple(n for n in projections(module)
                      if linear_reason(n, module.get(n), dtype) is None
-                     and (float_too or isinstance(module.get(n), nn.QuantizedLinear)))
+                     and (dispatch is None or dispatch.admits([weight_of(module.get(n))])))
 
     def stages(self, module, inputs, call) -> dict:
         """The projections on the GEMM brick (``linear`` kind), each tuned and guarded as
