@@ -54,6 +54,7 @@ def test_two_turns_bf16_against_float32_truth(model_type):
                            what=f"{model_type} turn {turn} logits")
         assert_same_greedy(out, stock, truth)
     assert sum(m.calls.get("gated_delta", 0) for m in found) == 6
+    assert sum(m.calls.get("linear", 0) for m in found) == 6 * STAGED[model_type]
     for ours, theirs in zip(states(caches[0]), states(caches[1])):
         for a, b in zip(ours, theirs):
             np.testing.assert_allclose(a, b, atol=0.05, rtol=0.05)
@@ -62,6 +63,46 @@ def test_two_turns_bf16_against_float32_truth(model_type):
     stock_step = run(stock_model, tokens(1, seed=3), caches[1])
     assert mx.array_equal(mx.argmax(step, -1), mx.argmax(stock_step, -1))
     assert sum(m.stock_calls.get(DECODE, 0) for m in mixers(patch_report(model))) == 3
+
+
+#: The big projections each family runs as ``linear`` stages (kimi_k3's tiny config has the
+#: low-rank output gate).
+STAGED = {"kimi_linear": 4, "kimi_k3": 2, "bailing_moe_v3": 5, "olmo_hybrid": 5}
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_projections_run_as_gemm_stages_on_the_cpu(model_type, tmp_path, monkeypatch):
+    """No kernel backend, tune='cached' (mlx_lm.generate's default): the mixers' big
+    projections, 4-bit, run the linear kind's composites as stages (the CPU prior's NumPy-BLAS
+    ones), a gate's low-rank pair and few columns the module's own layers; the logits within
+    the dtype rule of a float32 truth on the same 4-bit weights."""
+    import mlx.nn as nn
+
+    from mlx_bricks.backends import active_backend
+
+    if active_backend(None).name != "reference":
+        pytest.skip("a kernel backend is available here")
+    monkeypatch.setenv("MLX_BRICKS_HOME", str(tmp_path))
+
+    def quantized(dtype):
+        m = build_model(model_type, mx.bfloat16, **DENSE[model_type])
+        nn.quantize(m, group_size=32, bits=4, class_predicate=lambda p, x: isinstance(
+            x, nn.Linear) and p.startswith("model.layers.") and x.weight.shape[1] % 32 == 0)
+        m.set_dtype(dtype)  # the scales and biases; the packed weights stay
+        mx.eval(m.parameters())
+        return m
+
+    model = quantized(mx.bfloat16)
+    toks = tokens(40, seed=8)
+    truth = run(quantized(mx.float32), toks, None)
+    stock = run(model, toks, None)
+    report = patch_model(model, tune="cached", mlp=False)
+    out = run(model, toks, None)
+    found = mixers(report)
+    assert len(found) == 3 and all(m.status == "patched" for m in found), report
+    assert sum(m.calls.get("gated_delta", 0) for m in found) == 3
+    assert sum(m.calls.get("linear", 0) for m in found) == 3 * STAGED[model_type], report
+    assert_dtype_close(out, truth, stock, dtype=mx.bfloat16, what=f"4-bit {model_type} logits")
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -159,7 +200,8 @@ def test_unknown_forward_stays_stock():
 
 def test_coverage_counts_the_mixers():
     """patch.coverage: a patched KDA mixer's recurrence (6 Hv Dk Dv per token) is in bricks,
-    its own projections too and also apart (mixer_linears); the MLA layer stays stock."""
+    its q/k/v/o projections on the GEMM brick (stages), its other projections in bricks with
+    it and also apart (mixer_linears); the MLA layer stays stock."""
     import mlx.nn as nn
 
     from mlx_bricks.patch.coverage import prefill_flops
@@ -168,9 +210,14 @@ def test_coverage_counts_the_mixers():
     patch_model(model, backend="reference")
     f = prefill_flops(model, 20)
     kda = [layer.self_attn for layer in model.layers[:3]]
-    linears = sum(2 * m.weight.shape[0] * m.weight.shape[1] for a in kda
-                  for _, m in a.named_modules() if isinstance(m, nn.Linear))
-    assert f["mixer_linears"] == linears
+
+    def flops(names):
+        return sum(2 * m.weight.shape[0] * m.weight.shape[1] for a in kda
+                   for n, m in a.named_modules() if isinstance(m, nn.Linear) and names(n))
+
+    staged = ("q_proj", "k_proj", "v_proj", "o_proj")
+    linears = flops(lambda n: True)
+    assert f["mixer_linears"] == flops(lambda n: n not in staged) < linears
     assert f["by_class"]["KimiDeltaAttention"] == [linears + 3 * 6 * 2 * 32 * 32, 0]
     assert f["by_class"]["KimiMLAAttention"][0] == 0 < f["by_class"]["KimiMLAAttention"][1]
 

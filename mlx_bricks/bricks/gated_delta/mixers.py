@@ -3,11 +3,12 @@ Delta Attention (a decay per key dim: kimi_linear ``KimiDeltaAttention``, kimi_k
 ``KimiK3DeltaAttention``, bailing_moe_v3 ``BailingKDA``) and olmo_hybrid's ``GatedDeltaNet``
 (a decay per head, q/k/v convolved apart).
 
-Each family's prefill runs the module's own code (its projections, its own short-convolution
-helpers, which read and write the cache's conv states, ``normalize_qk``, the gates as
+Each family's prefill runs the module's own code (its projections, the big ones as ``linear``
+stages on the GEMM brick where the dispatch chooses it; its own short-convolution helpers,
+which read and write the cache's conv states; ``normalize_qk``; the gates as
 ``gated_delta_update`` forms them) up to the recurrence, then the brick's recurrence
 (:data:`~mlx_bricks.bricks.gated_delta.kind.GATED_DELTA`) instead of ``gated_delta_update``,
-then the module's own cache write, output gate, norm and out-projection. What each forward
+then the module's own cache write, output gate, norm and out-projection (a stage too). What each forward
 computes around the recurrence (read from mlx-lm 0.32.2, vetted by fingerprint):
 
 * kimi_linear: q/k/v projections, one ``ShortConv1d`` each (SiLU; masked tokens zeroed;
@@ -64,16 +65,16 @@ def _kda_gates(m, a, b, lower_bound=None):
                              lower_bound=lower_bound)
 
 
-def _kimi_linear_prologue(m, x, mask, cache):
+def _kimi_linear_prologue(m, x, mask, cache, proj):
     B, T, _ = x.shape
     lengths = None if cache is None else cache.lengths
     states = [None] * 3 if cache is None else [cache[i] for i in range(3)]
     if states[0] is None:
         states = [mx.zeros((B, m.conv_kernel - 1, m.projection_dim), dtype=x.dtype)] * 3
     outs = []
-    for i, (proj, conv) in enumerate(((m.q_proj, m.q_conv), (m.k_proj, m.k_conv),
-                                      (m.v_proj, m.v_conv))):
-        out, states[i] = conv(proj(x), states[i], mask, lengths)
+    for i, (name, conv) in enumerate((("q_proj", m.q_conv), ("k_proj", m.k_conv),
+                                      ("v_proj", m.v_conv))):
+        out, states[i] = conv(proj(m, name, x), states[i], mask, lengths)
         outs.append(out)
     if cache is not None:
         for i in range(3):
@@ -84,23 +85,23 @@ def _kimi_linear_prologue(m, x, mask, cache):
     return (q, k, v, *_kda_gates(m, a, m.b_proj(x).reshape(B, T, m.num_heads)))
 
 
-def _kimi_gate_out(m, x, y, gate):
+def _kimi_gate_out(m, x, y, gate, proj):
     gate, = _split_heads(m, x, gate)
     out = m.o_norm(y.reshape(gate.shape)) * mx.sigmoid(gate)
-    return m.o_proj(out.reshape(x.shape[0], x.shape[1], -1))
+    return proj(m, "o_proj", out.reshape(x.shape[0], x.shape[1], -1))
 
 
-def _kimi_linear_epilogue(m, x, y):
-    return _kimi_gate_out(m, x, y, m.g_b_proj(m.g_a_proj(x)))
+def _kimi_linear_epilogue(m, x, y, proj):
+    return _kimi_gate_out(m, x, y, m.g_b_proj(m.g_a_proj(x)), proj)
 
 
-def _kimi_k3_prologue(m, x, mask, cache):
+def _kimi_k3_prologue(m, x, mask, cache, proj):
     B, T, _ = x.shape
     P = m.projection_dim
     conv_state = None if cache is None else cache[0]
     if conv_state is None:
         conv_state = mx.zeros((B, m.conv_kernel - 1, 3 * P), dtype=x.dtype)
-    qkv, conv_state = m.qkv_conv(m.qkv_proj(x), conv_state, mask,
+    qkv, conv_state = m.qkv_conv(proj(m, "qkv_proj", x), conv_state, mask,
                                  None if cache is None else cache.lengths)
     if cache is not None:
         cache[0] = conv_state
@@ -111,29 +112,30 @@ def _kimi_k3_prologue(m, x, mask, cache):
                                  m.lower_bound))
 
 
-def _kimi_k3_epilogue(m, x, y):
-    gate = m.g_proj(x) if m.use_full_rank_gate else m.g_b_proj(m.g_a_proj(x))
-    return _kimi_gate_out(m, x, y, gate)
+def _kimi_k3_epilogue(m, x, y, proj):
+    gate = proj(m, "g_proj", x) if m.use_full_rank_gate else m.g_b_proj(m.g_a_proj(x))
+    return _kimi_gate_out(m, x, y, gate, proj)
 
 
-def _bailing_prologue(m, x, mask, cache):
-    q, k, v = (m._causal_conv(proj(x), conv, cache, i, mask) for i, (proj, conv) in enumerate(
-        ((m.q_proj, m.q_conv1d), (m.k_proj, m.k_conv1d), (m.v_proj, m.v_conv1d))))
+def _bailing_prologue(m, x, mask, cache, proj):
+    q, k, v = (m._causal_conv(proj(m, name, x), conv, cache, i, mask)
+               for i, (name, conv) in enumerate((("q_proj", m.q_conv1d), ("k_proj", m.k_conv1d),
+                                                 ("v_proj", m.v_conv1d))))
     q, k, v = _split_heads(m, x, q, k, v)
     q, k = _normalize(q, k, m.head_dim)
     a, = _split_heads(m, x, m.f_proj(x))
     return (q, k, v, *_kda_gates(m, a, m.b_proj(x).astype(mx.float32), m.lower_bound))
 
 
-def _bailing_epilogue(m, x, y):
-    gate, = _split_heads(m, x, m.g_proj(x))
+def _bailing_epilogue(m, x, y, proj):
+    gate, = _split_heads(m, x, proj(m, "g_proj", x))
     out = m.o_norm(y)
     out = out * mx.sigmoid(gate.astype(mx.float32)).astype(out.dtype)
-    return m.o_proj(out.reshape(x.shape[0], x.shape[1], -1))
+    return proj(m, "o_proj", out.reshape(x.shape[0], x.shape[1], -1))
 
 
-def _olmo_prologue(m, x, mask, cache):
-    q, k, v = m.q_proj(x), m.k_proj(x), m.v_proj(x)
+def _olmo_prologue(m, x, mask, cache, proj):
+    q, k, v = (proj(m, n, x) for n in ("q_proj", "k_proj", "v_proj"))
     states = [None] * 3 if cache is None else [cache[i] for i in range(3)]
     q, k, v = (m._apply_conv1d(a, conv, states[i], cache, i) for i, (a, conv) in enumerate(
         ((q, m.q_conv1d), (k, m.k_conv1d), (v, m.v_conv1d))))
@@ -145,10 +147,10 @@ def _olmo_prologue(m, x, mask, cache):
                                allow_neg_eigval=m.allow_neg_eigval))
 
 
-def _olmo_epilogue(m, x, y):
-    gate = m.g_proj(x).reshape(-1, m.head_v_dim)
+def _olmo_epilogue(m, x, y, proj):
+    gate = proj(m, "g_proj", x).reshape(-1, m.head_v_dim)
     out = m.o_norm(y.reshape(-1, m.head_v_dim), gate)
-    return m.o_proj(out.reshape(x.shape[0], x.shape[1], -1))
+    return proj(m, "o_proj", out.reshape(x.shape[0], x.shape[1], -1))
 
 
 @functools.lru_cache(maxsize=None)
@@ -170,10 +172,15 @@ class Family:
         gate_linears: ``module -> names``: projections its configuration adds (kimi_k3's
             output gate: full rank or low rank).
         vec: a gate per key dim (Kimi Delta Attention) rather than per head.
-        prologue: ``(module, x, mask, cache) -> (q, k, v, g, beta)``: the forward up to the
-            recurrence (the conv states read from and written to the cache).
-            epilogue: ``(module, x, y) -> output``: the forward after the recurrence and its
+        prologue: ``(module, x, mask, cache, proj) -> (q, k, v, g, beta)``: the forward up to
+            the recurrence (the conv states read from and written to the cache).
+        epilogue: ``(module, x, y, proj) -> output``: the forward after the recurrence and its
             cache write (the state into the cache's last slot, the offset advanced).
+            Both call ``proj(module, name, x)`` for each projection of :attr:`staged` (a
+            ``linear`` stage or the module's own layer, as the dispatch chose).
+        staged: ``module -> names``: the big projections (those that are not a gate's
+            low-rank pair or few columns), which may run as stages; ``o_proj`` reads the
+            heads after the recurrence, every other one the mixer's input.
     """
 
     module: str
@@ -187,6 +194,7 @@ class Family:
     vec: bool
     prologue: Callable
     epilogue: Callable
+    staged: Callable
     gate_linears: Callable = lambda m: ()
 
     def resolve(self) -> type:
@@ -204,12 +212,14 @@ KDA_FAMILIES = (
            ("q conv", "k conv", "v conv", "recurrent"), (*_KIMI, "g_a_proj", "g_b_proj"),
            ("q_conv", "k_conv", "v_conv"), "o_norm", (*_KDA_INTS, "projection_dim", "conv_kernel"),
            True,
-           _kimi_linear_prologue, _kimi_linear_epilogue),
+           _kimi_linear_prologue, _kimi_linear_epilogue,
+           lambda m: ("q_proj", "k_proj", "v_proj", "o_proj")),
     Family("kimi_k3", "KimiK3DeltaAttention",
            "mlx_lm.models.kimi_k3.KimiK3DeltaAttention.__call__=ae67c47aad89",
            ("conv", "recurrent"), ("qkv_proj", "f_a_proj", "f_b_proj", "b_proj", "o_proj"),
            ("qkv_conv",), "o_norm", (*_KDA_INTS, "projection_dim", "conv_kernel"), True,
            _kimi_k3_prologue, _kimi_k3_epilogue,
+           lambda m: ("qkv_proj", *(("g_proj",) if m.use_full_rank_gate else ()), "o_proj"),
            lambda m: ("g_proj",) if m.use_full_rank_gate else ("g_a_proj", "g_b_proj")),
     Family("bailing_moe_v3", "BailingKDA",
            "mlx_lm.models.bailing_moe_v3.BailingKDA.__call__=8c93a8da928b",
@@ -217,7 +227,7 @@ KDA_FAMILIES = (
            ("q_proj", "k_proj", "v_proj", "f_proj", "b_proj", "g_proj", "o_proj"),
            ("q_conv1d", "k_conv1d", "v_conv1d"), "o_norm",
            (*_KDA_INTS, "projection_size", "conv_kernel_size"), True, _bailing_prologue,
-           _bailing_epilogue),
+           _bailing_epilogue, lambda m: ("q_proj", "k_proj", "v_proj", "g_proj", "o_proj")),
 )
 #: olmo_hybrid's Gated DeltaNet (a decay per head).
 OLMO_FAMILIES = (
@@ -227,7 +237,8 @@ OLMO_FAMILIES = (
            ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj", "o_proj"),
            ("q_conv1d", "k_conv1d", "v_conv1d"), "o_norm",
            ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel_size"),
-           False, _olmo_prologue, _olmo_epilogue),
+           False, _olmo_prologue, _olmo_epilogue,
+           lambda m: ("q_proj", "k_proj", "v_proj", "g_proj", "o_proj")),
 )
 
 
@@ -261,29 +272,34 @@ class FamilyPiece(GatedDeltaPiece):
             return H, H, D, D, True
         return super().heads(module)
 
-    #: The families' projections run the module's own layers (their forwards interleave
-    #: them with the gates and short convolutions: no stages yet).
-    stages = None
+    out_projection = "o_proj"
 
-    def prologue(self, module, inputs, call):
-        """The family's prologue; the state from the cache's last slot (float32 zeros when
-        empty, as ``gated_delta_update``). Returns ``(args, inputs)``."""
+    def projections(self, module) -> tuple[str, ...]:
+        """The family's big projections (:attr:`Family.staged`)."""
+        return self.family(module).staged(module)
+
+    def prologue(self, module, inputs, call, run):
+        """The family's prologue, its big projections through ``run`` as chosen (stages); the
+        state from the cache's last slot (float32 zeros when empty, as
+        ``gated_delta_update``). Returns ``(args, (inputs, proj))``."""
         cache, mask = call["cache"], call["mask"]
-        q, k, v, g, beta = self.family(module).prologue(module, inputs, mask, cache)
+        proj = self._projector(module, inputs.dtype, run)
+        q, k, v, g, beta = self.family(module).prologue(module, inputs, mask, cache, proj)
         state = None if cache is None else cache[len(cache.cache) - 1]
         if state is None:
             B, _, Hv, Dv = v.shape
             state = mx.zeros((B, Hv, Dv, q.shape[3]), dtype=mx.float32)
         return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "state": state,
-                "mask": mask}, inputs
+                "mask": mask}, (inputs, proj)
 
     def epilogue(self, module, out, ctx, inputs, call):
         y, state = out
+        x, proj = ctx
         cache = call["cache"]
         if cache is not None:
             cache[len(cache.cache) - 1] = state
             cache.advance(inputs.shape[1])
-        return self.family(module).epilogue(module, ctx, y)
+        return self.family(module).epilogue(module, x, y, proj)
 
     def linears(self, layout=None, module=None) -> tuple[str, ...]:
         """The linear layers the piece reads (structure fingerprint)."""

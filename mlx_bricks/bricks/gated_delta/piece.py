@@ -224,7 +224,7 @@ class GatedDeltaPiece:
         from mlx_bricks.formats.layers import linear_reason, weight_of
 
         dispatch = getattr(module.__dict__.get("_bricks_state"), "dispatch", None)
-        return tuple(n for n in projections(module)
+        return tuple(n for n in self.projections(module)
                      if linear_reason(n, module.get(n), dtype) is None
                      and (dispatch is None or dispatch.admits([weight_of(module.get(n))])))
 
@@ -238,9 +238,18 @@ class GatedDeltaPiece:
         B, S, _ = inputs.shape
         _, Hv, _, Dv, _ = self.heads(module)
         x = Act(tuple(inputs.shape), inputs.dtype)
+        out = self.out_projection
         return {n: (linear_piece.KIND, linear_piece.linear_args(
-                    module[n], Act((B, S, Hv * Dv), inputs.dtype) if n == "out_proj" else x))
+                    module[n], Act((B, S, Hv * Dv), inputs.dtype) if n == out else x))
                 for n in self.stage_names(module, inputs.dtype)}
+
+    #: The output projection (its input: the heads after the recurrence, (B, S, Hv * Dv));
+    #: every other stage reads the mixer's input.
+    out_projection = "out_proj"
+
+    def projections(self, module) -> tuple[str, ...]:
+        """The module's projections that may run as stages (:func:`projections`)."""
+        return projections(module)
 
     def prologue(self, module, inputs, call, run):
         proj = self._projector(module, inputs.dtype, run)
