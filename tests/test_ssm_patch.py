@@ -60,6 +60,8 @@ def test_patched_matches_stock(model_type, dtype):
     cache = model.make_cache()
     out = run(model, toks, cache)
     assert sum(m.calls.get(op, 0) for m in entries) == n
+    if op == "ssd":  # in_proj and out_proj as linear stages
+        assert sum(m.calls.get("linear", 0) for m in entries) == 2 * n, report
     if dtype == mx.float32:
         np.testing.assert_allclose(np.array(out), np.array(stock), atol=2e-4, rtol=2e-4)
     else:
@@ -196,6 +198,41 @@ def test_cpu_tuning_and_prior(tmp_path, monkeypatch):
         report = patch_model(model)
         run(model, tokens(64))
         assert any(op in d["key"] for d in report.dispatch.summary()["decisions"])
+
+
+@pytest.mark.parametrize("model_type", [t for t, f in FAMILIES.items() if f[1] == "ssd"])
+def test_projections_run_as_gemm_stages_on_the_cpu(model_type, tmp_path, monkeypatch):
+    """No kernel backend, tune='cached' (mlx_lm.generate's default): a Mamba-2 mixer's in_proj
+    and out_proj, 4-bit, run the linear kind's composites as stages (the CPU prior's NumPy-BLAS
+    ones); the logits within the dtype rule of a float32 truth on the same 4-bit weights."""
+    import mlx.nn as nn
+
+    from mlx_bricks.backends import active_backend
+
+    if active_backend(None).name != "reference":
+        pytest.skip("a kernel backend is available here")
+    monkeypatch.setenv("MLX_BRICKS_HOME", str(tmp_path))
+    role, op, n = FAMILIES[model_type]
+
+    def quantized(dtype):
+        m = build(model_type, mx.bfloat16, **DENSE.get(model_type, {}))
+        nn.quantize(m, group_size=32, bits=4, class_predicate=lambda p, x: isinstance(
+            x, nn.Linear) and p.endswith(("in_proj", "out_proj")) and x.weight.shape[1] % 32 == 0)
+        m.set_dtype(dtype)  # the scales and biases; the packed weights stay
+        mx.eval(m.parameters())
+        return m
+
+    model = quantized(mx.bfloat16)
+    toks = tokens(48, seed=3)
+    truth = run(quantized(mx.float32), toks)
+    stock = run(model, toks)
+    report = patch_model(model, tune="cached", mlp=False)
+    out = run(model, toks)
+    entries = mixers(report, model_type)
+    assert len(entries) == n and all(m.status == "patched" for m in entries), report
+    assert sum(m.calls.get(op, 0) for m in entries) == n
+    assert sum(m.calls.get("linear", 0) for m in entries) == 2 * n, report
+    assert_dtype_close(out, truth, stock, dtype=mx.bfloat16, what=f"4-bit {model_type} logits")
 
 
 def test_coverage_of_real_sizes():

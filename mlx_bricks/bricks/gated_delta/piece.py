@@ -217,16 +217,11 @@ class GatedDeltaPiece:
         return (inputs.shape, inputs.dtype, call["mask"] is not None, call["cache"] is None)
 
     def stage_names(self, module, dtype) -> tuple[str, ...]:
-        """The projections that run as ``linear`` stages: those of :func:`projections` the
-        GEMM brick can read (``formats.layers.linear_reason``) and whose weight the dispatch
-        admits (``Dispatch.admits``: without a kernel backend, quantized ones and bfloat16 ones
-        on the CPU, as for the dense modules); any other runs the module's own layer."""
-        from mlx_bricks.formats.layers import linear_reason, weight_of
+        """The projections of :meth:`projections` that run as ``linear`` stages
+        (``bricks.gemm.piece.stage_names``)."""
+        from mlx_bricks.bricks.gemm.piece import stage_names
 
-        dispatch = getattr(module.__dict__.get("_bricks_state"), "dispatch", None)
-        return tuple(n for n in self.projections(module)
-                     if linear_reason(n, module.get(n), dtype) is None
-                     and (dispatch is None or dispatch.admits([weight_of(module.get(n))])))
+        return stage_names(module, self.projections(module), dtype)
 
     def stages(self, module, inputs, call) -> dict:
         """The projections on the GEMM brick (``linear`` kind), each tuned and guarded as
@@ -262,17 +257,11 @@ class GatedDeltaPiece:
         return epilogue(module, y, state, z, call["cache"], inputs.shape[1], proj)
 
     def _projector(self, module, dtype, run):
-        """``proj(module, name, x)``: a stage through ``run`` (brick or stock, as chosen),
-        any other projection the module's own layer."""
-        from mlx_bricks.bricks.gemm import piece as linear_piece
+        """``proj(module, name, x)``: a stage through ``run`` (brick or stock, as chosen), any
+        other projection the module's own layer (``bricks.gemm.piece.projector``)."""
+        from mlx_bricks.bricks.gemm.piece import projector
 
-        staged = set(self.stage_names(module, dtype))
-
-        def proj(m, name, x):
-            if name not in staged:
-                return m[name](x)
-            return run(name, linear_piece.KIND, linear_piece.linear_args(m[name], x))
-        return proj
+        return projector(self.stage_names(module, dtype), run)
 
     def linears(self, layout=None, module=None) -> tuple[str, ...]:
         """The linear layers the piece reads (structure fingerprint)."""

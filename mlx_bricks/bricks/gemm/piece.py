@@ -45,3 +45,30 @@ def finish(linear, y, residual=None):
     row-sharded layer ``y`` is this rank's partial product, reduced as the stock layer does
     (``all_sum``, bias, then the residual once); otherwise ``y`` is already complete."""
     return reduce_partial(linear, y, residual) if is_row_sharded(linear) else y
+
+
+def stage_names(module, names, dtype) -> tuple[str, ...]:
+    """Of the linear layers ``names`` of a mixer ``module``, those that run as ``linear``
+    stages: the ones the GEMM brick reads (``formats.layers.linear_reason``; ``dtype`` the
+    activations', None when unknown) and whose weight the module's dispatch admits
+    (``Dispatch.admits``: without a kernel backend, quantized ones and bfloat16 ones on the
+    CPU); any other runs the module's own layer."""
+    from mlx_bricks.formats.layers import linear_reason
+
+    dispatch = getattr(module.__dict__.get("_bricks_state"), "dispatch", None)
+    return tuple(n for n in names
+                 if linear_reason(n, module.get(n), dtype) is None
+                 and (dispatch is None or dispatch.admits([weight_of(module.get(n))])))
+
+
+def projector(staged, run):
+    """``proj(module, name, x)``: a projection of ``staged`` as a ``linear`` stage through the
+    mixer's ``run`` (brick or stock, as the dispatch chose), any other the module's own
+    layer."""
+    staged = frozenset(staged)
+
+    def proj(m, name, x):
+        if name not in staged:
+            return m[name](x)
+        return run(name, KIND, linear_args(m[name], x))
+    return proj

@@ -1,9 +1,10 @@
 """The SSD brick's piece in a patched mlx-lm model: a Mamba-2 mixer module whose prefill runs its
-own in-projection, its causal conv1d + SiLU as a ``short_conv`` stage (the short-conv brick or
-mlx-lm's ops, as the tuner decides; the conv state written to the cache as the module's
-``_conv`` writes it), then the brick's scan (:data:`~mlx_bricks.bricks.ssd.kind.SSD_KIND`)
-instead of ``ssm_update``, then its own gated norm and out-projection; the recurrent state and
-the offset are written as the module writes them.
+in-projection (a ``linear`` stage on the GEMM brick where the dispatch chooses it, else its own
+layer), its causal conv1d + SiLU as a ``short_conv`` stage (the short-conv brick or mlx-lm's
+ops, as the tuner decides; the conv state written to the cache as the module's ``_conv``
+writes it), then the brick's scan (:data:`~mlx_bricks.bricks.ssd.kind.SSD_KIND`) instead of
+``ssm_update``, then its own gated norm and out-projection (a stage too); the recurrent state
+and the offset are written as the module writes them.
 
 The forms this piece follows (mlx-lm 0.32.2; :data:`FORMS`): mamba2 ``Mamba2Block``,
 nemotron_h ``NemotronHMamba2Mixer``, granitemoehybrid ``GraniteMoeHybridMamba2Mixer``,
@@ -188,15 +189,16 @@ def conv_stage(m, conv_input, mask, cache, run):
     return y
 
 
-def prologue(m, x, mask, cache, run):
+def prologue(m, x, mask, cache, run, proj):
     """The module's own computation up to ``ssm_update`` (module docstring), its conv run as a
-    stage (:func:`conv_stage`): returns the kind's arguments and the output gate (``gate``;
+    stage (:func:`conv_stage`), ``in_proj`` through ``proj(m, name, x)`` (a ``linear`` stage
+    or the module's own layer): returns the kind's arguments and the output gate (``gate``;
     plamo2: ``z``)."""
     form = form_of(m)
     b, T, _ = x.shape
     H, P, G, N = _dims(m, form)
     if form.plamo2:
-        z, xs = mx.split(m.in_proj(x).reshape(b, T, H, -1), [P], axis=-1)
+        z, xs = mx.split(proj(m, "in_proj", x).reshape(b, T, H, -1), [P], axis=-1)
         xs = conv_stage(m, xs.reshape(b, -1, H * P), mask, cache, run)
         Bm, Cm, dt = mx.split(m.bcdt_proj(xs), [N, 2 * N], axis=-1)
         eps = m.config.rms_norm_eps
@@ -206,7 +208,8 @@ def prologue(m, x, mask, cache, run):
         gate, limit = z.flatten(-2), DEFAULT_TIME_STEP_LIMIT
     else:
         inner = m.intermediate_size
-        gate, conv_input, dt = mx.split(m.in_proj(x), [inner, inner + m.conv_dim], axis=-1)
+        gate, conv_input, dt = mx.split(proj(m, "in_proj", x), [inner, inner + m.conv_dim],
+                                        axis=-1)
         conv_output = conv_stage(m, conv_input, mask, cache, run)
         xs, Bm, Cm = mx.split(conv_output, [inner, inner + G * N], axis=-1)
         limit = tuple(m.time_step_limit)
@@ -222,9 +225,9 @@ def prologue(m, x, mask, cache, run):
     return args, gate
 
 
-def epilogue(m, y, state, gate, cache, T):
+def epilogue(m, y, state, gate, cache, T, proj):
     """The module's own computation after ``ssm_update``: the recurrent state and offset into
-    the cache, the gated norm, the out-projection."""
+    the cache, the gated norm, the out-projection (through ``proj``, as in :func:`prologue`)."""
     form = form_of(m)
     if cache:
         cache[1] = state
@@ -237,7 +240,7 @@ def epilogue(m, y, state, gate, cache, T):
         from mlx_lm.models.activations import swiglu
 
         y = swiglu(gate, y)
-    return m.out_proj(y)
+    return proj(m, "out_proj", y)
 
 
 class SSDPiece:
@@ -298,9 +301,19 @@ class SSDPiece:
         return (inputs.shape, inputs.dtype, call["mask"] is not None, cache is None,
                 bool(cache) and cache[1] is not None)
 
+    def stage_names(self, module, dtype) -> tuple[str, ...]:
+        """The projections that run as ``linear`` stages: ``in_proj`` and ``out_proj`` where
+        ``bricks.gemm.piece.stage_names`` takes them (plamo2's small ``bcdt_proj`` and
+        ``dt_proj`` stay the module's own)."""
+        from mlx_bricks.bricks.gemm.piece import stage_names
+
+        return stage_names(module, ("in_proj", "out_proj"), dtype)
+
     def stages(self, module, inputs, call) -> dict:
-        """The conv stage before the scan: ``{"conv": (short_conv kind, its arguments as
-        shapes)}``."""
+        """The stages around the scan: ``{"conv": (short_conv kind, its arguments as
+        shapes)}``, and the ``linear`` stages of :meth:`stage_names` (``out_proj`` reads the
+        scan's (b, T, H * P) output)."""
+        from mlx_bricks.bricks.gemm import piece as linear_piece
         from mlx_bricks.runtime.kind import Act
 
         mask, cache = call["mask"], call["cache"]
@@ -308,17 +321,27 @@ class SSDPiece:
         conv = module.conv1d
         C, K = conv.weight.shape[:2]
         state = None if cache is None else cache[0]
+        H, P, _, _ = _dims(module, form_of(module))
+        x = Act(tuple(inputs.shape), inputs.dtype)
         return {"conv": (SHORT_CONV, {
             "x": Act((b, T, C), inputs.dtype), "weight": conv.weight, "bias": conv.get("bias"),
             "state": None if state is None else Act(tuple(state.shape), state.dtype),
-            "mask": None if mask is None else Act((b, T), mx.bool_), "activation": "silu"})}
+            "mask": None if mask is None else Act((b, T), mx.bool_), "activation": "silu"}),
+            **{n: (linear_piece.KIND, linear_piece.linear_args(
+                module[n], Act((b, T, H * P), inputs.dtype) if n == "out_proj" else x))
+               for n in self.stage_names(module, inputs.dtype)}}
 
     def prologue(self, module, inputs, call, run):
-        return prologue(module, inputs, call["mask"], call["cache"], run)
+        from mlx_bricks.bricks.gemm.piece import projector
+
+        proj = projector(self.stage_names(module, inputs.dtype), run)
+        args, gate = prologue(module, inputs, call["mask"], call["cache"], run, proj)
+        return args, (gate, proj)
 
     def epilogue(self, module, out, ctx, inputs, call):
         y, state = out
-        return epilogue(module, y, state, ctx, call["cache"], inputs.shape[1])
+        gate, proj = ctx
+        return epilogue(module, y, state, gate, call["cache"], inputs.shape[1], proj)
 
     def linears(self, layout=None, module=None) -> tuple[str, ...]:
         """The linear layers the piece reads (structure fingerprint)."""
