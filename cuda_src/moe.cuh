@@ -32,8 +32,10 @@ __device__ __forceinline__ RouteTile route_tile(const int32_t* route, int E, int
 
 #ifdef MLX_BRICKS_GEMM_CUH
 
-// The MoE kernels' ACT values: gemm.cuh's two and gpt-oss's clamped SwiGLU.
+// The MoE kernels' ACT values: gemm.cuh's two, gpt-oss's clamped SwiGLU and Kimi K3's SiTU. The
+// parametrised ones read two floats (act_params): (alpha, limit) / (beta, linear_beta).
 constexpr int ACT_SWIGLU_OAI = 2;
+constexpr int ACT_SITU = 3;
 
 // gpt-oss (mlx_lm.models.activations.swiglu_oai), as metal_src/moe.h: g' = min(g, limit),
 // u' = clip(u, -limit, limit), (u' + 1) * g' * sigmoid(alpha * g'), the sigmoid from exp(-|z|).
@@ -46,12 +48,26 @@ __device__ __forceinline__ float swiglu_oai(float g, float u, float alpha, float
   return (u + 1.0f) * (g * sig);
 }
 
+// Kimi K3's SiTU (mlx_lm.models.kimi_k3._situ), as metal_src/moe.h: beta tanh(g / beta)
+// sigmoid(g) times u, u first squashed to linear_beta tanh(u / linear_beta) when linear_beta > 0.
+__device__ __forceinline__ float situ(float g, float u, float beta, float linear_beta) {
+  const float e = expf(-fabsf(g));
+  const float sig = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+  const float a = beta * tanhf(fminf(fmaxf(g / beta, -10.0f), 10.0f)) * sig;
+  if (linear_beta > 0.0f) u = linear_beta * tanhf(fminf(fmaxf(u / linear_beta, -10.0f), 10.0f));
+  return a * u;
+}
+
+// act(g, u) with the activation's two parameters p0, p1 (act_params; unused by SiLU / GELU).
 template <int ACT>
-__device__ __forceinline__ float moe_activation(float g, float u, float alpha, float limit) {
-  static_assert(ACT == ACT_SILU || ACT == ACT_GELU_TANH || ACT == ACT_SWIGLU_OAI,
-                "ACT must be 0 (SiLU), 1 (GELU-tanh) or 2 (gpt-oss clamped SwiGLU)");
+__device__ __forceinline__ float moe_activation(float g, float u, float p0, float p1) {
+  static_assert(ACT == ACT_SILU || ACT == ACT_GELU_TANH || ACT == ACT_SWIGLU_OAI ||
+                    ACT == ACT_SITU,
+                "ACT must be 0 (SiLU), 1 (GELU-tanh), 2 (gpt-oss clamped SwiGLU) or 3 (SiTU)");
   if constexpr (ACT == ACT_SWIGLU_OAI) {
-    return swiglu_oai(g, u, alpha, limit);
+    return swiglu_oai(g, u, p0, p1);
+  } else if constexpr (ACT == ACT_SITU) {
+    return situ(g, u, p0, p1);
   } else {
     return activation<ACT>(g) * u;
   }
@@ -125,7 +141,7 @@ struct MoeGateUpOut {
   const T* b_up;
   const T* up;  // MODE 2 only
   int row_end, N, m0, n0;
-  float alpha, limit;
+  float alpha, limit;  // act_params (SiTU: beta, linear_beta)
 
   template <int NB>
   __device__ __forceinline__ void operator()(const float (&v)[NB][2], int r, int c) const {

@@ -7,10 +7,11 @@
 // Template: T (__half, __nv_bfloat16), BM, BN, WM, WN, STAGES, WGMMA, DEPTH (as gemm.cu), BITS,
 // GS (the staged weights' format), MODE (0: gate and up fused, one format; 1: up alone, writing
 // up + b_up; 2: gate alone, reading that up: gate and up of different formats), HAS_BIAS_GATE,
-// HAS_BIAS_UP, ACT (0 SiLU, 1 GELU-tanh, 2 gpt-oss clamped SwiGLU).
+// HAS_BIAS_UP, ACT (0 SiLU, 1 GELU-tanh, 2 gpt-oss clamped SwiGLU, 3 SiTU).
 // Inputs: x (tokens, K) row-contiguous; order (R,) uint32; route; w_gate / w_up triples (w of T
 // (E, N, K) or uint32 (E, N, K * BITS / 32), scales / biases (E, N, K / GS) of T, placeholders
-// for float weights); b_gate, b_up (E, N); act_params float32 (alpha, limit); up (R, N) for
+// for float weights); b_gate, b_up (E, N); act_params float32 (alpha, limit) / (beta,
+// linear_beta) for ACT 2 / 3; up (R, N) for
 // MODE 2. Absent ones are placeholders, never read.
 // Output: act (R, N) in sorted order (MODE 1: up).
 // Launch: 1-D grid of TILES * ceil(N / BN) blocks of WM * WN * 32 threads (n tiles fastest),

@@ -4,7 +4,7 @@
 // and moe.cuh before it.
 //
 //   QMoeGateUp      act(gate + b_gate, up + b_up) with the MoE activations (SiLU, GELU-tanh,
-//                   gpt-oss's clamped SwiGLU: moe.cuh moe_activation), operands 0 / 1
+//                   gpt-oss's clamped SwiGLU, SiTU: moe.cuh moe_activation), operands 0 / 1
 //   qmoe_block      the route lookup, the NaN rows of out-of-range indices (the op's index
 //                   check off), the expert's weights, then qgemm_tile over gathered rows (gate /
 //                   up: QRows<GATHER>) or into scattered rows (down: QRows<SCATTER>)
@@ -17,7 +17,7 @@ template <typename T, bool HAS_BIAS_GATE, bool HAS_BIAS_UP, int ACT>
 struct QMoeGateUp {
   const T* b_gate;  // the expert's (N,) rows
   const T* b_up;
-  float alpha, limit;
+  float alpha, limit;  // act_params (SiTU: beta, linear_beta)
 
   __device__ __forceinline__ void operator()(const float (&v)[2][8], long, int col, int nv,
                                              float (&o)[8]) const {

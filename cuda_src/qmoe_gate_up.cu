@@ -6,10 +6,11 @@
 //
 // Template: T, BM, BN (weight rows per block: BN / 2 act columns), STAGES, WGMMA, MI, WR,
 // DEPTH, BITS, GS (as qgemm.cu), HAS_BIAS_GATE, HAS_BIAS_UP, ACT (0 SiLU, 1 GELU-tanh, 2
-// gpt-oss clamped SwiGLU).
+// gpt-oss clamped SwiGLU, 3 SiTU).
 // Inputs: x (tokens, K) row-contiguous; order (R,) uint32; route (moe.cuh); w_gate / w_up uint32
 // (E, N, K * BITS / 32) with scales / biases (E, N, K / GS) of T; b_gate, b_up (E, N)
-// (placeholders when absent); act_params float32 (alpha, limit).
+// (placeholders when absent); act_params float32 (alpha, limit) for ACT 2, (beta, linear_beta)
+// for ACT 3.
 // Output: act (R, N) in sorted order.
 // Launch: 1-D grid of TILES * ceil(N / (BN / 2)) blocks of 384 threads, dynamic shared memory
 // QConfig::SMEM (NB = 2).

@@ -16,8 +16,9 @@
 // tiles and threadgroups past the real count return at once.
 //
 //   route_tile                  a threadgroup's (expert, first row, end row) from route.
-//   moe_activation<ACT>         act(gate, up): SiLU / GELU-tanh (swiglu.h) and gpt-oss's
-//                               clamped SwiGLU (ACT_SWIGLU_OAI, alpha and limit).
+//   moe_activation<ACT>         act(gate, up): SiLU / GELU-tanh (swiglu.h), gpt-oss's
+//                               clamped SwiGLU (ACT_SWIGLU_OAI, alpha and limit) and Kimi K3's
+//                               SiTU (ACT_SITU, beta and linear_beta).
 //   moe_gate_up_combine         gate acc <- act(gate + b_gate, up + b_up) in registers.
 //   StackedLoader               two weight loaders staged as one B tile (gate rows, then up
 //                               rows): gate and up in different formats, gemm_k_loop unchanged.
@@ -81,8 +82,9 @@ typename WeightOf<BITS, GROUP_SIZE, WPtr, SPtr, BPtr>::type expert_weight(
 // Activations
 // ---------------------------------------------------------------------------------------------
 
-// The MoE kernels' ACT values: swiglu.h's two, and gpt-oss's clamped SwiGLU.
-enum MoeActivation : int { ACT_SWIGLU_OAI = 2 };
+// The MoE kernels' ACT values: swiglu.h's two, gpt-oss's clamped SwiGLU and Kimi K3's SiTU.
+// The parametrised ones read two floats (act_params): (alpha, limit) / (beta, linear_beta).
+enum MoeActivation : int { ACT_SWIGLU_OAI = 2, ACT_SITU = 3 };
 
 // gpt-oss (mlx_lm.models.activations.swiglu_oai): g' = min(g, limit), u' = clip(u, -limit,
 // limit), (u' + 1) * g' * sigmoid(alpha * g'). The sigmoid is formed from exp(-|z|) so it never
@@ -96,11 +98,26 @@ inline float swiglu_oai(float g, float u, float alpha, float limit) {
   return (u + 1.0f) * (g * sig);
 }
 
+// Kimi K3's SiTU (mlx_lm.models.kimi_k3._situ): beta tanh(g / beta) sigmoid(g) times u, u first
+// squashed to linear_beta tanh(u / linear_beta) when linear_beta > 0 (0: the model has none).
+// tanh's arguments are clamped to [-10, 10] (tanh(10) rounds to 1 in float32): no inf reaches
+// it; the sigmoid from exp(-|g|) as above.
+inline float situ(float g, float u, float beta, float linear_beta) {
+  const float e = precise::exp(-fabs(g));  // in [0, 1]
+  const float sig = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+  const float a = beta * precise::tanh(clamp(g / beta, -10.0f, 10.0f)) * sig;
+  if (linear_beta > 0.0f) u = linear_beta * precise::tanh(clamp(u / linear_beta, -10.0f, 10.0f));
+  return a * u;
+}
+
+// act(g, u) with the activation's two parameters p0, p1 (act_params; unused by SiLU / GELU).
 template <int ACT>
-inline float moe_activation(float g, float u, float alpha, float limit) {
-  static_assert(ACT == ACT_SILU || ACT == ACT_GELU_TANH || ACT == ACT_SWIGLU_OAI,
-                "ACT must be 0 (SiLU), 1 (GELU-tanh) or 2 (gpt-oss clamped SwiGLU)");
-  if (ACT == ACT_SWIGLU_OAI) return swiglu_oai(g, u, alpha, limit);
+inline float moe_activation(float g, float u, float p0, float p1) {
+  static_assert(ACT == ACT_SILU || ACT == ACT_GELU_TANH || ACT == ACT_SWIGLU_OAI ||
+                    ACT == ACT_SITU,
+                "ACT must be 0 (SiLU), 1 (GELU-tanh), 2 (gpt-oss clamped SwiGLU) or 3 (SiTU)");
+  if (ACT == ACT_SWIGLU_OAI) return swiglu_oai(g, u, p0, p1);
+  if (ACT == ACT_SITU) return situ(g, u, p0, p1);
   return swiglu_value<ACT == ACT_GELU_TANH ? ACT_GELU_TANH : ACT_SILU>(g, u);
 }
 
@@ -109,8 +126,8 @@ inline float moe_activation(float g, float u, float alpha, float limit) {
 // tiles read in bounds (never stored). As swiglu_combine, with the MoE activations.
 template <int ACT, bool HAS_BIAS_GATE, bool HAS_BIAS_UP, typename MMA, typename GPtr,
           typename UPtr>
-void moe_gate_up_combine(thread MMA& mma, GPtr b_gate, UPtr b_up, int n0, int N, float alpha,
-                         float limit) {
+void moe_gate_up_combine(thread MMA& mma, GPtr b_gate, UPtr b_up, int n0, int N, float p0,
+                         float p1) {
   BRICKS_UNROLL
   for (short i = 0; i < MMA::Block::TM; ++i) {
     BRICKS_UNROLL
@@ -125,7 +142,7 @@ void moe_gate_up_combine(thread MMA& mma, GPtr b_gate, UPtr b_up, int n0, int N,
         float uv = u[e];
         if (HAS_BIAS_GATE) gv += float(b_gate[n]);
         if (HAS_BIAS_UP) uv += float(b_up[n]);
-        g[e] = moe_activation<ACT>(gv, uv, alpha, limit);
+        g[e] = moe_activation<ACT>(gv, uv, p0, p1);
       }
     }
   }

@@ -10,11 +10,12 @@
 // (K % (16 / sizeof(T)) == 0: 128-bit loads), STAGES (2: ping-pong buffers, 1: single buffer),
 // BITS_G, GS_G, BITS_U, GS_U (w_gate's and w_up's formats, each its own: 0 = float, else MLX
 // affine; one loader of 2 * BN rows when they are the same), HAS_BIAS_GATE, HAS_BIAS_UP, ACT (0
-// SiLU, 1 GELU-tanh, 2 gpt-oss clamped SwiGLU; moe.h).
+// SiLU, 1 GELU-tanh, 2 gpt-oss clamped SwiGLU, 3 SiTU; moe.h).
 // Inputs: x (tokens, K) row-contiguous; order (R,) uint32 (argsort of the flattened indices,
 // R = tokens * top_k); route (moe_route's output); w_gate and w_up (E, N, K) of T, or affine
 // (uint32 (E, N, K * BITS / 32) with scales and biases (E, N, K / GS) of T); the optional
-// b_gate, b_up (E, N); act_params float32 (alpha, limit) for ACT 2. Absent ones are
+// b_gate, b_up (E, N); act_params float32 (alpha, limit) for ACT 2, (beta, linear_beta) for
+// ACT 3. Absent ones are
 // placeholders, never read.
 // Output: act (R, N), rows in sorted order.
 // Grid: (ceil(N / BN) * WM * WN * 32, TILES, 1), threadgroup (WM * WN * 32, 1, 1).
@@ -71,8 +72,8 @@ bricks::GateUpMMA<BM, BN, BK, WM, WN, LDA, LDB> mma(sg, lane);
 bricks::gemm_k_loop<BK, STAGES>(la, lb, mma, As, Bs, K, bricks::NoTransform());
 bricks::moe_gate_up_combine<ACT, HAS_BIAS_GATE, HAS_BIAS_UP>(
     mma, HAS_BIAS_GATE ? b_gate + long(e) * N : b_gate, HAS_BIAS_UP ? b_up + long(e) * N : b_up,
-    n0, N, ACT == bricks::ACT_SWIGLU_OAI ? float(act_params[0]) : 0.0f,
-    ACT == bricks::ACT_SWIGLU_OAI ? float(act_params[1]) : 0.0f);
+    n0, N, ACT >= bricks::ACT_SWIGLU_OAI ? float(act_params[0]) : 0.0f,
+    ACT >= bricks::ACT_SWIGLU_OAI ? float(act_params[1]) : 0.0f);
 
 device T* act_tile = act + long(rt.m0) * N + n0;
 if (rows == BM && n0 + BN <= N) {

@@ -97,11 +97,28 @@ def _indices(T, k, E, kind, seed):
     return mx.array(out.astype(np.int32))
 
 
-def _act64(activation, g, u, alpha=moe_op.SWIGLU_OAI_ALPHA, limit=moe_op.SWIGLU_OAI_LIMIT):
+#: Test activations: name -> (the op's activation, its parameters). "situ_lb": Kimi K3's SiTU
+#: with a beta and a linear_beta (the up squashed too).
+ACTS = {"silu": ("silu", {}), "gelu_tanh": ("gelu_tanh", {}), "swiglu_oai": ("swiglu_oai", {}),
+        "situ": ("situ", {}), "situ_lb": ("situ", {"beta": 0.8, "linear_beta": 2.0})}
+
+
+def _act_kw(name) -> dict:
+    """The op's keyword arguments of test activation ``name`` (:data:`ACTS`)."""
+    activation, params = ACTS[name]
+    return dict(activation=activation, **params)
+
+
+def _act64(name, g, u, alpha=moe_op.SWIGLU_OAI_ALPHA, limit=moe_op.SWIGLU_OAI_LIMIT):
     def sigmoid(z):
         e = np.exp(-np.abs(z))
         return np.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
+    activation, params = ACTS[name]
+    if activation == "situ":  # mlx_lm.models.kimi_k3._situ
+        beta = params.get("beta", 1.0)
+        lb = params.get("linear_beta")
+        return beta * np.tanh(g / beta) * sigmoid(g) * (u if lb is None else lb * np.tanh(u / lb))
     if activation == "silu":
         return g * sigmoid(g) * u
     if activation == "gelu_tanh":
@@ -150,7 +167,7 @@ def run_case(backend, T, k, fmt_name, dtype, activation="silu", bias=False, kind
     stock's (``moe_mlp_reference``: SwitchGLU in MLX ops)."""
     x, idx, ws, biases = _operands(T, k, fmt_name, dtype, bias, kind)
     dt = DTYPES[dtype]
-    kw = dict(b_gate=biases[0], b_up=biases[1], b_down=biases[2], activation=activation)
+    kw = dict(b_gate=biases[0], b_up=biases[1], b_down=biases[2], **_act_kw(activation))
     what = (f"{backend} T={T} k={k} {fmt_name} {dtype} {activation} bias={bias} {kind} "
             f"tile={tile} combine={combine}")
     ref64 = _moe64(x, idx, ws, biases, activation)
@@ -186,6 +203,8 @@ RAGGED = [
     (200, 2, "q2q5", "bfloat16", "gelu_tanh", True, "half"),
     (63, 8, "float_q", "float32", "swiglu_oai", True, "one"),
     (1000, 2, "float", "bfloat16", "silu", False, "half"),     # bm64 tiles, empty experts
+    (100, 4, "q4", "bfloat16", "situ_lb", False, "random"),    # Kimi K3's SiTU, linear_beta
+    (40, 2, "float", "float16", "situ", True, "half"),         # SiTU, beta 1, biases
 ]
 
 
@@ -254,9 +273,11 @@ def test_cuda_tiles(tile):
     if moe_cuda.TILES[tile].ws:  # 4 / 8-bit affine, gate and up of one format
         run_case("cuda", 300, 8, "q4", "float16", "swiglu_oai", True, "one", tile=tile)
         run_case("cuda", 70, 4, "q8q4", "bfloat16", "gelu_tanh", True, "random", tile=tile)
+        run_case("cuda", 90, 4, "q4", "bfloat16", "situ_lb", False, "random", tile=tile)
         return
     run_case("cuda", 100, 2, "float", "bfloat16", "silu", True, "half", tile=tile)
     run_case("cuda", 300, 8, "q4", "float16", "swiglu_oai", True, "one", tile=tile)
+    run_case("cuda", 90, 4, "q4", "bfloat16", "situ_lb", False, "random", tile=tile)
     run_case("cuda", 70, 4, "mixed", "bfloat16", "gelu_tanh", False, "random", tile=tile)
 
 
@@ -265,6 +286,7 @@ def test_msl_tiles(msl_backend, tile):
     run_case(msl_backend, 100, 2, "float", "float16", "silu", True, "half", tile=tile)
     run_case(msl_backend, 33, 1, "q4", "float32", "gelu_tanh", False, "one", tile=tile)
     run_case(msl_backend, 50, 2, "float_q", "bfloat16", "swiglu_oai", True, "random", tile=tile)
+    run_case(msl_backend, 40, 4, "q4", "float16", "situ_lb", False, "half", tile=tile)
 
 
 def test_tile_rules():
@@ -380,12 +402,17 @@ def test_out_of_range_rows_are_nan_without_the_check(kernel_backend):
 
 def _stock_module(D, N, E, fmts, dtype, activation, bias, seed):
     """mlx-lm's SwitchGLU with random weights, each projection quantized (to_quantized) in its
-    own format; for gelu_tanh gemma4's GeGLU, for swiglu_oai gpt-oss's SwigluOAI."""
+    own format; for gelu_tanh gemma4's GeGLU, for swiglu_oai gpt-oss's SwigluOAI, for situ /
+    situ_lb kimi_k3's SiTU."""
     from mlx_lm.models.activations import SwigluOAI
     from mlx_lm.models.gemma4_text import GeGLU
+    from mlx_lm.models.kimi_k3 import SiTU
     from mlx_lm.models.switch_layers import SwitchGLU, SwiGLU
 
-    act = {"silu": SwiGLU(), "gelu_tanh": GeGLU(), "swiglu_oai": SwigluOAI()}[activation]
+    params = ACTS[activation][1]
+    act = {"silu": SwiGLU(), "gelu_tanh": GeGLU(), "swiglu_oai": SwigluOAI(),
+           "situ": SiTU(), "situ_lb": SiTU(params.get("beta", 1.0), params.get("linear_beta"))
+           }[activation]
     glu = SwitchGLU(D, N, E, activation=act, bias=bias)
     for i, (name, fmt) in enumerate(zip(("gate_proj", "up_proj", "down_proj"), fmts)):
         lin = getattr(glu, name)
@@ -404,6 +431,7 @@ STOCK_CASES = [
     (100, 4, "q4", "float16", "swiglu_oai", True),   # gpt-oss: clamped SwiGLU, expert biases
     (33, 6, "mixed", "float32", "silu", False),      # deepseek with a mixed-bits recipe
     (50, 2, "float", "bfloat16", "gelu_tanh", False),  # gemma4's GeGLU experts
+    (60, 4, "q4", "bfloat16", "situ_lb", False),     # kimi_k3's SiTU experts
 ]
 
 
@@ -421,7 +449,7 @@ def test_matches_stock_switch_glu(kernel_backend, T, k, fmt, dtype, act, bias):
     projs = (glu.gate_proj, glu.up_proj, glu.down_proj)
     biases = tuple(p.bias if bias else None for p in projs)
     out = moe_mlp(x, idx, *projs, b_gate=biases[0], b_up=biases[1], b_down=biases[2],
-                  activation=act, backend=kernel_backend)
+                  **_act_kw(act), backend=kernel_backend)
     if kernel_backend == "reference":  # the reference is SwitchGLU itself
         assert mx.array_equal(out, stock)
     ws = tuple(moe_op.as_expert_weight(p) for p in projs)
@@ -503,6 +531,12 @@ def _error_cases():
     yield "activation type", dict(activation=0), TypeError, "activation must be a str"
     yield "alpha with silu", dict(alpha=1.0), ValueError, "alpha applies to activation"
     yield "limit", dict(activation="swiglu_oai", limit=0.0), ValueError, "limit must be > 0"
+    yield "beta with swiglu_oai", dict(activation="swiglu_oai", beta=1.0), ValueError, \
+        "beta applies to activation 'situ' only"
+    yield "linear_beta", dict(activation="situ", linear_beta=0.0), ValueError, \
+        "linear_beta must be > 0"
+    yield "beta type", dict(activation="situ", beta=float("nan")), TypeError, \
+        "beta must be a finite float"
     yield "tile", dict(tile="bm7"), ValueError, "tile must be None or"
     yield "check_indices", dict(check_indices=1), TypeError, "check_indices must be a bool"
 
@@ -644,6 +678,8 @@ CUDA_EMU_CASES = [
     # weights dequantized in registers (qmoe_*.cu): gathered rows in, scattered rows out
     ("qmma128", 70, 2, "q4", "float16", "swiglu_oai", True, "half"),
     ("qmma128", 40, 8, "q8q4", "bfloat16", "silu", False, "random"),
+    ("bm32", 30, 2, "q4", "bfloat16", "situ_lb", False, "random"),  # Kimi K3's SiTU
+    ("qmma128", 30, 4, "q4", "float16", "situ", False, "half"),
 ]
 
 
@@ -654,11 +690,11 @@ def test_cuda_twins_in_the_cpu_emulation(monkeypatch, tile, T, k, fmt, dtype, ac
     emu = _cuda_emu()
     monkeypatch.setattr(gemm_cuda, "device_capability", lambda: (8, 0))
     x, idx, ws, biases = _operands(T, k, fmt, dtype, bias, kind)
-    a = moe_op.check_moe_args(x, idx, *ws, *biases, activation=act)
+    a = moe_op.check_moe_args(x, idx, *ws, *biases, **_act_kw(act))
     idx_u, order = moe_op.sort_rows(idx)
     with emu.emulated_launches(moe_cuda) as names:
         y = moe_cuda.moe_rows(x, idx_u, order, *(moe_op.expert_inputs(w) for w in ws), biases,
-                              a["E"], a["act"], (a["alpha"], a["limit"]), tile=tile)
+                              a["E"], a["act"], a["act_params"], tile=tile)
         route = moe_cuda.route(idx_u, order, a["E"], moe_cuda.TILES[tile].bm)
         mx.eval(y, route)
     assert names[0] == "moe_route"
@@ -667,7 +703,7 @@ def test_cuda_twins_in_the_cpu_emulation(monkeypatch, tile, T, k, fmt, dtype, ac
     assert np.array_equal(np.array(route), _route64(np.array(idx).reshape(-1), a["E"],
                                                     moe_cuda.TILES[tile].bm))
     dt = DTYPES[dtype]
-    kw = dict(b_gate=biases[0], b_up=biases[1], b_down=biases[2], activation=act)
+    kw = dict(b_gate=biases[0], b_up=biases[1], b_down=biases[2], **_act_kw(act))
     out = y.reshape(T, k, -1)
     assert_dtype_close(out, _moe64(x, idx, ws, biases, act),
                        moe_mlp_reference(x, idx, *ws, **kw), dtype=dt,

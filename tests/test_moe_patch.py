@@ -357,35 +357,62 @@ def test_experts_without_rows(backend, routing):
 
 
 @pytest.mark.parametrize("backend", ["reference", "emulator"])
-@pytest.mark.parametrize("act", ["geglu", "swiglu_oai"])
+@pytest.mark.parametrize("act", ["geglu", "swiglu_oai", "situ"])
 def test_activation_modules(backend, act):
     """gemma4's ``GeGLU`` runs as ``gelu_tanh``; a ``SwigluOAI`` with its own alpha and limit
-    passes them (the patched SwitchGLU against the stock class and the float64 rows)."""
+    passes them, kimi_k3's ``SiTU`` its beta and linear_beta (the patched SwitchGLU against the
+    stock class and the float64 rows)."""
     if backend == "emulator":
         require_backend("emulator")
     from mlx_lm.models.activations import SwigluOAI
     from mlx_lm.models.gemma4_text import GeGLU
+    from mlx_lm.models.kimi_k3 import SiTU
 
     model = build("qwen3_moe", num_experts=8, num_experts_per_tok=2)
     glu = model.layers[0].mlp.switch_mlp
-    glu.activation = GeGLU() if act == "geglu" else SwigluOAI(alpha=1.5, limit=0.05)
+    glu.activation = {"geglu": GeGLU(), "swiglu_oai": SwigluOAI(alpha=1.5, limit=0.05),
+                      "situ": SiTU(beta=0.7, linear_beta=1.5)}[act]
     x = mx.random.normal((1, 40, 64), key=mx.random.key(4))
     idx = mx.random.randint(0, 8, (1, 40, 2), key=mx.random.key(5)).astype(mx.int32)
     stock = glu(x, idx)
     report = patch_model(model, backend=backend, tune="off")
     entry = moe_entries(report)[0]
-    name = "gelu_tanh" if act == "geglu" else "swiglu_oai"
+    name = "gelu_tanh" if act == "geglu" else act
     assert entry.status == "patched" and f"activation={name}" in entry.variant
     args = moe_args(glu, x, idx)
     assert args["activation"] == name
     if act == "swiglu_oai":  # a limit this low clamps many gate and up values
         assert (args["alpha"], args["limit"]) == (1.5, 0.05)
+    if act == "situ":
+        assert (args["beta"], args["linear_beta"]) == (0.7, 1.5)
     out = glu(x, idx)
     if backend == "reference":
         assert mx.array_equal(out, stock)
     ref = MOE_MLP.reference_tail(args, 80)
     assert_dtype_close(out.reshape(-1, 64), ref, stock.reshape(-1, 64), dtype=mx.float32,
                        what=f"{act} {backend}")
+
+
+@pytest.mark.parametrize("backend", ["reference", "emulator"])
+def test_kimi_k3_situ_experts(backend):
+    """kimi_k3's routed experts (a SwitchGLU with SiTU, behind the latent projections) run the
+    MoE brick: a tiny float32 model, every MoE layer's experts patched (activation=situ) and
+    called once per prefill, logits close to stock's."""
+    if backend == "emulator":
+        require_backend("emulator")
+    from tests.models import build_model
+
+    model = build_model("kimi_k3", mx.float32)
+    toks = tokens(30)
+    stock = run(model, toks)
+    report = patch_model(model, backend=backend, tune="off")
+    entries = moe_entries(report)
+    assert entries and all(m.status == "patched" and "activation=situ" in m.variant
+                           for m in entries), report
+    out = run(model, toks)
+    assert report.calls()[MOE_MLP.op_name] == len(entries)
+    assert_dtype_close(out, float64_logits(model, toks), stock, dtype=mx.float32,
+                       what=f"kimi_k3 {backend}")
 
 
 @pytest.mark.parametrize("backend", ["reference", "emulator"])

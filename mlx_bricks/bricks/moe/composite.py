@@ -27,7 +27,12 @@ import dataclasses
 import mlx.core as mx
 
 from mlx_bricks.bricks.dequantize.composite import DEQUANTIZERS, cap_of, quantized
-from mlx_bricks.bricks.moe.op import SORT_THRESHOLD, activation_reference, expert_shape
+from mlx_bricks.bricks.moe.op import (
+    ACTIVATION_PARAMS,
+    SORT_THRESHOLD,
+    activation_reference,
+    expert_shape,
+)
 from mlx_bricks.formats import format_of
 from mlx_bricks.formats.affine import QuantizedWeight
 from mlx_bricks.formats.microscaling import MicroscaledWeight
@@ -116,12 +121,9 @@ def dequant_moe(args: dict, backend: str, settings: dict):
     dtype = x.dtype
     cdt = compute_dtype(dtype)
     act = args.get("activation", "silu")
-    alpha, limit = args.get("alpha"), args.get("limit")
-    if act == "swiglu_oai":  # the defaults as moe_mlp_reference takes them
-        from mlx_bricks.bricks.moe.op import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
-
-        alpha = SWIGLU_OAI_ALPHA if alpha is None else alpha
-        limit = SWIGLU_OAI_LIMIT if limit is None else limit
+    # the parameters' defaults as moe_mlp_reference takes them (ACTIVATION_PARAMS)
+    params = {n: d if args.get(n) is None else args.get(n)
+              for n, d in ACTIVATION_PARAMS.get(act, ())}
     xe = mx.expand_dims(x, (-2, -3))
     do_sort = indices.size >= SORT_THRESHOLD
     idx, inv_order = indices, None
@@ -134,7 +136,7 @@ def dequant_moe(args: dict, backend: str, settings: dict):
     tiles = _Tiles(cap_of(settings), x)
     a = tiles.project(xe.astype(cdt), (args["w_gate"], args["w_up"]),
                       (args.get("b_gate"), args.get("b_up")), idx, do_sort, dtype,
-                      finish=lambda g, u: activation_reference(act, u, g, alpha, limit))
+                      finish=lambda g, u: activation_reference(act, u, g, **params))
     y = tiles.project(a.astype(cdt), (args["w_down"],), (args.get("b_down"),), idx, do_sort,
                       dtype)
     if do_sort:

@@ -6,7 +6,8 @@ expert from 64 rows on, as mlx-lm 0.32).
 Arguments: ``x`` (..., D), ``indices`` (..., k), ``w_gate``, ``w_up``, ``w_down`` (stacked expert
 weights, float ``(E, N, D)`` arrays or 3-D ``QuantizedWeight``), ``b_gate``, ``b_up``, ``b_down``
 (optional expert biases), and optionally ``activation`` (``"silu"`` when absent,
-``"gelu_tanh"``, ``"swiglu_oai"`` with ``alpha`` / ``limit``).
+``"gelu_tanh"``, ``"swiglu_oai"`` with ``alpha`` / ``limit``, ``"situ"`` with ``beta`` /
+``linear_beta``).
 
 The key: E, N, D, top-k, biases and the activation; the bucket of the tokens
 (``tune.buckets.m_bucket``) and of the mean rows per expert ``tokens * k / E`` (the same edges,
@@ -27,6 +28,7 @@ import mlx.core as mx
 from mlx_bricks.bricks.moe import cuda, msl
 from mlx_bricks.bricks.moe.composite import COMPOSITES
 from mlx_bricks.bricks.moe.op import (
+    ACTIVATION_PARAMS,
     SWIGLU_OAI_ALPHA,
     SWIGLU_OAI_LIMIT,
     expert_shape,
@@ -56,16 +58,18 @@ def rows_bucket(tokens: int, k: int, E: int) -> str:
 
 
 def _act_kwargs(args) -> dict:
+    """The activation and its parameters (:data:`ACTIVATION_PARAMS`) among ``args``."""
     act = args.get("activation", "silu")
-    out = {"activation": act}
-    if act == "swiglu_oai":
-        out.update(alpha=args.get("alpha"), limit=args.get("limit"))
-    return out
+    return {"activation": act, **{n: args.get(n) for n, _ in ACTIVATION_PARAMS.get(act, ())}}
 
 
-def _activation_hp(act: str, g, u, alpha, limit):
+def _activation_hp(act: str, g, u, alpha=None, limit=None, beta=None, linear_beta=None):
     """The activation in the reference's precision (formulas of mlx-lm's ``swiglu``, gemma4's
-    ``geglu``, ``swiglu_oai``)."""
+    ``geglu``, ``swiglu_oai``, kimi_k3's ``_situ``)."""
+    if act == "situ":
+        beta = 1.0 if beta is None else beta
+        a = beta * mx.tanh(g / beta) * mx.sigmoid(g)
+        return a * (u if linear_beta is None else linear_beta * mx.tanh(u / linear_beta))
     if act == "gelu_tanh":
         return 0.5 * g * (1 + mx.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3))) * u
     if act == "swiglu_oai":
@@ -111,10 +115,9 @@ class MoeMLP(OpKind):
         act = args.get("activation", "silu")
         if act != "silu":
             values["act"] = act
-            if act == "swiglu_oai":
-                for name, default in (("alpha", SWIGLU_OAI_ALPHA), ("limit", SWIGLU_OAI_LIMIT)):
-                    v = args.get(name)
-                    values[name] = default if v is None else v
+            for name, default in ACTIVATION_PARAMS.get(act, ()):
+                v = args.get(name)
+                values[name] = default if v is None else v
         return Key(self.name, flags(**values),
                    f"{m_bucket(max(1, tokens))},{rows_bucket(tokens, k, E)}",
                    dtype_name(x.dtype), formats_key(*(args[w] for w in _WEIGHTS)))
@@ -185,8 +188,8 @@ class MoeMLP(OpKind):
 
             g = lin(xs, args["w_gate"], args.get("b_gate"))
             u = lin(xs, args["w_up"], args.get("b_up"))
-            a = _activation_hp(args.get("activation", "silu"), g, u, args.get("alpha"),
-                               args.get("limit"))
+            act = _act_kwargs(args)
+            a = _activation_hp(act.pop("activation"), g, u, **act)
             y = lin(a, args["w_down"], args.get("b_down"))
         return y[:, 0, :]
 

@@ -216,7 +216,7 @@ def moe_rows(x2, idx, order, gate, up, down, biases, E: int, act: int, act_param
         x2: (tokens, D) row-contiguous; idx, order: (R,) uint32 from ``op.sort_rows``.
         gate, up, down: ``([w, scales, biases], bits, group_size)`` (``op.expert_inputs``).
         biases: (b_gate, b_up, b_down), each None or (E, N) / (E, N) / (E, D).
-        E: experts; act: the ACT value; act_params: (alpha, limit).
+        E: experts; act: the ACT value; act_params: the activation's two parameters (op.ACTIVATION_PARAMS).
         tile: None or a key of :data:`TILES`.
 
     Returns:

@@ -53,11 +53,18 @@ from mlx_bricks.bricks.swiglu.variants import ACTIVATIONS as SWIGLU_ACTIVATIONS
 #: ``"silu"`` (SwiGLU, ``SwitchGLU``'s default: qwen, mixtral, olmoe, deepseek) and
 #: ``"gelu_tanh"`` (GeGLU with GELU's tanh approximation: gemma4's ``GeGLU``), and
 #: ``"swiglu_oai"`` (gpt-oss's clamped SwiGLU, ``mlx_lm.models.activations.swiglu_oai``, with
-#: ``alpha`` and ``limit``; ``ACT_SWIGLU_OAI`` in moe.h / moe.cuh).
-ACTIVATIONS = {**SWIGLU_ACTIVATIONS, "swiglu_oai": 2}
+#: ``alpha`` and ``limit``; ``ACT_SWIGLU_OAI`` in moe.h / moe.cuh), and ``"situ"`` (Kimi K3's
+#: SiTU, ``mlx_lm.models.kimi_k3.SiTU``, with ``beta`` and ``linear_beta``; ``ACT_SITU``).
+ACTIVATIONS = {**SWIGLU_ACTIVATIONS, "swiglu_oai": 2, "situ": 3}
 #: ``swiglu_oai``'s defaults (gpt-oss; mlx-lm's ``SwigluOAI``).
 SWIGLU_OAI_ALPHA = 1.702
 SWIGLU_OAI_LIMIT = 7.0
+#: ``situ``'s default beta (mlx-lm's ``SiTU``; its ``linear_beta`` defaults to none).
+SITU_BETA = 1.0
+#: The parametrised activations' parameters in the kernels' order (``act_params``), with their
+#: defaults (None: absent, 0 for the kernels).
+ACTIVATION_PARAMS = {"swiglu_oai": (("alpha", SWIGLU_OAI_ALPHA), ("limit", SWIGLU_OAI_LIMIT)),
+                     "situ": (("beta", SITU_BETA), ("linear_beta", None))}
 #: ``SwitchGLU`` sorts the rows by expert when ``indices.size`` is at least this.
 SORT_THRESHOLD = 64
 
@@ -192,12 +199,18 @@ def switch_linear_reference(x, weight, bias, indices, sorted_indices: bool):
     return y
 
 
-def activation_reference(activation: str, up, gate, alpha=None, limit=None):
+def activation_reference(activation: str, up, gate, alpha=None, limit=None, beta=None,
+                        linear_beta=None):
     """``SwitchGLU``'s ``self.activation(x_up, x_gate)`` for the MoE activations, with mlx-lm's
     own functions: ``swiglu`` (``SwiGLU``), gemma4's ``geglu`` (``GeGLU``: ``gelu_approx(gate) *
-    up``), ``swiglu_oai`` (``SwigluOAI(alpha, limit)``)."""
+    up``), ``swiglu_oai`` (``SwigluOAI(alpha, limit)``), kimi_k3's ``_situ`` (``SiTU(beta,
+    linear_beta)``)."""
     from mlx_lm.models import activations
 
+    if activation == "situ":
+        from mlx_lm.models.kimi_k3 import _situ
+
+        return _situ(up, gate, SITU_BETA if beta is None else beta, linear_beta)
     if activation == "silu":
         return activations.swiglu(gate, up)
     if activation == "gelu_tanh":
@@ -208,7 +221,7 @@ def activation_reference(activation: str, up, gate, alpha=None, limit=None):
 
 
 def moe_mlp_reference(x, indices, w_gate, w_up, w_down, *, b_gate=None, b_up=None, b_down=None,
-                      activation="silu", alpha=None, limit=None):
+                      activation="silu", alpha=None, limit=None, beta=None, linear_beta=None):
     """``SwitchGLU.__call__`` (mlx-lm 0.32) in MLX ops: x expanded to rows, sorted by expert
     with ``argsort`` when ``indices.size >= 64`` (two argsorts: order and its inverse), three
     gathered projections (``gather_mm`` / ``gather_qmm``, ``sorted_indices`` then), the
@@ -230,7 +243,7 @@ def moe_mlp_reference(x, indices, w_gate, w_up, w_down, *, b_gate=None, b_up=Non
         xe, idx = xe.flatten(0, -3)[order // k], flat[order]
     up = switch_linear_reference(xe, w_up, b_up, idx, do_sort)
     gate = switch_linear_reference(xe, w_gate, b_gate, idx, do_sort)
-    act = activation_reference(activation, up, gate, alpha, limit)
+    act = activation_reference(activation, up, gate, alpha, limit, beta, linear_beta)
     y = switch_linear_reference(act, w_down, b_down, idx, do_sort)
     if do_sort:
         y = mx.unflatten(y[inv_order], 0, indices.shape)
@@ -268,25 +281,30 @@ def activation_code(activation) -> int:
     return ACTIVATIONS[activation]
 
 
-def _activation_params(activation, alpha, limit) -> tuple[float, float]:
-    """(alpha, limit) of ``swiglu_oai`` (defaults: gpt-oss's); (0, 0) for the others, which
-    take neither."""
-    if activation != "swiglu_oai":
-        for pname, v in (("alpha", alpha), ("limit", limit)):
-            if v is not None:
-                raise ValueError(f"{pname} applies to activation 'swiglu_oai' only, "
-                                 f"got {pname}={v!r} with activation {activation!r}")
-        return 0.0, 0.0
+def _activation_params(activation, **given) -> tuple[float, float]:
+    """The kernels' ``act_params`` of ``activation`` from its parameters ``given`` (``alpha``,
+    ``limit``, ``beta``, ``linear_beta``; None: the default, :data:`ACTIVATION_PARAMS`); (0, 0)
+    for an activation without parameters. A parameter of another activation, a non-finite one
+    or one <= 0 where it divides or bounds (limit, beta, linear_beta) is an error."""
+    params = dict(ACTIVATION_PARAMS.get(activation, ()))
+    for pname, v in given.items():
+        if v is not None and pname not in params:
+            owner = next(a for a, ps in ACTIVATION_PARAMS.items() if pname in dict(ps))
+            raise ValueError(f"{pname} applies to activation {owner!r} only, "
+                             f"got {pname}={v!r} with activation {activation!r}")
     out = []
-    for pname, v, default in (("alpha", alpha, SWIGLU_OAI_ALPHA),
-                              ("limit", limit, SWIGLU_OAI_LIMIT)):
+    for pname, default in ACTIVATION_PARAMS.get(activation, ()):
+        v = given.get(pname)
         v = default if v is None else v
+        if v is None:  # absent (situ's linear_beta)
+            out.append(0.0)
+            continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise TypeError(f"{pname} must be a finite float, got {v!r}")
+        if pname != "alpha" and v <= 0:
+            raise ValueError(f"{pname} must be > 0, got {float(v)}")
         out.append(float(v))
-    if out[1] <= 0:
-        raise ValueError(f"limit must be > 0, got {out[1]}")
-    return out[0], out[1]
+    return (out[0], out[1]) if out else (0.0, 0.0)
 
 
 def _expert_weight(name, value, x):
@@ -320,9 +338,10 @@ def _check_indices_values(indices, E) -> None:
 
 def check_moe_args(x, indices, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None,
                    activation="silu", alpha=None, limit=None, scores=None,
-                   check_indices=True) -> dict:
+                   check_indices=True, beta=None, linear_beta=None) -> dict:
     """Validate the arguments of :func:`moe_mlp` / :func:`moe_mlp_combine` and return them as
-    the kernels take them: ``dict(w_gate, w_up, w_down, E, N, D, k, act, alpha, limit)``.
+    the kernels take them: ``dict(w_gate, w_up, w_down, E, N, D, k, act, act_params)``
+    (``act_params``: the activation's two parameters, :data:`ACTIVATION_PARAMS`).
 
     Raises: see :func:`moe_mlp`.
     """
@@ -362,7 +381,8 @@ def check_moe_args(x, indices, w_gate, w_up, w_down, b_gate=None, b_up=None, b_d
     _check_bias("b_up", b_up, (E, N), x)
     _check_bias("b_down", b_down, (E, D), x)
     act = activation_code(activation)
-    alpha, limit = _activation_params(activation, alpha, limit)
+    act_params = _activation_params(activation, alpha=alpha, limit=limit, beta=beta,
+                                    linear_beta=linear_beta)
     if scores is not None:
         check_array("scores", scores)
         check_float_dtype("scores", scores)
@@ -374,7 +394,7 @@ def check_moe_args(x, indices, w_gate, w_up, w_down, b_gate=None, b_up=None, b_d
     if check_indices and indices.size:
         _check_indices_values(indices, E)
     return dict(w_gate=w_gate, w_up=w_up, w_down=w_down, E=E, N=N, D=D, k=k, act=act,
-                alpha=alpha, limit=limit)
+                act_params=act_params)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -418,12 +438,12 @@ def _kernel_rows(x, indices, a, biases, tile, name):
     idx, order = sort_rows(indices)
     weights = [expert_inputs(a[w]) for w in ("w_gate", "w_up", "w_down")]
     return _backend_module(name).moe_rows(x2, idx, order, *weights, biases, a["E"], a["act"],
-                                          (a["alpha"], a["limit"]), tile=tile, backend=name)
+                                          a["act_params"], tile=tile, backend=name)
 
 
 def moe_mlp(x, indices, w_gate, w_up, w_down, *, b_gate=None, b_up=None, b_down=None,
-            activation="silu", alpha=None, limit=None, tile=None, check_indices=True,
-            backend=None):
+            activation="silu", alpha=None, limit=None, beta=None, linear_beta=None, tile=None,
+            check_indices=True, backend=None):
     """What mlx-lm's ``SwitchGLU(x, indices)`` returns, on the MoE brick: for every token t and
     slot s, ``down_e(act(gate_e(x_t) + b_gate[e], up_e(x_t) + b_up[e])) + b_down[e]`` with
     ``e = indices[t, s]``.
@@ -447,10 +467,11 @@ def moe_mlp(x, indices, w_gate, w_up, w_down, *, b_gate=None, b_up=None, b_down=
             module itself; each in its own format.
         w_down: (E, D, N), the same choices.
         b_gate, b_up: optional (E, N) expert biases, x's dtype (gpt-oss); b_down: (E, D).
-        activation: ``"silu"`` (default), ``"gelu_tanh"`` or ``"swiglu_oai"``
+        activation: ``"silu"`` (default), ``"gelu_tanh"``, ``"swiglu_oai"`` or ``"situ"``
             (:data:`ACTIVATIONS`).
-        alpha, limit: ``swiglu_oai``'s parameters (None: gpt-oss's 1.702 and 7.0); an error
-            with any other activation.
+        alpha, limit: ``swiglu_oai``'s parameters (None: gpt-oss's 1.702 and 7.0); beta,
+            linear_beta: ``situ``'s (None: 1.0 and none). Each an error with another
+            activation.
         tile: None (the tile rule of the backend) or a key of ``msl.TILES`` (metal, emulator)
             / ``cuda.TILES`` (cuda).
         check_indices: check that every index is in [0, E) (a host sync: ``mx.min`` /
@@ -473,19 +494,20 @@ def moe_mlp(x, indices, w_gate, w_up, w_down, *, b_gate=None, b_up=None, b_down=
         ValueError: indices' leading dims unlike x's, k < 1, top-k above the expert count,
             expert shapes that do not match (the message names w_up, w_down, b_gate...), an
             affine weight the format does not describe, an index out of [0, E) (with
-            check_indices), an unknown activation or tile, alpha / limit with another
-            activation, a bad backend.
+            check_indices), an unknown activation or tile, an activation parameter of
+            another activation (or one <= 0: limit, beta, linear_beta), a bad backend.
         NotImplementedError: backend ``"cuda"`` asked for with float32 (no CUDA twin).
     """
     a = check_moe_args(x, indices, w_gate, w_up, w_down, b_gate, b_up, b_down, activation,
-                       alpha, limit, check_indices=check_indices)
+                       alpha, limit, check_indices=check_indices, beta=beta,
+                       linear_beta=linear_beta)
     name = _resolve(backend, x.dtype)
     _check_tile(name, tile)
     out_shape = (*x.shape[:-1], a["k"], a["D"])
     if name == "reference":
         return moe_mlp_reference(x, indices, a["w_gate"], a["w_up"], a["w_down"], b_gate=b_gate,
                                  b_up=b_up, b_down=b_down, activation=activation,
-                                 alpha=alpha, limit=limit)
+                                 alpha=alpha, limit=limit, beta=beta, linear_beta=linear_beta)
     if indices.size == 0:
         return mx.zeros(out_shape, dtype=x.dtype)
     y = _kernel_rows(x, indices, a, (b_gate, b_up, b_down), tile, name)
@@ -493,8 +515,8 @@ def moe_mlp(x, indices, w_gate, w_up, w_down, *, b_gate=None, b_up=None, b_down=
 
 
 def moe_mlp_combine(x, indices, scores, w_gate, w_up, w_down, *, b_gate=None, b_up=None,
-                    b_down=None, activation="silu", alpha=None, limit=None, tile=None,
-                    check_indices=True, backend=None):
+                    b_down=None, activation="silu", alpha=None, limit=None, beta=None,
+                    linear_beta=None, tile=None, check_indices=True, backend=None):
     """The MoE layer's expert part with the router-weighted combine:
     ``sum_s scores[..., s] * moe_mlp(x, indices, ...)[..., s, :]``, (..., D).
 
@@ -516,13 +538,15 @@ def moe_mlp_combine(x, indices, scores, w_gate, w_up, w_down, *, b_gate=None, b_
         of indices' shape.
     """
     a = check_moe_args(x, indices, w_gate, w_up, w_down, b_gate, b_up, b_down, activation,
-                       alpha, limit, scores=scores, check_indices=check_indices)
+                       alpha, limit, scores=scores, check_indices=check_indices, beta=beta,
+                       linear_beta=linear_beta)
     name = _resolve(backend, x.dtype)
     _check_tile(name, tile)
     if name == "reference":
         return moe_mlp_combine_reference(x, indices, scores, a["w_gate"], a["w_up"],
                                          a["w_down"], b_gate=b_gate, b_up=b_up, b_down=b_down,
-                                         activation=activation, alpha=alpha, limit=limit)
+                                         activation=activation, alpha=alpha, limit=limit,
+                                         beta=beta, linear_beta=linear_beta)
     if indices.size == 0:
         return mx.zeros(x.shape, dtype=x.dtype)
     y = _kernel_rows(x, indices, a, (b_gate, b_up, b_down), tile, name)

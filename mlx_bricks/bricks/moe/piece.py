@@ -40,7 +40,8 @@ def switch_classes() -> tuple[type, type, type, type]:
 def activation_of(module) -> tuple[str | None, dict, str | None]:
     """``(activation name, its kwargs, reason)`` of a ``SwitchGLU``'s ``activation`` module:
     ``SwiGLU`` -> ``"silu"``, ``SwigluOAI`` -> ``"swiglu_oai"`` (``alpha``, ``limit``), gemma4's
-    ``GeGLU`` -> ``"gelu_tanh"``; anything else ``(None, {}, reason)``."""
+    ``GeGLU`` -> ``"gelu_tanh"``, kimi_k3's ``SiTU`` -> ``"situ"`` (``beta``, ``linear_beta``);
+    anything else ``(None, {}, reason)``."""
     from mlx_lm.models.activations import SwigluOAI
     from mlx_lm.models.switch_layers import SwiGLU
 
@@ -51,8 +52,12 @@ def activation_of(module) -> tuple[str | None, dict, str | None]:
         return "swiglu_oai", {"alpha": float(act._alpha), "limit": float(act._limit)}, None
     if type(act).__name__ == "GeGLU" and type(act).__module__.startswith("mlx_lm.models."):
         return "gelu_tanh", {}, None
+    if type(act).__name__ == "SiTU" and type(act).__module__ == "mlx_lm.models.kimi_k3":
+        lb = act.linear_beta
+        return "situ", {"beta": float(act.beta),
+                        "linear_beta": None if lb is None else float(lb)}, None
     return None, {}, (f"activation {type(act).__name__} is not one the MoE brick computes "
-                      "(SwiGLU, SwigluOAI, GeGLU)")
+                      "(SwiGLU, SwigluOAI, GeGLU, SiTU)")
 
 
 def expert_format_name(layer) -> str:
