@@ -53,8 +53,8 @@ __device__ __forceinline__ float swiglu_oai(float g, float u, float alpha, float
 __device__ __forceinline__ float situ(float g, float u, float beta, float linear_beta) {
   const float e = expf(-fabsf(g));
   const float sig = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-  const float a = beta * tanhf(fminf(fmaxf(g / beta, -10.0f), 10.0f)) * sig;
-  if (linear_beta > 0.0f) u = linear_beta * tanhf(fminf(fmaxf(u / linear_beta, -10.0f), 10.0f));
+  const float a = beta * tanhf(g / beta) * sig;  // tanhf: +-1 at +-inf, NaN kept
+  if (linear_beta > 0.0f) u = linear_beta * tanhf(u / linear_beta);
   return a * u;
 }
 

@@ -100,13 +100,13 @@ inline float swiglu_oai(float g, float u, float alpha, float limit) {
 
 // Kimi K3's SiTU (mlx_lm.models.kimi_k3._situ): beta tanh(g / beta) sigmoid(g) times u, u first
 // squashed to linear_beta tanh(u / linear_beta) when linear_beta > 0 (0: the model has none).
-// tanh's arguments are clamped to [-10, 10] (tanh(10) rounds to 1 in float32): no inf reaches
-// it; the sigmoid from exp(-|g|) as above.
+// precise::tanh is exact at +-inf (+-1) and keeps a NaN, as mlx-lm's; the sigmoid from
+// exp(-|g|) as above.
 inline float situ(float g, float u, float beta, float linear_beta) {
   const float e = precise::exp(-fabs(g));  // in [0, 1]
   const float sig = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-  const float a = beta * precise::tanh(clamp(g / beta, -10.0f, 10.0f)) * sig;
-  if (linear_beta > 0.0f) u = linear_beta * precise::tanh(clamp(u / linear_beta, -10.0f, 10.0f));
+  const float a = beta * precise::tanh(g / beta) * sig;
+  if (linear_beta > 0.0f) u = linear_beta * precise::tanh(u / linear_beta);
   return a * u;
 }
 

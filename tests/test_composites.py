@@ -112,6 +112,45 @@ def test_float_weights_get_only_the_blas_composite():
         ["blas_fused", "blas_split"] if on_cpu() else [])
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_blas_tiles_write_one_output(dtype):
+    """The BLAS tiles under a small cap (blocks of x's rows and of the weight's rows) written in
+    place into one output, as the one-tile result within the tolerance rule of float64 (two
+    weights with a finish too; OpenBLAS may sum a block's rows in another order); a 0-row x
+    gives (0, N); the peak memory stays within the output and about one cap (no
+    concatenation of every tile beside the output)."""
+    from mlx_bricks.cpu import on_cpu
+
+    if not on_cpu():
+        pytest.skip("the BLAS composites run where MLX computes on the CPU")
+    dt = DTYPES[dtype]
+
+    def tiles(cap):
+        return composite.DenseTiles(cap, "mx", "reference", gemm="blas")
+
+    x, w, b = randn((2, 37, 64), dt, 5), randn((300, 64), dt, 6), randn((300,), dt, 7)
+    ref = to_f64(x) @ to_f64(w).T
+    for cap in (1 << 40, 20_000):
+        assert_dtype_close(tiles(cap).linear(x, (w,), (b,)), ref + to_f64(b), x @ w.T + b,
+                           dtype=dt, what=f"blas tiles, cap {cap}")
+
+        def glu(g, u):
+            return g * u
+
+        assert_dtype_close(tiles(cap).linear(x, (w, w), (b, None), finish=glu),
+                           (ref + to_f64(b)) * ref, (x @ w.T + b) * (x @ w.T), dtype=dt,
+                           what=f"two weights and a finish, cap {cap}")
+    assert tiles(20_000).linear(x[:, :0], (w,), (b,)).shape == (2, 0, 300)
+    x, w = randn((1, 512, 512), dt, 8), randn((4096, 512), dt, 9)
+    mx.eval(x, w)
+    cap = 1 << 20
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    mx.eval(tiles(cap).linear(x, (w,), (None,)))
+    out_bytes = 512 * 4096 * dt.size
+    assert mx.get_peak_memory() - before <= out_bytes + 1.5 * cap
+
+
 # ---- RMSNorm + QKV --------------------------------------------------------------------------
 
 QKV_CASES = [  # B, L, K, (heads, kv heads), head_dim, (q, k, v formats), dtype, bias

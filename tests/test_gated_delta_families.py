@@ -178,6 +178,28 @@ def test_emulator(model_type):
     np.testing.assert_allclose(np.array(out), np.array(stock), atol=3e-4, rtol=3e-4)
 
 
+def test_row_sharded_projection_is_not_a_stage():
+    """A tensor-parallel o_proj (``ShardedToAllLinear``: its output an ``all_sum`` of partial
+    products) runs the module's own layer, which reduces it; the other projections stay
+    stages, and the logits are the unsharded model's (a group of one)."""
+    from mlx.nn.layers.distributed import shard_linear
+
+    from mlx_bricks.patch.modules import mixer_piece
+
+    model = build_model("kimi_linear", mx.float32)
+    toks = tokens(20, seed=9)
+    stock = run(model, toks, model.make_cache())
+    patch_model(model, backend="reference")
+    group = mx.distributed.init()
+    for layer in model.layers[:3]:
+        layer.self_attn.o_proj = shard_linear(layer.self_attn.o_proj, "sharded-to-all",
+                                              group=group)
+    attn = model.layers[0].self_attn
+    assert mixer_piece(attn).stage_names(attn, mx.float32) == ("q_proj", "k_proj", "v_proj")
+    np.testing.assert_allclose(np.array(run(model, toks, model.make_cache())), np.array(stock),
+                               atol=3e-4, rtol=3e-4)
+
+
 def test_unknown_forward_stays_stock():
     """A subclass of a known class with its own forward (calling gated_delta_update) stays stock
     with the reason; attention=False disables the known ones."""

@@ -393,6 +393,16 @@ def test_activation_modules(backend, act):
                        what=f"{act} {backend}")
 
 
+def test_situ_with_a_parameter_out_of_range_stays_stock():
+    """A SiTU whose beta is not > 0: the experts stay stock at patch time, with the reason."""
+    from mlx_lm.models.kimi_k3 import SiTU
+
+    model = build("qwen3_moe", num_experts=8, num_experts_per_tok=2)
+    model.layers[0].mlp.switch_mlp.activation = SiTU(beta=0.0)
+    entry = moe_entries(patch_model(model, backend="reference", tune="off"))[0]
+    assert entry.status == "fallback" and "SiTU with beta=0.0" in entry.reason
+
+
 @pytest.mark.parametrize("backend", ["reference", "emulator"])
 def test_kimi_k3_situ_experts(backend):
     """kimi_k3's routed experts (a SwitchGLU with SiTU, behind the latent projections) run the

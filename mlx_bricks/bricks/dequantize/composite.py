@@ -259,8 +259,9 @@ class DenseTiles:
                 if len(weights) > 1:  # the stacked packed rows, scales and biases (if any)
                     fields = 1 if f.microscaled else 2
                     total += f.bits / 8 + fields * w.scales.dtype.size / f.group_size
-            elif len(weights) > 1 or w.dtype != dtype:
-                total += dtype.size
+            else:  # the stacked copy of several weights' rows, the cast to dtype
+                total += (w.dtype.size if len(weights) > 1 else 0) + \
+                    (dtype.size if w.dtype != dtype else 0)
         return total
 
     def linear(self, x, weights: tuple, biases: tuple, finish=None):
@@ -308,6 +309,8 @@ class DenseTiles:
         N, K = weights[0].shape
         lead = x.shape[:-1]
         M = math.prod(lead)
+        if M == 0:
+            return mx.zeros((*lead, N), x.dtype)
         x2 = x.reshape(M, K)
         m_rows = max(1, min(M, int(self.cap // 4 // (4 * K))))
         per_row = K * self._value_bytes(weights, mx.float32) + 2 * 4 * m_rows * len(weights)
@@ -361,7 +364,12 @@ def _host_writable(shape, dtype):
     out = mx.zeros(shape, dtype)
     mx.eval(out)
     view = _host_view(out)
-    if not view.flags.writeable or view.size != out.size or not view.flags.c_contiguous:
+    ok = view.flags.writeable and view.size == out.size and view.flags.c_contiguous
+    if ok:  # a view, not a copy: a value written through it is read back from the array
+        view.reshape(-1)[0] = 1
+        ok = out.reshape(-1)[0].item() != 0
+        view.reshape(-1)[0] = 0
+    if not ok:
         raise RuntimeError("MLX gave no writable host view of a fresh array")
     return out, view
 

@@ -50,14 +50,16 @@ def finish(linear, y, residual=None):
 def stage_names(module, names, dtype) -> tuple[str, ...]:
     """Of the linear layers ``names`` of a mixer ``module``, those that run as ``linear``
     stages: the ones the GEMM brick reads (``formats.layers.linear_reason``; ``dtype`` the
-    activations', None when unknown) and whose weight the module's dispatch admits
-    (``Dispatch.admits``: without a kernel backend, quantized ones and bfloat16 ones on the
-    CPU); any other runs the module's own layer."""
+    activations', None when unknown), not row-sharded (a tensor-parallel layer whose output
+    is an ``all_sum`` of partial products: the layer itself reduces it), and whose weight the
+    module's dispatch admits (``Dispatch.admits``: without a kernel backend, quantized ones
+    and bfloat16 ones on the CPU); any other runs the module's own layer."""
     from mlx_bricks.formats.layers import linear_reason
 
     dispatch = getattr(module.__dict__.get("_bricks_state"), "dispatch", None)
     return tuple(n for n in names
                  if linear_reason(n, module.get(n), dtype) is None
+                 and not is_row_sharded(module.get(n))
                  and (dispatch is None or dispatch.admits([weight_of(module.get(n))])))
 
 

@@ -53,8 +53,11 @@ def activation_of(module) -> tuple[str | None, dict, str | None]:
     if type(act).__name__ == "GeGLU" and type(act).__module__.startswith("mlx_lm.models."):
         return "gelu_tanh", {}, None
     if type(act).__name__ == "SiTU" and type(act).__module__ == "mlx_lm.models.kimi_k3":
-        lb = act.linear_beta
-        return "situ", {"beta": float(act.beta),
+        beta, lb = act.beta, act.linear_beta
+        if not (beta > 0 and (lb is None or lb > 0)):
+            return None, {}, (f"SiTU with beta={beta!r}, linear_beta={lb!r}: the MoE brick "
+                              "takes them > 0")
+        return "situ", {"beta": float(beta),
                         "linear_beta": None if lb is None else float(lb)}, None
     return None, {}, (f"activation {type(act).__name__} is not one the MoE brick computes "
                       "(SwiGLU, SwigluOAI, GeGLU, SiTU)")
