@@ -156,7 +156,8 @@ _SMALL_GEMMA3 = dict(model_type="gemma3_text", hidden_size=512, num_hidden_layer
                      rope_local_base_freq=10000.0, query_pre_attn_scalar=128, sliding_window=64,
                      sliding_window_pattern=2, max_position_embeddings=4096)
 
-#: The CPU group's models: float16 activations, 4-bit gs64 weights (the user-path script's).
+#: The CPU group's models: float16 activations with 4-bit gs64 weights (the user-path script's), and
+#: an unquantized bfloat16 llama.
 CPU_MODELS = {s.name: s for s in (
     ModelSpec("small_llama_q4", _SMALL_LLAMA, dtype="float16", bits=4,
               what="small llama (the user-path script's)"),
@@ -164,6 +165,8 @@ CPU_MODELS = {s.name: s for s in (
               what="small qwen3_moe (16 experts, top-4)"),
     ModelSpec("small_gemma3_q4", _SMALL_GEMMA3, dtype="float16", bits=4,
               what="small gemma3 (one window-64 layer, one global)"),
+    ModelSpec("small_llama_bf16", _SMALL_LLAMA, dtype="bfloat16", bits=None,
+              what="small llama, unquantized bfloat16 (the CPU's BLAS products)"),
 )}
 
 #: The smallest model (the test's): 2 layers, hidden 64.
