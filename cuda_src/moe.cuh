@@ -36,6 +36,8 @@ __device__ __forceinline__ RouteTile route_tile(const int32_t* route, int E, int
 // parametrised ones read two floats (act_params): (alpha, limit) / (beta, linear_beta).
 constexpr int ACT_SWIGLU_OAI = 2;
 constexpr int ACT_SITU = 3;
+// A gate-less expert's (SwitchMLP: fc1, activation, fc2) activation of up: ReLU^2 (MODE 3).
+constexpr int ACT_RELU2 = 4;
 
 // gpt-oss (mlx_lm.models.activations.swiglu_oai), as metal_src/moe.h: g' = min(g, limit),
 // u' = clip(u, -limit, limit), (u' + 1) * g' * sigmoid(alpha * g'), the sigmoid from exp(-|z|).
@@ -56,6 +58,13 @@ __device__ __forceinline__ float situ(float g, float u, float beta, float linear
   const float a = beta * tanhf(g / beta) * sig;  // tanhf: +-1 at +-inf, NaN kept
   if (linear_beta > 0.0f) u = linear_beta * tanhf(u / linear_beta);
   return a * u;
+}
+
+// A gate-less expert's activation of up (nemotron_h's nn.ReLU2: relu(u)^2), NaN kept.
+template <int ACT>
+__device__ __forceinline__ float moe_activation_up(float u) {
+  static_assert(ACT == ACT_RELU2, "a gate-less expert's ACT must be 4 (ReLU^2)");
+  return u > 0.0f ? u * u : (u <= 0.0f ? 0.0f : u);  // NaN fails both: kept
 }
 
 // act(g, u) with the activation's two parameters p0, p1 (act_params; unused by SiLU / GELU).
@@ -133,7 +142,8 @@ struct GatherALoader {
 
 // MODE 0: act = act(gate + b_gate, up + b_up) from the fused block (v[0] gate, v[1] up).
 // MODE 1: up = up + b_up (rounded to T, as stock rounds it). MODE 2: act = act(gate + b_gate,
-// up[row, col]). Rows of act / up: sorted rows < row_end. Bias pointers: the expert's (N,) rows.
+// up[row, col]). MODE 3 (a gate-less expert): act = act1(up + b_up). Rows of act / up: sorted
+// rows < row_end. Bias pointers: the expert's (N,) rows.
 template <typename T, int MODE, bool HAS_BIAS_GATE, bool HAS_BIAS_UP, int ACT>
 struct MoeGateUpOut {
   T* act;
@@ -155,6 +165,8 @@ struct MoeGateUpOut {
       const int n = e == 0 ? col : c1;
       if constexpr (MODE == 1) {
         out[e] = v[0][e] + (HAS_BIAS_UP ? to_float(b_up[n]) : 0.0f);
+      } else if constexpr (MODE == 3) {
+        out[e] = moe_activation_up<ACT>(v[0][e] + (HAS_BIAS_UP ? to_float(b_up[n]) : 0.0f));
       } else {
         const float g = v[0][e] + (HAS_BIAS_GATE ? to_float(b_gate[n]) : 0.0f);
         float u;

@@ -6,8 +6,9 @@
 //
 // Template: T (__half, __nv_bfloat16), BM, BN, WM, WN, STAGES, WGMMA, DEPTH (as gemm.cu), BITS,
 // GS (the staged weights' format), MODE (0: gate and up fused, one format; 1: up alone, writing
-// up + b_up; 2: gate alone, reading that up: gate and up of different formats), HAS_BIAS_GATE,
-// HAS_BIAS_UP, ACT (0 SiLU, 1 GELU-tanh, 2 gpt-oss clamped SwiGLU, 3 SiTU).
+// up + b_up; 2: gate alone, reading that up: gate and up of different formats; 3: a gate-less
+// expert's up alone, writing act1(up + b_up), its gate triple a placeholder), HAS_BIAS_GATE,
+// HAS_BIAS_UP, ACT (0 SiLU, 1 GELU-tanh, 2 gpt-oss clamped SwiGLU, 3 SiTU; MODE 3: 4 ReLU^2).
 // Inputs: x (tokens, K) row-contiguous; order (R,) uint32; route; w_gate / w_up triples (w of T
 // (E, N, K) or uint32 (E, N, K * BITS / 32), scales / biases (E, N, K / GS) of T, placeholders
 // for float weights); b_gate, b_up (E, N); act_params float32 (alpha, limit) / (beta,
@@ -48,7 +49,7 @@ const T* bs[NB];
 if constexpr (MODE == 0) {
   ws[0] = wg; ss[0] = sg; bs[0] = bg;
   ws[NB - 1] = wu; ss[NB - 1] = su; bs[NB - 1] = bu;
-} else if constexpr (MODE == 1) {
+} else if constexpr (MODE == 1 || MODE == 3) {
   ws[0] = wu; ss[0] = su; bs[0] = bu;
 } else {
   ws[0] = wg; ss[0] = sg; bs[0] = bg;

@@ -20,6 +20,7 @@
 //                               clamped SwiGLU (ACT_SWIGLU_OAI, alpha and limit) and Kimi K3's
 //                               SiTU (ACT_SITU, beta and linear_beta).
 //   moe_gate_up_combine         gate acc <- act(gate + b_gate, up + b_up) in registers.
+//   UpActEpilogue               a gate-less expert's (SwitchMLP) act1(up + b_up): ReLU^2.
 //   StackedLoader               two weight loaders staged as one B tile (gate rows, then up
 //                               rows): gate and up in different formats, gemm_k_loop unchanged.
 //   GateUpLoaderOf              the gate/up weight loader: one loader of 2 BN rows when both
@@ -84,7 +85,25 @@ typename WeightOf<BITS, GROUP_SIZE, WPtr, SPtr, BPtr>::type expert_weight(
 
 // The MoE kernels' ACT values: swiglu.h's two, gpt-oss's clamped SwiGLU and Kimi K3's SiTU.
 // The parametrised ones read two floats (act_params): (alpha, limit) / (beta, linear_beta).
-enum MoeActivation : int { ACT_SWIGLU_OAI = 2, ACT_SITU = 3 };
+// ACT_RELU2 is a gate-less expert's (SwitchMLP: fc1, activation, fc2; moe_up.metal).
+enum MoeActivation : int { ACT_SWIGLU_OAI = 2, ACT_SITU = 3, ACT_RELU2 = 4 };
+
+// A gate-less expert's activation of up (nemotron_h's nn.ReLU2: relu(u)^2), NaN kept.
+template <int ACT>
+inline float moe_activation_up(float u) {
+  static_assert(ACT == ACT_RELU2, "a gate-less expert's ACT must be 4 (ReLU^2)");
+  return u > 0.0f ? u * u : (u <= 0.0f ? 0.0f : u);  // NaN fails both: kept
+}
+
+// Store op of moe_up.metal: act1(acc + b_up[col]) in float, rounded once by the store. Only
+// called for stored (in-bounds) elements.
+template <int ACT, bool HAS_BIAS, typename BiasPtr>
+struct UpActEpilogue {
+  BiasPtr bias;  // the expert's bias row at the block's first column (a placeholder: unread)
+  float operator()(float v, short, short c) const {
+    return moe_activation_up<ACT>(v + (HAS_BIAS ? float(bias[c]) : 0.0f));
+  }
+};
 
 // gpt-oss (mlx_lm.models.activations.swiglu_oai): g' = min(g, limit), u' = clip(u, -limit,
 // limit), (u' + 1) * g' * sigmoid(alpha * g'). The sigmoid is formed from exp(-|z|) so it never

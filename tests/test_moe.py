@@ -100,7 +100,8 @@ def _indices(T, k, E, kind, seed):
 #: Test activations: name -> (the op's activation, its parameters). "situ_lb": Kimi K3's SiTU
 #: with a beta and a linear_beta (the up squashed too).
 ACTS = {"silu": ("silu", {}), "gelu_tanh": ("gelu_tanh", {}), "swiglu_oai": ("swiglu_oai", {}),
-        "situ": ("situ", {}), "situ_lb": ("situ", {"beta": 0.8, "linear_beta": 2.0})}
+        "situ": ("situ", {}), "situ_lb": ("situ", {"beta": 0.8, "linear_beta": 2.0}),
+        "relu2": ("relu2", {})}  # gate-less experts (SwitchMLP): w_gate None
 
 
 def _act_kw(name) -> dict:
@@ -115,6 +116,8 @@ def _act64(name, g, u, alpha=moe_op.SWIGLU_OAI_ALPHA, limit=moe_op.SWIGLU_OAI_LI
         return np.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
     activation, params = ACTS[name]
+    if activation == "relu2":
+        return np.maximum(u, 0.0) ** 2
     if activation == "situ":  # mlx_lm.models.kimi_k3._situ
         beta = params.get("beta", 1.0)
         lb = params.get("linear_beta")
@@ -132,12 +135,12 @@ def _moe64(x, indices, ws, biases, activation) -> np.ndarray:
     """float64 (..., k, D): every (token, slot) row through its expert, no rounding."""
     x64 = to_f64(x).reshape(-1, x.shape[-1])
     idx = np.array(indices).reshape(x64.shape[0], -1)
-    wg, wu, wd = (_experts64(w) for w in ws)
+    wg, wu, wd = (None if w is None else _experts64(w) for w in ws)
     bg, bu, bd = (None if b is None else to_f64(b) for b in biases)
     out = np.zeros((*idx.shape, wd.shape[1]))
     for e in np.unique(idx):
         t, s = np.nonzero(idx == e)
-        g, u = x64[t] @ wg[e].T, x64[t] @ wu[e].T
+        g, u = (None if wg is None else x64[t] @ wg[e].T), x64[t] @ wu[e].T
         if bg is not None:
             g = g + bg[e]
         if bu is not None:
@@ -145,6 +148,14 @@ def _moe64(x, indices, ws, biases, activation) -> np.ndarray:
         y = _act64(activation, g, u) @ wd[e].T
         out[t, s] = y + (bd[e] if bd is not None else 0.0)
     return out.reshape(*indices.shape, wd.shape[1])
+
+
+def _gated(activation, x, idx, ws, biases):
+    """The operands of test activation ``activation``: a gate-less one (``moe_op.GATELESS``)
+    drops w_gate and b_gate."""
+    if ACTS[activation][0] in moe_op.GATELESS:
+        ws, biases = (None, *ws[1:]), (None, *biases[1:])
+    return x, idx, ws, biases
 
 
 @functools.lru_cache(maxsize=8)
@@ -165,7 +176,7 @@ def run_case(backend, T, k, fmt_name, dtype, activation="silu", bias=False, kind
              tile=None, combine=False):
     """One case against float64 under the dtype-scaled rule; the same-dtype computation is
     stock's (``moe_mlp_reference``: SwitchGLU in MLX ops)."""
-    x, idx, ws, biases = _operands(T, k, fmt_name, dtype, bias, kind)
+    x, idx, ws, biases = _gated(activation, *_operands(T, k, fmt_name, dtype, bias, kind))
     dt = DTYPES[dtype]
     kw = dict(b_gate=biases[0], b_up=biases[1], b_down=biases[2], **_act_kw(activation))
     what = (f"{backend} T={T} k={k} {fmt_name} {dtype} {activation} bias={bias} {kind} "
@@ -205,6 +216,8 @@ RAGGED = [
     (1000, 2, "float", "bfloat16", "silu", False, "half"),     # bm64 tiles, empty experts
     (100, 4, "q4", "bfloat16", "situ_lb", False, "random"),    # Kimi K3's SiTU, linear_beta
     (40, 2, "float", "float16", "situ", True, "half"),         # SiTU, beta 1, biases
+    (100, 4, "q4", "bfloat16", "relu2", True, "random"),       # gate-less (SwitchMLP), ReLU^2
+    (63, 2, "mixed", "float32", "relu2", False, "half"),       # gate-less, empty experts
 ]
 
 
@@ -278,6 +291,7 @@ def test_cuda_tiles(tile):
     run_case("cuda", 100, 2, "float", "bfloat16", "silu", True, "half", tile=tile)
     run_case("cuda", 300, 8, "q4", "float16", "swiglu_oai", True, "one", tile=tile)
     run_case("cuda", 90, 4, "q4", "bfloat16", "situ_lb", False, "random", tile=tile)
+    run_case("cuda", 90, 4, "q4", "float16", "relu2", True, "random", tile=tile)
     run_case("cuda", 70, 4, "mixed", "bfloat16", "gelu_tanh", False, "random", tile=tile)
 
 
@@ -287,6 +301,7 @@ def test_msl_tiles(msl_backend, tile):
     run_case(msl_backend, 33, 1, "q4", "float32", "gelu_tanh", False, "one", tile=tile)
     run_case(msl_backend, 50, 2, "float_q", "bfloat16", "swiglu_oai", True, "random", tile=tile)
     run_case(msl_backend, 40, 4, "q4", "float16", "situ_lb", False, "half", tile=tile)
+    run_case(msl_backend, 70, 2, "q4", "bfloat16", "relu2", True, "random", tile=tile)
 
 
 def test_tile_rules():
@@ -435,6 +450,34 @@ STOCK_CASES = [
 ]
 
 
+@pytest.mark.parametrize("fmt,dtype", [("q4", "bfloat16"), ("float", "float32")])
+def test_matches_stock_switch_mlp(kernel_backend, fmt, dtype):
+    """A gate-less SwitchMLP (nemotron_h's experts: fc1, ReLU^2, fc2) against mlx-lm's own
+    module and float64: w_gate None, activation "relu2"."""
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import SwitchMLP
+
+    fmts, (E, N, D) = FORMATS[fmt]
+    dt = DTYPES[dtype]
+    mlp = SwitchMLP(D, N, E, activation=nn.ReLU2())
+    for i, name in enumerate(("fc1", "fc2")):
+        lin = getattr(mlp, name)
+        lin.weight = _randn(lin.weight.shape, dt, 40 + i, lin.weight.shape[-1] ** -0.5)
+        if fmts[0] is not None:
+            setattr(mlp, name, lin.to_quantized(group_size=fmts[0][1], bits=fmts[0][0]))
+    x = _randn((2, 35, D), dt, 41)
+    idx = _indices(70, 4, E, "random", 42).reshape(2, 35, 4)
+    if mx.default_device() == mx.cpu and fmts[0] is None and dt != mx.float32:
+        pytest.skip("stock SwitchLinear's gather_mm takes float32 only on the CPU (MLX 0.32)")
+    stock = mlp(x, idx)
+    out = moe_mlp(x, idx, None, mlp.fc1, mlp.fc2, activation="relu2", backend=kernel_backend)
+    if kernel_backend == "reference":  # the reference is SwitchMLP itself
+        assert mx.array_equal(out, stock)
+    ws = (None, moe_op.as_expert_weight(mlp.fc1), moe_op.as_expert_weight(mlp.fc2))
+    assert_dtype_close(out, _moe64(x, idx, ws, (None, None, None), "relu2"), stock, dtype=dt,
+                       what=f"{kernel_backend} vs stock SwitchMLP {fmt} {dtype}")
+
+
 @pytest.mark.parametrize("T,k,fmt,dtype,act,bias", STOCK_CASES,
                          ids=["-".join(map(str, c)) for c in STOCK_CASES])
 def test_matches_stock_switch_glu(kernel_backend, T, k, fmt, dtype, act, bias):
@@ -531,6 +574,9 @@ def _error_cases():
     yield "activation type", dict(activation=0), TypeError, "activation must be a str"
     yield "alpha with silu", dict(alpha=1.0), ValueError, "alpha applies to activation"
     yield "limit", dict(activation="swiglu_oai", limit=0.0), ValueError, "limit must be > 0"
+    yield "no gate with silu", dict(w_gate=None), ValueError, "w_gate must be None exactly"
+    yield "a gate with relu2", dict(activation="relu2"), ValueError, \
+        "w_gate must be None exactly"
     yield "beta with swiglu_oai", dict(activation="swiglu_oai", beta=1.0), ValueError, \
         "beta applies to activation 'situ' only"
     yield "linear_beta", dict(activation="situ", linear_beta=0.0), ValueError, \
@@ -587,9 +633,11 @@ def _cuda_records(tile, fmts, act=0, bias=False, T=64, k=8, E=4, N=256, D=512):
           for sh, f in zip(((E, N, D), (E, N, D), (E, D, N)), fmts)]
     biases = tuple(mx.zeros(sh, dt) if bias else None for sh in ((E, N), (E, N), (E, D)))
     x, idx = mx.zeros((T, D), dt), mx.zeros((T * k,), mx.uint32)
+    inputs = [moe_op.expert_inputs(w) for w in ws]
+    if act == moe_op.ACTIVATIONS["relu2"]:  # gate-less experts: no gate operand
+        inputs[0], biases = None, (None, *biases[1:])
     with cudacheck.recorded_launches(moe_cuda) as rec:
-        y = moe_cuda.moe_rows(x, idx, idx, *(moe_op.expert_inputs(w) for w in ws), biases, E,
-                              act, (1.702, 7.0), tile=tile)
+        y = moe_cuda.moe_rows(x, idx, idx, *inputs, biases, E, act, (1.702, 7.0), tile=tile)
     assert y.shape == (T * k, D)
     return rec
 
@@ -605,6 +653,9 @@ CUDA_COMPILE_CASES = [
     ("bm32", "q3q6", 1, False, "sm_80"),
     ("qwg256", "q8", 2, True, "sm_90a"),      # weights dequantized in registers (qmoe_*.cu)
     ("qmma128", "q4", 0, False, "sm_80"),
+    ("qmma128", "q4", 3, False, "sm_90a"),    # SiTU
+    ("wg64", "q4", 4, True, "sm_90a"),        # gate-less experts (MODE 3, ReLU^2)
+    ("bm32", "mixed", 4, False, "sm_80"),
 ]
 CUDA_COMPILE_SLOW = [(t, f, a, b, arch) for t in moe_cuda.TILES for f in CUDA_COMPILE_FORMATS
                      for a, b in ((0, False), (2, True)) for arch in ("sm_90a", "sm_80")
@@ -629,8 +680,11 @@ def test_cuda_twins_compile(monkeypatch, tile, fmt, act, bias, arch):
         return
     rec = _cuda_records(tile, fmts, act, bias)
     names = [r.name for r in rec]
-    split = fmts[0] != fmts[1]
-    if moe_cuda.TILES[tile].ws:
+    split = fmts[0] != fmts[1] and act != moe_op.ACTIVATIONS["relu2"]
+    if act == moe_op.ACTIVATIONS["relu2"]:
+        assert names == ["moe_route", "moe_gate_up", "moe_down"]
+        assert dict(rec[1].template)["MODE"] == 3
+    elif moe_cuda.TILES[tile].ws:
         assert names == ["moe_route", "qmoe_gate_up", "qmoe_down"]
     else:
         assert names == ["moe_route"] + ["moe_gate_up"] * (1 + split) + ["moe_down"]
@@ -680,6 +734,8 @@ CUDA_EMU_CASES = [
     ("qmma128", 40, 8, "q8q4", "bfloat16", "silu", False, "random"),
     ("bm32", 30, 2, "q4", "bfloat16", "situ_lb", False, "random"),  # Kimi K3's SiTU
     ("qmma128", 30, 4, "q4", "float16", "situ", False, "half"),
+    ("bm32", 30, 2, "q4", "bfloat16", "relu2", True, "random"),  # gate-less: MODE 3
+    ("bm64", 40, 4, "float", "float16", "relu2", False, "half"),
 ]
 
 
@@ -689,11 +745,12 @@ def test_cuda_twins_in_the_cpu_emulation(monkeypatch, tile, T, k, fmt, dtype, ac
 
     emu = _cuda_emu()
     monkeypatch.setattr(gemm_cuda, "device_capability", lambda: (8, 0))
-    x, idx, ws, biases = _operands(T, k, fmt, dtype, bias, kind)
+    x, idx, ws, biases = _gated(act, *_operands(T, k, fmt, dtype, bias, kind))
     a = moe_op.check_moe_args(x, idx, *ws, *biases, **_act_kw(act))
     idx_u, order = moe_op.sort_rows(idx)
     with emu.emulated_launches(moe_cuda) as names:
-        y = moe_cuda.moe_rows(x, idx_u, order, *(moe_op.expert_inputs(w) for w in ws), biases,
+        y = moe_cuda.moe_rows(x, idx_u, order, *(None if w is None else moe_op.expert_inputs(w)
+                                                 for w in ws), biases,
                               a["E"], a["act"], a["act_params"], tile=tile)
         route = moe_cuda.route(idx_u, order, a["E"], moe_cuda.TILES[tile].bm)
         mx.eval(y, route)

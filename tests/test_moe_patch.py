@@ -426,6 +426,29 @@ def test_kimi_k3_situ_experts(backend):
 
 
 @pytest.mark.parametrize("backend", ["reference", "emulator"])
+def test_nemotron_h_gateless_experts(backend):
+    """nemotron_h's routed experts (a gate-less SwitchMLP: fc1, ReLU^2, fc2) run the MoE brick
+    (w_gate None, activation relu2): a tiny float32 model, each MoE layer's experts patched and
+    called once per prefill, logits close to stock's and to float64's."""
+    if backend == "emulator":
+        require_backend("emulator")
+    from tests.ssm_models import build as build_ssm
+
+    model = build_ssm("nemotron_h", mx.float32)
+    toks = tokens(30)
+    stock = run(model, toks)
+    report = patch_model(model, backend=backend, tune="off")
+    entries = moe_entries(report)
+    assert entries and all(m.status == "patched" and "activation=relu2" in m.variant
+                           for m in entries), report
+    assert all(set(m.weights) == {"fc1", "fc2"} for m in entries)
+    out = run(model, toks)
+    assert report.calls()[MOE_MLP.op_name] == len(entries)
+    assert_dtype_close(out, float64_logits(model, toks), stock, dtype=mx.float32,
+                       what=f"nemotron_h {backend}")
+
+
+@pytest.mark.parametrize("backend", ["reference", "emulator"])
 def test_batch_and_flat_inputs(backend):
     """x of (batch, L, D) and of (tokens, D) (a model that flattens before its experts); one
     flat token is decode (stock, counted)."""

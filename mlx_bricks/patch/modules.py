@@ -17,7 +17,12 @@ import mlx.nn as nn
 from mlx_bricks.bricks.gated_delta.mixers import KDA_PIECE, OLMO_GDN_PIECE
 from mlx_bricks.bricks.gated_delta.piece import GDN_PIECE
 from mlx_bricks.bricks.mla.piece import MLA_PIECE, MLA_SCALED_PIECE
-from mlx_bricks.bricks.moe.piece import MOE_PIECE, activation_of, switch_classes
+from mlx_bricks.bricks.moe.piece import (
+    MOE_PIECE,
+    SWITCH_MLP_PIECE,
+    activation_of,
+    switch_classes,
+)
 from mlx_bricks.bricks.short_conv.piece import SHORT_CONV_PIECE
 from mlx_bricks.bricks.swiglu.fused_piece import FUSED_MLP_PIECE
 from mlx_bricks.bricks.ssd.piece import FALCON_SSD_PIECE, MAMBA1_PIECE, SSD_PIECE
@@ -41,36 +46,37 @@ def has_experts(layer) -> bool:
 
 def patch_experts(report, i: int, layer, opts: dict, backend: str,
                    dispatch: Dispatch | None, layout) -> None:
-    """Patch every ``SwitchGLU`` inside layer ``i`` by module, whatever the architecture (its
-    call ``(x, indices)`` runs the MoE piece, ``bricks.moe.piece.MOE_PIECE``; the model's
-    router, combine and shared experts stay its own), and report every ``SwitchMLP`` stock
-    with the reason. With
-    ``dispatch`` None, or composites only (no kernel backend) and float experts (the MoE
-    kind's ``dequant`` composite applies to quantized ones), they are reported stock with
-    :data:`NO_KERNEL_BACKEND`. The layer's fused gate|up MLPs (granitemoehybrid's shared MLP,
-    plamo2's MLP) are patched by module here too (:func:`patch_fused_mlps`)."""
+    """Patch every ``SwitchGLU`` and ``SwitchMLP`` inside layer ``i`` by module, whatever the
+    architecture (its call ``(x, indices)`` runs the MoE piece, ``bricks.moe.piece.MOE_PIECE``,
+    or for a gate-less ``SwitchMLP`` ``SWITCH_MLP_PIECE``; the model's router, combine and
+    shared experts stay its own). With ``dispatch`` None, or composites only (no kernel
+    backend) and float experts (the MoE kind's ``dequant`` composite applies to quantized
+    ones), they are reported stock with :data:`NO_KERNEL_BACKEND`. The layer's fused gate|up
+    MLPs (granitemoehybrid's shared MLP, plamo2's MLP) are patched by module here too
+    (:func:`patch_fused_mlps`)."""
     patch_fused_mlps(report, i, layer, opts, backend, dispatch)
     glu, switch_mlp = switch_classes()[:2]
     for path, module in layer.named_modules():
         if not isinstance(module, (glu, switch_mlp)):
             continue
+        piece = MOE_PIECE if isinstance(module, glu) else SWITCH_MLP_PIECE
         where = path or "layer"
-        formats = MOE_PIECE.weight_formats(module) if isinstance(module, glu) else {}
+        formats = piece.weight_formats(module)
         add = report.modules.append
         if not opts["mlp"]:
-            add(ModuleReport(i, MOE_PIECE.role, DISABLED, reason=f"{where}: mlp=False",
+            add(ModuleReport(i, piece.role, DISABLED, reason=f"{where}: mlp=False",
                              weights=formats))
             continue
         reason = "module is already patched" if is_patched(module) else \
-            MOE_PIECE.reason(module) or signature_reason(module, ("indices",))
+            piece.reason(module) or signature_reason(module, ("indices",))
         if reason is not None:
-            add(ModuleReport(i, MOE_PIECE.role, FALLBACK, reason=f"{where}: {reason}",
+            add(ModuleReport(i, piece.role, FALLBACK, reason=f"{where}: {reason}",
                              weights=formats))
             continue
         quantized = any(isinstance(getattr(module, n, None), switch_classes()[3])
-                        for n in MOE_PIECE.linears())
+                        for n in piece.linears())
         if dispatch is None or (dispatch.composites_only and not quantized):
-            add(ModuleReport(i, MOE_PIECE.role, STOCK, reason=NO_KERNEL_BACKEND,
+            add(ModuleReport(i, piece.role, STOCK, reason=NO_KERNEL_BACKEND,
                              weights=formats))
             continue
         if dispatch.tuning:
@@ -78,10 +84,10 @@ def patch_experts(report, i: int, layer, opts: dict, backend: str,
         else:
             tile = "reference" if backend == "reference" else "rule"
         variant = f"{where}: activation={activation_of(module)[0]}, tile={tile}"
-        st = BricksState(backend=backend, layer=i, role=MOE_PIECE.role, layout=layout,
-                         piece=MOE_PIECE, dispatch=dispatch)
+        st = BricksState(backend=backend, layer=i, role=piece.role, layout=layout,
+                         piece=piece, dispatch=dispatch)
         attach(module, BricksPiece, st)
-        add(ModuleReport(i, MOE_PIECE.role, PATCHED, MOE_PIECE.bricks, variant, backend,
+        add(ModuleReport(i, piece.role, PATCHED, piece.bricks, variant, backend,
                          weights=formats, state=st))
 
 

@@ -116,7 +116,8 @@ class _Tiles:
 
 def dequant_moe(args: dict, backend: str, settings: dict):
     """The ``dequant`` composite's output for the MoE kind's ``args`` (module docstring):
-    ``(..., k, D)`` of x's dtype, what ``SwitchGLU(x, indices)`` returns."""
+    ``(..., k, D)`` of x's dtype, what ``SwitchGLU(x, indices)`` returns (``SwitchMLP``'s for
+    gate-less experts: ``w_gate`` None)."""
     x, indices = args["x"], args["indices"]
     dtype = x.dtype
     cdt = compute_dtype(dtype)
@@ -134,9 +135,13 @@ def dequant_moe(args: dict, backend: str, settings: dict):
         inv_order = mx.argsort(order)
         xe, idx = xe.flatten(0, -3)[order // k], flat[order]
     tiles = _Tiles(cap_of(settings), x)
-    a = tiles.project(xe.astype(cdt), (args["w_gate"], args["w_up"]),
-                      (args.get("b_gate"), args.get("b_up")), idx, do_sort, dtype,
-                      finish=lambda g, u: activation_reference(act, u, g, **params))
+    if args.get("w_gate") is None:  # gate-less experts (SwitchMLP): up, then its activation
+        a = tiles.project(xe.astype(cdt), (args["w_up"],), (args.get("b_up"),), idx, do_sort,
+                          dtype, finish=lambda u: activation_reference(act, u, None))
+    else:
+        a = tiles.project(xe.astype(cdt), (args["w_gate"], args["w_up"]),
+                          (args.get("b_gate"), args.get("b_up")), idx, do_sort, dtype,
+                          finish=lambda g, u: activation_reference(act, u, g, **params))
     y = tiles.project(a.astype(cdt), (args["w_down"],), (args.get("b_down"),), idx, do_sort,
                       dtype)
     if do_sort:
@@ -146,4 +151,5 @@ def dequant_moe(args: dict, backend: str, settings: dict):
 
 #: The MoE kind's composites: ``dequant`` wherever an expert weight is quantized.
 COMPOSITES = (Composite("dequant", dequant_moe,
-                        lambda args, backend: quantized(*(args[w] for w in _WEIGHTS))),)
+                        lambda args, backend: quantized(*(args[w] for w in _WEIGHTS
+                                                          if args.get(w) is not None))),)

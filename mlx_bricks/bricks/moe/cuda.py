@@ -107,10 +107,12 @@ def _fits(t: MoeCudaTile, bits) -> bool:
     return (g != u or g <= t.gate_up.max_bits) and d <= t.down.max_bits
 
 
-def tile_names(cc: tuple[int, int] | None = None, bits=(0, 0, 0)) -> tuple[str, ...]:
+def tile_names(cc: tuple[int, int] | None = None, bits=(0, 0, 0),
+               gated: bool = True) -> tuple[str, ...]:
     """The tiles a GPU of capability ``cc`` (default: this one) runs for weights of ``bits``
     = (gate, up, down) (0: float): wgmma tiles need sm_90, every kernel's shared memory must
-    fit and no kernel may spill (:func:`_fits`)."""
+    fit and no kernel may spill (:func:`_fits`); gate-less experts (``gated`` False) have no
+    ws tile (``qmoe_*`` computes gate and up)."""
     cc = gemm_cuda.device_capability() if cc is None else cc
     limit = gemm_cuda.max_shared_memory(cc)
 
@@ -121,14 +123,16 @@ def tile_names(cc: tuple[int, int] | None = None, bits=(0, 0, 0)) -> tuple[str, 
         return max(_smem(t, b) for b in bits) <= limit
 
     return tuple(n for n, t in TILES.items()
-                 if (not t.wgmma or cc[0] == 9) and _fits(t, bits) and fits_smem(t))
+                 if (not t.wgmma or cc[0] == 9) and (gated or not t.ws) and _fits(t, bits)
+                 and fits_smem(t))
 
 
-def select_tile(R: int, E: int, cc: tuple[int, int] | None = None, bits=(0, 0, 0)) -> str:
+def select_tile(R: int, E: int, cc: tuple[int, int] | None = None, bits=(0, 0, 0),
+                gated: bool = True) -> str:
     """The tile rule (until the tuner decides): by the mean rows per expert m = R / min(E, R),
     ``wg128`` above 96, ``wg64`` above 32, else ``bm32`` on sm_90; ``bm64`` above 32, else
     ``bm32`` elsewhere. A heuristic, not a measurement."""
-    names = tile_names(cc, bits)
+    names = tile_names(cc, bits, gated)
     mean = R / max(1, min(E, R))
     order = ("wg128", "wg64", "bm32") if mean > 96 else \
         ("wg64", "bm64", "bm32") if mean > 32 else ("bm32", "bm64")
@@ -185,15 +189,18 @@ def moe_rows(x2, idx, order, gate, up, down, biases, E: int, act: int, act_param
     check_dtype(x2.dtype)
     D = x2.shape[1]
     R = idx.shape[0]
-    N = gate[0][0].shape[1]
+    N = up[0][0].shape[1]
     dtype = x2.dtype
+    gateless = gate is None  # a SwitchMLP's experts: MODE 3 (up and its activation), then down
+    if gateless:
+        gate = up  # the kernel's gate triple: a placeholder, never read in MODE 3
     fused = gate[1:] == up[1:]
     bits = (gate[1], up[1], down[1])
     if tile is None:
-        tile = select_tile(R, E, bits=bits)
-    elif tile not in tile_names(bits=bits):
+        tile = select_tile(R, E, bits=bits, gated=not gateless)
+    elif tile not in tile_names(bits=bits, gated=not gateless):
         raise ValueError(f"tile must be None or, on this GPU, one of "
-                         f"{list(tile_names(bits=bits))}, got {tile!r}")
+                         f"{list(tile_names(bits=bits, gated=not gateless))}, got {tile!r}")
     t = TILES[tile]
     rt = route(idx, order, E, t.bm)
     tiles = tiles_max(R, E, t.bm)
@@ -201,7 +208,7 @@ def moe_rows(x2, idx, order, gate, up, down, biases, E: int, act: int, act_param
     ph = gate[0][1]
     params = mx.array(act_params, dtype=mx.float32)
     if t.ws:
-        if not fused:
+        if not fused or gateless:
             raise ValueError(f"tile {tile!r} takes gate and up in one format")
         return _qmoe(x2, order, rt, tiles, gate, up, down, (b_gate, b_up, b_down), params,
                      act, t, R, N, D)
@@ -223,7 +230,9 @@ def moe_rows(x2, idx, order, gate, up, down, biases, E: int, act: int, act_param
         )
         return out
 
-    if fused:
+    if gateless:
+        act_rows = gate_up(3, up, None)
+    elif fused:
         act_rows = gate_up(0, gate, None)
     else:
         act_rows = gate_up(2, gate, gate_up(1, up, None))

@@ -5,7 +5,8 @@ expert from 64 rows on, as mlx-lm 0.32).
 
 Arguments: ``x`` (..., D), ``indices`` (..., k), ``w_gate``, ``w_up``, ``w_down`` (stacked expert
 weights, float ``(E, N, D)`` arrays or 3-D ``QuantizedWeight``), ``b_gate``, ``b_up``, ``b_down``
-(optional expert biases), and optionally ``activation`` (``"silu"`` when absent,
+(optional expert biases; ``w_gate`` None for gate-less experts, activation ``"relu2"``), and
+optionally ``activation`` (``"silu"`` when absent,
 ``"gelu_tanh"``, ``"swiglu_oai"`` with ``alpha`` / ``limit``, ``"situ"`` with ``beta`` /
 ``linear_beta``).
 
@@ -44,6 +45,11 @@ from mlx_bricks.runtime.kind import (Key, OpKind, check_rows, flags, high_precis
 from mlx_bricks.tune.buckets import M_EDGES, m_bucket
 
 _WEIGHTS = ("w_gate", "w_up", "w_down")
+
+
+def _present(args) -> list:
+    """The expert weights of ``args`` (w_gate None for gate-less experts: left out)."""
+    return [args[w] for w in _WEIGHTS if args.get(w) is not None]
 _BIASES = ("b_gate", "b_up", "b_down")
 
 
@@ -65,7 +71,9 @@ def _act_kwargs(args) -> dict:
 
 def _activation_hp(act: str, g, u, alpha=None, limit=None, beta=None, linear_beta=None):
     """The activation in the reference's precision (formulas of mlx-lm's ``swiglu``, gemma4's
-    ``geglu``, ``swiglu_oai``, kimi_k3's ``_situ``)."""
+    ``geglu``, ``swiglu_oai``, kimi_k3's ``_situ``; ``relu2`` of a gate-less expert: g None)."""
+    if act == "relu2":
+        return mx.square(mx.maximum(u, 0))
     if act == "situ":
         beta = 1.0 if beta is None else beta
         a = beta * mx.tanh(g / beta) * mx.sigmoid(g)
@@ -108,7 +116,7 @@ class MoeMLP(OpKind):
 
     def key(self, args):
         x, idx = args["x"], args["indices"]
-        E, N, D = expert_shape(args["w_gate"])
+        E, N, D = expert_shape(args["w_up"])
         k = idx.shape[-1]
         tokens = math.prod(x.shape[:-1])
         values = dict(E=E, N=N, D=D, k=k, bias=args.get("b_gate") is not None)
@@ -120,10 +128,10 @@ class MoeMLP(OpKind):
                 values[name] = default if v is None else v
         return Key(self.name, flags(**values),
                    f"{m_bucket(max(1, tokens))},{rows_bucket(tokens, k, E)}",
-                   dtype_name(x.dtype), formats_key(*(args[w] for w in _WEIGHTS)))
+                   dtype_name(x.dtype), formats_key(*_present(args)))
 
     def brick(self, args, backend, **kwargs):
-        if backend == "reference" and not kernel_readable(*(args[w] for w in _WEIGHTS)):
+        if backend == "reference" and not kernel_readable(*_present(args)):
             return self.stock(args)  # moe_mlp's reference path, which takes no microscaled one
         return moe_mlp(args["x"], args["indices"], *(args[w] for w in _WEIGHTS),
                        **{b: args.get(b) for b in _BIASES}, **_act_kwargs(args),
@@ -138,14 +146,16 @@ class MoeMLP(OpKind):
         """The brick's tiles on ``backend``: every MSL tile on metal / emulator; on cuda the
         tiles this GPU runs for the weights' widths (none for float32: no CUDA twin); none on
         ``reference`` or any other backend, nor for a microscaled expert weight."""
-        if args is not None and not kernel_readable(*(args[w] for w in _WEIGHTS)):
+        if args is not None and not kernel_readable(*_present(args)):
             return ()
         if backend in ("metal", "emulator"):
             return tuple(msl.TILES)
         if backend == "cuda" and dtype != mx.float32:
-            bits = (0, 0, 0) if args is None else tuple(weight_format(args[w])[0]
-                                                        for w in _WEIGHTS)
-            return cuda.tile_names(bits=bits)
+            if args is None:
+                return cuda.tile_names()
+            bits = tuple(weight_format(w)[0] for w in _present(args))
+            gated = args.get("w_gate") is not None
+            return cuda.tile_names(bits=bits if gated else (bits[0], *bits), gated=gated)
         return ()
 
     def variant_kwargs(self, name):
@@ -186,7 +196,8 @@ class MoeMLP(OpKind):
                 y = a @ _experts_dense(w, experts).astype(hp).swapaxes(-1, -2)
                 return y if b is None else y + b[experts].astype(hp)[:, None, :]
 
-            g = lin(xs, args["w_gate"], args.get("b_gate"))
+            g = None if args.get("w_gate") is None else lin(xs, args["w_gate"],
+                                                            args.get("b_gate"))
             u = lin(xs, args["w_up"], args.get("b_up"))
             act = _act_kwargs(args)
             a = _activation_hp(act.pop("activation"), g, u, **act)

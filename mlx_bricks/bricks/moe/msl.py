@@ -46,6 +46,15 @@ GATE_UP_SPEC = register(KernelSpec(
     cuda_input_names=("x", "order", "route", "w_gate", "scales_gate", "biases_gate", "w_up",
                       "scales_up", "biases_up", "b_gate", "b_up", "act_params", "up"),
 ))
+UP_SPEC = register(KernelSpec(
+    name="moe_up",
+    body="moe_up.metal",
+    # a gate-less expert's up projection and activation (SwitchMLP); up_scales / up_biases:
+    # the affine weight's (placeholders for a float weight, never read)
+    input_names=("x", "order", "route", "w_up", "up_scales", "up_biases", "b_up"),
+    output_names=("act",),
+    headers=("gemm.h", "swiglu.h", "moe.h"),
+))
 register(KernelSpec(
     name="moe_down",
     body="moe_down.metal",
@@ -214,9 +223,11 @@ def moe_rows(x2, idx, order, gate, up, down, biases, E: int, act: int, act_param
 
     Args:
         x2: (tokens, D) row-contiguous; idx, order: (R,) uint32 from ``op.sort_rows``.
-        gate, up, down: ``([w, scales, biases], bits, group_size)`` (``op.expert_inputs``).
+        gate, up, down: ``([w, scales, biases], bits, group_size)`` (``op.expert_inputs``);
+            gate None for a gate-less expert (``moe_up``, then ``moe_down``).
         biases: (b_gate, b_up, b_down), each None or (E, N) / (E, N) / (E, D).
-        E: experts; act: the ACT value; act_params: the activation's two parameters (op.ACTIVATION_PARAMS).
+        E: experts; act: the ACT value; act_params: the activation's two parameters
+            (``op.ACTIVATION_PARAMS``).
         tile: None or a key of :data:`TILES`.
 
     Returns:
@@ -224,15 +235,27 @@ def moe_rows(x2, idx, order, gate, up, down, biases, E: int, act: int, act_param
     """
     D = x2.shape[1]
     R = idx.shape[0]
-    N = gate[0][0].shape[1]
     dtype = x2.dtype
+    N = up[0][0].shape[1]
     plan = plan_moe(R, E, N, D, dtype, tile=tile,
-                    group_sizes=[g for _, b, g in (gate, up, down) if b])
+                    group_sizes=[w[2] for w in (gate, up, down) if w is not None and w[1]])
     t = plan.tile
     rt = route(idx, order, E, t.bm, backend, plan.route_threads)
     b_gate, b_up, b_down = (None if b is None else mx.contiguous(b) for b in biases)
-    ph = gate[0][1]  # a placeholder of x's dtype for absent biases
+    ph = up[0][1]  # a placeholder of x's dtype for absent biases
     gu, dn = t.gate_up, t.down
+    if gate is None:  # a gate-less expert (SwitchMLP): up and its activation, then down
+        (act_rows,) = launch(
+            "moe_up", backend,
+            inputs=[x2, order, rt, *up[0], ph if b_up is None else b_up],
+            template=_geometry(dtype, dn, plan.bk, plan.pad, plan.vec_k) + [
+                ("BITS", up[1]), ("GROUP_SIZE", up[2]), ("HAS_BIAS", b_up is not None),
+                ("ACT", act)],
+            grid=(math.ceil(N / dn.bn) * dn.threads, plan.tiles, 1),
+            threadgroup=(dn.threads, 1, 1),
+            output_shapes=[(R, N)], output_dtypes=[dtype],
+        )
+        return _down(act_rows, order, rt, down, b_down, ph, plan, R, D, backend)
     (act_rows,) = launch(
         "moe_gate_up", backend,
         inputs=[x2, order, rt, *gate[0], *up[0], ph if b_gate is None else b_gate,
@@ -245,14 +268,20 @@ def moe_rows(x2, idx, order, gate, up, down, biases, E: int, act: int, act_param
         threadgroup=(gu.threads, 1, 1),
         output_shapes=[(R, N)], output_dtypes=[dtype],
     )
+    return _down(act_rows, order, rt, down, b_down, ph, plan, R, D, backend)
+
+
+def _down(act_rows, order, rt, down, b_down, ph, plan: MoePlan, R: int, D: int, backend: str):
+    """The down projection (``moe_down``): y (R, D) in (token, slot) order."""
+    dn = plan.tile.down
     (y,) = launch(
         "moe_down", backend,
         inputs=[act_rows, order, rt, *down[0], ph if b_down is None else b_down],
-        template=_geometry(dtype, dn, plan.bk, plan.pad, plan.vec_n) + [
+        template=_geometry(act_rows.dtype, dn, plan.bk, plan.pad, plan.vec_n) + [
             ("BITS", down[1]), ("GROUP_SIZE", down[2]), ("HAS_BIAS", b_down is not None)],
         grid=(math.ceil(D / dn.bn) * dn.threads, plan.tiles, 1),
         threadgroup=(dn.threads, 1, 1),
-        output_shapes=[(R, D)], output_dtypes=[dtype],
+        output_shapes=[(R, D)], output_dtypes=[act_rows.dtype],
     )
     return y
 

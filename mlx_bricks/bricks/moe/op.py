@@ -55,7 +55,10 @@ from mlx_bricks.bricks.swiglu.variants import ACTIVATIONS as SWIGLU_ACTIVATIONS
 #: ``"swiglu_oai"`` (gpt-oss's clamped SwiGLU, ``mlx_lm.models.activations.swiglu_oai``, with
 #: ``alpha`` and ``limit``; ``ACT_SWIGLU_OAI`` in moe.h / moe.cuh), and ``"situ"`` (Kimi K3's
 #: SiTU, ``mlx_lm.models.kimi_k3.SiTU``, with ``beta`` and ``linear_beta``; ``ACT_SITU``).
-ACTIVATIONS = {**SWIGLU_ACTIVATIONS, "swiglu_oai": 2, "situ": 3}
+ACTIVATIONS = {**SWIGLU_ACTIVATIONS, "swiglu_oai": 2, "situ": 3, "relu2": 4}
+#: The activations of gate-less experts (mlx-lm's ``SwitchMLP``: fc1, activation, fc2; no
+#: ``w_gate``): ``"relu2"`` (nemotron_h's ``nn.ReLU2``; ``ACT_RELU2``, kernel ``moe_up``).
+GATELESS = ("relu2",)
 #: ``swiglu_oai``'s defaults (gpt-oss; mlx-lm's ``SwigluOAI``).
 SWIGLU_OAI_ALPHA = 1.702
 SWIGLU_OAI_LIMIT = 7.0
@@ -211,6 +214,10 @@ def activation_reference(activation: str, up, gate, alpha=None, limit=None, beta
         from mlx_lm.models.kimi_k3 import _situ
 
         return _situ(up, gate, SITU_BETA if beta is None else beta, linear_beta)
+    if activation == "relu2":  # a gate-less expert (gate None): mlx's nn.ReLU2
+        import mlx.nn as nn
+
+        return nn.relu2(up)
     if activation == "silu":
         return activations.swiglu(gate, up)
     if activation == "gelu_tanh":
@@ -242,7 +249,7 @@ def moe_mlp_reference(x, indices, w_gate, w_up, w_down, *, b_gate=None, b_up=Non
         inv_order = mx.argsort(order)
         xe, idx = xe.flatten(0, -3)[order // k], flat[order]
     up = switch_linear_reference(xe, w_up, b_up, idx, do_sort)
-    gate = switch_linear_reference(xe, w_gate, b_gate, idx, do_sort)
+    gate = None if w_gate is None else switch_linear_reference(xe, w_gate, b_gate, idx, do_sort)
     act = activation_reference(activation, up, gate, alpha, limit, beta, linear_beta)
     y = switch_linear_reference(act, w_down, b_down, idx, do_sort)
     if do_sort:
@@ -358,19 +365,26 @@ def check_moe_args(x, indices, w_gate, w_up, w_down, b_gate=None, b_up=None, b_d
     if k < 1:
         raise ValueError(f"indices must choose at least one expert per token (k >= 1), "
                          f"got shape {tuple(indices.shape)}")
-    w_gate = _expert_weight("w_gate", w_gate, x)
-    E, N, Kg = expert_shape(w_gate)
-    if Kg != D:
-        raise ValueError(f"w_gate must have shape (E, N, D={D}) (D = x.shape[-1]), got "
-                         f"(E, N, K) = {(E, N, Kg)}")
+    act = activation_code(activation)
+    if (w_gate is None) != (activation in GATELESS):
+        raise ValueError(f"w_gate must be None exactly for a gate-less activation "
+                         f"({', '.join(map(repr, GATELESS))}), got "
+                         f"{'None' if w_gate is None else 'a weight'} with {activation!r}")
+    first = "w_gate" if w_gate is not None else "w_up"
+    if w_gate is not None:
+        w_gate = _expert_weight("w_gate", w_gate, x)
     w_up = _expert_weight("w_up", w_up, x)
+    E, N, Kg = expert_shape(w_gate if w_gate is not None else w_up)
+    if Kg != D:
+        raise ValueError(f"{first} must have shape (E, N, D={D}) (D = x.shape[-1]), got "
+                         f"(E, N, K) = {(E, N, Kg)}")
     if expert_shape(w_up) != (E, N, D):
         raise ValueError(f"w_up must have w_gate's shape (E, N, D) = {(E, N, D)}, got "
                          f"{expert_shape(w_up)}")
     w_down = _expert_weight("w_down", w_down, x)
     if expert_shape(w_down) != (E, D, N):
         raise ValueError(f"w_down must have shape (E, D, N) = {(E, D, N)} (the transpose of "
-                         f"w_gate's last two), got {expert_shape(w_down)}")
+                         f"{first}'s last two), got {expert_shape(w_down)}")
     if E < 1 or N < 1:
         raise ValueError(f"the expert weights must have E >= 1 experts of N >= 1 rows, got "
                          f"(E, N) = {(E, N)}")
@@ -380,7 +394,8 @@ def check_moe_args(x, indices, w_gate, w_up, w_down, b_gate=None, b_up=None, b_d
     _check_bias("b_gate", b_gate, (E, N), x)
     _check_bias("b_up", b_up, (E, N), x)
     _check_bias("b_down", b_down, (E, D), x)
-    act = activation_code(activation)
+    if w_gate is None and b_gate is not None:
+        raise ValueError("b_gate must be None for a gate-less activation (no w_gate)")
     act_params = _activation_params(activation, alpha=alpha, limit=limit, beta=beta,
                                     linear_beta=linear_beta)
     if scores is not None:
@@ -436,7 +451,8 @@ def _kernel_rows(x, indices, a, biases, tile, name):
     """The grouped GEMMs on the kernel backend ``name``: y (R, D) in (token, slot) order."""
     x2 = mx.contiguous(x.reshape(-1, a["D"]))
     idx, order = sort_rows(indices)
-    weights = [expert_inputs(a[w]) for w in ("w_gate", "w_up", "w_down")]
+    weights = [None if a[w] is None else expert_inputs(a[w])
+               for w in ("w_gate", "w_up", "w_down")]
     return _backend_module(name).moe_rows(x2, idx, order, *weights, biases, a["E"], a["act"],
                                           a["act_params"], tile=tile, backend=name)
 
@@ -464,11 +480,12 @@ def moe_mlp(x, indices, w_gate, w_up, w_down, *, b_gate=None, b_up=None, b_down=
         w_gate, w_up: (E, N, D) stacked expert weights (``SwitchLinear.weight``): float of x's
             dtype, or MLX affine (:class:`~mlx_bricks.formats.affine.QuantizedWeight` with 3-D
             fields, scales of x's dtype), or the ``SwitchLinear`` / ``QuantizedSwitchLinear``
-            module itself; each in its own format.
+            module itself; each in its own format. ``w_gate`` None for gate-less experts
+            (``SwitchMLP``: ``down_e(act(up_e(x)))``, activation ``"relu2"``; b_gate None).
         w_down: (E, D, N), the same choices.
         b_gate, b_up: optional (E, N) expert biases, x's dtype (gpt-oss); b_down: (E, D).
-        activation: ``"silu"`` (default), ``"gelu_tanh"``, ``"swiglu_oai"`` or ``"situ"``
-            (:data:`ACTIVATIONS`).
+        activation: ``"silu"`` (default), ``"gelu_tanh"``, ``"swiglu_oai"``, ``"situ"``, or
+            for gate-less experts ``"relu2"`` (:data:`ACTIVATIONS`, :data:`GATELESS`).
         alpha, limit: ``swiglu_oai``'s parameters (None: gpt-oss's 1.702 and 7.0); beta,
             linear_beta: ``situ``'s (None: 1.0 and none). Each an error with another
             activation.

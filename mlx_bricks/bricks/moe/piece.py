@@ -8,7 +8,9 @@ structure check.
 runs for a ``SwitchGLU``, whatever model holds it: the call ``SwitchGLU(x, indices)`` (the
 model's router chose ``indices``; its combine with the scores stays the model's). Activations:
 ``SwiGLU`` (``"silu"``), gpt-oss's ``SwigluOAI`` (``"swiglu_oai"`` with its alpha and limit),
-gemma4's ``GeGLU`` (``"gelu_tanh"``); any other stays stock with the reason.
+gemma4's ``GeGLU`` (``"gelu_tanh"``), kimi_k3's ``SiTU`` (``"situ"``); any other stays stock
+with the reason. :data:`SWITCH_MLP_PIECE` runs a gate-less ``SwitchMLP`` (``fc1``, activation,
+``fc2``; nemotron_h's experts, ``nn.ReLU2``: ``"relu2"``) on the same kind, ``w_gate`` None.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ from mlx_bricks.formats.layers import bias_of
 
 #: The projections of ``SwitchGLU`` (fixed names, whatever the architecture).
 LINEARS = ("gate_proj", "up_proj", "down_proj")
+#: The projections of ``SwitchMLP`` (up, down: no gate).
+MLP_LINEARS = ("fc1", "fc2")
 
 
 def switch_classes() -> tuple[type, type, type, type]:
@@ -43,9 +47,16 @@ def activation_of(module) -> tuple[str | None, dict, str | None]:
     ``GeGLU`` -> ``"gelu_tanh"``, kimi_k3's ``SiTU`` -> ``"situ"`` (``beta``, ``linear_beta``);
     anything else ``(None, {}, reason)``."""
     from mlx_lm.models.activations import SwigluOAI
-    from mlx_lm.models.switch_layers import SwiGLU
+    from mlx_lm.models.switch_layers import SwiGLU, SwitchMLP
 
     act = getattr(module, "activation", None)
+    if isinstance(module, SwitchMLP):  # gate-less experts
+        import mlx.nn as nn
+
+        if type(act) is nn.ReLU2:
+            return "relu2", {}, None
+        return None, {}, (f"SwitchMLP activation {type(act).__name__} is not one the MoE brick "
+                          "computes (ReLU2)")
     if type(act) is SwiGLU:
         return "silu", {}, None
     if type(act) is SwigluOAI:
@@ -114,32 +125,38 @@ def moe_reason(module, dtype=None) -> str | None:
     ``SwitchGLU``, an activation the brick lacks, a projection it cannot read, expert shapes
     that do not chain (gate / up ``(E, N, D)``, down ``(E, D, N)``)."""
     glu, switch_mlp, _, _ = switch_classes()
-    if isinstance(module, switch_mlp):
-        return ("SwitchMLP (fc1, activation, fc2: no gate): the MoE brick runs gated experts "
-                "(SwitchGLU) only")
-    if not isinstance(module, glu):
-        return f"{type(module).__name__} is not a SwitchGLU"
+    if not isinstance(module, (glu, switch_mlp)):
+        return f"{type(module).__name__} is not a SwitchGLU or SwitchMLP"
+    names = MLP_LINEARS if isinstance(module, switch_mlp) else LINEARS
     reason = activation_of(module)[2]
     if reason is not None:
         return reason
-    for n in LINEARS:
+    for n in names:
         reason = expert_reason(n, getattr(module, n, None), dtype)
         if reason is not None:
             return reason
-    E, N, D = expert_shape(stacked_weight(module.gate_proj))
-    want = {"gate_proj": (E, N, D), "up_proj": (E, N, D), "down_proj": (E, D, N)}
-    for n in LINEARS[1:]:
+    E, N, D = expert_shape(stacked_weight(getattr(module, names[0])))
+    want = {"gate_proj": (E, N, D), "up_proj": (E, N, D), "down_proj": (E, D, N),
+            "fc2": (E, D, N)}
+    for n in names[1:]:
         got = expert_shape(stacked_weight(getattr(module, n)))
         if got != want[n]:
-            return f"{n} has expert shape {got}, expected {want[n]} (gate_proj's {(E, N, D)})"
+            return f"{n} has expert shape {got}, expected {want[n]} ({names[0]}'s {(E, N, D)})"
     return None
 
 
 def moe_args(module, x, indices) -> dict:
-    """The MoE piece's arguments from a ``SwitchGLU`` module (structure already checked)."""
+    """The MoE piece's arguments from a ``SwitchGLU`` or ``SwitchMLP`` module (structure already
+    checked; a ``SwitchMLP``: ``w_gate`` and ``b_gate`` None, fc1 as up, fc2 as down)."""
     act, act_kwargs, _ = activation_of(module)
     args = {"x": x, "indices": indices}
-    for w, b, n in zip(("w_gate", "w_up", "w_down"), ("b_gate", "b_up", "b_down"), LINEARS):
+    names = LINEARS
+    if isinstance(module, switch_classes()[1]):
+        args["w_gate"] = args["b_gate"] = None
+        names = (None, *MLP_LINEARS)
+    for w, b, n in zip(("w_gate", "w_up", "w_down"), ("b_gate", "b_up", "b_down"), names):
+        if n is None:
+            continue
         layer = getattr(module, n)
         args[w], args[b] = stacked_weight(layer, n), bias_of(layer)
     if act != "silu":  # SwiGLU experts keep their arguments (and tuning keys)
@@ -166,9 +183,12 @@ class MoEPiece:
     #: Children besides the switch layers whose replacement the structure check notices.
     watched = ("activation",)
 
+    def __init__(self, names: tuple[str, ...] = LINEARS):
+        self.names = names
+
     def linears(self, layout=None) -> tuple[str, ...]:
         """The switch layers the piece reads (structure fingerprint, weight formats)."""
-        return LINEARS
+        return self.names
 
     def call_reason(self, args, kwargs) -> str | None:
         """Why a call with these extra arguments (besides ``x``) is not ``SwitchGLU``'s
@@ -197,7 +217,9 @@ class MoEPiece:
 
     def weight_formats(self, module) -> dict[str, str]:
         """``{projection: format in words}`` of the switch layers (:func:`expert_format_name`)."""
-        return {n: expert_format_name(getattr(module, n, None)) for n in LINEARS}
+        return {n: expert_format_name(getattr(module, n, None)) for n in self.names}
 
 
 MOE_PIECE = MoEPiece()
+#: A gate-less ``SwitchMLP`` (fc1, activation, fc2) on the MoE kind (``w_gate`` None).
+SWITCH_MLP_PIECE = MoEPiece(MLP_LINEARS)
