@@ -335,8 +335,12 @@ def test_report_names_the_mixers_of_an_unlisted_model():
             super().__init__()
             self.experts = SwitchMLP(8, 16, 4)
 
-    reason = moe_block_reason(SparseBlock())
-    assert "SwitchMLP experts stay stock" in reason and "patched by module" not in reason
+    reason = moe_block_reason(SparseBlock())  # mlx-lm's default activation, GELU
+    assert "SwitchMLP experts stay stock (SwitchMLP activation GELU" in reason
+    assert "patched by module" not in reason
+    block = SparseBlock()
+    block.experts.activation = nn.ReLU2()  # nemotron_h's: the MoE brick's gate-less path
+    assert "its SwitchMLP experts are patched by module" in moe_block_reason(block)
 
 
 def test_layer_without_attention_is_not_called_self_attn():

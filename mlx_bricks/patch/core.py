@@ -164,15 +164,20 @@ def _mlp_structure(mlp, layout) -> str | None:
 
 def moe_block_reason(mlp, layout=None) -> str:
     """The report's words for a MoE block in a layer's MLP slot: which of its parts run the
-    bricks (``SwitchGLU`` experts by module, a layout's dense shared expert) and which stay
-    stock (``SwitchMLP`` experts, the router, the combine)."""
+    bricks (``SwitchGLU`` experts and ``SwitchMLP`` ones the MoE brick reads, by module; a
+    layout's dense shared expert) and which stay stock (other ``SwitchMLP`` experts, the
+    router, the combine)."""
+    from mlx_bricks.bricks.moe.piece import SWITCH_MLP_PIECE
+
     glu, switch_mlp = switch_classes()[:2]
-    kinds = {type(m) for _, m in mlp.named_modules() if isinstance(m, (glu, switch_mlp))}
+    experts = [m for _, m in mlp.named_modules() if isinstance(m, (glu, switch_mlp))]
     parts = []
-    if any(issubclass(k, glu) for k in kinds):
+    if any(isinstance(m, glu) for m in experts):
         parts.append("its SwitchGLU experts are patched by module (the moe entries)")
-    if any(issubclass(k, switch_mlp) for k in kinds):
-        parts.append("its SwitchMLP experts stay stock (the MoE brick is gated: SwitchGLU only)")
+    for m in (m for m in experts if isinstance(m, switch_mlp)):
+        reason = SWITCH_MLP_PIECE.reason(m)
+        parts.append("its SwitchMLP experts are patched by module (the moe entries)"
+                     if reason is None else f"its SwitchMLP experts stay stock ({reason})")
     shared = getattr(layout, "shared_expert", None)
     if shared is not None and getattr(mlp, shared, None) is not None:
         parts.append(f"its shared expert ({shared}) is patched as an MLP (its own entry)")

@@ -95,16 +95,17 @@ TILES = {
 }
 
 
-def _fits(t: MoeCudaTile, bits) -> bool:
+def _fits(t: MoeCudaTile, bits, gated: bool = True) -> bool:
     """Whether tile ``t`` takes weights of ``bits`` = (gate, up, down) (0: float) without
     spilling: gate and up of one width run fused (``gate_up.max_bits``), of two widths split
     (one operand per launch, fewer registers); down within ``down.max_bits``. ``ws`` tiles:
     gate and up of one width, all three 4- or 8-bit affine (the formats' group sizes are the
-    caller's: ``moe_rows`` refuses different ones)."""
+    caller's: ``moe_rows`` refuses different ones). Gate-less experts (``gated`` False) load
+    one operand, as the split pair."""
     g, u, d = bits
     if t.ws:
-        return g == u and g in WS_BITS and d in WS_BITS
-    return (g != u or g <= t.gate_up.max_bits) and d <= t.down.max_bits
+        return gated and g == u and g in WS_BITS and d in WS_BITS
+    return (g != u or not gated or g <= t.gate_up.max_bits) and d <= t.down.max_bits
 
 
 def tile_names(cc: tuple[int, int] | None = None, bits=(0, 0, 0),
@@ -123,8 +124,7 @@ def tile_names(cc: tuple[int, int] | None = None, bits=(0, 0, 0),
         return max(_smem(t, b) for b in bits) <= limit
 
     return tuple(n for n, t in TILES.items()
-                 if (not t.wgmma or cc[0] == 9) and (gated or not t.ws) and _fits(t, bits)
-                 and fits_smem(t))
+                 if (not t.wgmma or cc[0] == 9) and _fits(t, bits, gated) and fits_smem(t))
 
 
 def select_tile(R: int, E: int, cc: tuple[int, int] | None = None, bits=(0, 0, 0),

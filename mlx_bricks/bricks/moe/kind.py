@@ -119,7 +119,9 @@ class MoeMLP(OpKind):
         E, N, D = expert_shape(args["w_up"])
         k = idx.shape[-1]
         tokens = math.prod(x.shape[:-1])
-        values = dict(E=E, N=N, D=D, k=k, bias=args.get("b_gate") is not None)
+        gated = args.get("w_gate") is not None  # a gate-less expert's bias is b_up's
+        values = dict(E=E, N=N, D=D, k=k,
+                      bias=args.get("b_gate" if gated else "b_up") is not None)
         act = args.get("activation", "silu")
         if act != "silu":
             values["act"] = act
