@@ -67,7 +67,7 @@ def expected_threadgroup_bytes(kernel: str, template: dict, dtype_size: int) -> 
     """The threadgroup memory the bricks' tile rules account for one instantiation (the
     figure the launch code checks against 32 KB), from its template arguments."""
     if kernel in ("gemm", "swiglu_fused", "swiglu_split", "rms_norm_qkv", "moe_gate_up",
-                  "moe_down"):
+                  "moe_up", "moe_down"):
         weight_rows = 2 if kernel in ("swiglu_fused", "moe_gate_up") else 1
         return (template["STAGES"] * (template["BM"] + weight_rows * template["BN"])
                 * (template["BK"] + template["PAD"]) * dtype_size)

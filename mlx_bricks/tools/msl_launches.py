@@ -175,11 +175,16 @@ def _drive_ops(backend: str) -> list[tuple[str, tuple]]:
                         lambda: dequantize.dequantize(q.w, q.scales, q.biases,
                                                       group_size=q.group_size, bits=q.bits,
                                                       dtype=dt, backend=backend))
-            # MoE: every tile with the three activations and biases; quantized experts, mixed
-            # formats; the combine.
+            # MoE: every tile with the four gated activations and biases, and gate-less experts
+            # (moe_up); quantized experts, mixed formats; the combine.
             E, idx = 8, mx.array([[0, 3], [3, 7], [1, 0]], dtype=mx.int32)
             for tile in moe_msl.TILES:
-                for act in ("silu", "gelu_tanh", "swiglu_oai"):
+                run(f"{dn} moe tile={tile} activation=relu2 (gate-less)",
+                    lambda: moe.moe_mlp(arr((3, 64), dt), idx, None, arr((E, 96, 64), dt),
+                                        arr((E, 64, 96), dt), b_up=arr((E, 96), dt),
+                                        b_down=arr((E, 64), dt), activation="relu2", tile=tile,
+                                        check_indices=False, backend=backend))
+                for act in ("silu", "gelu_tanh", "swiglu_oai", "situ"):
                     run(f"{dn} moe tile={tile} activation={act}",
                         lambda: moe.moe_mlp(arr((3, 64), dt), idx, arr((E, 96, 64), dt),
                                             arr((E, 96, 64), dt), arr((E, 64, 96), dt),
@@ -192,6 +197,10 @@ def _drive_ops(backend: str) -> list[tuple[str, tuple]]:
                                            bits=fmt[0])
                     return QuantizedWeight(w, sc, b, fmt[1], fmt[0])
 
+                run(f"{dn} moe gate-less weight={fmt_name(fmt)}",
+                    lambda: moe.moe_mlp(arr((3, 256), dt), idx, None, experts(128, 256),
+                                        experts(256, 128), activation="relu2",
+                                        check_indices=False, backend=backend))
                 run(f"{dn} moe weight={fmt_name(fmt)}/float",
                     lambda: moe.moe_mlp_combine(arr((3, 256), dt), idx, arr((3, 2), dt),
                                                 experts(128, 256), arr((E, 128, 256), dt),
