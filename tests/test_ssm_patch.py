@@ -235,6 +235,33 @@ def test_projections_run_as_gemm_stages_on_the_cpu(model_type, tmp_path, monkeyp
     assert_dtype_close(out, truth, stock, dtype=mx.bfloat16, what=f"4-bit {model_type} logits")
 
 
+@pytest.mark.parametrize("backend", ["reference", "emulator"])
+def test_nemotron_h_relu2_mlps(backend):
+    """nemotron_h's gate-less MLPs (a dense layer's, a MoE block's shared experts: up, ReLU^2,
+    down) run their projections as two linear pieces; float32 logits match stock, decode is
+    the module's own step, ``mlp=False`` disables them, unpatch is exact."""
+    from tests.support import require_backend
+
+    if backend == "emulator":
+        require_backend("emulator")
+    model = build("nemotron_h", mx.float32)
+    toks = tokens(40)
+    stock = run(model, toks)
+    report = patch_model(model, backend=backend, tune="off")
+    mlps = [m for m in report.modules if m.module == "mlp"]
+    assert len(mlps) == 2 and all(m.status == "patched" for m in mlps), report
+    cache = model.make_cache()
+    out = run(model, toks, cache)
+    np.testing.assert_allclose(np.array(out), np.array(stock), atol=2e-4, rtol=2e-4)
+    assert sum(m.calls.get("linear", 0) for m in mlps) == 2 * len(mlps)
+    run(model, toks[:, -1:], cache)
+    assert sum(m.stock_calls.get(DECODE, 0) for m in mlps) == len(mlps)
+    assert {m.status for m in patch_model(model, backend=backend, mlp=False).modules
+            if m.module == "mlp"} == {"disabled"}
+    unpatch_model(model)
+    assert mx.array_equal(run(model, toks), stock)
+
+
 def test_coverage_of_real_sizes():
     """The CLI's real-size shares: every mixer, attention and MLP of LFM2-1.2B and
     Mamba-Codestral-7B in bricks; Granite-4.0-H-Small >= 90%; Jamba's Mamba-1 stock."""

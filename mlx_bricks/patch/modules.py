@@ -15,6 +15,7 @@ from __future__ import annotations
 import mlx.nn as nn
 
 from mlx_bricks.bricks.gated_delta.mixers import KDA_PIECE, OLMO_GDN_PIECE
+from mlx_bricks.bricks.gemm.mlp_piece import RELU2_MLP_PIECE
 from mlx_bricks.bricks.gated_delta.piece import GDN_PIECE
 from mlx_bricks.bricks.mla.piece import MLA_PIECE, MLA_SCALED_PIECE
 from mlx_bricks.bricks.moe.piece import (
@@ -35,7 +36,7 @@ from mlx_bricks.runtime.dispatch import NO_KERNEL_BACKEND, Dispatch
 #: (the Gated DeltaNet piece after the other gated-delta pieces: it claims every module that
 #: calls ``gated_delta_update``).
 MIXERS = (KDA_PIECE, OLMO_GDN_PIECE, GDN_PIECE, FALCON_SSD_PIECE, SSD_PIECE, SHORT_CONV_PIECE,
-          MAMBA1_PIECE, MLA_PIECE, MLA_SCALED_PIECE)
+          MAMBA1_PIECE, MLA_PIECE, MLA_SCALED_PIECE, RELU2_MLP_PIECE)
 
 
 def has_experts(layer) -> bool:
@@ -160,15 +161,17 @@ def patch_mixers(report, i: int, layer, opts: dict, backend: str,
     """Patch every token mixer of a :data:`MIXERS` kind inside layer ``i`` by module (a module
     of that kind whose forward was not vetted, or whose parts the piece does not follow, is
     reported stock with the reason). Its prefill is tuned like any piece. Under
-    ``attention=False`` it is reported disabled."""
+    ``attention=False`` (a gate-less MLP piece: ``mlp=False``, its ``option``) it is reported
+    disabled."""
     add = report.modules.append
     for path, module in layer.named_modules():
         piece = mixer_piece(module)
         if piece is None:
             continue
         where = path or "layer"
-        if not opts["attention"]:
-            add(ModuleReport(i, piece.role, DISABLED, reason=f"{where}: attention=False"))
+        option = getattr(piece, "option", "attention")
+        if not opts[option]:
+            add(ModuleReport(i, piece.role, DISABLED, reason=f"{where}: {option}=False"))
             continue
         reason = ("module is already patched" if is_patched(module) else
                   vetted_reason(module, piece) or piece.reason(module)
