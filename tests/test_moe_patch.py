@@ -403,49 +403,55 @@ def test_situ_with_a_parameter_out_of_range_stays_stock():
     assert entry.status == "fallback" and "SiTU with beta=0.0" in entry.reason
 
 
-@pytest.mark.parametrize("backend", ["reference", "emulator"])
-def test_kimi_k3_situ_experts(backend):
-    """kimi_k3's routed experts (a SwitchGLU with SiTU, behind the latent projections) run the
-    MoE brick: a tiny float32 model, every MoE layer's experts patched (activation=situ) and
-    called once per prefill, logits close to stock's."""
-    if backend == "emulator":
-        require_backend("emulator")
+def _kimi_k3():
     from tests.models import build_model
 
-    model = build_model("kimi_k3", mx.float32)
-    toks = tokens(30)
-    stock = run(model, toks)
-    report = patch_model(model, backend=backend, tune="off")
-    entries = moe_entries(report)
-    assert entries and all(m.status == "patched" and "activation=situ" in m.variant
-                           for m in entries), report
-    out = run(model, toks)
-    assert report.calls()[MOE_MLP.op_name] == len(entries)
-    assert_dtype_close(out, float64_logits(model, toks), stock, dtype=mx.float32,
-                       what=f"kimi_k3 {backend}")
+    return build_model("kimi_k3", mx.float32)
+
+
+def _nemotron_h():
+    from tests.ssm_models import build as build_ssm
+
+    return build_ssm("nemotron_h", mx.float32)
+
+
+#: model -> (builder, the experts' activation, their switch layers, the kernels that must run
+#: on the emulator): kimi_k3's SwitchGLU with SiTU (behind latent projections), nemotron_h's
+#: gate-less SwitchMLP (fc1, ReLU^2, fc2: w_gate None, the moe_up kernel).
+EXPERT_MODELS = {
+    "kimi_k3": (_kimi_k3, "situ", {"gate_proj", "up_proj", "down_proj"},
+                ("moe_gate_up", "moe_down")),
+    "nemotron_h": (_nemotron_h, "relu2", {"fc1", "fc2"}, ("moe_up", "moe_down")),
+}
 
 
 @pytest.mark.parametrize("backend", ["reference", "emulator"])
-def test_nemotron_h_gateless_experts(backend):
-    """nemotron_h's routed experts (a gate-less SwitchMLP: fc1, ReLU^2, fc2) run the MoE brick
-    (w_gate None, activation relu2): a tiny float32 model, each MoE layer's experts patched and
-    called once per prefill, logits close to stock's and to float64's."""
+@pytest.mark.parametrize("name", EXPERT_MODELS)
+def test_model_experts(name, backend):
+    """A tiny float32 model's routed experts run the MoE brick: every MoE layer's experts
+    patched (their activation named), called once per prefill (on the emulator through the
+    kernels listed), logits close to stock's and to float64's."""
     if backend == "emulator":
         require_backend("emulator")
-    from tests.ssm_models import build as build_ssm
+    from mlx_bricks import kernels
 
-    model = build_ssm("nemotron_h", mx.float32)
+    build, act, layers, launched = EXPERT_MODELS[name]
+    model = build()
     toks = tokens(30)
     stock = run(model, toks)
     report = patch_model(model, backend=backend, tune="off")
     entries = moe_entries(report)
-    assert entries and all(m.status == "patched" and "activation=relu2" in m.variant
+    assert entries and all(m.status == "patched" and f"activation={act}" in m.variant
                            for m in entries), report
-    assert all(set(m.weights) == {"fc1", "fc2"} for m in entries)
+    assert all(set(m.weights) == layers for m in entries)
+    before = {k: kernels.LAUNCH_COUNTS[(k, backend)] for k in launched}
     out = run(model, toks)
     assert report.calls()[MOE_MLP.op_name] == len(entries)
+    if backend == "emulator":
+        assert all(kernels.LAUNCH_COUNTS[(k, backend)] - before[k] == len(entries)
+                   for k in launched)
     assert_dtype_close(out, float64_logits(model, toks), stock, dtype=mx.float32,
-                       what=f"nemotron_h {backend}")
+                       what=f"{name} {backend}")
 
 
 @pytest.mark.parametrize("backend", ["reference", "emulator"])

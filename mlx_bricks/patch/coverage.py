@@ -20,7 +20,7 @@ Counted per prompt token at prompt length ``tokens`` (one sequence, no cache):
   rank-1 update, per value head), in bricks when the mixer is patched. A patched mixer's own
   projections run mlx-lm's linears inside it (stock GEMMs): they count as in bricks like the
   rest of a patched module and are also reported apart (``mixer_linears``), except those its
-  piece runs as ``linear`` stages (the GEMM brick: ``stage_names``, qwen3_5 / qwen3_next).
+  piece runs as ``linear`` stages (the GEMM brick: the piece's ``stage_names``).
 
 Norms, RoPE, routers' softmax/top-k, activations and other recurrent mixers' state updates
 (Mamba: only their projections are counted) are left out: a few percent at most of a
@@ -140,8 +140,7 @@ def prefill_flops(model, tokens: int = 2048) -> dict:
             piece = mixer_piece(m)
             if piece is not None:  # a token mixer: its own linears are counted apart too
                 in_mixer = patched
-                staged = (getattr(piece, "stage_names", None) if getattr(piece, "stages", None)
-                          else None)
+                staged = getattr(piece, "stage_names", None)
                 if patched and staged is not None:  # projections run as GEMM stages
                     for name in staged(m, None):
                         add(_linear_flops(m[name]), True, top)

@@ -1,7 +1,9 @@
 """The GEMM brick's piece for a gate-less MLP: nemotron_h's ``NemotronHMLP``
 (``down_proj(nn.relu2(up_proj(x)))``, mlx-lm 0.32.2), its dense layers and its MoE blocks'
 shared experts, as two ``linear`` pieces (each tuned and guarded as every linear) with the
-ReLU^2 between them in MLX ops.
+ReLU^2 between them in MLX ops. Which projections run as pieces is the mixers' rule
+(``bricks.gemm.piece.stage_names``: not row-sharded, weights the dispatch admits); any other
+runs the module's own layer.
 
 It follows the several-pieces form of the mixer protocol (``mlx_bricks.nn.mixer``: ``pieces``
 and ``forward``; the module is called ``(x)`` alone), so decode and unknown calls run the
@@ -15,7 +17,7 @@ import mlx.nn as nn
 from mlx_bricks.bricks.gemm import piece as linear_piece
 from mlx_bricks.bricks.gemm.kind import LINEAR
 from mlx_bricks.checks import FLOAT_DTYPES, dtype_name
-from mlx_bricks.formats.layers import is_row_sharded, linear_reason
+from mlx_bricks.formats.layers import linear_reason
 
 #: The projections, in call order.
 LINEARS = ("up_proj", "down_proj")
@@ -47,8 +49,6 @@ class Relu2MlpPiece:
             why = linear_reason(n, module.get(n), dtype)
             if why is not None:
                 return why
-            if is_row_sharded(module.get(n)):  # its all_sum belongs to the layer
-                return f"{n} is row-sharded (tensor parallel): stays stock"
         if dtype is not None and dtype not in FLOAT_DTYPES:
             return f"input dtype {dtype_name(dtype)} is not float16/bfloat16/float32"
         return None
@@ -63,25 +63,29 @@ class Relu2MlpPiece:
         return (inputs.shape, inputs.dtype)
 
     def stage_names(self, module, dtype) -> tuple[str, ...]:
-        """The projections on the GEMM brick (both; ``patch.coverage`` counts them there)."""
-        return LINEARS
+        """The projections that run as ``linear`` pieces (``bricks.gemm.piece.stage_names``;
+        ``patch.coverage`` counts them on the GEMM brick)."""
+        return linear_piece.stage_names(module, LINEARS, dtype)
 
     def pieces(self, module, inputs, call) -> dict:
-        """The two linears with their arguments as shapes."""
+        """The linears of :meth:`stage_names` with their arguments as shapes."""
         from mlx_bricks.runtime.kind import Act
 
         B, L, _ = inputs.shape
-        hidden = Act((B, L, module.up_proj.weight.shape[0]), inputs.dtype)  # up's rows
-        return {"up_proj": (LINEAR, linear_piece.linear_args(
-                    module.up_proj, Act(tuple(inputs.shape), inputs.dtype))),
-                "down_proj": (LINEAR, linear_piece.linear_args(module.down_proj, hidden))}
-
-    stages = pieces  # what patch.coverage reads: the projections run on the GEMM brick
+        ins = {"up_proj": Act(tuple(inputs.shape), inputs.dtype),
+               "down_proj": Act((B, L, module.up_proj.weight.shape[0]), inputs.dtype)}
+        return {n: (LINEAR, linear_piece.linear_args(module[n], ins[n]))
+                for n in self.stage_names(module, inputs.dtype)}
 
     def forward(self, module, inputs, call, run):
-        """``down_proj(relu2(up_proj(x)))``, each projection brick or stock as chosen."""
+        """``down_proj(relu2(up_proj(x)))``, each projection of :meth:`stage_names` brick or
+        stock as chosen, any other the module's own layer."""
+        staged = self.stage_names(module, inputs.dtype)
+
         def step(name, x):
             layer = module[name]
+            if name not in staged:
+                return layer(x)
             return run(name, LINEAR, lambda: linear_piece.linear_args(layer, x),
                        lambda: layer(x))
 

@@ -122,9 +122,7 @@ def dequant_moe(args: dict, backend: str, settings: dict):
     dtype = x.dtype
     cdt = compute_dtype(dtype)
     act = args.get("activation", "silu")
-    # the parameters' defaults as moe_mlp_reference takes them (ACTIVATION_PARAMS)
-    params = {n: d if args.get(n) is None else args.get(n)
-              for n, d in ACTIVATION_PARAMS.get(act, ())}
+    params = {n: args.get(n) for n, _ in ACTIVATION_PARAMS.get(act, ())}  # None: defaults
     xe = mx.expand_dims(x, (-2, -3))
     do_sort = indices.size >= SORT_THRESHOLD
     idx, inv_order = indices, None

@@ -30,8 +30,7 @@ from mlx_bricks.bricks.moe import cuda, msl
 from mlx_bricks.bricks.moe.composite import COMPOSITES
 from mlx_bricks.bricks.moe.op import (
     ACTIVATION_PARAMS,
-    SWIGLU_OAI_ALPHA,
-    SWIGLU_OAI_LIMIT,
+    activation_params,
     expert_shape,
     moe_mlp,
     moe_mlp_reference,
@@ -63,26 +62,31 @@ def rows_bucket(tokens: int, k: int, E: int) -> str:
     return f"rpe>{M_EDGES[-1]}"
 
 
+def _param_names(act: str) -> tuple[str, ...]:
+    """The names of activation ``act``'s parameters (:data:`ACTIVATION_PARAMS`)."""
+    return tuple(n for n, _ in ACTIVATION_PARAMS.get(act, ()))
+
+
 def _act_kwargs(args) -> dict:
-    """The activation and its parameters (:data:`ACTIVATION_PARAMS`) among ``args``."""
+    """The activation and its parameters among ``args`` (None where absent)."""
     act = args.get("activation", "silu")
-    return {"activation": act, **{n: args.get(n) for n, _ in ACTIVATION_PARAMS.get(act, ())}}
+    return {"activation": act, **{n: args.get(n) for n in _param_names(act)}}
 
 
 def _activation_hp(act: str, g, u, alpha=None, limit=None, beta=None, linear_beta=None):
     """The activation in the reference's precision (formulas of mlx-lm's ``swiglu``, gemma4's
     ``geglu``, ``swiglu_oai``, kimi_k3's ``_situ``; ``relu2`` of a gate-less expert: g None)."""
+    p = activation_params(act, alpha=alpha, limit=limit, beta=beta, linear_beta=linear_beta)
     if act == "relu2":
         return mx.square(mx.maximum(u, 0))
     if act == "situ":
-        beta = 1.0 if beta is None else beta
+        beta, linear_beta = p["beta"], p["linear_beta"]
         a = beta * mx.tanh(g / beta) * mx.sigmoid(g)
         return a * (u if linear_beta is None else linear_beta * mx.tanh(u / linear_beta))
     if act == "gelu_tanh":
         return 0.5 * g * (1 + mx.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3))) * u
     if act == "swiglu_oai":
-        alpha = SWIGLU_OAI_ALPHA if alpha is None else alpha
-        limit = SWIGLU_OAI_LIMIT if limit is None else limit
+        alpha, limit = p["alpha"], p["limit"]
         g = mx.minimum(g, limit)
         u = mx.clip(u, -limit, limit)
         return (u + 1.0) * (g * mx.sigmoid(alpha * g))
@@ -125,9 +129,7 @@ class MoeMLP(OpKind):
         act = args.get("activation", "silu")
         if act != "silu":
             values["act"] = act
-            for name, default in ACTIVATION_PARAMS.get(act, ()):
-                v = args.get(name)
-                values[name] = default if v is None else v
+            values.update(activation_params(act, **{n: args.get(n) for n in _param_names(act)}))
         return Key(self.name, flags(**values),
                    f"{m_bucket(max(1, tokens))},{rows_bucket(tokens, k, E)}",
                    dtype_name(x.dtype), formats_key(*_present(args)))

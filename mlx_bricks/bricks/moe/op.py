@@ -202,18 +202,28 @@ def switch_linear_reference(x, weight, bias, indices, sorted_indices: bool):
     return y
 
 
+def activation_params(activation: str, **given) -> dict:
+    """``{name: value}`` of ``activation``'s parameters (:data:`ACTIVATION_PARAMS`): each of
+    ``given`` that is not None, else its default (None: absent); {} for an activation without
+    parameters. Not validated (:func:`check_moe_args` does that)."""
+    return {n: d if given.get(n) is None else given[n]
+            for n, d in ACTIVATION_PARAMS.get(activation, ())}
+
+
 def activation_reference(activation: str, up, gate, alpha=None, limit=None, beta=None,
                         linear_beta=None):
     """``SwitchGLU``'s ``self.activation(x_up, x_gate)`` for the MoE activations, with mlx-lm's
     own functions: ``swiglu`` (``SwiGLU``), gemma4's ``geglu`` (``GeGLU``: ``gelu_approx(gate) *
     up``), ``swiglu_oai`` (``SwigluOAI(alpha, limit)``), kimi_k3's ``_situ`` (``SiTU(beta,
-    linear_beta)``)."""
+    linear_beta)``); parameters left None take their defaults (:func:`activation_params`)."""
     from mlx_lm.models import activations
 
+    p = activation_params(activation, alpha=alpha, limit=limit, beta=beta,
+                          linear_beta=linear_beta)
     if activation == "situ":
         from mlx_lm.models.kimi_k3 import _situ
 
-        return _situ(up, gate, SITU_BETA if beta is None else beta, linear_beta)
+        return _situ(up, gate, p["beta"], p["linear_beta"])
     if activation == "relu2":  # a gate-less expert (gate None): mlx's nn.ReLU2
         import mlx.nn as nn
 
@@ -224,7 +234,7 @@ def activation_reference(activation: str, up, gate, alpha=None, limit=None, beta
         from mlx_lm.models.gemma4_text import geglu
 
         return geglu(gate, up)
-    return activations.swiglu_oai(gate, up, alpha=alpha, limit=limit)
+    return activations.swiglu_oai(gate, up, alpha=p["alpha"], limit=p["limit"])
 
 
 def moe_mlp_reference(x, indices, w_gate, w_up, w_down, *, b_gate=None, b_up=None, b_down=None,
@@ -235,9 +245,6 @@ def moe_mlp_reference(x, indices, w_gate, w_up, w_down, *, b_gate=None, b_up=Non
     activation, the un-sort. Arguments as :func:`moe_mlp` (weights already as
     :func:`as_expert_weight` returns them); ``alpha`` / ``limit`` None take gpt-oss's defaults
     for ``swiglu_oai``. Returns (..., k, D) of x's dtype."""
-    if activation == "swiglu_oai":
-        alpha = SWIGLU_OAI_ALPHA if alpha is None else alpha
-        limit = SWIGLU_OAI_LIMIT if limit is None else limit
     xe = mx.expand_dims(x, (-2, -3))
     do_sort = indices.size >= SORT_THRESHOLD
     idx = indices
