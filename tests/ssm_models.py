@@ -67,20 +67,25 @@ CONFIGS = {
                      norm_topk_prob=True, use_expert_bias=True, num_dense_layers=1,
                      norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
                      layer_types=["conv", "full_attention", "conv"]),
-    # Mamba-1 layers (stock: no SSD form), a NoPE attention layer, MLP and MoE feed-forwards
+    # Mamba-1 layers (the selective-scan brick), a NoPE attention layer, MLP and MoE
+    # feed-forwards
     "jamba": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                   num_attention_heads=1, num_key_value_heads=1, attn_layer_offset=1,
                   attn_layer_period=4, expert_layer_offset=1, expert_layer_period=2,
                   mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, num_experts=4,
                   num_experts_per_tok=2, rms_norm_eps=1e-6, max_position_embeddings=4096,
                   tie_word_embeddings=False),
+    # Mamba-1 layers only, Falcon-Mamba's weightless B / C / time-step RMS norms
+    "mamba": dict(hidden_size=64, intermediate_size=128, state_size=8, num_hidden_layers=2,
+                  conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=8,
+                  use_bcdt_rms=True),
 }
 
 
 #: Overrides that make the MoE families dense: MLX 0.32.4's CPU ``gather_mm`` (float experts)
 #: computes float32 only, so their half-precision models run stock on the CPU only this way.
 DENSE = {"nemotron_h": dict(hybrid_override_pattern=list("M-M*M-")),
-         "granitemoehybrid": dict(num_local_experts=None), "lfm2_moe": dict(num_dense_layers=3)}
+         "jamba": dict(num_experts=1), "granitemoehybrid": dict(num_local_experts=None), "lfm2_moe": dict(num_dense_layers=3)}
 
 
 def model_args(model_type: str, **overrides):
@@ -117,8 +122,9 @@ def tokens(n: int, batch: int = 1, seed: int = 0) -> mx.array:
 
 
 def kind_args(dtype) -> dict:
-    """Model-like arguments of the ``ssd`` and ``short_conv`` kinds (their own synthetic
-    values) for the generic kind tests (tests/test_tune.py)."""
+    """Model-like arguments of the ``ssd``, ``selective_scan`` and ``short_conv`` kinds (their
+    own synthetic values) for the generic kind tests (tests/test_tune.py)."""
+    from mlx_bricks.bricks.selective_scan.kind import SELECTIVE_SCAN_KIND
     from mlx_bricks.bricks.short_conv.kind import SHORT_CONV
     from mlx_bricks.bricks.ssd.kind import SSD_KIND
     from mlx_bricks.runtime.kind import Act
@@ -132,4 +138,8 @@ def kind_args(dtype) -> dict:
     conv = SHORT_CONV.synthetic({
         "x": act, "gate_in": act, "gate_out": act, "state": Act((2, 2, 64), dtype),
         "weight": mx.random.normal((64, 3, 1), key=mx.random.key(3)).astype(dtype)}, seed=3)
-    return {"ssd": ssd, "short_conv": conv}
+    scan = SELECTIVE_SCAN_KIND.synthetic({
+        "x": act, "dt": act, "A_log": Act((64, 8), mx.float32), "B": Act((2, 9, 8), dtype),
+        "C": Act((2, 9, 8), dtype), "D": Act((64,), dtype), "state": Act((2, 64, 8), dtype)},
+        seed=3)
+    return {"ssd": ssd, "short_conv": conv, "selective_scan": scan}

@@ -1,9 +1,10 @@
 """State-space and short-conv families patched (issue 42): tiny random mamba2, nemotron_h,
-granitemoehybrid, falcon_h1, plamo2, lfm2 and lfm2_moe models from mlx-lm's own classes, patched
+granitemoehybrid, falcon_h1, plamo2, lfm2, lfm2_moe, jamba and mamba (Mamba-1: Falcon-Mamba's
+form) models from mlx-lm's own classes, patched
 vs stock (logits within the dtype rule against a float32 truth, greedy tokens equal, the caches
 written as stock writes them, a second prefill continuing a filled cache, decode stock and
 counted, unpatch exact) on the reference backend and on the emulator (the MSL kernels), and the
-report (jamba's Mamba-1 and unknown mixers stock with the reason)."""
+report (unknown mixers stock with the reason)."""
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -17,7 +18,10 @@ from tests.tolerance import assert_dtype_close
 FAMILIES = {"mamba2": ("mamba", "ssd", 2), "nemotron_h": ("mamba", "ssd", 3),
             "granitemoehybrid": ("mamba", "ssd", 3), "falcon_h1": ("mamba", "ssd", 2),
             "plamo2": ("mamba", "ssd", 1), "lfm2": ("conv", "short_conv", 2),
-            "lfm2_moe": ("conv", "short_conv", 2)}
+            "lfm2_moe": ("conv", "short_conv", 2), "jamba": ("mamba", "selective_scan", 3),
+            "mamba": ("mamba", "selective_scan", 2)}
+#: The projections each brick's mixers run as linear stages.
+STAGES = {"ssd": 2, "selective_scan": 4, "short_conv": 0}
 DECODE = "decode (L == 1): stock path by design"
 
 
@@ -51,7 +55,8 @@ def test_patched_matches_stock(model_type, dtype):
     dense = DENSE.get(model_type, {}) if dtype != mx.float32 else {}
     model = build(model_type, dtype, **dense)
     toks = tokens(70)
-    truth = run(build(model_type, mx.float32, **dense), toks)  # the half model's truth
+    truth_cache = build(model_type, mx.float32, **dense).make_cache()
+    truth = run(build(model_type, mx.float32, **dense), toks, truth_cache)  # the half model's
     stock_cache = model.make_cache()
     stock = run(model, toks, stock_cache)
     report = patch_model(model, backend="reference")
@@ -60,23 +65,28 @@ def test_patched_matches_stock(model_type, dtype):
     cache = model.make_cache()
     out = run(model, toks, cache)
     assert sum(m.calls.get(op, 0) for m in entries) == n
-    if op == "ssd":  # in_proj and out_proj as linear stages
-        assert sum(m.calls.get("linear", 0) for m in entries) == 2 * n, report
+    # the projections as linear stages (Mamba-2: in_proj, out_proj; Mamba-1: x_proj, dt_proj
+    # too)
+    assert sum(m.calls.get("linear", 0) for m in entries) == STAGES[op] * n, report
     if dtype == mx.float32:
         np.testing.assert_allclose(np.array(out), np.array(stock), atol=2e-4, rtol=2e-4)
     else:
         assert_dtype_close(out, truth, stock, dtype=dtype, what=f"{model_type} logits")
     assert_same_greedy(out, stock, truth)
     # the caches as stock writes them: the first mixer's conv state is its input's (bit-equal),
-    # the recurrent states float32 and close
+    # the recurrent states in stock's dtype (Mamba-2: float32; Mamba-1: the model's) and close
     got, want = cache_arrays(cache), cache_arrays(stock_cache)
     assert len(got) == n
     assert mx.array_equal(got[0][0], want[0][0])
-    for g, w in zip(got, want):
+    for g, w, t in zip(got, want, cache_arrays(truth_cache)):
         assert g[0].dtype == w[0].dtype and g[0].shape == w[0].shape
         if len(g) > 1:
-            assert g[1].dtype == w[1].dtype == mx.float32
-            np.testing.assert_allclose(np.array(g[1]), np.array(w[1]), atol=0.05, rtol=0.05)
+            assert g[1].dtype == w[1].dtype
+            assert op == "selective_scan" or g[1].dtype == mx.float32
+            if w[1].dtype == mx.float32:
+                np.testing.assert_allclose(np.array(g[1]), np.array(w[1]), atol=0.05, rtol=0.05)
+            else:  # stock's half-precision state drifts over the prompt: the dtype rule
+                assert_dtype_close(g[1], t[1], w[1], dtype=dtype, what=f"{model_type} state")
     # decode: the module's own step on the cache the bricks wrote, counted
     step = run(model, toks[:, -1:], cache)
     stock_step = run(build(model_type, dtype, **dense), toks[:, -1:], stock_cache)
@@ -136,7 +146,8 @@ def test_kernels_in_the_model(model_type, backend):
     model = build(model_type, mx.float32, seed=7)
     toks = tokens(21, seed=8)
     stock = run(model, toks, model.make_cache())
-    before = {k: kernels.LAUNCH_COUNTS[(k, backend)] for k in ("ssd", "short_conv")}
+    before = {k: kernels.LAUNCH_COUNTS[(k, backend)]
+              for k in ("ssd", "short_conv", "selective_scan")}
     report = patch_model(model, backend=backend, mlp=False, tune="off")
     out = run(model, toks, model.make_cache())
     # every mixer runs its conv on the short_conv kernel (the Mamba-2 mixers' conv stage too)
@@ -146,16 +157,22 @@ def test_kernels_in_the_model(model_type, backend):
     np.testing.assert_allclose(np.array(out), np.array(stock), atol=2e-4, rtol=2e-4)
 
 
-def test_jamba_mamba1_and_unknown_mixers_stay_stock():
-    """jamba's Mamba-1 mixers stay stock with the reason (its attention and MLPs are patched);
-    a Mamba-2 mixer subclass with its own forward stays stock; attention=False disables the
-    known ones."""
-    from mlx_lm.models import nemotron_h
+def test_unknown_mixers_stay_stock():
+    """A Mamba-2 or Mamba-1 mixer subclass with its own forward or helper stays stock with the
+    reason (jamba's attention and MLPs are still patched); attention=False disables the known
+    ones."""
+    from mlx_lm.models import jamba, nemotron_h
 
-    report = patch_model(build("jamba"), backend="reference")
+    class OwnStep(jamba.JambaMambaMixer):  # the vetted forward, another ssm_step
+        def ssm_step(self, *args):
+            return super().ssm_step(*args)
+
+    model = build("jamba")
+    model.layers[0].mamba.__class__ = OwnStep
+    report = patch_model(model, backend="reference")
     mamba = [m for m in report.modules if m.module == "mamba"]
-    assert len(mamba) == 3 and all(m.status == "fallback" and "Mamba-1" in m.reason
-                                   for m in mamba)
+    assert [m.status for m in mamba] == ["fallback", "patched", "patched"]
+    assert "OwnStep.ssm_step is not one the patch was read against" in mamba[0].reason
     assert any(m.module == "self_attn" and m.status == "patched" for m in report.modules)
 
     class Custom(nemotron_h.NemotronHMamba2Mixer):
@@ -263,36 +280,42 @@ def test_nemotron_h_relu2_mlps(backend):
 
 
 def test_coverage_of_real_sizes():
-    """The CLI's real-size shares: every mixer, attention and MLP of LFM2-1.2B and
-    Mamba-Codestral-7B in bricks; Granite-4.0-H-Small >= 90%; Jamba's Mamba-1 stock."""
+    """The CLI's real-size shares: every mixer, attention and MLP of LFM2-1.2B,
+    Mamba-Codestral-7B and Falcon-Mamba-7B in bricks; Granite-4.0-H-Small and Jamba-v0.1 (its
+    routers stock) >= 90%."""
     from mlx_bricks.patch.coverage import prefill_flops
     from mlx_bricks.patch.real_configs import build as build_real
 
     share = {}
-    for name in ("LFM2-1.2B", "Mamba-Codestral-7B", "Granite-4.0-H-Small", "Jamba-v0.1"):
+    for name in ("LFM2-1.2B", "Mamba-Codestral-7B", "Granite-4.0-H-Small", "Jamba-v0.1",
+                 "Falcon-Mamba-7B"):
         model = build_real(name)
         patch_model(model, backend="reference")
         share[name] = prefill_flops(model, 2048)["share"]
-    assert share["LFM2-1.2B"] == share["Mamba-Codestral-7B"] == 1.0
-    assert share["Granite-4.0-H-Small"] >= 0.9
-    assert 0.6 < share["Jamba-v0.1"] < 0.9
+    assert share["LFM2-1.2B"] == share["Mamba-Codestral-7B"] == share["Falcon-Mamba-7B"] == 1.0
+    assert share["Granite-4.0-H-Small"] >= 0.9 and share["Jamba-v0.1"] >= 0.9
 
 
 def test_bench_groups_build_on_tiny_shapes(tmp_path, monkeypatch):
-    """``--only ssm`` (kernel backends) and ``ssm_cpu`` (the CPU) are registered; their cases
-    build and agree with stock on tiny shapes of the same kinds."""
+    """``--only ssm``, ``mamba1`` (kernel backends) and ``ssm_cpu`` (the CPU) are registered;
+    their cases build and agree with stock on tiny shapes of the same kinds."""
     from mlx_bricks.bench import ssm
     from mlx_bricks.bench.core import BENCHMARKS, CPU, GROUPS, KERNEL
     from mlx_bricks.bench.e2e import setup
 
     monkeypatch.setenv("MLX_BRICKS_HOME", str(tmp_path))
-    assert len(GROUPS["ssm"]) == 10 and len(GROUPS["ssm_cpu"]) == 3
-    assert {BENCHMARKS[n].backend for n in GROUPS["ssm"]} == {KERNEL}
+    assert len(GROUPS["ssm"]) == 10 and len(GROUPS["ssm_cpu"]) == 5
+    assert len(GROUPS["mamba1"]) == 8
+    assert {BENCHMARKS[n].backend for n in GROUPS["ssm"] + GROUPS["mamba1"]} == {KERNEL}
     assert {BENCHMARKS[n].backend for n in GROUPS["ssm_cpu"]} == {CPU}
     tiny = ssm.NemotronHShape(hidden=64, heads=4, head_dim=16, groups=2, state=16, vocab=256)
     lfm2 = ssm.Lfm2Shape(hidden=64, ff=128, heads=1, kv_heads=1, vocab=256)
+    jamba = ssm.JambaShape(hidden=64, ff=128, vocab=256)
+    falcon = ssm.MambaShape(hidden=64, layers=2, vocab=256)
     cases = [(ssm.scan(24, "fp32", tiny), 1e-3), (ssm.conv(24, "fp32", 32), 1e-3),
+             (ssm.selective(24, "fp32", 32, 8), 1e-3),
              (setup(tiny, "bf16", 24), 0.1), (setup(lfm2, "bf16", 24), 0.1),
+             (setup(jamba, "bf16", 24), 0.1), (setup(falcon, "bf16", 24), 0.1),
              (ssm.decode(tiny, "bf16", prompt=8, steps=2), 0.1)]
     for (brick, stock, info), tol in cases:
         a, b = (np.array(f().astype(mx.float32)) for f in (brick, stock))

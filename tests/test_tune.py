@@ -166,7 +166,7 @@ def _kind_args(dtype=mx.float32):
             "q": Act((2, 9, 2, 32), dtype), "k": Act((2, 9, 2, 32), dtype),
             "v": Act((2, 9, 4, 16), dtype), "g": Act((2, 9, 4), mx.float32),
             "beta": Act((2, 9, 4), dtype), "state": Act((2, 4, 16, 32), mx.float32)}, seed=3),
-        **ssm_models.kind_args(dtype),  # ssd, short_conv
+        **ssm_models.kind_args(dtype),  # ssd, short_conv, selective_scan
     }
 
 

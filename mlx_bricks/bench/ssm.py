@@ -1,9 +1,12 @@
-"""State-space and short-conv benchmarks (issue 42): the SSD scan and the short convolution of
+"""State-space and short-conv benchmarks (issue 42): the SSD scan, Mamba-1's selective scan and
+the short convolution of
 one layer (mlx-lm's ops vs the bricks, same inputs), 4-layer real-shaped prefills (stock mlx-lm
 vs ``patch_model(tune='auto')``, same weights) and their decode (stock vs patched: the decode
 gate keeps mlx-lm's own step).
 
-Shapes: Nemotron-3-Nano-30B-A3B's Mamba-2 layers (hidden 2688; 64 heads of 64, 8 groups,
+Shapes: Jamba's Mamba-1 layers (hidden 4096, 8192 channels, N = 16; an attention layer, dense
+SwiGLU MLPs of 14336) and Falcon-Mamba-7B's (hidden 4096, 4 Mamba-1 layers);
+Nemotron-3-Nano-30B-A3B's Mamba-2 layers (hidden 2688; 64 heads of 64, 8 groups,
 N = 128, 4 conv taps), four of them; LFM2-1.2B's layers (hidden 2048, 3-tap short convs, an
 attention layer of 32/8 heads of 64, SwiGLU MLPs of 8192), four of them (3 conv + 1 attention);
 at 2,048 and 8,192 tokens, bf16, on a kernel backend. On the CPU (no kernel backend) small
@@ -92,7 +95,78 @@ class Lfm2Shape:
                          layer_types=list(self.layer_types))
 
 
+@dataclass(frozen=True)
+class JambaShape:
+    """A jamba model of Mamba-1 layers and one attention layer (layer 2), dense SwiGLU MLPs
+    (``experts`` 1; Jamba's MoE blocks are the MoE brick's, benchmarked apart), Jamba's mixers:
+    ``expand`` x hidden channels, N 16, 4 conv taps, time-step rank hidden / 16."""
+
+    hidden: int
+    ff: int
+    layers: int = 4
+    state: int = 16
+    expand: int = 2
+    vocab: int = 65536
+
+    def describe(self) -> str:
+        return (f"hidden {self.hidden}, {self.layers} layers (attention at 2, Mamba-1 "
+                f"{self.expand * self.hidden} channels, N {self.state}), SwiGLU {self.ff}, "
+                f"vocab {self.vocab}")
+
+    def model_class(self):
+        from mlx_lm.models.jamba import Model
+
+        return Model
+
+    def model_args(self):
+        from mlx_lm.models.jamba import ModelArgs
+
+        return ModelArgs(model_type="jamba", hidden_size=self.hidden, intermediate_size=self.ff,
+                         num_hidden_layers=self.layers, num_attention_heads=32,
+                         num_key_value_heads=8, attn_layer_offset=2, attn_layer_period=4,
+                         expert_layer_offset=1, expert_layer_period=2, mamba_d_conv=4,
+                         mamba_d_state=self.state, mamba_expand=self.expand, num_experts=1,
+                         num_experts_per_tok=1, rms_norm_eps=1e-6,
+                         max_position_embeddings=262144, vocab_size=self.vocab,
+                         tie_word_embeddings=False)
+
+
+@dataclass(frozen=True)
+class MambaShape:
+    """A mamba model (Mamba-1 layers only); ``bcdt_rms``: Falcon-Mamba's weightless RMS norms
+    of the time steps, B and C."""
+
+    hidden: int
+    layers: int = 4
+    state: int = 16
+    vocab: int = 65024
+    bcdt_rms: bool = True
+
+    def describe(self) -> str:
+        return (f"hidden {self.hidden}, {self.layers} Mamba-1 layers of {2 * self.hidden} "
+                f"channels, N {self.state}, B/C/dt RMS norms {self.bcdt_rms}, vocab {self.vocab}")
+
+    def model_class(self):
+        from mlx_lm.models.mamba import Model
+
+        return Model
+
+    def model_args(self):
+        from mlx_lm.models.mamba import ModelArgs
+
+        return ModelArgs(model_type="falcon_mamba" if self.bcdt_rms else "mamba",
+                         vocab_size=self.vocab, hidden_size=self.hidden,
+                         intermediate_size=2 * self.hidden, state_size=self.state,
+                         num_hidden_layers=self.layers, conv_kernel=4, use_bias=False,
+                         use_conv_bias=True, time_step_rank=-(-self.hidden // 16),
+                         use_bcdt_rms=self.bcdt_rms)
+
+
 NEMOTRON3_4LAYER = NemotronHShape(hidden=2688)
+#: Jamba-v0.1 / Jamba-1.5-Mini's dimensions; Falcon-Mamba-7B's.
+JAMBA_4LAYER = JambaShape(hidden=4096, ff=14336)
+FALCON_MAMBA_4LAYER = MambaShape(hidden=4096)
+JAMBA_SMALL = JambaShape(hidden=512, ff=1536, vocab=8192)
 LFM2_1B_4LAYER = Lfm2Shape(hidden=2048, ff=8192)
 NEMOTRON3_SMALL = NemotronHShape(hidden=512, vocab=8192)
 LFM2_SMALL = Lfm2Shape(hidden=512, ff=1536, heads=8, kv_heads=2, vocab=8192)
@@ -121,6 +195,32 @@ def scan(T: int, dtype="bf16", shape: NemotronHShape = NEMOTRON3_4LAYER):
         return {"T": T, "dtype": dtype, "backend": backend, "H": H, "P": P, "G": G, "N": N}
 
     return (lambda: SSD_KIND.brick(args, backend)[0], lambda: SSD_KIND.stock(args)[0], info)
+
+
+def selective(T: int, dtype="bf16", channels: int = 8192, N: int = 16):
+    """``(brick, stock, info)``: the ``selective_scan`` brick (auto backend) vs mlx-lm's token
+    loop (jamba's ``ssm_step`` from the conv output on) on one Jamba-shaped layer's model-like
+    inputs (the tuner kind's synthetic values)."""
+    import mlx.core as mx
+
+    from mlx_bricks.backends import active_backend
+    from mlx_bricks.bench.e2e import mx_dtype
+    from mlx_bricks.bricks.selective_scan.kind import SELECTIVE_SCAN_KIND
+    from mlx_bricks.runtime.kind import Act
+
+    dt = mx_dtype(dtype)
+    act = Act((1, T, channels), dt)
+    args = SELECTIVE_SCAN_KIND.synthetic({
+        "x": act, "dt": act, "A_log": Act((channels, N), mx.float32),
+        "B": Act((1, T, N), dt), "C": Act((1, T, N), dt), "D": Act((channels,), dt)})
+    mx.eval(list(v for v in args.values() if isinstance(v, mx.array)))
+    backend = active_backend(None).name
+
+    def info():
+        return {"T": T, "dtype": dtype, "backend": backend, "channels": channels, "N": N}
+
+    return (lambda: SELECTIVE_SCAN_KIND.brick(args, backend)[0],
+            lambda: SELECTIVE_SCAN_KIND.stock(args)[0], info)
 
 
 def conv(T: int, dtype="bf16", channels: int = 2048):
@@ -188,13 +288,20 @@ def benchmarks() -> dict:
 
     table = {}
     models = (("nemotron3_4layer", NEMOTRON3_4LAYER, "Nemotron-3-Nano-shaped nemotron_h"),
-              ("lfm2_1b_4layer", LFM2_1B_4LAYER, "LFM2-1.2B-shaped lfm2"))
+              ("lfm2_1b_4layer", LFM2_1B_4LAYER, "LFM2-1.2B-shaped lfm2"),
+              ("jamba_4layer", JAMBA_4LAYER, "Jamba-shaped jamba (dense MLPs)"),
+              ("falcon_mamba_4layer", FALCON_MAMBA_4LAYER, "Falcon-Mamba-7B-shaped mamba"))
     for T in T_VALUES:
         table[f"ssd_scan_bf16_t{T}"] = Benchmark(
             f"ssd_scan_bf16_t{T}", KERNEL,
             f"SSD scan of one Nemotron-3-Nano-shaped Mamba-2 layer (64 heads of 64, 8 groups, "
             f"N=128), T={T}, bf16: mlx-lm's ssm_update (ssm_attn) vs the ssd brick",
             lambda T=T: scan(T))
+        table[f"selective_scan_bf16_t{T}"] = Benchmark(
+            f"selective_scan_bf16_t{T}", KERNEL,
+            f"Mamba-1 selective scan of one Jamba-shaped layer (8192 channels, N=16), T={T}, "
+            "bf16: mlx-lm's token loop (jamba's ssm_step) vs the selective_scan brick",
+            lambda T=T: selective(T))
         table[f"short_conv_bf16_t{T}"] = Benchmark(
             f"short_conv_bf16_t{T}", KERNEL,
             f"LFM2-1.2B's short conv (2048 channels, 3 taps, B/C gates, a state), T={T}, bf16:"
@@ -212,8 +319,14 @@ def benchmarks() -> dict:
             "patched (decode runs mlx-lm's own step behind the decode gate)",
             lambda shape=shape: decode(shape))
     cpu_models = (("nemotron3_small", NEMOTRON3_SMALL, "small Nemotron-3-Nano-mixer-shaped "
-                   "nemotron_h"), ("lfm2_small", LFM2_SMALL, "small LFM2-shaped lfm2"))
+                   "nemotron_h"), ("lfm2_small", LFM2_SMALL, "small LFM2-shaped lfm2"),
+                  ("jamba_small", JAMBA_SMALL, "small Jamba-shaped jamba"))
     for T in CPU_T_VALUES:
+        table[f"selective_scan_cpu_bf16_t{T}"] = Benchmark(
+            f"selective_scan_cpu_bf16_t{T}", CPU,
+            f"Mamba-1 selective scan on the CPU, T={T}, bf16, 1024 channels, N=16: mlx-lm's "
+            "token loop vs the brick's chunked composite",
+            lambda T=T: selective(T, channels=1024))
         table[f"ssd_scan_cpu_bf16_t{T}"] = Benchmark(
             f"ssd_scan_cpu_bf16_t{T}", CPU,
             f"SSD scan on the CPU, T={T}, bf16, 64 heads of 64, 8 groups, N=128: mlx-lm's "

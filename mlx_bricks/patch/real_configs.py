@@ -99,6 +99,12 @@ CONFIGS: dict[str, tuple[str, dict]] = {
         expert_layer_period=2, mamba_d_conv=4, mamba_d_state=16, mamba_expand=2,
         mamba_dt_rank=256, num_experts=16, num_experts_per_tok=2, rms_norm_eps=1e-6,
         max_position_embeddings=262144, tie_word_embeddings=False)),
+    # Falcon-Mamba-7B (config.json): 64 Mamba-1 layers (mlx-lm's mamba.py, model_type
+    # falcon_mamba: weightless B / C / time-step RMS norms), 8192 channels, N 16.
+    "Falcon-Mamba-7B": ("mamba", dict(
+        model_type="falcon_mamba", vocab_size=65024, hidden_size=4096, intermediate_size=8192,
+        state_size=16, num_hidden_layers=64, conv_kernel=4, use_bias=False, use_conv_bias=True,
+        time_step_rank=256, tie_word_embeddings=False, use_bcdt_rms=True, mixer_rms_eps=1e-6)),
     # Gated-delta hybrids (issue 42). Kimi-Linear-48B-A3B (config.json as torchtitan's
     # KimiLinearModelArgs restates it): 27 layers, MLA on layers 4, 8, ..., 24, 27 (1-based),
     # Kimi Delta Attention (32 heads of 128) on the other 20; 256 experts of 1024, top 8, one

@@ -351,9 +351,8 @@ ARCHITECTURES: dict[str, BlockLayout] = {
                             o_proj="out_proj", qk_norm=("q_layernorm", "k_layernorm"),
                             unfused=_HYBRID, vetted=_calls(
                                 "lfm2_moe", Attention="d63a2515d102", MLP="07c9ab86cb8f")),
-    # jamba: NoPE attention layers and Mamba-1 layers (a selective scan with A per channel and
-    # state entry: no SSD form, stock with the reason), feed_forward a SwiGLU MLP or a MoE
-    # block (SwitchGLU experts by module).
+    # jamba: NoPE attention layers and Mamba-1 layers (by module: the selective-scan brick),
+    # feed_forward a SwiGLU MLP or a MoE block (SwitchGLU experts by module).
     "jamba": BlockLayout(source="mlx_lm/models/jamba.py", mlp="feed_forward",
                          post_attention_norm="pre_ff_layernorm", rope_flag="rope",
                          heads=("num_attention_heads", "num_key_value_heads"), unfused=_HYBRID,

@@ -55,6 +55,7 @@ def _drive_ops(backend: str) -> list[tuple[str, tuple]]:
     from mlx_bricks.bricks.moe import op as moe
     from mlx_bricks.bricks.norm_qkv import op as norm_qkv
     from mlx_bricks.bricks.q8_0 import op as q8_0
+    from mlx_bricks.bricks.selective_scan import op as selective_scan
     from mlx_bricks.bricks.short_conv import op as short_conv
     from mlx_bricks.bricks.ssd import op as ssd
     from mlx_bricks.bricks.swiglu import op as mlp
@@ -232,6 +233,14 @@ def _drive_ops(backend: str) -> list[tuple[str, tuple]]:
                 lambda: short_conv.short_conv(arr((1, 40, 64), dt), arr((64, 4, 1), dt),
                                               arr((64,), dt), mask=mx.ones((1, 40), mx.bool_),
                                               activation="silu", backend=backend))
+            # Mamba-1's selective scan: 8, 4 and 1 lanes per channel (N = 16, 12, 5), channels
+            # not filling a threadgroup, a state
+            for N in (16, 12, 5):
+                run(f"{dn} selective_scan N={N}",
+                    lambda N=N: selective_scan.selective_scan(
+                        arr((1, 40, 48), dt), arr((1, 40, 48), dt), mx.zeros((48, N)),
+                        arr((1, 40, N), dt), arr((1, 40, N), dt), mx.ones((48,), dt),
+                        state=mx.zeros((1, 48, N)), backend=backend))
             run(f"{dn} q8_0",
                 lambda: q8_0.dequantize_q8_0(*q8_0.quantize_q8_0(arr((4, 64), dt),
                                                                  backend=backend),

@@ -13,7 +13,7 @@ plamo2 ``Mamba`` (B, C and dt from their own projection and RMSNorms). Each form
 its ``__call__`` and by the helpers the piece replaces (``_conv``; ``_ssm``: whether it
 casts D, passes the cache's lengths); any other module whose forward calls ``ssm_update``
 stays stock with the reason. jamba's ``JambaMambaMixer`` is Mamba-1 (a selective scan with A
-per channel and state entry, no ``ssm_update``): not this piece's.
+per channel and state entry, no ``ssm_update``): the selective-scan brick's piece.
 """
 from __future__ import annotations
 
@@ -375,34 +375,3 @@ FALCON_SSD_PIECE = SSDPiece(call_names=("cache", "mask"), classes=("falcon_h1.Fa
                             input_name="input_states")
 #: Every other Mamba-2 mixer (called ``(hidden_states, mask, cache)``).
 SSD_PIECE = SSDPiece()
-
-
-class Mamba1Piece:
-    """Mamba-1 mixers (jamba ``JambaMambaMixer``): matched so that the report says why they stay
-    stock. Their selective scan has A per channel and state entry and a time step per channel
-    (Gu & Dao 2023): the SSD's chunked matrix form needs one scalar decay per head (Mamba-2), so
-    there is no brick for them; ``reason`` always says so."""
-
-    name = "Mamba-1"
-    role = "mamba"
-    kind = SSD_KIND
-    bricks = ()
-    watched = ()
-    call_names = ("cache",)
-    #: The forwards this piece was read against (mlx-lm 0.32.2).
-    vetted = ("mlx_lm.models.jamba.JambaMambaMixer.__call__=eb226296799b",)
-
-    def matches(self, module) -> bool:
-        return callable(getattr(base_class(module), "ssm_step", None)) and \
-            "Mamba" in base_class(module).__name__
-
-    def reason(self, module, layout=None, dtype=None) -> str | None:
-        return ("Mamba-1 selective scan (A per channel and state entry, a time step per "
-                "channel): the SSD brick's chunked form needs one decay per head (Mamba-2); "
-                "stays stock")
-
-    def linears(self, layout=None, module=None) -> tuple[str, ...]:
-        return ()
-
-
-MAMBA1_PIECE = Mamba1Piece()
