@@ -35,13 +35,15 @@ for (int k = 0; k < NS; ++k) {
   b_next[k] = 0.0f;
   c_next[k] = 0.0f;
 }
+int64_t xo = row0 * CH + d;  // the current token's element of x / delta, of B / C
+int64_t bo = row0 * N + n0;
 if (T > 0) {
-  dl_next = delta[row0 * CH + d];
-  x_next = bricks::to_float(x[row0 * CH + d]);
+  dl_next = delta[xo];
+  x_next = bricks::to_float(x[xo]);
 #pragma unroll
   for (int k = 0; k < NS; ++k) {
-    b_next[k] = Bm[row0 * N + n0 + k];
-    c_next[k] = Cm[row0 * N + n0 + k];
+    b_next[k] = Bm[bo + k];
+    c_next[k] = Cm[bo + k];
   }
 }
 for (int t = 0; t < T; ++t) {
@@ -55,13 +57,14 @@ for (int t = 0; t < T; ++t) {
     cv[k] = c_next[k];
   }
   if (t + 1 < T) {
-    const int64_t r = row0 + t + 1;
-    dl_next = delta[r * CH + d];
-    x_next = bricks::to_float(x[r * CH + d]);
+    xo += CH;  // token t + 1's row of x and delta, and of B and C
+    bo += N;
+    dl_next = delta[xo];
+    x_next = bricks::to_float(x[xo]);
 #pragma unroll
     for (int k = 0; k < NS; ++k) {
-      b_next[k] = Bm[r * N + n0 + k];
-      c_next[k] = Cm[r * N + n0 + k];
+      b_next[k] = Bm[bo + k];
+      c_next[k] = Cm[bo + k];
     }
   }
   const float du = dl * xv;

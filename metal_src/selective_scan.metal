@@ -4,7 +4,8 @@
 //   h[d][n] = exp(delta_t[d] A[d][n]) h[d][n] + delta_t[d] x_t[d] B_t[n]
 //   y_t[d]  = sum_n h[d][n] C_t[n] + D[d] x_t[d]   (the L lanes' partial sums by SIMD shuffles)
 // Channels and state entries are independent: no threadgroup memory, no barrier. The next
-// token's inputs are loaded before the current token's update (the loop's one dependency is h).
+// token's inputs are loaded before the current token's update (the loop's one dependency is h);
+// the k loops are unrolled (the per-thread arrays stay in registers).
 //
 // Template: InT (x), OutT (y), CH (channels), N (state entries per channel), L (lanes per
 // channel: 1, 2, 4 or 8, dividing N), NT (threads per threadgroup, a multiple of 32: a channel's
@@ -30,6 +31,7 @@ const int n0 = lane * NS;
 float a[NS];  // A * log2(e): exp(v) = exp2(v log2(e))
 float h[NS];
 const int64_t srow = (int64_t(b) * CH + d) * N + n0;
+#pragma clang loop unroll(full)
 for (int k = 0; k < NS; ++k) {
   a[k] = A[d * N + n0 + k] * 1.4426950408889634f;
   h[k] = state_in[srow + k];
@@ -42,16 +44,20 @@ float dl_next = 0.0f;
 float x_next = 0.0f;
 float b_next[NS];
 float c_next[NS];
+#pragma clang loop unroll(full)
 for (int k = 0; k < NS; ++k) {
   b_next[k] = 0.0f;
   c_next[k] = 0.0f;
 }
+int64_t xo = row0 * CH + d;  // the current token's element of x / delta, of B / C
+int64_t bo = row0 * N + n0;
 if (T > 0) {
-  dl_next = delta[row0 * CH + d];
-  x_next = float(x[row0 * CH + d]);
-  for (int k = 0; k < NS; ++k) {
-    b_next[k] = Bm[row0 * N + n0 + k];
-    c_next[k] = Cm[row0 * N + n0 + k];
+  dl_next = delta[xo];
+  x_next = float(x[xo]);
+  #pragma clang loop unroll(full)
+for (int k = 0; k < NS; ++k) {
+    b_next[k] = Bm[bo + k];
+    c_next[k] = Cm[bo + k];
   }
 }
 for (int t = 0; t < T; ++t) {
@@ -59,22 +65,26 @@ for (int t = 0; t < T; ++t) {
   const float xv = x_next;
   float bv[NS];
   float cv[NS];
-  for (int k = 0; k < NS; ++k) {
+  #pragma clang loop unroll(full)
+for (int k = 0; k < NS; ++k) {
     bv[k] = b_next[k];
     cv[k] = c_next[k];
   }
   if (t + 1 < T) {
-    const int64_t r = row0 + t + 1;
-    dl_next = delta[r * CH + d];
-    x_next = float(x[r * CH + d]);
-    for (int k = 0; k < NS; ++k) {
-      b_next[k] = Bm[r * N + n0 + k];
-      c_next[k] = Cm[r * N + n0 + k];
+    xo += CH;  // token t + 1's row of x and delta, and of B and C
+    bo += N;
+    dl_next = delta[xo];
+    x_next = float(x[xo]);
+    #pragma clang loop unroll(full)
+for (int k = 0; k < NS; ++k) {
+      b_next[k] = Bm[bo + k];
+      c_next[k] = Cm[bo + k];
     }
   }
   const float du = dl * xv;
   float acc = 0.0f;
-  for (int k = 0; k < NS; ++k) {
+  #pragma clang loop unroll(full)
+for (int k = 0; k < NS; ++k) {
     h[k] = exp2(dl * a[k]) * h[k] + du * bv[k];
     acc += h[k] * cv[k];
   }
@@ -86,7 +96,8 @@ for (int t = 0; t < T; ++t) {
   }
 }
 if (owner) {
-  for (int k = 0; k < NS; ++k) {
+  #pragma clang loop unroll(full)
+for (int k = 0; k < NS; ++k) {
     state_out[srow + k] = h[k];
   }
 }

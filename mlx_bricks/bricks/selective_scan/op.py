@@ -154,6 +154,11 @@ def run_kernel(x, delta, A, B, C, D=None, state=None, *, dtype=None, backend: st
     """The MSL kernel (``metal``, ``emulator``) or its CUDA twin (``cuda``) on checked
     arguments the kernel computes (``msl.kernel_reason`` None); ``delta``, ``A`` from
     :func:`gates`, ``dtype`` y's (None: x's). Returns ``(y, state)`` as :func:`selective_scan`."""
+    b, T, ch = x.shape
+    if b * T * ch == 0:  # nothing to scan: no launch (an empty grid), the state passes through
+        N = A.shape[1]
+        s = mx.zeros((b, ch, N), mx.float32) if state is None else state.astype(mx.float32)
+        return mx.zeros((b, T, ch), x.dtype if dtype is None else dtype), s
     kwargs = msl.launch_kwargs(x, delta, A, B, C, D, state, x.dtype if dtype is None else dtype)
     if backend == "cuda":
         from mlx_bricks.bricks.selective_scan.cuda import launch_cuda
