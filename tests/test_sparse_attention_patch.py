@@ -1,7 +1,8 @@
 """DeepSeek sparse attention (deepseek_v32, glm_moe_dsa): while a call's keys fit the indexer's
 ``index_topk`` every causal key is selected and the MLA piece runs (the indexer's cache written
-by the indexer itself); beyond it the call runs stock with the reason, so the top-k selection is
-mlx-lm's own. Tiny random models from mlx-lm's classes (tests/models.py), float32, reference."""
+by the indexer itself); beyond it the indexer module selects (mlx-lm's own top-k) and the
+sparse-attention brick attends over each query's selected keys. Tiny random models from
+mlx-lm's classes (tests/models.py), float32, reference."""
 from __future__ import annotations
 
 import mlx.core as mx
@@ -19,26 +20,31 @@ TOP = 24
 CHUNKS = [(0, 20), (20, 50)]  # 20 keys (dense) then 50 (> TOP: the indexer selects)
 
 
-def test_calls_beyond_index_topk_run_stock_with_the_reason():
+@pytest.mark.parametrize("chunks", [CHUNKS, [(0, 50)]], ids=["two turns", "one prefill"])
+def test_calls_beyond_index_topk_run_the_sparse_brick(chunks):
+    """A turn within ``index_topk`` (dense: the attention brick), then one beyond it (the
+    indexer's selection, the sparse brick), or one prefill beyond it: logits within the dtype
+    rule of a float64 truth, both caches as stock wrote them."""
     model = build_model("deepseek_v32", mx.float32, index_topk=TOP)
     toks = tokens(50)
     with float64_experts():
         m64 = clone64(model)
         c64 = make_prompt_cache(m64)
-        refs = [run64(m64, toks[:, a:b], c64) for a, b in CHUNKS]
+        refs = [run64(m64, toks[:, a:b], c64) for a, b in chunks]
     stock_cache = make_prompt_cache(model)
-    stock = [run(model, toks[:, a:b], stock_cache) for a, b in CHUNKS]
+    stock = [run(model, toks[:, a:b], stock_cache) for a, b in chunks]
     report = patch_model(model, backend="reference")
     mla = [m for m in report.modules if m.module == "mla"]
     assert len(mla) == 2 and all(m.status == "patched" for m in mla)
     cache = make_prompt_cache(model)
-    got = [run(model, toks[:, a:b], cache) for a, b in CHUNKS]
-    for (a, b), p, s, r in zip(CHUNKS, got, stock, refs):
+    got = [run(model, toks[:, a:b], cache) for a, b in chunks]
+    for (a, b), p, s, r in zip(chunks, got, stock, refs):
         assert_dtype_close(p, r, s, dtype=mx.float32, what=f"chunk {a}:{b}")
     for m in mla:
-        assert m.calls["flash_attention"] == 1, m.calls  # the first chunk only
-        why = [k for k in m.stock_calls if k.startswith("DSA: 50 keys > index_topk 24")]
-        assert why and m.stock_calls[why[0]] == 1, m.stock_calls
+        dense = sum(b <= TOP for _, b in chunks)
+        assert m.calls.get("flash_attention", 0) == dense, m.calls
+        assert m.calls["sparse_attention"] == len(chunks) - dense, m.calls
+        assert not any(k.startswith("DSA") for k in m.stock_calls), m.stock_calls
     # both caches (latent + rope key; indexer keys) as stock wrote them
     for c, s in zip(cache, stock_cache):
         for (name, a), (_, b) in zip(tree_flatten(c.state), tree_flatten(s.state)):
@@ -91,3 +97,42 @@ def test_an_indexer_of_another_forward_stays_stock():
 @pytest.mark.parametrize("arch", ["deepseek_v32"])
 def test_index_topk_of_the_tiny_model_keeps_the_default_prompt_dense(arch):
     assert CONFIGS[arch]["index_topk"] >= 50  # tests/test_mla_patch.py's prompt: dense path
+
+
+def test_coverage_beyond_index_topk():
+    """DeepSeek-V3.2 at 8,192 tokens (past its index_topk of 2,048): the projections and the
+    sparse attention in bricks, >= 90% of the prefill FLOPs (the indexer, the queries'
+    absorption and the outputs' unembed_out stay mlx-lm's)."""
+    from mlx_bricks.patch.coverage import prefill_flops
+    from mlx_bricks.patch.real_configs import build as build_real
+
+    model = build_real("DeepSeek-V3.2 (671B)")
+    patch_model(model, backend="reference")
+    assert prefill_flops(model, 8192)["share"] >= 0.9
+    assert prefill_flops(model, 2048)["share"] >= 0.98  # dense: every key selected
+
+
+def test_stock_choice_is_the_module_s_own(tmp_path, monkeypatch):
+    """Auto backend on this CPU, tune='cached' with nothing measured (mlx_lm.generate's
+    default): the sparse kind's prior keeps stock for a prompt whose dense form costs fewer
+    FLOPs (50 keys, 24 selected) and the module's own masked dense attention runs (the
+    projections on the bricks: bfloat16 weights); logits within the dtype rule of a float64
+    truth."""
+    from mlx_bricks.backends import active_backend
+
+    if active_backend(None).name != "reference":
+        pytest.skip("a kernel backend is available here")
+    monkeypatch.setenv("MLX_BRICKS_HOME", str(tmp_path))
+    model = build_model("deepseek_v32", mx.bfloat16, index_topk=TOP,
+                        first_k_dense_replace=2)  # dense MLPs: CPU gather_mm is float32 only
+    toks = tokens(50)
+    with float64_experts():
+        truth = run64(clone64(model), toks, None)
+    stock = run(model, toks, make_prompt_cache(model))
+    report = patch_model(model, tune="cached")
+    out = run(model, toks, make_prompt_cache(model))
+    mla = [m for m in report.modules if m.module == "mla"]
+    assert all(m.status == "patched" for m in mla), report
+    assert all(m.calls.get("sparse_attention", 0) == 0 and m.calls.get("linear", 0) > 0
+               for m in mla), [m.calls for m in mla]
+    assert_dtype_close(out, truth, stock, dtype=mx.bfloat16, what="logits")

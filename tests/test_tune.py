@@ -167,6 +167,13 @@ def _kind_args(dtype=mx.float32):
             "v": Act((2, 9, 4, 16), dtype), "g": Act((2, 9, 4), mx.float32),
             "beta": Act((2, 9, 4), dtype), "state": Act((2, 4, 16, 32), mx.float32)}, seed=3),
         **ssm_models.kind_args(dtype),  # ssd, short_conv, selective_scan
+        # an indexer-like selection of 8 of 20 keys per query (the kind's own values)
+        "sparse_attention": KINDS["sparse_attention"].synthetic({
+            "q": Act((2, 4, 9, 16), dtype), "q_pe": Act((2, 4, 9, 8), dtype),
+            "latent": Act((2, 1, 20, 32), dtype), "k_pe": Act((2, 1, 20, 8), dtype),
+            "indices": Act((2, 1, 9, 8), mx.uint32),
+            "w_k": (mx.random.normal((4, 32, 16)) * 0.2).astype(dtype),
+            "w_v": (mx.random.normal((4, 12, 32)) * 0.2).astype(dtype), "scale": 0.2}, seed=3),
     }
 
 

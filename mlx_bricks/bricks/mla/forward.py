@@ -136,6 +136,19 @@ def _kv_core(run, m, facts, latent, q_nope, q_pe, k_pe, mask, cache, scale):
                                                            scale=scale, mask=mask))
 
 
+def _sparse_core(run, m, q_nope, q_pe, latent, k_pe, indices, mask, kv_cache, scale):
+    """DeepSeek sparse attention (more keys than the indexer's ``index_topk``): the
+    ``sparse_attention`` piece over each query's selected keys (stock: the module's own masked
+    dense attention over every key, ``sparse_attention.piece.sparse_stock``)."""
+    from mlx_bricks.bricks.sparse_attention.kind import SPARSE_ATTENTION
+    from mlx_bricks.bricks.sparse_attention.piece import sparse_args, sparse_stock
+
+    return run("sparse_attention", SPARSE_ATTENTION,
+               lambda: sparse_args(m, q_nope, q_pe, latent, k_pe, indices, scale),
+               lambda: sparse_stock(m, q_nope, q_pe, latent, k_pe, indices, mask, kv_cache,
+                                    scale))
+
+
 def _latent_core(run, m, facts, x, qr, latent, q_nope, q_pe, k_pe, mask, cache, scale,
                  attn_scale):
     """The latent-cache families: norm (and LongCat's scale) of the latent, RoPE at the
@@ -156,7 +169,10 @@ def _latent_core(run, m, facts, x, qr, latent, q_nope, q_pe, k_pe, mask, cache, 
     if facts.indexer:
         from mlx_bricks.bricks.sparse_attention.piece import indexer_step
 
-        indexer_step(m, x, qr, mask, cache)
+        picked = indexer_step(m, x, qr, mask, cache)
+        if picked is not None:
+            return _sparse_core(run, m, q_nope, q_pe, latent, k_pe, picked, mask, kv_cache,
+                                scale)
     L, S = q_nope.shape[2], latent.shape[2]
     H, r, dn, dr, dv = dims(m, facts)
     if form_of(m, facts, L, S - L) == ABSORBED:

@@ -30,6 +30,8 @@ from mlx_bricks.bricks.mla.family import FAMILIES, facts_of
 from mlx_bricks.bricks.mla.forward import LINEAR, dims, form_of, kv_cache_of, mla_forward, \
     value_weight
 from mlx_bricks.bricks.mla.op import ABSORBED
+from mlx_bricks.bricks.sparse_attention.kind import SPARSE_ATTENTION
+from mlx_bricks.bricks.sparse_attention.piece import is_sparse, sparse_args
 from mlx_bricks.checks import FLOAT_DTYPES, dtype_name
 from mlx_bricks.formats.layers import linear_reason, role_reason
 from mlx_bricks.runtime.kind import Act
@@ -134,13 +136,9 @@ def cache_reason(m, facts, cache, L: int) -> str | None:
         if type(cache) is not CacheList or len(cache.caches) != 2 or \
                 any(type(c) is not KVCache for c in cache.caches):
             return f"cache is {type(cache).__name__}, not a CacheList of two KVCaches"
-        from mlx_bricks.bricks.sparse_attention.piece import sparse_reason
-
-        return sparse_reason(m, cache[0].offset + L)
+        return None
     if facts.indexer:
-        from mlx_bricks.bricks.sparse_attention.piece import sparse_reason
-
-        return sparse_reason(m, L)
+        return None
     if cache is not None and type(cache) is not KVCache:
         return f"cache is {type(cache).__name__}, not KVCache"
     return None
@@ -220,6 +218,12 @@ class MLAPiece:
             ins["q_b_proj"] = Act((B, L, m.q_a_proj.weight.shape[0]), dt)
         out = {n: (LINEAR, linear_piece.linear_args(m[n], ins.get(n, inputs)))
                for n in projections(m, facts)}
+        if facts.indexer and is_sparse(m, S):  # DSA: the top-k keys of each query
+            out["sparse_attention"] = (SPARSE_ATTENTION, sparse_args(
+                m, Act((B, H, L, dn), dt), Act((B, H, L, dr), dt), Act((B, 1, S, r), dt),
+                Act((B, 1, S, dr), dt), Act((B, 1, L, m.indexer.index_topk), mx.uint32),
+                getattr(m, facts.scale)))
+            return out
         if form_of(m, facts, L, S - L) == ABSORBED:
             return out
         w = value_weight(m, H) if facts.cache == "latent" else None
@@ -236,7 +240,9 @@ class MLAPiece:
         facts = facts_of(base_class(module))
         kv = kv_cache_of(call["cache"], facts)
         L = inputs.shape[1]
-        if form_of(module, facts, L, kv.offset if kv is not None else 0) == ABSORBED:
+        S = L + (kv.offset if kv is not None else 0)
+        if not (facts.indexer and is_sparse(module, S)) and \
+                form_of(module, facts, L, S - L) == ABSORBED:
             module._bricks_state.stock[
                 "attention: absorbed form (fewer FLOPs than decompressing the cache)"] += 1
         return mla_forward(module, facts, inputs, call["mask"], call["cache"], run,
@@ -257,9 +263,11 @@ def prefill_flops(m, tokens: int, patched: bool, linear_flops) -> tuple[float, f
     affine) and the attention core ``2 H (dn + dr + dv)`` per visible key (``(tokens + 1) / 2``
     on average). Stock: the key decompression ``2 H r dn`` (``embed_q``, a batched product),
     DeepSeek-V3.2's indexer key projection (its query and weight projections are not computed
-    while the keys fit ``index_topk``); everything when unpatched, for an unknown module, or
-    when the indexer selects (more than ``index_topk`` keys: mlx-lm's sparse path, over
-    ``min(position + 1, index_topk)`` keys a query, plus the indexer's scores)."""
+    while the keys fit ``index_topk``); everything when unpatched or for an unknown module.
+    When the indexer selects (more than ``index_topk`` keys): in bricks the projections and
+    the sparse attention over ``min(position + 1, index_topk)`` keys a query (absorbed:
+    ``2 H (2 r + dr)`` per key); stock the indexer (its projections and scores) and the
+    queries' absorption and the outputs' ``unembed_out`` (``2 H r (dn + dv)``)."""
     facts = facts_of(base_class(m))
     if facts is None:
         return 0.0, sum(linear_flops(c) for _, c in m.named_modules()
@@ -277,12 +285,15 @@ def prefill_flops(m, tokens: int, patched: bool, linear_flops) -> tuple[float, f
     if facts.indexer:
         idx = m.indexer
         top = idx.index_topk
-        if tokens > top:  # mlx-lm's sparse path: every part of the module stock
+        if tokens > top:  # DSA: the sparse-attention brick over each query's top k
             keys = (top * (top + 1) / 2 + (tokens - top) * top) / tokens
             scored = (tokens + 1) / 2
-            stock += sum(linear_flops(idx[n]) for n in ("wq_b", "wk", "weights_proj"))
-            stock += 2 * idx.n_heads * idx.head_dim * scored
-            return 0.0, stock + bricks + 2 * H * (dn + dr + dv) * keys
+            stock = sum(linear_flops(idx[n]) for n in ("wq_b", "wk", "weights_proj"))
+            stock += 2 * idx.n_heads * idx.head_dim * scored + 2 * H * r * (dn + dv)
+            core = 2 * H * (2 * r + dr) * keys
+            if not patched:
+                return 0.0, stock + proj + core
+            return proj + core, stock
         stock += linear_flops(idx.wk)
     bricks += 2 * H * (dn + dr + dv) * keys
     if not patched:
