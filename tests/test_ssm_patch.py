@@ -279,20 +279,60 @@ def test_nemotron_h_relu2_mlps(backend):
     assert mx.array_equal(run(model, toks), stock)
 
 
+@pytest.mark.parametrize("backend", ["reference", "emulator"])
+def test_nemotron_h_attention_mixer(backend):
+    """nemotron_h's attention layers (a layer's one mixer: NoPE GQA attention) run q/k/v/o as
+    linear pieces and the core on the attention brick; float32 logits match stock over two
+    turns (the KV cache continued), decode is the module's own step, a subclass stays stock,
+    unpatch is exact."""
+    from mlx_lm.models import nemotron_h
+
+    from tests.support import require_backend
+
+    if backend == "emulator":
+        require_backend("emulator")
+    model = build("nemotron_h", mx.float32, seed=2)
+    toks = tokens(40, seed=2)
+    stock_cache = model.make_cache()
+    stock = [run(model, toks[:, a:b], stock_cache) for a, b in ((0, 25), (25, 40))]
+    report = patch_model(model, backend=backend, tune="off")
+    attn = [m for m in report.modules if m.module == "attention"]
+    assert len(attn) == 1 and attn[0].status == "patched", report
+    cache = model.make_cache()
+    out = [run(model, toks[:, a:b], cache) for a, b in ((0, 25), (25, 40))]
+    for o, s in zip(out, stock):
+        np.testing.assert_allclose(np.array(o), np.array(s), atol=2e-4, rtol=2e-4)
+    assert attn[0].calls == {"linear": 8, "flash_attention": 2}, attn[0].calls
+    run(model, toks[:, -1:], cache)
+    assert attn[0].stock_calls.get(DECODE, 0) == 1
+    unpatch_model(model)
+    assert mx.array_equal(run(model, toks[:, :25], model.make_cache()), stock[0])
+
+    class Own(nemotron_h.NemotronHAttention):
+        def __call__(self, x, mask=None, cache=None):
+            return super().__call__(x, mask, cache)
+
+    model.layers[3].mixer.__class__ = Own
+    entry = [m for m in patch_model(model, backend=backend).modules if m.module == "attention"]
+    assert entry[0].status == "fallback" and "forward the patch does not know" in \
+        entry[0].reason
+
+
 def test_coverage_of_real_sizes():
     """The CLI's real-size shares: every mixer, attention and MLP of LFM2-1.2B,
-    Mamba-Codestral-7B and Falcon-Mamba-7B in bricks; Granite-4.0-H-Small and Jamba-v0.1 (its
+    Mamba-Codestral-7B, Falcon-Mamba-7B and Nemotron-3-Nano in bricks; Granite-4.0-H-Small and Jamba-v0.1 (its
     routers stock) >= 90%."""
     from mlx_bricks.patch.coverage import prefill_flops
     from mlx_bricks.patch.real_configs import build as build_real
 
     share = {}
     for name in ("LFM2-1.2B", "Mamba-Codestral-7B", "Granite-4.0-H-Small", "Jamba-v0.1",
-                 "Falcon-Mamba-7B"):
+                 "Falcon-Mamba-7B", "Nemotron-3-Nano-30B-A3B"):
         model = build_real(name)
         patch_model(model, backend="reference")
         share[name] = prefill_flops(model, 2048)["share"]
     assert share["LFM2-1.2B"] == share["Mamba-Codestral-7B"] == share["Falcon-Mamba-7B"] == 1.0
+    assert share["Nemotron-3-Nano-30B-A3B"] == 1.0  # its attention a mixer piece too
     assert share["Granite-4.0-H-Small"] >= 0.9 and share["Jamba-v0.1"] >= 0.9
 
 

@@ -160,10 +160,11 @@ def prefill_flops(model, tokens: int = 2048) -> dict:
                 add(_linear_flops(m), patched, top)
                 mixer_linears += _linear_flops(m) if in_mixer else 0
                 return
-            if piece is None and isinstance(m, dict) and "q_proj" in m and "k_proj" in m:
+            if (piece is None or getattr(piece, "attention_core", False)) and \
+                    isinstance(m, dict) and "q_proj" in m and "k_proj" in m:
                 state = m.__dict__.get("_bricks_state")
                 window = None
-                if state is not None:
+                if state is not None and state.layout is not None:  # a mixer's: no window
                     from mlx_bricks.nn.calls import layer_window
 
                     window = layer_window(m, state.layout, state.sliding)[0]

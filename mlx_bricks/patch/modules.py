@@ -24,6 +24,7 @@ from mlx_bricks.bricks.moe.piece import (
     activation_of,
     switch_classes,
 )
+from mlx_bricks.bricks.attention.mixer_piece import ATTENTION_MIXER_PIECE
 from mlx_bricks.bricks.short_conv.piece import SHORT_CONV_PIECE
 from mlx_bricks.bricks.swiglu.fused_piece import FUSED_MLP_PIECE
 from mlx_bricks.bricks.selective_scan.piece import SELECTIVE_SCAN_PIECE
@@ -37,7 +38,8 @@ from mlx_bricks.runtime.dispatch import NO_KERNEL_BACKEND, Dispatch
 #: (the Gated DeltaNet piece after the other gated-delta pieces: it claims every module that
 #: calls ``gated_delta_update``).
 MIXERS = (KDA_PIECE, OLMO_GDN_PIECE, GDN_PIECE, FALCON_SSD_PIECE, SSD_PIECE, SHORT_CONV_PIECE,
-          SELECTIVE_SCAN_PIECE, MLA_PIECE, MLA_SCALED_PIECE, RELU2_MLP_PIECE)
+          SELECTIVE_SCAN_PIECE, MLA_PIECE, MLA_SCALED_PIECE, RELU2_MLP_PIECE,
+          ATTENTION_MIXER_PIECE)
 
 
 def has_experts(layer) -> bool:
