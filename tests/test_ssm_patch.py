@@ -21,7 +21,7 @@ FAMILIES = {"mamba2": ("mamba", "ssd", 2), "nemotron_h": ("mamba", "ssd", 3),
             "lfm2_moe": ("conv", "short_conv", 2), "jamba": ("mamba", "selective_scan", 3),
             "mamba": ("mamba", "selective_scan", 2)}
 #: The projections each brick's mixers run as linear stages.
-STAGES = {"ssd": 2, "selective_scan": 4, "short_conv": 0}
+STAGES = {"ssd": 2, "selective_scan": 4, "short_conv": 2}
 DECODE = "decode (L == 1): stock path by design"
 
 
@@ -65,8 +65,8 @@ def test_patched_matches_stock(model_type, dtype):
     cache = model.make_cache()
     out = run(model, toks, cache)
     assert sum(m.calls.get(op, 0) for m in entries) == n
-    # the projections as linear stages (Mamba-2: in_proj, out_proj; Mamba-1: x_proj, dt_proj
-    # too)
+    # the projections as linear stages (Mamba-2 and LFM2: in_proj, out_proj; Mamba-1: x_proj,
+    # dt_proj too)
     assert sum(m.calls.get("linear", 0) for m in entries) == STAGES[op] * n, report
     if dtype == mx.float32:
         np.testing.assert_allclose(np.array(out), np.array(stock), atol=2e-4, rtol=2e-4)

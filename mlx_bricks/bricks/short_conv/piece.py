@@ -84,24 +84,46 @@ class ShortConvPiece:
         return (inputs.shape, inputs.dtype, call["mask"] is not None, cache is None,
                 cache is not None and cache[0] is not None)
 
-    def prologue(self, module, inputs, call):
-        """The module's in-projection and split into B, C, x; the kind's arguments."""
+    def stage_names(self, module, dtype) -> tuple[str, ...]:
+        """The projections that run as ``linear`` stages: ``in_proj`` and ``out_proj`` where
+        ``bricks.gemm.piece.stage_names`` takes them."""
+        from mlx_bricks.bricks.gemm.piece import stage_names
+
+        return stage_names(module, ("in_proj", "out_proj"), dtype)
+
+    def stages(self, module, inputs, call) -> dict:
+        """The ``linear`` stages of :meth:`stage_names` around the conv (``out_proj`` reads the
+        (b, T, C) gated conv output)."""
+        from mlx_bricks.bricks.gemm import piece as linear_piece
+        from mlx_bricks.runtime.kind import Act
+
+        x = Act(tuple(inputs.shape), inputs.dtype)
+        return {n: (linear_piece.KIND, linear_piece.linear_args(module[n], x))
+                for n in self.stage_names(module, inputs.dtype)}
+
+    def prologue(self, module, inputs, call, run):
+        """The module's in-projection (a ``linear`` stage or its own layer) and split into B,
+        C, x; the kind's arguments."""
+        from mlx_bricks.bricks.gemm.piece import projector
+
+        proj = projector(self.stage_names(module, inputs.dtype), run)
         cache = call["cache"]
-        Bg, Cg, x = mx.split(module.in_proj(inputs), 3, axis=-1)
+        Bg, Cg, x = mx.split(proj(module, "in_proj", inputs), 3, axis=-1)
         conv = module.conv
         return {"x": x, "weight": conv.weight, "bias": conv.get("bias"),
                 "state": None if cache is None else cache[0], "mask": call["mask"],
                 "gate_in": Bg, "gate_out": Cg, "activation": None,
-                "lengths": None if cache is None else cache.lengths}, None
+                "lengths": None if cache is None else cache.lengths}, proj
 
     def epilogue(self, module, out, ctx, inputs, call):
-        """The conv state and offset into the cache, the out-projection."""
+        """The conv state and offset into the cache, the out-projection (through the
+        prologue's ``proj``)."""
         y, state = out
         cache = call["cache"]
         if cache is not None:
             cache[0] = state
             cache.advance(inputs.shape[1])
-        return module.out_proj(y)
+        return ctx(module, "out_proj", y)
 
     def linears(self, layout=None, module=None) -> tuple[str, ...]:
         return ("in_proj", "out_proj")
