@@ -280,18 +280,18 @@ def test_nemotron_h_relu2_mlps(backend):
 
 
 @pytest.mark.parametrize("backend", ["reference", "emulator"])
-def test_nemotron_h_attention_mixer(backend):
-    """nemotron_h's attention layers (a layer's one mixer: NoPE GQA attention) run q/k/v/o as
-    linear pieces and the core on the attention brick; float32 logits match stock over two
-    turns (the KV cache continued), decode is the module's own step, a subclass stays stock,
-    unpatch is exact."""
-    from mlx_lm.models import nemotron_h
-
+@pytest.mark.parametrize("model_type,layer,extra", [
+    ("nemotron_h", 3, {}), ("plamo2", 1, {"hidden_size_per_head": 64})])
+def test_attention_mixers(model_type, layer, extra, backend):
+    """nemotron_h's and plamo2's attention layers (a layer's one mixer: NoPE GQA; plamo2's
+    fused qkv, per-head q/k norms and RoPE) run their projections as linear pieces and the
+    core on the attention brick; float32 logits match stock over two turns (the KV cache
+    continued), decode is the module's own step, a subclass stays stock, unpatch is exact."""
     from tests.support import require_backend
 
     if backend == "emulator":
         require_backend("emulator")
-    model = build("nemotron_h", mx.float32, seed=2)
+    model = build(model_type, mx.float32, seed=2, **extra)
     toks = tokens(40, seed=2)
     stock_cache = model.make_cache()
     stock = [run(model, toks[:, a:b], stock_cache) for a, b in ((0, 25), (25, 40))]
@@ -302,17 +302,17 @@ def test_nemotron_h_attention_mixer(backend):
     out = [run(model, toks[:, a:b], cache) for a, b in ((0, 25), (25, 40))]
     for o, s in zip(out, stock):
         np.testing.assert_allclose(np.array(o), np.array(s), atol=2e-4, rtol=2e-4)
-    assert attn[0].calls == {"linear": 8, "flash_attention": 2}, attn[0].calls
+    projections = 2 if model_type == "plamo2" else 4
+    assert attn[0].calls == {"linear": 2 * projections, "flash_attention": 2}, attn[0].calls
     run(model, toks[:, -1:], cache)
     assert attn[0].stock_calls.get(DECODE, 0) == 1
     unpatch_model(model)
     assert mx.array_equal(run(model, toks[:, :25], model.make_cache()), stock[0])
 
-    class Own(nemotron_h.NemotronHAttention):
-        def __call__(self, x, mask=None, cache=None):
-            return super().__call__(x, mask, cache)
-
-    model.layers[3].mixer.__class__ = Own
+    mixer = model.layers[layer].mixer
+    Own = type("Own", (type(mixer),), {"__call__": lambda self, *a, **k: super(
+        Own, self).__call__(*a, **k)})
+    mixer.__class__ = Own
     entry = [m for m in patch_model(model, backend=backend).modules if m.module == "attention"]
     assert entry[0].status == "fallback" and "forward the patch does not know" in \
         entry[0].reason
@@ -327,12 +327,14 @@ def test_coverage_of_real_sizes():
 
     share = {}
     for name in ("LFM2-1.2B", "Mamba-Codestral-7B", "Granite-4.0-H-Small", "Jamba-v0.1",
-                 "Falcon-Mamba-7B", "Nemotron-3-Nano-30B-A3B"):
+                 "Falcon-Mamba-7B", "Nemotron-3-Nano-30B-A3B", "PLaMo-2-8B"):
         model = build_real(name)
         patch_model(model, backend="reference")
         share[name] = prefill_flops(model, 2048)["share"]
     assert share["LFM2-1.2B"] == share["Mamba-Codestral-7B"] == share["Falcon-Mamba-7B"] == 1.0
-    assert share["Nemotron-3-Nano-30B-A3B"] == 1.0  # its attention a mixer piece too
+    # their attention layers a mixer piece too (plamo2: the small bcdt/dt projections stay
+    # its Mamba mixers' own)
+    assert share["Nemotron-3-Nano-30B-A3B"] == 1.0 and share["PLaMo-2-8B"] >= 0.99
     assert share["Granite-4.0-H-Small"] >= 0.9 and share["Jamba-v0.1"] >= 0.9
 
 
