@@ -318,6 +318,22 @@ def test_attention_mixers(model_type, layer, extra, backend):
         entry[0].reason
 
 
+def test_relu2_mlps_without_kernel_backend_follow_their_weights():
+    """No kernel backend: nemotron_h's gate-less MLPs (linear pieces only) are patched where
+    their weights are admitted (bfloat16 on the CPU) and reported stock otherwise (float16:
+    they would run their own layers)."""
+    from mlx_bricks.backends import active_backend
+    from mlx_bricks.runtime.dispatch import NO_KERNEL_BACKEND
+
+    if active_backend(None).name != "reference":
+        pytest.skip("a kernel backend is available here")
+    for dtype, status in ((mx.float16, "stock"), (mx.bfloat16, "patched")):
+        report = patch_model(build("nemotron_h", dtype, **DENSE["nemotron_h"]))
+        mlps = [m for m in report.modules if m.module == "mlp"]
+        assert mlps and {m.status for m in mlps} == {status}, (dtype, mlps)
+        assert status == "patched" or all(m.reason == NO_KERNEL_BACKEND for m in mlps)
+
+
 def test_coverage_of_real_sizes():
     """The CLI's real-size shares: every mixer, attention and MLP of LFM2-1.2B,
     Mamba-Codestral-7B, Falcon-Mamba-7B and Nemotron-3-Nano in bricks; Granite-4.0-H-Small and Jamba-v0.1 (its

@@ -182,7 +182,7 @@ def patch_mixers(report, i: int, layer, opts: dict, backend: str,
         if reason is not None:
             add(ModuleReport(i, piece.role, FALLBACK, reason=f"{where}: {reason}"))
             continue
-        if dispatch is None:
+        if dispatch is None or (option == "mlp" and not _admits_any(dispatch, module, piece)):
             add(ModuleReport(i, piece.role, STOCK, reason=NO_KERNEL_BACKEND))
             continue
         how = "tuned" if dispatch.tuning else "rule"
@@ -191,6 +191,15 @@ def patch_mixers(report, i: int, layer, opts: dict, backend: str,
                          piece=piece, dispatch=dispatch)
         attach(module, BricksMixer, st)
         add(ModuleReport(i, piece.role, PATCHED, piece.bricks, variant, backend, state=st))
+
+
+def _admits_any(dispatch, module, piece) -> bool:
+    """Whether ``dispatch`` admits any of the linear layers of a piece made of linear pieces
+    only (an MLP: ``option`` "mlp"); none admitted, it would run its own layers, stock."""
+    from mlx_bricks.formats.layers import weight_of
+
+    layers = [module.get(n) for n in piece.linears(None, module) if module.get(n) is not None]
+    return any(dispatch.admits([weight_of(m)]) for m in layers)
 
 
 def sinks_reason(attn, layout=None) -> str | None:
