@@ -207,7 +207,7 @@ class GatedDelta(OpKind):
         with high_precision(args["q"].dtype) as hp:
             y, S = sequential(*(args[n] for n in ("q", "k", "v", "g", "beta")),
                               *(args.get(n) for n in _OPTIONAL), dtype=hp)
-        return y[:, -rows:], S
+            return y[:, -rows:], S  # sliced on the CPU stream: float64 has no GPU
 
     def check(self, out, naive, args):
         """The dtype rule on y (float32 inputs: 64 ulps, the chunked products and the
