@@ -112,19 +112,30 @@ def test_kind_check(dtype):
     assert K.check(out, naive, synth).ok
     assert not K.check(out * 1.1 + 0.05, naive, synth).ok
     # the prior: the gathered form where it costs fewer FLOPs (many keys, few selected)
-    assert K.prior({**args, "latent": Act((1, 1, 20, 32), dtype)}, "reference") == "stock"
+    assert K.prior({**args, "latent": Act((1, 1, 20, 32), dtype),  # k close to S: dense
+                    "indices": Act((1, 1, 20, 18), mx.uint32)}, "reference") == "stock"
     assert K.prior({**args, "latent": Act((1, 1, 4000, 32), dtype)}, "reference") == "gathered"
+    # the key tells long caches apart (every sparse call has S > k)
+    keys = {str(K.key({**args, "latent": Act((1, 1, S, 32), dtype)})) for S in (60, 3000, 4000, 5000)}
+    assert len(keys) == 3  # <= 64, <= 4096 (two), <= 8192
 
 
 def test_flops():
     from mlx_bricks.bricks.sparse_attention.op import flops
 
     # DeepSeek-V3.2 (H 128, dn 128, dr 64, r 512, dv 128, top 2,048): a 2,048-token turn
-    # over 30,720 cached keys: the gathered form far cheaper; a prompt's first 4,096 tokens
-    # in one chunk: dense cheaper
-    f = flops(2048, 32768, 2048, 128, 128, 64, 512, 128)
+    # over 30,720 cached keys: the gathered form far cheaper; the second 2,048-token chunk of
+    # a prompt (4,096 keys) and a 4,096-token prompt in one chunk: dense cheaper; 8,192 in one
+    # chunk: gathered (the dense side scores every (query, key) pair)
+    dims = (2048, 128, 128, 64, 512, 128)
+    f = flops(2048, 32768, *dims)
     assert f["gathered"] * 5 < f["stock"]
-    f = flops(4096, 4096, 2048, 128, 128, 64, 512, 128)
-    assert f["gathered"] > f["stock"]
-    # every visible key selected: the same pairs either way
-    assert flops(4, 10, 10, 1, 1, 1, 1, 1)["gathered"] == 2 * (4 * 2 + 3 * (7 + 8 + 9 + 10))
+    for L, S in ((2048, 4096), (4096, 4096)):
+        f = flops(L, S, *dims)
+        assert f["gathered"] > f["stock"], (L, S)
+    f = flops(8192, 8192, *dims)
+    assert f["gathered"] < f["stock"]
+    # every visible key selected: the visible pairs; the dense side all L x S
+    f = flops(4, 10, 10, 1, 1, 1, 1, 1)
+    assert f["gathered"] == 2 * (4 * 2 + 3 * (7 + 8 + 9 + 10))
+    assert f["stock"] == 2 * (10 * 2 + 3 * 4 * 10)

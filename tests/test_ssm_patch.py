@@ -326,6 +326,28 @@ def test_attention_mixers(model_type, layer, extra, backend):
         entry[0].reason
 
 
+@pytest.mark.parametrize("model_type", ["mamba", "jamba", "mamba2"])
+def test_mixed_dtype_checkpoint_falls_back(model_type):
+    """A checkpoint of mixed dtypes (bfloat16 with float32 A_log and D, as unconverted weights
+    come): the first mixer's output is float32, so the next mixer's input no longer matches its
+    bfloat16 conv bias; that call runs stock with the reason instead of failing, and the logits
+    are within the dtype rule of the float32 model's."""
+    truth = run(build(model_type, mx.float32), tokens(30))
+    model = build(model_type, mx.bfloat16)
+    for _, m in model.named_modules():
+        for name in ("A_log", "D"):
+            if isinstance(m.get(name), mx.array):
+                m[name] = m[name].astype(mx.float32)
+    toks = tokens(30)
+    stock = run(model, toks, model.make_cache())
+    report = patch_model(model, backend="reference", tune="off")
+    out = run(model, toks, model.make_cache())
+    entries = mixers(report, model_type)
+    reasons = [k for m in entries for k in m.stock_calls]
+    assert any("bias is bfloat16 but the input is float32" in k for k in reasons), reasons
+    assert_dtype_close(out, truth, stock, dtype=mx.bfloat16, what=f"{model_type} logits")
+
+
 def test_relu2_mlps_without_kernel_backend_follow_their_weights():
     """No kernel backend: nemotron_h's gate-less MLPs (linear pieces only) are patched where
     their weights are admitted (bfloat16 on the CPU) and reported stock otherwise (float16:

@@ -160,8 +160,10 @@ def prefill_flops(model, tokens: int = 2048) -> dict:
                 add(_linear_flops(m), patched, top)
                 mixer_linears += _linear_flops(m) if in_mixer else 0
                 return
-            if (piece is None or getattr(piece, "attention_core", False)) and \
-                    isinstance(m, dict) and "q_proj" in m and "k_proj" in m:
+            if getattr(piece, "attention_core", False):  # a mixer piece's attention core
+                heads, head_dim = piece.core_dims(m)
+                add(int(4 * heads * head_dim * _keys(tokens, None)), patched, top)
+            elif piece is None and isinstance(m, dict) and "q_proj" in m and "k_proj" in m:
                 state = m.__dict__.get("_bricks_state")
                 window = None
                 if state is not None and state.layout is not None:  # a mixer's: no window

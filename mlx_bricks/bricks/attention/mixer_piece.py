@@ -104,6 +104,11 @@ class AttentionMixerPiece:
     #: Its attention core is counted by ``patch.coverage`` as any q/k/v attention's.
     attention_core = True
 
+    def core_dims(self, module) -> tuple[int, int]:
+        """``(query heads, head_dim)`` of the core (``patch.coverage``)."""
+        H, _, D = heads(module)
+        return H, D
+
     def matches(self, module) -> bool:
         """A module of a :data:`FORMS` class or derived from one (a subclass is reported stock:
         its forward is not vetted)."""

@@ -63,12 +63,14 @@ def sequential(x, dt, A_log, B, C, D=None, state=None, *, dtype=mx.float32):
 
 
 #: The fewest tokens (batch x T) from which ``tune="cached"`` runs the chunked composite
-#: without a measurement, per backend. The CPU (2 cores, bf16, N 16): 0.4-1.1x stock below
-#: 128 tokens (noisy), 1.1-1.3x at 128, 3.8x at 512 with 1024 channels (docs/ssm.md,
-#: "Mamba-1"). CUDA: stock is a token loop of a few launches per token over a (batch, T,
-#: channels, N) array, the composite a few dozen launches per chunk of 32 (not measured yet):
-#: from 64 tokens. Metal: stock until measured.
-PRIOR_MIN_TOKENS = {"reference": 128, "cuda": 64}
+#: without a measurement, per backend, on the edges of the decision buckets
+#: (``tune.buckets.m_bucket``: one decision per bucket). The CPU (2 cores, bf16, N 16):
+#: 0.4-1.1x stock below 128 tokens (noisy), 1.1-1.3x at 128, 3.8x at 512 with 1024 channels
+#: (docs/ssm.md, "Mamba-1"): from the bucket above 128. CUDA: stock is a token loop of a few
+#: launches per token over a (batch, T, channels, N) array, the composite a few dozen launches
+#: per chunk of 32 (the kernel measured 714x stock at 2,048 tokens, H100): from the bucket
+#: above 32. Metal: stock until measured.
+PRIOR_MIN_TOKENS = {"reference": 129, "cuda": 33}
 
 
 class SelectiveScan(ScanKind):

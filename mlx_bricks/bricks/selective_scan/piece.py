@@ -20,7 +20,7 @@ import mlx.nn as nn
 
 from mlx_bricks.bricks.selective_scan.kind import SELECTIVE_SCAN_KIND
 from mlx_bricks.bricks.short_conv.kind import SHORT_CONV
-from mlx_bricks.bricks.short_conv.piece import depthwise_reason
+from mlx_bricks.bricks.short_conv.piece import conv_bias_reason, depthwise_reason
 from mlx_bricks.checks import FLOAT_DTYPES, dtype_name
 from mlx_bricks.runtime.scan import arrays_cache_reason
 
@@ -68,7 +68,8 @@ def selective_scan_reason(module, dtype=None) -> str | None:
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             return f"{name} is not a positive int"
     ch, N = module.intermediate_size, module.ssm_state_size
-    r = depthwise_reason(module.get("conv1d"), ch, module.conv_kernel_size, "conv1d")
+    r = depthwise_reason(module.get("conv1d"), ch, module.conv_kernel_size, "conv1d") or \
+        conv_bias_reason(module.get("conv1d"), dtype, "conv1d")
     if r is not None:
         return r
     A_log, D = module.get("A_log"), module.get("D")

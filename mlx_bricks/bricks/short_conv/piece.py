@@ -40,6 +40,17 @@ def depthwise_reason(conv, channels: int, K: int, name: str = "conv") -> str | N
     return None
 
 
+def conv_bias_reason(conv, dtype, name: str = "conv") -> str | None:
+    """Why ``conv``'s bias cannot join inputs of ``dtype`` in the brick (None: it can): the op
+    takes a bias of the input's dtype, where mlx-lm's conv promotes (a checkpoint of mixed
+    dtypes: a float32 mixer output makes the next layer's input float32)."""
+    bias = conv.get("bias") if isinstance(conv, nn.Module) else None
+    if dtype is None or bias is None or bias.dtype == dtype:
+        return None
+    return (f"{name}.bias is {dtype_name(bias.dtype)} but the input is {dtype_name(dtype)}: "
+            "mlx-lm promotes, the brick takes one dtype")
+
+
 def short_conv_reason(module, dtype=None) -> str | None:
     """Why ``module`` cannot run the short-conv piece (None: it can)."""
     for name in ("in_proj", "out_proj"):
@@ -49,7 +60,7 @@ def short_conv_reason(module, dtype=None) -> str | None:
     C = getattr(getattr(module, "args", None), "hidden_size", None)
     if not isinstance(K, int) or not isinstance(C, int):
         return "L_cache or args.hidden_size is not an int"
-    r = depthwise_reason(module.get("conv"), C, K)
+    r = depthwise_reason(module.get("conv"), C, K) or conv_bias_reason(module.get("conv"), dtype)
     if r is not None:
         return r
     if dtype is not None and dtype not in FLOAT_DTYPES:

@@ -4,8 +4,8 @@ composite) against mlx-lm's masked dense computation over every key, decompresse
 (:func:`~mlx_bricks.bricks.sparse_attention.op.sparse_attention_stock`).
 
 Arguments: ``q, q_pe, latent, k_pe, indices, w_k, w_v, scale``. The key: H, dn, dr, r, dv, k,
-the bucket of the keys S (the dense side grows with S, the gathered one with k); the bucket of
-the queries; q's dtype. No kernel variant yet; one composite, ``gathered``, on every backend.
+the keys S rounded up to a power of two (the dense side grows with S, the gathered one with k);
+the bucket of the queries; q's dtype. No kernel variant yet; one composite, ``gathered``, on every backend.
 """
 from __future__ import annotations
 
@@ -54,8 +54,10 @@ class SparseAttention(OpKind):
     def key(self, args):
         B, H, L, dn = args["q"].shape
         S, r = args["latent"].shape[2:]
+        # S by powers of two: every sparse call has S > k (2,048 on DeepSeek-V3.2), so the
+        # GEMM buckets (top "M>2048") would give all of them one decision
         values = dict(H=H, dn=dn, dr=args["q_pe"].shape[3], r=r, dv=args["w_v"].shape[1],
-                      k=args["indices"].shape[3], S=m_bucket(max(1, S)))
+                      k=args["indices"].shape[3], S=f"<={1 << max(0, S - 1).bit_length()}")
         return Key(self.name, flags(**values), m_bucket(max(1, B * L)),
                    dtype_name(args["q"].dtype), "-")
 
@@ -75,8 +77,9 @@ class SparseAttention(OpKind):
 
     def prior(self, args, backend):
         """The gathered composite where it costs fewer FLOPs than mlx-lm's dense form
-        (``op.flops``: from about 7,000 visible keys a query at DeepSeek-V3.2's sizes, where
-        the dense side also holds (H, L, S) scores), else stock."""
+        (``op.flops``: at DeepSeek-V3.2's sizes a 2,048-token chunk from about 6,000 keys, a
+        prompt in one chunk from about 6,000 tokens; the dense side also holds (H, L, S)
+        scores), else stock."""
         B, H, L, dn = args["q"].shape
         S, r = args["latent"].shape[2:]
         f = flops(L, S, args["indices"].shape[3], H, dn, args["q_pe"].shape[3], r,

@@ -130,19 +130,18 @@ def sparse_attention_gathered(q, q_pe, latent, k_pe, indices, w_k, w_v, *, scale
 def flops(L: int, S: int, k: int, H: int, dn: int, dr: int, r: int, dv: int) -> dict:
     """FLOPs of ``L`` queries over ``S`` keys (bottom-right causal), ``k`` selected a query:
     ``{"gathered": F, "stock": F}`` (the absorption and the output projection against the
-    decompression; the core over each query's visible selected keys against all its visible
-    keys)."""
+    decompression; the core over each query's visible selected keys against every (query,
+    key) pair: mlx-lm's additive (B, H, L, S) mask leaves SDPA no block to skip)."""
     pos = S - L + 1  # the first query's visible keys
-    pairs = L * (pos - 1) + L * (L + 1) // 2
     last = pos + L - 1
     if last <= k:  # every visible key is selected
-        picked = pairs
+        picked = L * (pos - 1) + L * (L + 1) // 2
     elif pos >= k:
         picked = L * k
     else:  # queries pos .. k - 1 see fewer than k keys
         picked = (pos + k - 1) * (k - pos) // 2 + (L - (k - pos)) * k
     return {"gathered": 2 * H * (L * r * (dn + dv) + (2 * r + dr) * picked),
-            "stock": 2 * H * (S * r * (dn + dv) + (dn + dr + dv) * pairs)}
+            "stock": 2 * H * (S * r * (dn + dv) + (dn + dr + dv) * L * S)}
 
 
 def sparse_attention(q, q_pe, latent, k_pe, indices, w_k, w_v, *, scale, chunk: int = CHUNK,

@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_bricks.bricks.short_conv.kind import SHORT_CONV
-from mlx_bricks.bricks.short_conv.piece import depthwise_reason
+from mlx_bricks.bricks.short_conv.piece import conv_bias_reason, depthwise_reason
 from mlx_bricks.bricks.ssd.kind import SSD_KIND
 from mlx_bricks.bricks.ssd.op import DEFAULT_TIME_STEP_LIMIT
 from mlx_bricks.checks import FLOAT_DTYPES, dtype_name
@@ -128,7 +128,7 @@ def ssd_reason(module, dtype=None) -> str | None:
     K = getattr(module, "conv_kernel_size", None)
     if not isinstance(channels, int) or not isinstance(K, int):
         return "conv_dim or conv_kernel_size is not an int"
-    r = depthwise_reason(conv, channels, K, "conv1d")
+    r = depthwise_reason(conv, channels, K, "conv1d") or conv_bias_reason(conv, dtype, "conv1d")
     if r is not None:
         return r
     if form.plamo2:
