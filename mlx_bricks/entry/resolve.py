@@ -117,17 +117,26 @@ def check_weights(model_dir: Path) -> list[Path]:
     return files
 
 
+#: The (model_type, directory) pairs :func:`check_model_type` has told about in this process.
+_TOLD: set[tuple[str, str]] = set()
+
+
 def check_model_type(config: dict, model_dir: Path) -> str:
     """``config["model_type"]``. A type outside the patch table is no error (the model runs,
     stock where nothing applies: ``patch_model`` patches what it recognises by module, such as
-    MoE experts, and reports the rest); one line on stderr says so and lists the table's."""
+    token mixers and MoE experts, and reports the rest); one line on stderr says so and lists
+    the table's, once per model directory and process (a CLI resolves its model more than
+    once)."""
     model_type = config["model_type"]
     supported = supported_model_types()
-    if model_type not in supported:
+    told = (model_type, str(model_dir))
+    if model_type not in supported and told not in _TOLD:
+        _TOLD.add(told)
         print(f"[mlx-bricks] model_type {model_type!r} of {str(model_dir)!r} is not in the patch "
               f"table (supported: {', '.join(supported)}): its attention and dense MLPs stay "
-              "stock; MoE experts (SwitchGLU) are patched by module", file=sys.stderr,
-              flush=True)
+              "stock; the token mixers the patch knows (Mamba-1 / Mamba-2, Gated DeltaNet, MLA, "
+              "short convolutions, ...) and MoE experts (SwitchGLU) are patched by module",
+              file=sys.stderr, flush=True)
     return model_type
 
 
