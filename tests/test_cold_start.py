@@ -418,6 +418,28 @@ def test_saved_per_token_counts_each_piece_kind():
     assert 100 < prior.min_prompt_tokens("cuda", real) < 512
 
 
+def test_mamba1_mixers_bring_their_saving():
+    """Mamba-1 mixers (the selective-scan piece) add their own rate per state element, so a
+    one-shot jamba / Falcon-Mamba prefill on CUDA leaves the first-token guard from a few
+    dozen tokens (Falcon-Mamba-7B: 64 layers of 8192 x 16) instead of never (a float model has
+    no quantized linears to count)."""
+    from mlx_bricks.bricks.selective_scan.kind import SAVED_S_PER_TOKEN_STATE
+    from mlx_bricks.nn.gate import model_gate
+    from tests.ssm_models import build as build_ssm
+
+    model = build_ssm("mamba", mx.bfloat16)
+    patch_model(model, backend="reference")
+    modules = [m for m, _, _ in model_gate(model).modules]
+    mixers = [m for m in modules if type(m).__name__.startswith("BricksMixer")]
+    assert len(mixers) == 2
+    want = sum(SAVED_S_PER_TOKEN_STATE["cuda"] * m.intermediate_size * m.ssm_state_size
+               for m in mixers)
+    assert prior.saved_s_per_token("cuda", modules) == pytest.approx(want)
+    unpatch_model(model)
+    real = 64 * SAVED_S_PER_TOKEN_STATE["cuda"] * 8192 * 16
+    assert prior.min_prompt_tokens("cuda", real) < 64
+
+
 def test_quantized_linear_bytes_counts_each_dense_linear_once():
     model = _quantized_llama(layers=2)
     args = model.args

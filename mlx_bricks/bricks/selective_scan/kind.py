@@ -71,6 +71,13 @@ def sequential(x, dt, A_log, B, C, D=None, state=None, *, dtype=mx.float32):
 #: per chunk of 32 (the kernel measured 714x stock at 2,048 tokens, H100): from the bucket
 #: above 32. Metal: stock until measured.
 PRIOR_MIN_TOKENS = {"reference": 129, "cuda": 33}
+#: Seconds per prompt token and state element (channels x N) of one layer that the brick saves
+#: against stock's token loop once warm (the first-token guard's cost model,
+#: ``tune.prior.saved_s_per_token``): H100, one Jamba layer (8192 x 16), 2,048 tokens: stock
+#: 0.778 s, the kernel 0.0011 s (bench/results/2026-12-07-h100-issue42.md); 0.777 s / 2,048 /
+#: 131,072. The prior runs the chunked composite (no build), not timed on a GPU: the same rate
+#: is assumed (stock's loop is the cost, a few launches a token against a few dozen a chunk).
+SAVED_S_PER_TOKEN_STATE = {"cuda": 2.9e-9}
 
 
 class SelectiveScan(ScanKind):

@@ -151,6 +151,15 @@ class SelectiveScanPiece:
     def reason(self, module, layout=None, dtype=None) -> str | None:
         return selective_scan_reason(module, dtype)
 
+    def prior_saving(self, module, backend: str) -> float:
+        """Seconds per prompt token this mixer's prefill saves on ``backend`` once warm
+        (``tune.prior.saved_s_per_token``; ``kind.SAVED_S_PER_TOKEN_STATE`` per state element:
+        channels x N), 0 where nothing was measured."""
+        from mlx_bricks.bricks.selective_scan.kind import SAVED_S_PER_TOKEN_STATE
+
+        return (SAVED_S_PER_TOKEN_STATE.get(backend, 0.0) * module.intermediate_size
+                * module.ssm_state_size)
+
     def call_reason(self, module, inputs, call) -> str | None:
         """Why this call's cache is not one the piece writes as the module does (None: it
         is): an ``ArraysCache`` of (conv, recurrent) states or None."""
