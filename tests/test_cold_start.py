@@ -440,6 +440,30 @@ def test_mamba1_mixers_bring_their_saving():
     assert prior.min_prompt_tokens("cuda", real) < 64
 
 
+def test_mamba2_mixers_bring_their_saving():
+    """Mamba-2 mixers (the ssd piece) add their measured rate per state element (H x P x N):
+    on CUDA the scan is a small part of a Nemotron-3 layer once cuBLAS runs the GEMMs, so a
+    one-shot prefill of the real model (23 Mamba-2 layers of 64 x 64 x 128) leaves the
+    first-token guard only from ~16k tokens."""
+    from mlx_bricks.bricks.ssd.kind import SAVED_S_PER_TOKEN_STATE
+    from mlx_bricks.nn.gate import model_gate
+    from tests.ssm_models import DENSE
+    from tests.ssm_models import build as build_ssm
+
+    model = build_ssm("nemotron_h", mx.bfloat16, **DENSE["nemotron_h"])
+    patch_model(model, backend="reference")
+    modules = [m for m, _, _ in model_gate(model).modules]
+    mixers = [m for m in modules if type(m).__name__.startswith("BricksMixer")
+              and hasattr(m, "ssm_state_size")]
+    assert len(mixers) == 3
+    got = sum(m._bricks_state.piece.prior_saving(m, "cuda") for m in mixers)
+    assert got == pytest.approx(sum(SAVED_S_PER_TOKEN_STATE["cuda"] * m.num_heads * m.head_dim
+                                    * m.ssm_state_size for m in mixers))
+    unpatch_model(model)
+    real = 23 * SAVED_S_PER_TOKEN_STATE["cuda"] * 64 * 64 * 128
+    assert 10_000 < prior.min_prompt_tokens("cuda", real) < 30_000
+
+
 def test_quantized_linear_bytes_counts_each_dense_linear_once():
     model = _quantized_llama(layers=2)
     args = model.args

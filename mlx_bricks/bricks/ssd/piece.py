@@ -350,6 +350,15 @@ class SSDPiece:
     def reason(self, module, layout=None, dtype=None) -> str | None:
         return ssd_reason(module, dtype)
 
+    def prior_saving(self, module, backend: str) -> float:
+        """Seconds per prompt token this mixer's prefill saves on ``backend`` once warm
+        (``tune.prior.saved_s_per_token``; ``kind.SAVED_S_PER_TOKEN_STATE`` per state element:
+        H x P x N), 0 where nothing was measured."""
+        from mlx_bricks.bricks.ssd.kind import SAVED_S_PER_TOKEN_STATE
+
+        H, P, _, N = _dims(module, form_of(module))
+        return SAVED_S_PER_TOKEN_STATE.get(backend, 0.0) * H * P * N
+
     def placeholders(self, module, inputs, call) -> dict:
         """The kind's arguments as shapes (``runtime.kind.Act``) for the dispatcher's key."""
         from mlx_bricks.runtime.kind import Act
