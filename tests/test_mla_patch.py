@@ -20,7 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_bricks.bricks.mla.family import facts_of
 from mlx_bricks.bricks.mla.forward import form_of
-from mlx_bricks.bricks.mla.piece import base_class
+from mlx_bricks.runtime.classes import base_class
 from mlx_bricks.nn.calls import DECODE
 from mlx_bricks.patch import patch_model, unpatch_model
 from tests.models import MLA_OVERRIDES, MLA_TYPES, build_model, tokens

@@ -36,6 +36,7 @@ import mlx.nn as nn
 from mlx_bricks.bricks.mla.piece import is_mla
 from mlx_bricks.bricks.mla.piece import prefill_flops as mla_prefill_flops
 from mlx_bricks.nn import is_patched
+from mlx_bricks.runtime.classes import base_class
 
 _HEADS = ("n_heads", "num_attention_heads", "num_heads")
 _TOP_K = ("num_experts_per_tok", "top_k", "num_experts_per_token", "k")
@@ -78,7 +79,7 @@ def _attention_core(m, tokens: int, window) -> int:
 
 def _class_name(m) -> str:
     """``m``'s mlx-lm class name (a patched module's class is the bricks class over it)."""
-    return getattr(type(m), "_bricks_base", type(m)).__name__
+    return base_class(m).__name__
 
 
 def _top_k(parent, default) -> int:

@@ -23,8 +23,10 @@ import mlx.nn as nn
 from mlx_bricks.bricks.attention.msl import SUPPORTED_HEAD_DIMS
 from mlx_bricks.bricks.attention.piece import KIND as ATTENTION
 from mlx_bricks.bricks.gemm import piece as linear_piece
+from mlx_bricks.bricks.gemm.piece import run_linear, run_out
 from mlx_bricks.checks import FLOAT_DTYPES, dtype_name
 from mlx_bricks.runtime.kind import Act
+from mlx_bricks.runtime.classes import base_class, class_key
 
 LINEAR = linear_piece.KIND
 #: The mixer's name in reports.
@@ -69,18 +71,9 @@ FORMS = {
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
 
 
-def base_class(module) -> type:
-    """``module``'s mlx-lm class (a patched module's class is the bricks class over it)."""
-    return getattr(type(module), "_bricks_base", type(module))
-
-
-def _name(cls) -> str:
-    return f"{cls.__module__.removeprefix('mlx_lm.models.')}.{cls.__qualname__}"
-
-
 def form_of(m) -> Form | None:
     """The :data:`FORMS` entry of ``m``'s exact class, or None."""
-    return FORMS.get(_name(base_class(m)))
+    return FORMS.get(class_key(base_class(m)))
 
 
 def heads(m) -> tuple[int, int, int]:
@@ -113,7 +106,7 @@ class AttentionMixerPiece:
         """A module of a :data:`FORMS` class or derived from one (a subclass is reported stock:
         its forward is not vetted)."""
         return isinstance(module, nn.Module) and any(
-            _name(c) in FORMS for c in base_class(module).__mro__)
+            class_key(c) in FORMS for c in base_class(module).__mro__)
 
     def reason(self, module, layout=None, dtype=None) -> str | None:
         cls = base_class(module)
@@ -196,16 +189,11 @@ class AttentionMixerPiece:
         B, L, _ = x.shape
         H, kv, D = heads(m)
 
-        def linear(name, a):
-            layer = m[name]
-            return run(name, LINEAR, lambda: linear_piece.linear_args(layer, a),
-                       lambda: layer(a))
-
         form = form_of(m)
         if form.fused:
-            q, k, v = mx.split(linear("qkv_proj", x), [H * D, (H + kv) * D], axis=-1)
+            q, k, v = mx.split(run_linear(run, m, "qkv_proj", x), [H * D, (H + kv) * D], axis=-1)
         else:
-            q, k, v = linear("q_proj", x), linear("k_proj", x), linear("v_proj", x)
+            q, k, v = (run_linear(run, m, n, x) for n in ("q_proj", "k_proj", "v_proj"))
         q = q.reshape(B, L, H, D).transpose(0, 2, 1, 3)
         k = k.reshape(B, L, kv, D).transpose(0, 2, 1, 3)
         v = v.reshape(B, L, kv, D).transpose(0, 2, 1, 3)
@@ -225,11 +213,7 @@ class AttentionMixerPiece:
         o = run("attention", ATTENTION,
                 lambda: {"q": q, "k": k, "v": v, "scale": m.scale, "mask": "causal",
                          "kv_quant": None}, stock)
-        o = o.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        layer = m.o_proj
-        y = run("o_proj", LINEAR, lambda: linear_piece.linear_args(layer, o),
-                lambda: linear_piece.out_stock(layer, o))
-        return linear_piece.finish(layer, y)
+        return run_out(run, m, "o_proj", o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 ATTENTION_MIXER_PIECE = AttentionMixerPiece()

@@ -38,8 +38,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_bricks.bricks.gated_delta.op import gated_delta_gates
-from mlx_bricks.bricks.gated_delta.piece import QK_EPS, GatedDeltaPiece, base_class
+from mlx_bricks.bricks.gated_delta.piece import QK_EPS, GatedDeltaPiece
 from mlx_bricks.checks import FLOAT_DTYPES, dtype_name
+from mlx_bricks.runtime.classes import base_class
 
 
 def _normalize(q, k, head_dim: int, scale: float | None = None):

@@ -19,6 +19,7 @@ import mlx.nn as nn
 from mlx_bricks.bricks.gated_delta.kind import GATED_DELTA
 from mlx_bricks.bricks.gated_delta.op import gated_delta_gates
 from mlx_bricks.checks import FLOAT_DTYPES, dtype_name
+from mlx_bricks.runtime.classes import base_class
 
 #: The mixer's name in reports.
 MIXER = "Gated DeltaNet"
@@ -32,11 +33,6 @@ def known_classes() -> dict[type, tuple[str, ...]]:
 
     return {qwen3_5.GatedDeltaNet: ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
             qwen3_next.Qwen3NextGatedDeltaNet: ("in_proj_qkvz", "in_proj_ba")}
-
-
-def base_class(module) -> type:
-    """``module``'s mlx-lm class (a patched module's class is the bricks class over it)."""
-    return getattr(type(module), "_bricks_base", type(module))
 
 
 def calls_gated_delta(module) -> bool:

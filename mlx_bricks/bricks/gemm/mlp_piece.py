@@ -15,6 +15,7 @@ from __future__ import annotations
 import mlx.nn as nn
 
 from mlx_bricks.bricks.gemm import piece as linear_piece
+from mlx_bricks.bricks.gemm.piece import run_linear
 from mlx_bricks.bricks.gemm.kind import LINEAR
 from mlx_bricks.checks import FLOAT_DTYPES, dtype_name
 from mlx_bricks.formats.layers import linear_reason
@@ -83,11 +84,7 @@ class Relu2MlpPiece:
         staged = self.stage_names(module, inputs.dtype)
 
         def step(name, x):
-            layer = module[name]
-            if name not in staged:
-                return layer(x)
-            return run(name, LINEAR, lambda: linear_piece.linear_args(layer, x),
-                       lambda: layer(x))
+            return run_linear(run, module, name, x) if name in staged else module[name](x)
 
         return step("down_proj", nn.relu2(step("up_proj", inputs)))
 

@@ -63,6 +63,21 @@ def stage_names(module, names, dtype) -> tuple[str, ...]:
                  and (dispatch is None or dispatch.admits([weight_of(module.get(n))])))
 
 
+def run_linear(run, module, name, x):
+    """``module[name](x)`` as a ``linear`` piece of a mixer of several pieces
+    (``nn.mixer``: ``run(name, kind, args, stock)``, brick or the layer itself as chosen)."""
+    layer = module[name]
+    return run(name, KIND, lambda: linear_args(layer, x), lambda: layer(x))
+
+
+def run_out(run, module, name, o):
+    """An output projection ``module[name](o)`` as a ``linear`` piece (as :func:`run_linear`),
+    a row-sharded layer's partial product reduced as the layer does (:func:`finish`)."""
+    layer = module[name]
+    y = run(name, KIND, lambda: linear_args(layer, o), lambda: out_stock(layer, o))
+    return finish(layer, y)
+
+
 def projector(staged, run):
     """``proj(module, name, x)``: a projection of ``staged`` as a ``linear`` stage through the
     mixer's ``run`` (brick or stock, as the dispatch chose), any other the module's own

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mlx_bricks.runtime.classes import class_key
+
 
 @dataclass(frozen=True)
 class MLAFacts:
@@ -93,5 +95,4 @@ FAMILIES: dict[str, MLAFacts] = {f.cls: f for f in (
 
 def facts_of(cls: type) -> MLAFacts | None:
     """The facts of an mlx-lm class (exact: a subclass is another forward), or None."""
-    name = cls.__module__.removeprefix("mlx_lm.models.") + "." + cls.__qualname__
-    return FAMILIES.get(name) if cls.__module__.startswith("mlx_lm.models.") else None
+    return FAMILIES.get(class_key(cls)) if cls.__module__.startswith("mlx_lm.models.") else None

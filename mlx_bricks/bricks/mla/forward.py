@@ -14,6 +14,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_bricks.bricks.attention.op import causal_window_mask
 from mlx_bricks.bricks.attention.piece import KIND as ATTENTION
 from mlx_bricks.bricks.gemm import piece as linear_piece
+from mlx_bricks.bricks.gemm.piece import run_linear, run_out
 from mlx_bricks.bricks.mla.family import MLAFacts
 from mlx_bricks.bricks.mla.op import ABSORBED, absorbed_attention, choose_form, joined_qk, \
     rope_scores
@@ -64,18 +65,6 @@ def visible_of(mask, L: int, S: int):
     return mask if isinstance(mask, mx.array) else causal_window_mask(L, S, S)
 
 
-def _linear(run, m, name, x):
-    layer = m[name]
-    return run(name, LINEAR, lambda: linear_piece.linear_args(layer, x), lambda: layer(x))
-
-
-def _out(run, m, name, o):
-    layer = m[name]
-    y = run(name, LINEAR, lambda: linear_piece.linear_args(layer, o),
-            lambda: linear_piece.out_stock(layer, o))
-    return linear_piece.finish(layer, y)
-
-
 def _attention(run, scale, q, k, v, stock):
     """The attention piece over q (B, H, L, D), k (B, H, S, D), v (B, H, S, dv): causal,
     bottom-right aligned (mlx-lm's mask, checked at the call). ``q``/``k`` are callables (the
@@ -92,15 +81,15 @@ def mla_forward(m, facts: MLAFacts, x, mask, cache, run, attn_scale=None):
     H, r, dn, dr, dv = dims(m, facts)
     qr = None
     if "q_proj" in m:
-        q = _linear(run, m, "q_proj", x)
+        q = run_linear(run, m, "q_proj", x)
     else:
-        qr = m.q_a_layernorm(_linear(run, m, "q_a_proj", x))
-        q = _linear(run, m, "q_b_proj", qr)
+        qr = m.q_a_layernorm(run_linear(run, m, "q_a_proj", x))
+        q = run_linear(run, m, "q_b_proj", qr)
     q = q.reshape(B, L, H, dn + dr).transpose(0, 2, 1, 3)
     if facts.lora_scales and getattr(m, "mla_scale_q_lora", None) is not None:
         q = q * m.mla_scale_q_lora
     q_nope, q_pe = mx.split(q, [dn], axis=-1)
-    latent, k_pe = mx.split(_linear(run, m, "kv_a_proj_with_mqa", x), [r], axis=-1)
+    latent, k_pe = mx.split(run_linear(run, m, "kv_a_proj_with_mqa", x), [r], axis=-1)
     k_pe = k_pe.reshape(B, L, 1, dr).transpose(0, 2, 1, 3)
     scale = getattr(m, facts.scale)
     if facts.cache == "kv":
@@ -110,19 +99,19 @@ def mla_forward(m, facts: MLAFacts, x, mask, cache, run, attn_scale=None):
                          attn_scale)
     o = o.transpose(0, 2, 1, 3)  # (B, L, H, dv)
     if facts.gate == "per_head":  # Bailing V3: sigmoid in float32, one factor per head
-        o = o * mx.sigmoid(_linear(run, m, "g_proj", x).astype(mx.float32)).astype(
+        o = o * mx.sigmoid(run_linear(run, m, "g_proj", x).astype(mx.float32)).astype(
             o.dtype)[..., None]
     o = o.reshape(B, L, -1)
     if facts.gate == "elementwise" and m.use_gate:  # Kimi K3
-        o = o * mx.sigmoid(_linear(run, m, "g_proj", x))
-    return _out(run, m, facts.out, o)
+        o = o * mx.sigmoid(run_linear(run, m, "g_proj", x))
+    return run_out(run, m, facts.out, o)
 
 
 def _kv_core(run, m, facts, latent, q_nope, q_pe, k_pe, mask, cache, scale):
     """DeepSeek-V2 / MiniCPM3 / Youtu-LLM: ``kv_b_proj`` decompresses the chunk, the cache
     holds the full keys (rope key repeated per head) and values."""
     B, H, L, dn = q_nope.shape
-    kv = _linear(run, m, "kv_b_proj", m.kv_a_layernorm(latent))
+    kv = run_linear(run, m, "kv_b_proj", m.kv_a_layernorm(latent))
     k_nope, values = mx.split(kv.reshape(B, L, H, -1).transpose(0, 2, 1, 3), [dn], axis=-1)
     if cache is not None:
         q_pe, k_pe = m.rope(q_pe, cache.offset), m.rope(k_pe, cache.offset)

@@ -35,17 +35,13 @@ from mlx_bricks.bricks.sparse_attention.piece import is_sparse, sparse_args
 from mlx_bricks.checks import FLOAT_DTYPES, dtype_name
 from mlx_bricks.formats.layers import linear_reason, role_reason
 from mlx_bricks.runtime.kind import Act
+from mlx_bricks.runtime.classes import base_class
 
 #: The mixer's name in reports.
 MIXER = "MLA"
 #: Every linear child the piece may read (the structure fingerprint).
 LINEARS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "g_proj",
            "o_proj", "dense", "embed_q", "unembed_out")
-
-
-def base_class(module) -> type:
-    """``module``'s mlx-lm class (a patched module's class is the bricks class over it)."""
-    return getattr(type(module), "_bricks_base", type(module))
 
 
 def is_mla(module) -> bool:
@@ -128,18 +124,18 @@ def mla_reason(m, dtype=None) -> str | None:
     return None
 
 
-def cache_reason(m, facts, cache, L: int) -> str | None:
+def cache_reason(facts, cache) -> str | None:
     """Why the call's cache is not one the piece writes as the module does (None: it is)."""
     from mlx_lm.models.cache import CacheList, KVCache
 
-    if facts.indexer and cache is not None:
+    if cache is None:
+        return None
+    if facts.indexer:
         if type(cache) is not CacheList or len(cache.caches) != 2 or \
                 any(type(c) is not KVCache for c in cache.caches):
             return f"cache is {type(cache).__name__}, not a CacheList of two KVCaches"
         return None
-    if facts.indexer:
-        return None
-    if cache is not None and type(cache) is not KVCache:
+    if type(cache) is not KVCache:
         return f"cache is {type(cache).__name__}, not KVCache"
     return None
 
@@ -182,7 +178,7 @@ class MLAPiece:
         """Why this call's mask, cache or ``attn_scale`` is not one the piece follows."""
         facts = facts_of(base_class(module))
         L = inputs.shape[1]
-        why = cache_reason(module, facts, call["cache"], L)
+        why = cache_reason(facts, call["cache"])
         if why is not None:
             return why
         kv = kv_cache_of(call["cache"], facts)

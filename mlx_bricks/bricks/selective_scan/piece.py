@@ -23,6 +23,7 @@ from mlx_bricks.bricks.short_conv.kind import SHORT_CONV
 from mlx_bricks.bricks.short_conv.piece import conv_bias_reason, depthwise_reason
 from mlx_bricks.checks import FLOAT_DTYPES, dtype_name
 from mlx_bricks.runtime.scan import arrays_cache_reason
+from mlx_bricks.runtime.classes import base_class, class_key
 
 #: The mixer's name in reports.
 MIXER = "Mamba-1 (selective scan)"
@@ -41,15 +42,9 @@ _NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")
 _LINEARS = ("in_proj", "x_proj", "dt_proj", "out_proj")
 
 
-def base_class(module) -> type:
-    """``module``'s mlx-lm class (a patched module's class is the bricks class over it)."""
-    return getattr(type(module), "_bricks_base", type(module))
-
-
 def form_of(module) -> str | None:
     """The :data:`FORMS` entry of ``module``'s exact class, or None."""
-    cls = base_class(module)
-    return FORMS.get(f"{cls.__module__.removeprefix('mlx_lm.models.')}.{cls.__qualname__}")
+    return FORMS.get(class_key(base_class(module)))
 
 
 def selective_scan_reason(module, dtype=None) -> str | None:

@@ -16,14 +16,10 @@ import mlx.nn as nn
 from mlx_bricks.bricks.short_conv.kind import SHORT_CONV
 from mlx_bricks.checks import FLOAT_DTYPES, dtype_name
 from mlx_bricks.runtime.scan import arrays_cache_reason, mask_reason
+from mlx_bricks.runtime.classes import base_class
 
 #: The mixer's name in reports.
 MIXER = "short conv"
-
-
-def base_class(module) -> type:
-    """``module``'s mlx-lm class (a patched module's class is the bricks class over it)."""
-    return getattr(type(module), "_bricks_base", type(module))
 
 
 def depthwise_reason(conv, channels: int, K: int, name: str = "conv") -> str | None:

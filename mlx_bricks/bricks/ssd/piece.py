@@ -28,6 +28,7 @@ from mlx_bricks.bricks.ssd.kind import SSD_KIND
 from mlx_bricks.bricks.ssd.op import DEFAULT_TIME_STEP_LIMIT
 from mlx_bricks.checks import FLOAT_DTYPES, dtype_name
 from mlx_bricks.runtime.scan import arrays_cache_reason, mask_reason
+from mlx_bricks.runtime.classes import base_class, class_key
 
 #: The mixer's name in reports.
 MIXER = "Mamba-2 (SSD)"
@@ -78,15 +79,9 @@ FORMS: dict[str, Form] = {
 }
 
 
-def base_class(module) -> type:
-    """``module``'s mlx-lm class (a patched module's class is the bricks class over it)."""
-    return getattr(type(module), "_bricks_base", type(module))
-
-
 def form_of(module) -> Form | None:
     """The :data:`FORMS` entry of ``module``'s exact class, or None."""
-    cls = base_class(module)
-    return FORMS.get(f"{cls.__module__.removeprefix('mlx_lm.models.')}.{cls.__qualname__}")
+    return FORMS.get(class_key(base_class(module)))
 
 
 def calls_ssm_update(module) -> bool:
@@ -288,8 +283,7 @@ class SSDPiece:
             return False
         if self.classes is None:
             return True
-        names = {f"{c.__module__.removeprefix('mlx_lm.models.')}.{c.__qualname__}"
-                 for c in base_class(module).__mro__}
+        names = {class_key(c) for c in base_class(module).__mro__}
         return not names.isdisjoint(self.classes)
 
     def call_reason(self, module, inputs, call) -> str | None:

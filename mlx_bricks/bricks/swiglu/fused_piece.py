@@ -16,6 +16,7 @@ import mlx.nn as nn
 from mlx_bricks.bricks.swiglu.kind import SWIGLU_MLP
 from mlx_bricks.checks import FLOAT_DTYPES, dtype_name
 from mlx_bricks.formats.layers import linear_reason, weight_of
+from mlx_bricks.runtime.classes import base_class, class_key
 
 #: ``"<module>.<Class>"`` -> (fused gate|up layer, down layer) of the MLPs this piece follows.
 FORMS = {"granitemoehybrid.GraniteMoeHybridSharedMLP": ("input_linear", "output_linear"),
@@ -26,14 +27,10 @@ VETTED = ("mlx_lm.models.granitemoehybrid.GraniteMoeHybridSharedMLP.__call__=d64
           "mlx_lm.models.plamo2.MLP.__call__=769fdf161f9a")
 
 
-def _name(cls) -> str:
-    return f"{cls.__module__.removeprefix('mlx_lm.models.')}.{cls.__qualname__}"
-
-
 def form_name(module) -> str | None:
     """The :data:`FORMS` key of ``module``'s class or of a class it derives from, or None."""
-    cls = getattr(type(module), "_bricks_base", type(module))
-    return next((_name(c) for c in cls.__mro__ if _name(c) in FORMS), None)
+    return next((class_key(c) for c in base_class(module).__mro__ if class_key(c) in FORMS),
+                None)
 
 
 def rows(weight, start: int, stop: int):
