@@ -172,29 +172,40 @@ NEMOTRON3_SMALL = NemotronHShape(hidden=512, vocab=8192)
 LFM2_SMALL = Lfm2Shape(hidden=512, ff=1536, heads=8, kv_heads=2, vocab=8192)
 
 
+def _kind_case(kind, placeholders: dict, T: int, dtype: str, **shape):
+    """``(brick, stock, info)``: op kind ``kind`` (auto backend) vs its stock on one layer's
+    model-like inputs (the kind's synthetic values for ``placeholders``), y compared; ``info``
+    records T, the dtype, the backend and ``shape``."""
+    import mlx.core as mx
+
+    from mlx_bricks.backends import active_backend
+
+    args = kind.synthetic(placeholders)
+    mx.eval(list(v for v in args.values() if isinstance(v, mx.array)))
+    backend = active_backend(None).name
+
+    def info():
+        return {"T": T, "dtype": dtype, "backend": backend, **shape}
+
+    return (lambda: kind.brick(args, backend)[0], lambda: kind.stock(args)[0], info)
+
+
 def scan(T: int, dtype="bf16", shape: NemotronHShape = NEMOTRON3_4LAYER):
     """``(brick, stock, info)``: the ``ssd`` brick (auto backend) vs mlx-lm's ``ssm_update``
     on one layer's model-like inputs (the tuner kind's synthetic values)."""
     import mlx.core as mx
 
-    from mlx_bricks.backends import active_backend
     from mlx_bricks.bench.e2e import mx_dtype
     from mlx_bricks.bricks.ssd.kind import SSD_KIND
     from mlx_bricks.runtime.kind import Act
 
     dt = mx_dtype(dtype)
     H, P, G, N = shape.heads, shape.head_dim, shape.groups, shape.state
-    args = SSD_KIND.synthetic({
+    return _kind_case(SSD_KIND, {
         "x": Act((1, T, H, P), dt), "dt": Act((1, T, H), dt), "A_log": Act((H,), mx.float32),
         "B": Act((1, T, G, N), dt), "C": Act((1, T, G, N), dt), "D": Act((H,), dt),
-        "dt_bias": Act((H,), dt), "time_step_limit": (0.0, float("inf"))})
-    mx.eval(list(v for v in args.values() if isinstance(v, mx.array)))
-    backend = active_backend(None).name
-
-    def info():
-        return {"T": T, "dtype": dtype, "backend": backend, "H": H, "P": P, "G": G, "N": N}
-
-    return (lambda: SSD_KIND.brick(args, backend)[0], lambda: SSD_KIND.stock(args)[0], info)
+        "dt_bias": Act((H,), dt), "time_step_limit": (0.0, float("inf"))}, T, dtype,
+        H=H, P=P, G=G, N=N)
 
 
 def selective(T: int, dtype="bf16", channels: int = 8192, N: int = 16):
@@ -203,24 +214,16 @@ def selective(T: int, dtype="bf16", channels: int = 8192, N: int = 16):
     inputs (the tuner kind's synthetic values)."""
     import mlx.core as mx
 
-    from mlx_bricks.backends import active_backend
     from mlx_bricks.bench.e2e import mx_dtype
     from mlx_bricks.bricks.selective_scan.kind import SELECTIVE_SCAN_KIND
     from mlx_bricks.runtime.kind import Act
 
     dt = mx_dtype(dtype)
     act = Act((1, T, channels), dt)
-    args = SELECTIVE_SCAN_KIND.synthetic({
+    return _kind_case(SELECTIVE_SCAN_KIND, {
         "x": act, "dt": act, "A_log": Act((channels, N), mx.float32),
-        "B": Act((1, T, N), dt), "C": Act((1, T, N), dt), "D": Act((channels,), dt)})
-    mx.eval(list(v for v in args.values() if isinstance(v, mx.array)))
-    backend = active_backend(None).name
-
-    def info():
-        return {"T": T, "dtype": dtype, "backend": backend, "channels": channels, "N": N}
-
-    return (lambda: SELECTIVE_SCAN_KIND.brick(args, backend)[0],
-            lambda: SELECTIVE_SCAN_KIND.stock(args)[0], info)
+        "B": Act((1, T, N), dt), "C": Act((1, T, N), dt), "D": Act((channels,), dt)}, T, dtype,
+        channels=channels, N=N)
 
 
 def conv(T: int, dtype="bf16", channels: int = 2048):
@@ -228,23 +231,16 @@ def conv(T: int, dtype="bf16", channels: int = 2048):
     (B * x, 3 taps from a state, C * y)."""
     import mlx.core as mx
 
-    from mlx_bricks.backends import active_backend
     from mlx_bricks.bench.e2e import mx_dtype
     from mlx_bricks.bricks.short_conv.kind import SHORT_CONV
     from mlx_bricks.runtime.kind import Act
 
     dt = mx_dtype(dtype)
     act = Act((1, T, channels), dt)
-    args = SHORT_CONV.synthetic({
+    return _kind_case(SHORT_CONV, {
         "x": act, "gate_in": act, "gate_out": act, "state": Act((1, 2, channels), dt),
-        "weight": mx.random.normal((channels, 3, 1), key=mx.random.key(3)).astype(dt)})
-    mx.eval(list(v for v in args.values() if isinstance(v, mx.array)))
-    backend = active_backend(None).name
-
-    def info():
-        return {"T": T, "dtype": dtype, "backend": backend, "channels": channels, "K": 3}
-
-    return (lambda: SHORT_CONV.brick(args, backend)[0], lambda: SHORT_CONV.stock(args)[0], info)
+        "weight": mx.random.normal((channels, 3, 1), key=mx.random.key(3)).astype(dt)}, T, dtype,
+        channels=channels, K=3)
 
 
 def decode(shape, dtype="bf16", prompt: int = 512, steps: int = DECODE_STEPS):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlx_bricks.runtime.kind import OpKind
+from mlx_bricks.runtime.kind import OpKind, high_precision
 from mlx_bricks.tune.check import dtype_close, worst
 
 #: The kernel variant's name (the brick's MSL kernel, or its CUDA twin on cuda).
@@ -28,6 +28,18 @@ class ScanKind(OpKind):
 
     def kernel_reason(self, args: dict) -> str | None:
         return None
+
+    def reference(self, args: dict, dtype):
+        """``(y, state)`` for ``args`` computed in ``dtype`` (the check's reference)."""
+        raise NotImplementedError
+
+    def reference_tail(self, args, rows):
+        """The last ``rows`` tokens of :meth:`reference`'s y, and its state, in high precision
+        (``runtime.kind.high_precision``), sliced inside its context: float64 lives on the
+        CPU stream (no GPU has it)."""
+        with high_precision(self.dtype(args)) as hp:
+            y, state = self.reference(args, hp)
+            return y[:, -rows:], state
 
     def prior(self, args, backend):
         min_tokens = self.prior_min_tokens.get(backend)

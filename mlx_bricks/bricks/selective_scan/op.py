@@ -167,16 +167,6 @@ def run_kernel(x, delta, A, B, C, D=None, state=None, *, dtype=None, backend: st
     return msl.launch(kwargs, backend=backend)
 
 
-def stock_state_dtype(x, dt, B, state=None, A_log=None, *, jamba: bool = True):
-    """The dtype of the state mlx-lm's mixer leaves in its cache: jamba writes each token's
-    state into the (delta x B) array (its dtype); mamba's ``MambaBlock`` adds ``state *
-    exp(delta A)`` to it (promoting with the state's and A's dtypes)."""
-    dtype = mx.result_type(x.dtype, dt.dtype, B.dtype)
-    if jamba or state is None:
-        return dtype
-    return mx.result_type(dtype, state.dtype, A_log.dtype)
-
-
 def selective_scan_stock(x, dt, A_log, B, C, D=None, state=None):
     """mlx-lm's computation for these arguments, as ``JambaMambaMixer.ssm_step`` does it from
     the conv output on (in the inputs' dtypes, a token loop over a (batch, T, channels, N)
