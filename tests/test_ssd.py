@@ -230,22 +230,37 @@ def test_kernel_reasons():
     assert y.shape == (1, 4, 4, 12)
 
 
-@pytest.mark.parametrize("case", KERNEL_CASES[1:], ids=str)
-def test_cuda_twin_emulated(case):
-    """The CUDA twin on the CPU (tests/cuda_emu: the exact body, threads as OS threads)."""
+# the twin's chunks are 64 tokens (32 at P = 128): several chunks, a partial last one, N above
+# the 32-wide slice, a head dim that takes the 32-token chunk
+CUDA_CASES = KERNEL_CASES[1:] + [
+    (1, 150, 4, 8, 2, 40, F32, True, True, False),
+    (1, 70, 2, 128, 1, 8, BF16, False, True, False),
+]
+
+
+@pytest.mark.parametrize("segment", [None, 64])
+@pytest.mark.parametrize("case", CUDA_CASES, ids=str)
+def test_cuda_twin_emulated(case, segment, monkeypatch):
+    """The CUDA twin on the CPU (tests/cuda_emu: the exact bodies, threads as OS threads); with
+    a 64-token segment, the prompt in several launch sets, the state chained between them."""
     from tests import cuda_emu
     from mlx_bricks.bricks.ssd import cuda as ssd_cuda
     from mlx_bricks.bricks.ssd.op import run_kernel
 
     if cuda_emu.toolchain() is None:
         pytest.skip("no host C++ compiler or CUDA headers")
+    if segment is not None:
+        if case[1] <= segment:
+            pytest.skip("one segment")
+        monkeypatch.setattr(ssd_cuda, "SEGMENT", segment)
 
     def run(args, dtp, A, mask):
         with cuda_emu.emulated_launches(ssd_cuda) as names:
             out = run_kernel(args["x"], dtp, A, args["B"], args["C"], args["D"],
                              args["state"], backend="cuda")
             mx.eval(out)
-        assert names == ["ssd"]
+        n_seg = 1 if segment is None else -(-args["x"].shape[1] // segment)
+        assert names == list(ssd_cuda.KERNELS) * n_seg
         return out
 
     _kernel_check(run, case)
@@ -253,25 +268,28 @@ def test_cuda_twin_emulated(case):
 
 @pytest.mark.parametrize("dtype", [BF16, F32])
 def test_cuda_twin_compiles(dtype):
-    """The twin compiles with nvcc for sm_80, sm_90a and sm_120 as MLX would build it
-    (Nemotron-3's shapes: 64 heads of 64, 8 groups, N = 128), in registers (no local memory),
-    its shared memory within the 48 KB a block gets without opting in."""
+    """The twin's three steps compile with nvcc for sm_80, sm_90a and sm_120 as MLX would
+    build them (Nemotron-3's shapes: 64 heads of 64, 8 groups, N = 128; and a head dim of 128),
+    in registers (no local memory), their shared memory within the 48 KB a block gets without
+    opting in."""
     from mlx_bricks import cudacheck
     from mlx_bricks.bricks.ssd import cuda as ssd_cuda
     from mlx_bricks.bricks.ssd.op import run_kernel
 
     if cudacheck.find_nvcc() is None:
         pytest.skip("nvcc not found")
-    b, T, H, P, G, N = 1, 64, 64, 64, 8, 128
-    x, Bm = mx.zeros((b, T, H, P), dtype), mx.zeros((b, T, G, N), dtype)
-    dtp, A = mx.zeros((b, T, H)), mx.zeros((H,))
-    with cudacheck.recorded_launches(ssd_cuda) as rec:
-        run_kernel(x, dtp, A, Bm, Bm, mx.ones((H,), dtype), backend="cuda")
-    assert [r.name for r in rec] == ["ssd"]
-    for arch in ("sm_80", "sm_90a", "sm_120"):
-        res = rec[0].compile(arch)
-        assert res.stack == 0 and res.spill_stores == 0 and res.spill_loads == 0, res
-        assert res.registers * rec[0].threadgroup[0] <= 65536, res
-    assert rec[0].shared_memory <= 48 * 1024
-    if cudacheck.find_nvrtc() is not None:  # what MLX compiles with
-        cudacheck.compile_source_nvrtc(rec[0].source())
+    for b, T, H, P, G, N in ((1, 64, 64, 64, 8, 128), (1, 64, 8, 128, 1, 128)):
+        x, Bm = mx.zeros((b, T, H, P), dtype), mx.zeros((b, T, G, N), dtype)
+        dtp, A = mx.zeros((b, T, H)), mx.zeros((H,))
+        with cudacheck.recorded_launches(ssd_cuda) as rec:
+            run_kernel(x, dtp, A, Bm, Bm, mx.ones((H,), dtype), backend="cuda")
+        assert [r.name for r in rec] == list(ssd_cuda.KERNELS)
+        for r in rec:
+            for arch in ("sm_80", "sm_90a", "sm_120"):
+                res = r.compile(arch)
+                assert res.stack == 0 and res.spill_stores == 0 and res.spill_loads == 0, \
+                    (r.name, res)
+                assert res.registers * r.threadgroup[0] <= 65536, (r.name, res)
+            assert r.shared_memory <= 48 * 1024, r.name
+            if cudacheck.find_nvrtc() is not None:  # what MLX compiles with
+                cudacheck.compile_source_nvrtc(r.source())

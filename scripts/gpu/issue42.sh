@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 42's GPU measurements, one benchmark per process (JSON under $OUT, partial results kept),
 # after MLX is installed (scripts/gpu/install.sh). Usage: bash scripts/gpu/issue42.sh STEP...
-#   tests    the selective-scan twin and the Mamba-1 / attention-mixer patch on cuda
+#   tests    the SSD and selective-scan twins and the Mamba / attention-mixer patch on cuda
 #   NAME     one benchmark of `python -m mlx_bricks.bench` (e.g. e2e_jamba_4layer_bf16_t2048)
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -11,7 +11,7 @@ LIMIT=${LIMIT:-240}
 for s in "$@"; do
   echo "=== $s ($(date +%T))"
   case $s in
-    tests) timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider -rfE -k "cuda" \
+    tests) timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider -rfE -k "cuda" tests/test_ssd.py \
              tests/test_selective_scan.py tests/test_ssm_patch.py > "$OUT/tests.log" 2>&1
            echo "rc=$?"; tail -n 8 "$OUT/tests.log" ;;
     *) timeout "$LIMIT" python3 -m mlx_bricks.bench --backend cuda --repeats "${REPEATS:-3}" \

@@ -19,8 +19,6 @@ kernels.register(kernels.KernelSpec(
     body="ssd.metal",
     input_names=("x", "dt", "A", "Bm", "Cm", "D", "state_in", "iparams"),
     output_names=("y", "state_out"),
-    cuda_body="ssd.cu",
-    cuda_headers=("mma.cuh",),
 ))
 
 

@@ -32,6 +32,7 @@ import math
 import mlx.core as mx
 
 from mlx_bricks.backends import op_backend
+from mlx_bricks.bricks.ssd import cuda as ssd_cuda
 from mlx_bricks.bricks.ssd import msl
 from mlx_bricks.checks import check_array, check_float_dtype, check_optional, dtype_name
 
@@ -221,7 +222,7 @@ def ssd(x, dt, A_log, B, C, D=None, dt_bias=None, state=None, mask=None, *,
     limit = check_time_step_limit(time_step_limit)
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
-    b = op_backend("ssd", backend)
+    b = op_backend("ssd_chunk_out", backend)  # the CUDA twin's last step: it has one
     dtp, A = ssd_gates(dt, A_log, dt_bias, mask, limit)
     if b == "reference" or msl.kernel_reason(x, B) is not None:
         return ssd_chunked(x, dtp, A, B, C, D, state, chunk=chunk)
@@ -238,9 +239,7 @@ def run_kernel(x, dtp, A, B, C, D=None, state=None, *, backend: str):
     out_dtype = x.dtype if D is None else mx.result_type(x.dtype, D.dtype)
     d = mx.zeros((H,), mx.float32) if D is None else D
     if backend == "cuda":
-        from mlx_bricks.bricks.ssd.cuda import launch_ssd_cuda
-
-        y, S = launch_ssd_cuda(x, dtp, A, B, C, d, s, out_dtype)
+        y, S = ssd_cuda.launch_ssd_cuda(x, dtp, A, B, C, d, s, out_dtype)
     else:
         y, S = msl.launch_ssd(x, dtp, A, B, C, d, s, out_dtype, backend=backend)
     return y, S if state is None else S.astype(state.dtype)
