@@ -181,12 +181,16 @@ def test_kind_check(dtype):
 
 
 # ---------------------------------------------------------------------------------------------
-# the kernels: the MSL kernel (metal, emulator), its CUDA twin (cuda; tests/cuda_emu on the CPU)
+# the kernels: the MSL kernels (metal, emulator), their CUDA twins (cuda; tests/cuda_emu on the
+# CPU). Chunks are 64 tokens (32 where P = 128: threadgroup memory), N walked in slices of 32
+# (16 on Metal where the 64-token chunk needs it)
 
 KERNEL_CASES = [  # (b, T, H, P, G, N, dtype, state, D, mask)
     (1, 1, 2, 8, 1, 8, F32, True, True, False),
-    (1, 37, 4, 16, 2, 16, BF16, True, True, False),  # two full chunks and a partial one
-    (2, 20, 2, 24, 1, 32, F16, False, False, True),  # padded batch, P of 8-column blocks
+    (1, 37, 4, 16, 2, 16, BF16, True, True, False),  # one partial chunk
+    (2, 20, 2, 24, 1, 32, F16, False, False, True),  # padded batch
+    (1, 150, 4, 12, 2, 40, F32, True, True, False),  # 3 chunks, N past a slice, P of 4s
+    (1, 70, 2, 128, 1, 8, BF16, False, True, False),  # chunks of 32
 ]
 
 
@@ -220,26 +224,19 @@ def test_kernel(kernel_backend, case):
 def test_kernel_reasons():
     from mlx_bricks.bricks.ssd import msl
 
-    a = inputs(T=4, N=256)
-    assert "N 256" in msl.kernel_reason(a["x"], a["B"])
-    a = inputs(T=4, N=12)
-    assert "multiple of 8" in msl.kernel_reason(a["x"], a["B"])
-    a = inputs(T=4, P=12)
-    assert "P 12" in msl.kernel_reason(a["x"], a["B"])
+    a = inputs(T=4, N=4096)
+    assert "threadgroup memory" in msl.kernel_reason(a["x"], a["B"])
+    a = inputs(T=4, N=6)
+    assert "multiples of 4" in msl.kernel_reason(a["x"], a["B"])
+    a = inputs(T=4, P=10)
+    assert "P 10" in msl.kernel_reason(a["x"], a["B"])
     y, _ = ssd(**a, backend="emulator")  # the op computes them anyway (the composite)
-    assert y.shape == (1, 4, 4, 12)
-
-
-# the twin's chunks are 64 tokens (32 at P = 128): several chunks, a partial last one, N above
-# the 32-wide slice, a head dim that takes the 32-token chunk
-CUDA_CASES = KERNEL_CASES[1:] + [
-    (1, 150, 4, 8, 2, 40, F32, True, True, False),
-    (1, 70, 2, 128, 1, 8, BF16, False, True, False),
-]
+    assert y.shape == (1, 4, 4, 10)
+    assert msl.tiles(128, 128, "cuda") == (32, 32) and msl.tiles(64, 128, "cuda") == (64, 32)
 
 
 @pytest.mark.parametrize("segment", [None, 64])
-@pytest.mark.parametrize("case", CUDA_CASES, ids=str)
+@pytest.mark.parametrize("case", KERNEL_CASES[1:], ids=str)
 def test_cuda_twin_emulated(case, segment, monkeypatch):
     """The CUDA twin on the CPU (tests/cuda_emu: the exact bodies, threads as OS threads); with
     a 64-token segment, the prompt in several launch sets, the state chained between them."""
@@ -252,7 +249,7 @@ def test_cuda_twin_emulated(case, segment, monkeypatch):
     if segment is not None:
         if case[1] <= segment:
             pytest.skip("one segment")
-        monkeypatch.setattr(ssd_cuda, "SEGMENT", segment)
+        monkeypatch.setattr(ssd_cuda.msl, "SEGMENT", segment)
 
     def run(args, dtp, A, mask):
         with cuda_emu.emulated_launches(ssd_cuda) as names:

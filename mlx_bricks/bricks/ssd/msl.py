@@ -1,78 +1,131 @@
-"""The SSD brick's MSL kernel (``metal_src/ssd.metal``): spec, tiles and launch. What it
-computes: ``op.py`` (the chunked form); the kernel file documents its layout."""
+"""The SSD brick's kernels: the chunked algorithm in three launches, parallel over chunks, as
+mamba_ssm's ``ssd_combined`` orders the SSD steps (Dao & Gu 2024, section 6):
+
+1. ``ssd_chunk_state`` (``metal_src/ssd_chunk_state.metal``): each chunk's log decays and its
+   own state contribution (from zero), all chunks at once;
+2. ``ssd_state_pass``: the chunk-to-chunk state passing, the one sequential part, one thread
+   per state element;
+3. ``ssd_chunk_out``: each chunk's outputs from its start state, the D skip fused.
+
+Each MSL file has its CUDA twin of the same name in ``cuda_src/`` (same inputs, outputs,
+template and geometry; ``cuda.py``). The products are 4x4 register tiles of float32 FMAs from
+slices in threadgroup (shared) memory. What they compute: ``op.py``. A prompt runs in segments
+of :data:`SEGMENT` tokens, the state chained between them, so the per-chunk states in flight
+stay bounded (2 x SEGMENT / chunk x H x P x N floats: 134 MB at Nemotron-3-Nano's 64 x 64 x 128
+with chunks of 64).
+"""
 from __future__ import annotations
 
 import mlx.core as mx
 
 from mlx_bricks import kernels
 
-#: Tokens per chunk of the kernel and threads per threadgroup (4 SIMD-groups: one 8x8 tile
-#: each of the chunk's (C x C) product).
-CHUNK = 16
-THREADS = 128
-#: Largest state size N: the chunk's B and C rows and the state slice live in threadgroup
-#: memory (29.4 KB of Apple GPUs' 32 KB at N = 128, C = 16, 16 head columns).
-MAX_N = 128
+#: Tokens per launch set (the state passes between segments).
+SEGMENT = 2048
+#: Threads per threadgroup of each step.
+THREADS = 256
+#: Threadgroup (shared) memory a threadgroup may use, bytes: Apple GPUs' 32 KB; on CUDA the
+#: 48 KB a block gets without opting in.
+SHARED_LIMIT = {"cuda": 48 * 1024}
+METAL_SHARED_LIMIT = 32 * 1024
 
-kernels.register(kernels.KernelSpec(
-    name="ssd",
-    body="ssd.metal",
-    input_names=("x", "dt", "A", "Bm", "Cm", "D", "state_in", "iparams"),
-    output_names=("y", "state_out"),
-))
+for _name, _inputs, _outputs in (
+        ("ssd_chunk_state", ("x", "dt", "A", "Bm", "iparams"), ("dS", "Lc")),
+        ("ssd_state_pass", ("dS", "Lc", "state_in", "iparams"), ("S0", "state_out")),
+        ("ssd_chunk_out", ("x", "dt", "Bm", "Cm", "D", "Lc", "S0", "iparams"), ("y",))):
+    kernels.register(kernels.KernelSpec(
+        name=_name, body=f"{_name}.metal", input_names=_inputs, output_names=_outputs,
+        cuda_body=f"{_name}.cu", cuda_headers=("mma.cuh",)))
 
-
-def shared_bytes(N: int, pb: int, chunk: int = CHUNK) -> int:
-    """Threadgroup (shared) memory of the kernel, bytes: the chunk's B and C rows (padded by
-    one float against bank conflicts), the state slice, the (C x PB) time-step-scaled inputs
-    and output tile, the (C x C) decayed C.B product, the chunk's log decays and decays."""
-    return 4 * (2 * chunk * (N + 1) + N * pb + 2 * chunk * pb + chunk * chunk + 3 * chunk)
+#: The steps, in launch order.
+KERNELS = ("ssd_chunk_state", "ssd_state_pass", "ssd_chunk_out")
 
 
-def head_block(P: int) -> int | None:
-    """Head columns per threadgroup for head dim ``P`` (16 or 8), or None."""
-    for pb in (16, 8):
-        if P % pb == 0:
-            return pb
+def state_floats(P: int, N: int, chunk: int, kt: int) -> int:
+    """Step 1's threadgroup floats: the log decays and weights, the (kt x P) scaled inputs and
+    (kt x N) B rows."""
+    return 2 * chunk + kt * (P + N)
+
+
+def out_floats(P: int, chunk: int, kt: int) -> int:
+    """Step 3's threadgroup floats: log decays, time steps, M^T (chunk x (chunk + 4)), and one
+    region for the C, B, S0 slices (phase A) or the chunk's x (phase B)."""
+    cs = chunk + 4
+    return 2 * chunk + chunk * cs + max(kt * (2 * cs + P + 4), chunk * P)
+
+
+def tiles(P: int, N: int, backend: str) -> tuple[int, int] | None:
+    """``(chunk, kt)``: tokens per chunk and the slice held in threadgroup memory at once, the
+    largest (64, 32, 16 tokens; slices of 32, 16, 8) whose steps fit the backend's threadgroup
+    memory; None when none does."""
+    limit = SHARED_LIMIT.get(backend, METAL_SHARED_LIMIT)
+    for chunk in (64, 32, 16):
+        for kt in (32, 16, 8):
+            if 4 * max(state_floats(P, N, chunk, kt), out_floats(P, chunk, kt)) <= limit:
+                return chunk, kt
     return None
 
 
-def kernel_reason(x, B) -> str | None:
-    """Why the kernel does not compute these arguments (None: it does): a state size N above
-    :data:`MAX_N` or not a multiple of 8 (8x8 tiles), a head dim P not a multiple of 8."""
+def kernel_reason(x, B, backend: str = "metal") -> str | None:
+    """Why the kernels do not compute these arguments (None: they do): a head dim P or state
+    size N not a multiple of 4 (4x4 tiles), or too large for threadgroup memory."""
     P, N = x.shape[-1], B.shape[-1]
     if P == 0 or N == 0:
         return f"empty head dim or state (P {P}, N {N})"
-    if N > MAX_N:
-        return f"N {N} > {MAX_N}: the kernel's chunk does not fit threadgroup memory"
-    if N % 8:
-        return f"N {N} is not a multiple of 8 (the kernel's 8x8 tiles)"
-    if head_block(P) is None:
-        return f"P {P} is not a multiple of 8"
+    if P % 4 or N % 4:
+        return f"P {P} and N {N} must be multiples of 4 (the kernels' 4x4 tiles)"
+    if tiles(P, N, backend) is None:
+        return f"P {P}, N {N}: the kernels' slices do not fit threadgroup memory"
     return None
 
 
-def launch_kwargs(x, dtp, A, B, C, D, state, out_dtype) -> dict:
-    """The kernel call's arguments (inputs, geometry, outputs, template), shared by the MSL
-    kernel and the CUDA twin (``cuda.py``)."""
+def _segment(launch, backend, x, dtp, A, B, C, D, state, out_dtype):
     b, T, H, P = x.shape
     G, N = B.shape[2:]
-    pb = head_block(P)
+    chunk, kt = tiles(P, N, backend)
+    nc = -(-T // chunk)
+    ip = mx.array([T, nc], mx.int32)
+    geo = [("P", P), ("N", N), ("H", H), ("G", G), ("C", chunk), ("KT", kt), ("NT", THREADS)]
     f32 = mx.float32
-    return dict(
-        inputs=[x, dtp.astype(f32), A.astype(f32), B, C, D.astype(f32), state.astype(f32),
-                mx.array([T], mx.int32)],
-        grid=(THREADS * (P // pb), H, b), threadgroup=(THREADS, 1, 1),
-        output_shapes=[(b, T, H, P), (b, H, P, N)],
-        output_dtypes=[out_dtype, f32],
-        template=[("InT", x.dtype), ("OutT", out_dtype), ("P", P), ("N", N), ("H", H),
-                  ("G", G), ("C", CHUNK), ("PB", pb), ("NT", THREADS)],
-    )
+    shared = (lambda floats: 4 * floats) if backend == "cuda" else (lambda floats: 0)
+    sf = state_floats(P, N, chunk, kt)
+    dS, Lc = launch(
+        "ssd_chunk_state", backend, shared_memory=shared(sf),
+        inputs=[x, dtp, A, B, ip], grid=(THREADS * nc, H, b), threadgroup=(THREADS, 1, 1),
+        output_shapes=[(b, nc, H, P, N), (b, nc, H, chunk)], output_dtypes=[f32, f32],
+        template=[("InT", x.dtype)] + geo + [("SF", sf)])
+    hpn = H * P * N
+    S0, S = launch(
+        "ssd_state_pass", backend, inputs=[dS, Lc, state, ip],
+        grid=(-(-hpn // THREADS) * THREADS, b, 1), threadgroup=(THREADS, 1, 1),
+        output_shapes=[(b, nc, H, P, N), (b, H, P, N)], output_dtypes=[f32, f32],
+        template=[("H", H), ("P", P), ("N", N), ("C", chunk), ("NT", THREADS)])
+    sf = out_floats(P, chunk, kt)
+    (y,) = launch(
+        "ssd_chunk_out", backend, shared_memory=shared(sf),
+        inputs=[x, dtp, B, C, D, Lc, S0, ip], grid=(THREADS * nc, H, b),
+        threadgroup=(THREADS, 1, 1), output_shapes=[(b, T, H, P)], output_dtypes=[out_dtype],
+        template=[("InT", x.dtype), ("OutT", out_dtype)] + geo + [("SF", sf)])
+    return y, S
 
 
-def launch_ssd(x, dtp, A, B, C, D, state, out_dtype, *, backend: str):
-    """Run the kernel on ``backend`` (metal or emulator); arguments checked by the op
-    (``kernel_reason`` None, a float32 state, D an (H,) array). Returns ``(y, state)``."""
-    y, s = kernels.launch("ssd", backend, **launch_kwargs(x, dtp, A, B, C, D, state,
-                                                          out_dtype))
-    return y, s
+def run_steps(x, dtp, A, B, C, D, state, out_dtype, *, backend: str, launch=None):
+    """Run the three steps on ``backend`` (metal, emulator, cuda) for checked arguments
+    (``kernel_reason`` None): x (batch, T, H, P), ``dtp`` (batch, T, H) and ``A`` (H,) from
+    ``op.ssd_gates``, B, C (batch, T, G, N), D (H,), a float32 state (batch, H, P, N).
+    ``launch``: ``kernels.launch`` or a module's copy of it (the CUDA twin's). Returns
+    ``(y, state)``: y in ``out_dtype``, the final state float32."""
+    launch = launch or kernels.launch
+    T = x.shape[1]
+    f32 = mx.float32
+    dtp, A, D, S = dtp.astype(f32), A.astype(f32), D.astype(f32), state.astype(f32)
+    if T == 0:  # no chunk to launch: no output, the state passes through
+        return mx.zeros(x.shape, out_dtype), S
+    ys = []
+    for s in range(0, T, SEGMENT):
+        e = min(T, s + SEGMENT)
+        part = (slice(None), slice(s, e))
+        y, S = _segment(launch, backend, x[part], dtp[part], A, B[part], C[part], D, S,
+                        out_dtype)
+        ys.append(y)
+    return (ys[0] if len(ys) == 1 else mx.concatenate(ys, axis=1)), S

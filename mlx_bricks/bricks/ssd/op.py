@@ -202,12 +202,13 @@ def ssd(x, dt, A_log, B, C, D=None, dt_bias=None, state=None, mask=None, *,
             defined by mlx-lm and is whatever the scan gives there.
         time_step_limit: ``(lo, hi)`` clip of the time steps (mlx-lm's default (0.001,
             100.0); Nemotron-H and Falcon-H1 pass (0, inf)).
-        chunk: tokens per chunk (> 0) of the MLX-ops composite (the kernel's is
-            ``msl.CHUNK``).
+        chunk: tokens per chunk (> 0) of the MLX-ops composite (the kernels choose theirs:
+            ``msl.tiles``).
         backend: ``None`` (auto) or a name of ``mlx_bricks.backends.BACKENDS``: ``metal`` /
-            ``emulator`` run the MSL kernel, ``cuda`` its twin, where the kernel computes the
-            arguments (``msl.kernel_reason``: N <= 128 and P a multiple of 8, N of 8);
-            ``reference`` and the other cases run the chunked composite in MLX ops.
+            ``emulator`` run the MSL kernels, ``cuda`` their twins, where they compute the
+            arguments (``msl.kernel_reason``: P and N multiples of 4 whose slices fit
+            threadgroup memory); ``reference`` and the other cases run the chunked composite
+            in MLX ops.
 
     Returns:
         ``(y, state)``: y (batch, T, H, P) in x's dtype (x's and D's common dtype with D); the
@@ -224,14 +225,14 @@ def ssd(x, dt, A_log, B, C, D=None, dt_bias=None, state=None, mask=None, *,
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
     b = op_backend("ssd_chunk_out", backend)  # the CUDA twin's last step: it has one
     dtp, A = ssd_gates(dt, A_log, dt_bias, mask, limit)
-    if b == "reference" or msl.kernel_reason(x, B) is not None:
+    if b == "reference" or msl.kernel_reason(x, B, b) is not None:
         return ssd_chunked(x, dtp, A, B, C, D, state, chunk=chunk)
     return run_kernel(x, dtp, A, B, C, D, state, backend=b)
 
 
 def run_kernel(x, dtp, A, B, C, D=None, state=None, *, backend: str):
-    """The MSL kernel (``metal``, ``emulator``) or its CUDA twin (``cuda``) on checked
-    arguments the kernel computes (``msl.kernel_reason`` None); ``dtp``, ``A`` from
+    """The MSL kernels (``metal``, ``emulator``) or their CUDA twins (``cuda``) on checked
+    arguments they compute (``msl.kernel_reason`` None); ``dtp``, ``A`` from
     :func:`ssd_gates`. Returns ``(y, state)`` as :func:`ssd`."""
     b, T, H, P = x.shape
     N = B.shape[-1]
@@ -241,7 +242,7 @@ def run_kernel(x, dtp, A, B, C, D=None, state=None, *, backend: str):
     if backend == "cuda":
         y, S = ssd_cuda.launch_ssd_cuda(x, dtp, A, B, C, d, s, out_dtype)
     else:
-        y, S = msl.launch_ssd(x, dtp, A, B, C, d, s, out_dtype, backend=backend)
+        y, S = msl.run_steps(x, dtp, A, B, C, d, s, out_dtype, backend=backend)
     return y, S if state is None else S.astype(state.dtype)
 
 

@@ -1,0 +1,222 @@
+// SSD brick, step 3 of 3: every chunk's outputs, all chunks at once. One threadgroup per
+// (chunk c, head h, batch row b); with L_t the chunk's log decays (step 1) and S0 the state at
+// the chunk's start (step 2):
+//   M_ti = (C_t . B_i) exp(L_t - L_i) dt_i   for i <= t, 0 above     (C x C)
+//   y_tp = sum_{i <= t} M_ti x_ip + exp(L_t) (C_t . S0[p, :]) + D x_tp
+// bricks/ssd/op.py has the derivation (Dao & Gu 2024, section 6). Phase A walks N in slices
+// of KT: C.B (lower triangle tiles only) and C.S0 as 4x4 register tiles of scalar FMAs from
+// transposed slices in threadgroup memory; phase B stores M^T, overwrites the slices with the
+// chunk's x, and adds M x (each row block stops at the diagonal). CUDA twin:
+// cuda_src/ssd_chunk_out.cu.
+//
+// Template: InT (x, B, C dtype), OutT (y dtype), P, N (multiples of 4), H, G, C (tokens per
+// chunk, a multiple of 4), KT (a multiple of 4), NT (threads per threadgroup), SF (threadgroup
+// floats: bricks/ssd/kernels.py).
+// Inputs: x (B, T, H, P) InT; dt (B, T, H) float (0 at masked tokens); Bm, Cm (B, T, G, N)
+//   InT; D (H) float; Lc (B, n_chunks, H, C) float (step 1); S0 (B, n_chunks, H, P, N) float
+//   (step 2); iparams int32 [T, n_chunks].
+// Outputs: y (B, T, H, P) OutT; every element written.
+// Grid: (NT * n_chunks, H, B) threads, threadgroups of (NT, 1, 1). Threadgroup memory, in this
+// order: Lt, Dt (C floats each), Mt (C x (C + 4)), then one region holding At, Bt
+// (KT x (C + 4) each) and St (KT x (P + 4)) in phase A, Xs (C x P) in phase B.
+
+const int T = iparams[0];
+const int NC = iparams[1];
+const int tid = int(thread_position_in_threadgroup.x);
+const int c = int(threadgroup_position_in_grid.x);
+const int h = int(threadgroup_position_in_grid.y);
+const int b = int(threadgroup_position_in_grid.z);
+const int g = h / (H / G);
+const int t0 = c * C;
+static_assert(C % 4 == 0 && P % 4 == 0 && N % 4 == 0 && KT % 4 == 0, "4x4 tiles");
+constexpr int CS = C + 4;   // row stride of the (k, t) slices and of M^T
+constexpr int PS = P + 4;
+constexpr int TC = C / 4;   // tiles per row of the (C x C) product
+constexpr int TP = P / 4;   // tiles per row of the (C x P) output
+constexpr int MT1 = (TC * TC + NT - 1) / NT;
+constexpr int MT2 = (TC * TP + NT - 1) / NT;
+static_assert(SF >= 2 * C + C * CS + KT * (2 * CS + PS) && SF >= 2 * C + C * CS + C * P,
+              "threadgroup floats");
+
+threadgroup float sm[SF];
+threadgroup float* Lt = sm;
+threadgroup float* Dt = Lt + C;
+threadgroup float* Mt = Dt + C;        // (i, t): M^T
+threadgroup float* At = Mt + C * CS;   // (k, t): C^T slice
+threadgroup float* Bt = At + KT * CS;  // (k, i): B^T slice
+threadgroup float* St = Bt + KT * CS;  // (k, p): S0^T slice
+threadgroup float* Xs = At;            // phase B: (i, p), over the slices
+
+const int64_t lc0 = ((int64_t(b) * NC + c) * H + h) * C;
+for (int t = tid; t < C; t += NT) {
+  Lt[t] = Lc[lc0 + t];
+  Dt[t] = t0 + t < T ? dt[(int64_t(b) * T + t0 + t) * H + h] : 0.0f;
+}
+
+float cb[MT1][4][4];
+float acc[MT2][4][4];
+#pragma clang loop unroll(full)
+for (int m = 0; m < MT1; ++m) {
+  #pragma clang loop unroll(full)
+  for (int u = 0; u < 4; ++u) {
+    #pragma clang loop unroll(full)
+    for (int v = 0; v < 4; ++v) {
+      cb[m][u][v] = 0.0f;
+    }
+  }
+}
+#pragma clang loop unroll(full)
+for (int m = 0; m < MT2; ++m) {
+  #pragma clang loop unroll(full)
+  for (int u = 0; u < 4; ++u) {
+    #pragma clang loop unroll(full)
+    for (int v = 0; v < 4; ++v) {
+      acc[m][u][v] = 0.0f;
+    }
+  }
+}
+
+// phase A: C.B and C.S0 over slices of N
+const int64_t s0 = ((int64_t(b) * NC + c) * H + h) * P * N;
+for (int n0 = 0; n0 < N; n0 += KT) {
+  for (int e = tid; e < C * KT; e += NT) {
+    const int t = e / KT;
+    const int k = e % KT;
+    const bool inside = t0 + t < T && n0 + k < N;
+    const int64_t src = ((int64_t(b) * T + t0 + t) * G + g) * N + n0 + k;
+    At[k * CS + t] = inside ? float(Cm[src]) : 0.0f;
+    Bt[k * CS + t] = inside ? float(Bm[src]) : 0.0f;
+  }
+  for (int e = tid; e < P * KT; e += NT) {
+    const int p = e / KT;
+    const int k = e % KT;
+    St[k * PS + p] = n0 + k < N ? S0[s0 + p * N + n0 + k] : 0.0f;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  #pragma clang loop unroll(full)
+  for (int m = 0; m < MT1; ++m) {
+    const int tile = tid + m * NT;
+    const int tr = tile / TC;
+    const int ic = tile % TC;
+    if (tile < TC * TC && ic <= tr) {  // tiles above the diagonal are all zero
+      for (int k = 0; k < KT; ++k) {
+        float cv[4];
+        float bv[4];
+        #pragma clang loop unroll(full)
+        for (int u = 0; u < 4; ++u) {
+          cv[u] = At[k * CS + tr * 4 + u];
+          bv[u] = Bt[k * CS + ic * 4 + u];
+        }
+        #pragma clang loop unroll(full)
+        for (int u = 0; u < 4; ++u) {
+          #pragma clang loop unroll(full)
+          for (int v = 0; v < 4; ++v) {
+            cb[m][u][v] = fma(cv[u], bv[v], cb[m][u][v]);
+          }
+        }
+      }
+    }
+  }
+  #pragma clang loop unroll(full)
+  for (int m = 0; m < MT2; ++m) {
+    const int tile = tid + m * NT;
+    if (tile < TC * TP) {
+      const int t4 = (tile / TP) * 4;
+      const int p4 = (tile % TP) * 4;
+      for (int k = 0; k < KT; ++k) {
+        float cv[4];
+        float sv[4];
+        #pragma clang loop unroll(full)
+        for (int u = 0; u < 4; ++u) {
+          cv[u] = At[k * CS + t4 + u];
+          sv[u] = St[k * PS + p4 + u];
+        }
+        #pragma clang loop unroll(full)
+        for (int u = 0; u < 4; ++u) {
+          #pragma clang loop unroll(full)
+          for (int v = 0; v < 4; ++v) {
+            acc[m][u][v] = fma(cv[u], sv[v], acc[m][u][v]);
+          }
+        }
+      }
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+// phase B: M^T (decays, time steps, the causal triangle), the state's part decayed from the
+// chunk's start, the chunk's x over the slices
+#pragma clang loop unroll(full)
+for (int m = 0; m < MT1; ++m) {
+  const int tile = tid + m * NT;
+  if (tile < TC * TC) {
+    const int t4 = (tile / TC) * 4;
+    const int i4 = (tile % TC) * 4;
+    #pragma clang loop unroll(full)
+    for (int u = 0; u < 4; ++u) {
+      #pragma clang loop unroll(full)
+      for (int v = 0; v < 4; ++v) {
+        const int t = t4 + u;
+        const int i = i4 + v;
+        Mt[i * CS + t] = i <= t ? cb[m][u][v] * exp(Lt[t] - Lt[i]) * Dt[i] : 0.0f;
+      }
+    }
+  }
+}
+#pragma clang loop unroll(full)
+for (int m = 0; m < MT2; ++m) {
+  const int tile = tid + m * NT;
+  if (tile < TC * TP) {
+    const int t4 = (tile / TP) * 4;
+    #pragma clang loop unroll(full)
+    for (int u = 0; u < 4; ++u) {
+      const float gl = exp(Lt[t4 + u]);
+      #pragma clang loop unroll(full)
+      for (int v = 0; v < 4; ++v) {
+        acc[m][u][v] *= gl;
+      }
+    }
+  }
+}
+for (int e = tid; e < C * P; e += NT) {
+  const int t = t0 + e / P;
+  Xs[e] = t < T ? float(x[((int64_t(b) * T + t) * H + h) * P + e % P]) : 0.0f;
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+
+const float d_h = D[h];
+#pragma clang loop unroll(full)
+for (int m = 0; m < MT2; ++m) {
+  const int tile = tid + m * NT;
+  if (tile < TC * TP) {
+    const int t4 = (tile / TP) * 4;
+    const int p4 = (tile % TP) * 4;
+    for (int i = 0; i < t4 + 4; ++i) {  // M_ti = 0 for i > t
+      float mv[4];
+      float xv[4];
+      #pragma clang loop unroll(full)
+      for (int u = 0; u < 4; ++u) {
+        mv[u] = Mt[i * CS + t4 + u];
+        xv[u] = Xs[i * P + p4 + u];
+      }
+      #pragma clang loop unroll(full)
+      for (int u = 0; u < 4; ++u) {
+        #pragma clang loop unroll(full)
+        for (int v = 0; v < 4; ++v) {
+          acc[m][u][v] = fma(mv[u], xv[v], acc[m][u][v]);
+        }
+      }
+    }
+    #pragma clang loop unroll(full)
+    for (int u = 0; u < 4; ++u) {
+      const int t = t4 + u;
+      if (t0 + t < T) {
+        const int64_t dst = ((int64_t(b) * T + t0 + t) * H + h) * P + p4;
+        #pragma clang loop unroll(full)
+        for (int v = 0; v < 4; ++v) {
+          y[dst + v] = OutT(acc[m][u][v] + d_h * Xs[t * P + p4 + v]);
+        }
+      }
+    }
+  }
+}

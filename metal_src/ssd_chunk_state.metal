@@ -1,0 +1,118 @@
+// SSD brick, step 1 of 3: every chunk's own contribution to the state, all chunks at once.
+// One threadgroup per (chunk c, head h, batch row b). With a_t = dt_t A and the chunk's
+// inclusive log decays L_t = sum_{s <= t} a_s (float32, tokens past T count as dt = 0):
+//   Lc[b, c, h, t] = L_t
+//   dS[b, c, h, p, n] = sum_t x_tp dt_t exp(L_C - L_t) B_tn      (the state from zero)
+// bricks/ssd/op.py has the derivation (Dao & Gu 2024, section 6, "chunk states"). The (P x N)
+// product runs as 4x4 register tiles of scalar FMAs over KT-token slices of the chunk held in
+// threadgroup memory (the inputs scaled once, as floats). CUDA twin: cuda_src/ssd_chunk_state.cu.
+//
+// Template: InT (x, B dtype), P, N (head dim, state size; multiples of 4), H, G (head h reads
+// group h / (H / G)), C (tokens per chunk, a multiple of KT), KT, NT (threads per
+// threadgroup), SF (threadgroup floats: 2 C + KT (P + N), bricks/ssd/kernels.py).
+// Inputs: x (B, T, H, P) InT; dt (B, T, H) float (softplus, bias and clip done, 0 at masked
+//   tokens); A (H) float (-exp(A_log)); Bm (B, T, G, N) InT; iparams int32 [T, n_chunks].
+// Outputs: dS (B, n_chunks, H, P, N) float; Lc (B, n_chunks, H, C) float; all written.
+// Grid: (NT * n_chunks, H, B) threads, threadgroups of (NT, 1, 1).
+
+const int T = iparams[0];
+const int NC = iparams[1];
+const int tid = int(thread_position_in_threadgroup.x);
+const int c = int(threadgroup_position_in_grid.x);
+const int h = int(threadgroup_position_in_grid.y);
+const int b = int(threadgroup_position_in_grid.z);
+const int g = h / (H / G);
+const int t0 = c * C;
+static_assert(C % KT == 0 && P % 4 == 0 && N % 4 == 0, "whole slices and 4x4 tiles");
+static_assert(SF >= 2 * C + KT * (P + N), "threadgroup floats");
+constexpr int TN = N / 4;                 // tiles per row of the (P x N) product
+constexpr int TILES = (P / 4) * TN;
+constexpr int MT = (TILES + NT - 1) / NT;  // tiles per thread
+
+threadgroup float sm[SF];
+threadgroup float* Lt = sm;
+threadgroup float* Wt = Lt + C;
+threadgroup float* Xs = Wt + C;       // (k, p): x_tp dt_t exp(L_C - L_t)
+threadgroup float* Bs = Xs + KT * P;  // (k, n)
+
+const float a_h = A[h];
+if (tid == 0) {  // C sequential adds: nothing next to the products
+  float acc = 0.0f;
+  for (int t = 0; t < C; ++t) {
+    acc += t0 + t < T ? dt[(int64_t(b) * T + t0 + t) * H + h] * a_h : 0.0f;
+    Lt[t] = acc;
+  }
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+const float l_end = Lt[C - 1];
+for (int t = tid; t < C; t += NT) {
+  Lc[((int64_t(b) * NC + c) * H + h) * C + t] = Lt[t];
+  Wt[t] = t0 + t < T ? dt[(int64_t(b) * T + t0 + t) * H + h] * exp(l_end - Lt[t]) : 0.0f;
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+
+float acc[MT][4][4];
+#pragma clang loop unroll(full)
+for (int m = 0; m < MT; ++m) {
+  #pragma clang loop unroll(full)
+  for (int u = 0; u < 4; ++u) {
+    #pragma clang loop unroll(full)
+    for (int v = 0; v < 4; ++v) {
+      acc[m][u][v] = 0.0f;
+    }
+  }
+}
+for (int k0 = 0; k0 < C; k0 += KT) {
+  for (int e = tid; e < KT * P; e += NT) {
+    const int k = e / P;
+    const int t = t0 + k0 + k;
+    Xs[e] = t < T ? Wt[k0 + k] * float(x[((int64_t(b) * T + t) * H + h) * P + e % P]) : 0.0f;
+  }
+  for (int e = tid; e < KT * N; e += NT) {
+    const int t = t0 + k0 + e / N;
+    Bs[e] = t < T ? float(Bm[((int64_t(b) * T + t) * G + g) * N + e % N]) : 0.0f;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  #pragma clang loop unroll(full)
+  for (int m = 0; m < MT; ++m) {
+    const int tile = tid + m * NT;
+    if (tile < TILES) {
+      const int p4 = (tile / TN) * 4;
+      const int n4 = (tile % TN) * 4;
+      for (int k = 0; k < KT; ++k) {
+        float xv[4];
+        float bv[4];
+        #pragma clang loop unroll(full)
+        for (int u = 0; u < 4; ++u) {
+          xv[u] = Xs[k * P + p4 + u];
+          bv[u] = Bs[k * N + n4 + u];
+        }
+        #pragma clang loop unroll(full)
+        for (int u = 0; u < 4; ++u) {
+          #pragma clang loop unroll(full)
+          for (int v = 0; v < 4; ++v) {
+            acc[m][u][v] = fma(xv[u], bv[v], acc[m][u][v]);
+          }
+        }
+      }
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+#pragma clang loop unroll(full)
+for (int m = 0; m < MT; ++m) {
+  const int tile = tid + m * NT;
+  if (tile < TILES) {
+    const int p4 = (tile / TN) * 4;
+    const int n4 = (tile % TN) * 4;
+    const int64_t dst = (((int64_t(b) * NC + c) * H + h) * P + p4) * N + n4;
+    #pragma clang loop unroll(full)
+    for (int u = 0; u < 4; ++u) {
+      #pragma clang loop unroll(full)
+      for (int v = 0; v < 4; ++v) {
+        dS[dst + u * N + v] = acc[m][u][v];
+      }
+    }
+  }
+}
