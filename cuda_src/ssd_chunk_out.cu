@@ -18,7 +18,7 @@
 // Grid: (NT * n_chunks, H, B) threads, blocks of (NT, 1, 1). Shared memory (dynamic, in this
 // order): Lt, Dt (C floats each), Mt (C x (C + 4)), then one region holding At, Bt
 // (KT x (C + 4) each) and St (KT x (P + 4)) in phase A, Xs (C x P) in phase B:
-// msl.out_shared_bytes.
+// msl.out_floats (SF).
 
 const int T = iparams[0];
 const int NC = iparams[1];
@@ -33,8 +33,11 @@ constexpr int CS = C + 4;   // row stride of the (k, t) slices and of M^T: float
 constexpr int PS = P + 4;
 constexpr int TC = C / 4;   // tiles per row of the (C x C) product
 constexpr int TP = P / 4;   // tiles per row of the (C x P) output
-constexpr int MT1 = (TC * TC + NT - 1) / NT;
+constexpr int TRI = TC * (TC + 1) / 2;  // the lower triangle's tiles of C.B
+constexpr int MT1 = (TRI + NT - 1) / NT;
 constexpr int MT2 = (TC * TP + NT - 1) / NT;
+static_assert(SF >= 2 * C + C * CS + KT * (2 * CS + PS) && SF >= 2 * C + C * CS + C * P,
+              "shared floats");
 
 extern __shared__ __align__(16) unsigned char smem[];
 float* Lt = reinterpret_cast<float*>(smem);
@@ -94,9 +97,11 @@ for (int n0 = 0; n0 < N; n0 += KT) {
 #pragma unroll
   for (int m = 0; m < MT1; ++m) {
     const int tile = tid + m * NT;
-    const int tr = tile / TC;
-    const int ic = tile % TC;
-    if (tile < TC * TC && ic <= tr) {  // tiles above the diagonal are all zero
+    int tr = int((sqrtf(8.0f * float(tile) + 1.0f) - 1.0f) * 0.5f);  // tile = tr (tr + 1) / 2 + ic
+    tr += (tr + 1) * (tr + 2) / 2 <= tile ? 1 : 0;  // the float root's rounding, either way
+    tr -= tr * (tr + 1) / 2 > tile ? 1 : 0;
+    const int ic = tile - tr * (tr + 1) / 2;
+    if (tile < TRI) {  // only the lower triangle's tiles: M is zero above the diagonal
       for (int k = 0; k < KT; ++k) {
         const float4 ca = *reinterpret_cast<const float4*>(At + k * CS + tr * 4);
         const float4 bb = *reinterpret_cast<const float4*>(Bt + k * CS + ic * 4);
@@ -138,12 +143,22 @@ for (int n0 = 0; n0 < N; n0 += KT) {
 
 // phase B: M^T (decays, time steps, the causal triangle), the state's part decayed from the
 // chunk's start, the chunk's x over the slices
+for (int e = tid; e < C * C; e += NT) {  // the tiles above the diagonal: zeros
+  const int i = e / C;
+  const int t = e % C;
+  if (i / 4 > t / 4) {
+    Mt[i * CS + t] = 0.0f;
+  }
+}
 #pragma unroll
 for (int m = 0; m < MT1; ++m) {
   const int tile = tid + m * NT;
-  if (tile < TC * TC) {
-    const int t4 = (tile / TC) * 4;
-    const int i4 = (tile % TC) * 4;
+  int tr = int((sqrtf(8.0f * float(tile) + 1.0f) - 1.0f) * 0.5f);
+  tr += (tr + 1) * (tr + 2) / 2 <= tile ? 1 : 0;
+  tr -= tr * (tr + 1) / 2 > tile ? 1 : 0;
+  if (tile < TRI) {
+    const int t4 = tr * 4;
+    const int i4 = (tile - tr * (tr + 1) / 2) * 4;
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
 #pragma unroll

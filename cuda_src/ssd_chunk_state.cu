@@ -14,7 +14,7 @@
 //   tokens); A (H) float (-exp(A_log)); Bm (B, T, G, N) InT; iparams int32 [T, n_chunks].
 // Outputs: dS (B, n_chunks, H, P, N) float; Lc (B, n_chunks, H, C) float; all written.
 // Grid: (NT * n_chunks, H, B) threads, blocks of (NT, 1, 1). Shared memory (dynamic, in this
-// order): Lt, Wt (C floats each), Xs (KT x P), Bs (KT x N) floats: msl.state_shared_bytes.
+// order): Lt, Wt (C floats each), Xs (KT x P), Bs (KT x N) floats: msl.state_floats (SF).
 
 const int T = iparams[0];
 const int NC = iparams[1];
@@ -25,6 +25,7 @@ const int b = int(blockIdx.z);
 const int g = h / (H / G);
 const int t0 = c * C;
 static_assert(C % KT == 0 && P % 4 == 0 && N % 4 == 0, "whole slices and 4x4 tiles");
+static_assert(SF >= 2 * C + KT * (P + N), "shared floats");
 constexpr int TN = N / 4;                 // tiles per row of the (P x N) product
 constexpr int TILES = (P / 4) * TN;
 constexpr int MT = (TILES + NT - 1) / NT;  // tiles per thread

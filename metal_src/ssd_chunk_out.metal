@@ -11,7 +11,7 @@
 //
 // Template: InT (x, B, C dtype), OutT (y dtype), P, N (multiples of 4), H, G, C (tokens per
 // chunk, a multiple of 4), KT (a multiple of 4), NT (threads per threadgroup), SF (threadgroup
-// floats: bricks/ssd/kernels.py).
+// floats: bricks/ssd/msl.py: out_floats).
 // Inputs: x (B, T, H, P) InT; dt (B, T, H) float (0 at masked tokens); Bm, Cm (B, T, G, N)
 //   InT; D (H) float; Lc (B, n_chunks, H, C) float (step 1); S0 (B, n_chunks, H, P, N) float
 //   (step 2); iparams int32 [T, n_chunks].
@@ -33,7 +33,8 @@ constexpr int CS = C + 4;   // row stride of the (k, t) slices and of M^T
 constexpr int PS = P + 4;
 constexpr int TC = C / 4;   // tiles per row of the (C x C) product
 constexpr int TP = P / 4;   // tiles per row of the (C x P) output
-constexpr int MT1 = (TC * TC + NT - 1) / NT;
+constexpr int TRI = TC * (TC + 1) / 2;  // the lower triangle's tiles of C.B
+constexpr int MT1 = (TRI + NT - 1) / NT;
 constexpr int MT2 = (TC * TP + NT - 1) / NT;
 static_assert(SF >= 2 * C + C * CS + KT * (2 * CS + PS) && SF >= 2 * C + C * CS + C * P,
               "threadgroup floats");
@@ -96,9 +97,11 @@ for (int n0 = 0; n0 < N; n0 += KT) {
   #pragma clang loop unroll(full)
   for (int m = 0; m < MT1; ++m) {
     const int tile = tid + m * NT;
-    const int tr = tile / TC;
-    const int ic = tile % TC;
-    if (tile < TC * TC && ic <= tr) {  // tiles above the diagonal are all zero
+    int tr = int((sqrt(8.0f * float(tile) + 1.0f) - 1.0f) * 0.5f);  // tile = tr (tr + 1) / 2 + ic
+    tr += (tr + 1) * (tr + 2) / 2 <= tile ? 1 : 0;  // the float root's rounding, either way
+    tr -= tr * (tr + 1) / 2 > tile ? 1 : 0;
+    const int ic = tile - tr * (tr + 1) / 2;
+    if (tile < TRI) {  // only the lower triangle's tiles: M is zero above the diagonal
       for (int k = 0; k < KT; ++k) {
         float cv[4];
         float bv[4];
@@ -146,12 +149,22 @@ for (int n0 = 0; n0 < N; n0 += KT) {
 
 // phase B: M^T (decays, time steps, the causal triangle), the state's part decayed from the
 // chunk's start, the chunk's x over the slices
+for (int e = tid; e < C * C; e += NT) {  // the tiles above the diagonal: zeros
+  const int i = e / C;
+  const int t = e % C;
+  if (i / 4 > t / 4) {
+    Mt[i * CS + t] = 0.0f;
+  }
+}
 #pragma clang loop unroll(full)
 for (int m = 0; m < MT1; ++m) {
   const int tile = tid + m * NT;
-  if (tile < TC * TC) {
-    const int t4 = (tile / TC) * 4;
-    const int i4 = (tile % TC) * 4;
+  int tr = int((sqrt(8.0f * float(tile) + 1.0f) - 1.0f) * 0.5f);
+  tr += (tr + 1) * (tr + 2) / 2 <= tile ? 1 : 0;
+  tr -= tr * (tr + 1) / 2 > tile ? 1 : 0;
+  if (tile < TRI) {
+    const int t4 = tr * 4;
+    const int i4 = (tile - tr * (tr + 1) / 2) * 4;
     #pragma clang loop unroll(full)
     for (int u = 0; u < 4; ++u) {
       #pragma clang loop unroll(full)

@@ -9,7 +9,7 @@
 //
 // Template: InT (x, B dtype), P, N (head dim, state size; multiples of 4), H, G (head h reads
 // group h / (H / G)), C (tokens per chunk, a multiple of KT), KT, NT (threads per
-// threadgroup), SF (threadgroup floats: 2 C + KT (P + N), bricks/ssd/kernels.py).
+// threadgroup), SF (threadgroup floats: 2 C + KT (P + N), bricks/ssd/msl.py: state_floats).
 // Inputs: x (B, T, H, P) InT; dt (B, T, H) float (softplus, bias and clip done, 0 at masked
 //   tokens); A (H) float (-exp(A_log)); Bm (B, T, G, N) InT; iparams int32 [T, n_chunks].
 // Outputs: dS (B, n_chunks, H, P, N) float; Lc (B, n_chunks, H, C) float; all written.

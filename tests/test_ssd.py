@@ -225,6 +225,8 @@ def test_kernel_reasons():
     from mlx_bricks.bricks.ssd import msl
 
     a = inputs(T=4, N=4096)
+    assert "accumulators" in msl.kernel_reason(a["x"], a["B"])
+    a = inputs(T=4, P=4, N=4096)
     assert "threadgroup memory" in msl.kernel_reason(a["x"], a["B"])
     a = inputs(T=4, N=6)
     assert "multiples of 4" in msl.kernel_reason(a["x"], a["B"])

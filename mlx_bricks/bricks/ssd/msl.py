@@ -24,6 +24,8 @@ from mlx_bricks import kernels
 SEGMENT = 2048
 #: Threads per threadgroup of each step.
 THREADS = 256
+#: Largest P x N: step 1 holds P x N / THREADS accumulators per thread (64 registers at this)
+MAX_STATE = 16384
 #: Threadgroup (shared) memory a threadgroup may use, bytes: Apple GPUs' 32 KB; on CUDA the
 #: 48 KB a block gets without opting in.
 SHARED_LIMIT = {"cuda": 48 * 1024}
@@ -68,12 +70,15 @@ def tiles(P: int, N: int, backend: str) -> tuple[int, int] | None:
 
 def kernel_reason(x, B, backend: str = "metal") -> str | None:
     """Why the kernels do not compute these arguments (None: they do): a head dim P or state
-    size N not a multiple of 4 (4x4 tiles), or too large for threadgroup memory."""
+    size N not a multiple of 4 (4x4 tiles), a state P x N above :data:`MAX_STATE`
+    (registers), or slices too large for threadgroup memory."""
     P, N = x.shape[-1], B.shape[-1]
     if P == 0 or N == 0:
         return f"empty head dim or state (P {P}, N {N})"
     if P % 4 or N % 4:
         return f"P {P} and N {N} must be multiples of 4 (the kernels' 4x4 tiles)"
+    if P * N > MAX_STATE:
+        return f"P {P} x N {N} > {MAX_STATE}: too many accumulators per thread"
     if tiles(P, N, backend) is None:
         return f"P {P}, N {N}: the kernels' slices do not fit threadgroup memory"
     return None
