@@ -17,6 +17,7 @@ const int b = int(blockIdx.y);
 if (e < HPN) {
   const int h = e / (P * N);
   float s = state_in[int64_t(b) * HPN + e];
+  #pragma unroll 4  // the next chunks' loads issued ahead of the chain
   for (int c = 0; c < NC; ++c) {
     const int64_t at = (int64_t(b) * NC + c) * HPN + e;
     const float d = dS[at];  // independent of s: its load overlaps the chain

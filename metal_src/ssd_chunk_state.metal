@@ -36,10 +36,14 @@ threadgroup float* Xs = Wt + C;       // (k, p): x_tp dt_t exp(L_C - L_t)
 threadgroup float* Bs = Xs + KT * P;  // (k, n)
 
 const float a_h = A[h];
-if (tid == 0) {  // C sequential adds: nothing next to the products
+for (int t = tid; t < C; t += NT) {  // the time steps loaded in parallel, summed by one thread
+  Lt[t] = t0 + t < T ? dt[(int64_t(b) * T + t0 + t) * H + h] * a_h : 0.0f;
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+if (tid == 0) {  // C sequential adds in threadgroup memory: nothing next to the products
   float acc = 0.0f;
   for (int t = 0; t < C; ++t) {
-    acc += t0 + t < T ? dt[(int64_t(b) * T + t0 + t) * H + h] * a_h : 0.0f;
+    acc += Lt[t];
     Lt[t] = acc;
   }
 }

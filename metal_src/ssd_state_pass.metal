@@ -17,6 +17,7 @@ const int b = int(threadgroup_position_in_grid.y);
 if (e < HPN) {
   const int h = e / (P * N);
   float s = state_in[int64_t(b) * HPN + e];
+  #pragma clang loop unroll_count(4)  // the next chunks' loads issued ahead of the chain
   for (int c = 0; c < NC; ++c) {
     const int64_t at = (int64_t(b) * NC + c) * HPN + e;
     const float d = dS[at];  // independent of s: its load overlaps the chain

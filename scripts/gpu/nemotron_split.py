@@ -1,0 +1,64 @@
+"""Where a patched Nemotron-3-Nano-shaped prefill spends its time (GPU machine): the 4-layer
+model (bench.ssm.NEMOTRON3_4LAYER) stock and patched, then each with its scan replaced by zeros
+(stock: mlx-lm's ssm_update; patched: the ssd kind's brick), so scan and rest are apart. Usage:
+python3 scripts/gpu/nemotron_split.py [T]; prints one JSON line (seconds, medians)."""
+import json
+import sys
+import time
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+import mlx_lm.models.nemotron_h as nh
+from mlx_bricks.bench.e2e import _models
+from mlx_bricks.bench.ssm import NEMOTRON3_4LAYER
+from mlx_bricks.bricks.ssd import kind as ssd_kind
+from mlx_bricks.patch import patch_model
+
+
+def timed(fn, reps=7):
+    mx.eval(fn())
+    mx.synchronize()
+    runs = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        mx.eval(fn())
+        mx.synchronize()
+        runs.append(time.perf_counter() - t)
+    return sorted(runs)[reps // 2]
+
+
+def main(T):
+    shape = NEMOTRON3_4LAYER
+    stock, patched = _models(shape, "bf16", None)
+    patch_model(patched, tune="auto")
+    tokens = mx.random.randint(0, shape.vocab, (1, T), key=mx.random.key(T))
+
+    def fwd(model):
+        return lambda: model(tokens, cache=make_prompt_cache(model))[:, -1, :]
+
+    out = {"T": T, "stock_s": timed(fwd(stock)), "patched_s": timed(fwd(patched))}
+    real_update, real_brick = nh.ssm_update, ssd_kind.SSD.brick
+
+    def zero_update(x, A_log, B, C, D, dt, dt_bias, state=None, *a, **k):
+        b, _, H, P = x.shape
+        return mx.zeros_like(x), mx.zeros((b, H, P, B.shape[-1]), mx.float32)
+
+    def zero_brick(self, args, backend, **kw):
+        x, B = args["x"], args["B"]
+        b, _, H, P = x.shape
+        return mx.zeros_like(x), mx.zeros((b, H, P, B.shape[-1]), mx.float32)
+
+    nh.ssm_update = zero_update
+    ssd_kind.SSD.brick = zero_brick
+    try:
+        out["stock_without_scan_s"] = timed(fwd(stock))
+        out["patched_without_scan_s"] = timed(fwd(patched))
+    finally:
+        nh.ssm_update, ssd_kind.SSD.brick = real_update, real_brick
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    for t in (sys.argv[1:] or ["2048"]):
+        main(int(t))
