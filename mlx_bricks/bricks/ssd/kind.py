@@ -80,10 +80,10 @@ def sequential(x, dt, A_log, B, C, D=None, dt_bias=None, state=None, mask=None, 
 PRIOR_MIN_TOKENS = {"reference": 16, "cuda": 64}
 #: Seconds per prompt token and state element (H x P x N) of one Mamba-2 layer that the bricks
 #: save once warm (the first-token guard's cost model, ``tune.prior.saved_s_per_token``): H100,
-#: 4-layer Nemotron-3-Nano-shaped model (3 Mamba-2 layers of 64 x 64 x 128), 2,048 tokens:
-#: stock 15.1 ms, patched 8.7 ms with only the ssd scan on the brick (bench/results/
-#: 2026-12-07-h100-issue42.md); 6.4 ms / 2,048 / 3 / 524,288 (8,192 tokens: 2.7e-12).
-SAVED_S_PER_TOKEN_STATE = {"cuda": 2.0e-12}
+#: 4-layer Nemotron-3-Nano-shaped model (3 Mamba-2 layers of 64 x 64 x 128), 2,048 tokens,
+#: the three-step kernels: stock 14.4 ms, patched 5.9 ms (bench/results/2026-12-07-h100-ssd/);
+#: 8.5 ms / 2,048 / 3 / 524,288 (8,192 tokens: 3.9e-12; the single-pass kernel: 2.0e-12).
+SAVED_S_PER_TOKEN_STATE = {"cuda": 2.7e-12}
 
 
 class SSD(ScanKind):
