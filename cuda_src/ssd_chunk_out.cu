@@ -9,6 +9,8 @@
 // transposed slices in shared memory; phase B stores M^T, overwrites the slices with the
 // chunk's x, and adds M x (each row block stops at the diagonal).
 //
+// The tiles: cuda_src/tile4.cuh (ld4, fma_outer4, tri_row).
+//
 // Template: InT (x, B, C dtype), OutT (y dtype), P, N (multiples of 4), H, G, C (tokens per
 // chunk, a multiple of 4), KT (a multiple of 4), NT (threads per block).
 // Inputs: x (B, T, H, P) InT; dt (B, T, H) float (0 at masked tokens); Bm, Cm (B, T, G, N)
@@ -54,31 +56,11 @@ for (int t = tid; t < C; t += NT) {
   Dt[t] = t0 + t < T ? dt[(int64_t(b) * T + t0 + t) * H + h] : 0.0f;
 }
 
-float cb[MT1][4][4];
-float acc[MT2][4][4];
-#pragma unroll
-for (int m = 0; m < MT1; ++m) {
-#pragma unroll
-  for (int u = 0; u < 4; ++u) {
-#pragma unroll
-    for (int v = 0; v < 4; ++v) {
-      cb[m][u][v] = 0.0f;
-    }
-  }
-}
-#pragma unroll
-for (int m = 0; m < MT2; ++m) {
-#pragma unroll
-  for (int u = 0; u < 4; ++u) {
-#pragma unroll
-    for (int v = 0; v < 4; ++v) {
-      acc[m][u][v] = 0.0f;
-    }
-  }
-}
+float cb[MT1][4][4] = {};
+float acc[MT2][4][4] = {};
 
 // phase A: C.B and C.S0 over slices of N
-const float* s0 = S0 + ((int64_t(b) * NC + c) * H + h) * P * N;
+const int64_t s0 = ((int64_t(b) * NC + c) * H + h) * P * N;
 for (int n0 = 0; n0 < N; n0 += KT) {
   for (int e = tid; e < C * KT; e += NT) {
     const int t = e / KT;
@@ -91,29 +73,18 @@ for (int n0 = 0; n0 < N; n0 += KT) {
   for (int e = tid; e < P * KT; e += NT) {
     const int p = e / KT;
     const int k = e % KT;
-    St[k * PS + p] = n0 + k < N ? s0[p * N + n0 + k] : 0.0f;
+    St[k * PS + p] = n0 + k < N ? S0[s0 + p * N + n0 + k] : 0.0f;
   }
   __syncthreads();
 #pragma unroll
   for (int m = 0; m < MT1; ++m) {
-    const int tile = tid + m * NT;
-    int tr = int((sqrtf(8.0f * float(tile) + 1.0f) - 1.0f) * 0.5f);  // tile = tr (tr + 1) / 2 + ic
-    tr += (tr + 1) * (tr + 2) / 2 <= tile ? 1 : 0;  // the float root's rounding, either way
-    tr -= tr * (tr + 1) / 2 > tile ? 1 : 0;
-    const int ic = tile - tr * (tr + 1) / 2;
-    if (tile < TRI) {  // only the lower triangle's tiles: M is zero above the diagonal
+    const int tile = tid + m * NT;  // only the lower triangle's tiles: M is 0 above it
+    if (tile < TRI) {
+      const int tr = bricks::tri_row(tile);
+      const int t4 = tr * 4;
+      const int i4 = (tile - tr * (tr + 1) / 2) * 4;
       for (int k = 0; k < KT; ++k) {
-        const float4 ca = *reinterpret_cast<const float4*>(At + k * CS + tr * 4);
-        const float4 bb = *reinterpret_cast<const float4*>(Bt + k * CS + ic * 4);
-        const float cv[4] = {ca.x, ca.y, ca.z, ca.w};
-        const float bv[4] = {bb.x, bb.y, bb.z, bb.w};
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-#pragma unroll
-          for (int v = 0; v < 4; ++v) {
-            cb[m][u][v] = fmaf(cv[u], bv[v], cb[m][u][v]);
-          }
-        }
+        bricks::fma_outer4(cb[m], bricks::ld4(At + k * CS + t4), bricks::ld4(Bt + k * CS + i4));
       }
     }
   }
@@ -124,17 +95,7 @@ for (int n0 = 0; n0 < N; n0 += KT) {
       const int t4 = (tile / TP) * 4;
       const int p4 = (tile % TP) * 4;
       for (int k = 0; k < KT; ++k) {
-        const float4 ca = *reinterpret_cast<const float4*>(At + k * CS + t4);
-        const float4 sb = *reinterpret_cast<const float4*>(St + k * PS + p4);
-        const float cv[4] = {ca.x, ca.y, ca.z, ca.w};
-        const float sv[4] = {sb.x, sb.y, sb.z, sb.w};
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-#pragma unroll
-          for (int v = 0; v < 4; ++v) {
-            acc[m][u][v] = fmaf(cv[u], sv[v], acc[m][u][v]);
-          }
-        }
+        bricks::fma_outer4(acc[m], bricks::ld4(At + k * CS + t4), bricks::ld4(St + k * PS + p4));
       }
     }
   }
@@ -153,10 +114,8 @@ for (int e = tid; e < C * C; e += NT) {  // the tiles above the diagonal: zeros
 #pragma unroll
 for (int m = 0; m < MT1; ++m) {
   const int tile = tid + m * NT;
-  int tr = int((sqrtf(8.0f * float(tile) + 1.0f) - 1.0f) * 0.5f);
-  tr += (tr + 1) * (tr + 2) / 2 <= tile ? 1 : 0;
-  tr -= tr * (tr + 1) / 2 > tile ? 1 : 0;
   if (tile < TRI) {
+    const int tr = bricks::tri_row(tile);
     const int t4 = tr * 4;
     const int i4 = (tile - tr * (tr + 1) / 2) * 4;
 #pragma unroll
@@ -199,17 +158,7 @@ for (int m = 0; m < MT2; ++m) {
     const int t4 = (tile / TP) * 4;
     const int p4 = (tile % TP) * 4;
     for (int i = 0; i < t4 + 4; ++i) {  // M_ti = 0 for i > t
-      const float4 ma = *reinterpret_cast<const float4*>(Mt + i * CS + t4);
-      const float4 xb = *reinterpret_cast<const float4*>(Xs + i * P + p4);
-      const float mv[4] = {ma.x, ma.y, ma.z, ma.w};
-      const float xv[4] = {xb.x, xb.y, xb.z, xb.w};
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-#pragma unroll
-        for (int v = 0; v < 4; ++v) {
-          acc[m][u][v] = fmaf(mv[u], xv[v], acc[m][u][v]);
-        }
-      }
+      bricks::fma_outer4(acc[m], bricks::ld4(Mt + i * CS + t4), bricks::ld4(Xs + i * P + p4));
     }
 #pragma unroll
     for (int u = 0; u < 4; ++u) {

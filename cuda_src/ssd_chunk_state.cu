@@ -8,6 +8,8 @@
 // The (P x N) product runs as 4x4 register tiles of scalar FMAs over KT-token slices of the
 // chunk held in shared memory (the inputs scaled once, as floats).
 //
+// The tiles: cuda_src/tile4.cuh (ld4, fma_outer4, tri_row).
+//
 // Template: InT (x, B dtype), P, N (head dim, state size; multiples of 4), H, G (head h reads
 // group h / (H / G)), C (tokens per chunk, a multiple of KT), KT, NT (threads per block).
 // Inputs: x (B, T, H, P) InT; dt (B, T, H) float (softplus, bias and clip done, 0 at masked
@@ -56,17 +58,7 @@ for (int t = tid; t < C; t += NT) {
 }
 __syncthreads();
 
-float acc[MT][4][4];
-#pragma unroll
-for (int m = 0; m < MT; ++m) {
-#pragma unroll
-  for (int u = 0; u < 4; ++u) {
-#pragma unroll
-    for (int v = 0; v < 4; ++v) {
-      acc[m][u][v] = 0.0f;
-    }
-  }
-}
+float acc[MT][4][4] = {};
 for (int k0 = 0; k0 < C; k0 += KT) {
   for (int e = tid; e < KT * P; e += NT) {
     const int k = e / P;
@@ -86,17 +78,7 @@ for (int k0 = 0; k0 < C; k0 += KT) {
       const int p4 = (tile / TN) * 4;
       const int n4 = (tile % TN) * 4;
       for (int k = 0; k < KT; ++k) {
-        const float4 xa = *reinterpret_cast<const float4*>(Xs + k * P + p4);
-        const float4 bb = *reinterpret_cast<const float4*>(Bs + k * N + n4);
-        const float xv[4] = {xa.x, xa.y, xa.z, xa.w};
-        const float bv[4] = {bb.x, bb.y, bb.z, bb.w};
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-#pragma unroll
-          for (int v = 0; v < 4; ++v) {
-            acc[m][u][v] = fmaf(xv[u], bv[v], acc[m][u][v]);
-          }
-        }
+        bricks::fma_outer4(acc[m], bricks::ld4(Xs + k * P + p4), bricks::ld4(Bs + k * N + n4));
       }
     }
   }

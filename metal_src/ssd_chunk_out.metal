@@ -9,6 +9,8 @@
 // chunk's x, and adds M x (each row block stops at the diagonal). CUDA twin:
 // cuda_src/ssd_chunk_out.cu.
 //
+// The tiles: metal_src/tile4.h (ld4, fma_outer4, tri_row).
+//
 // Template: InT (x, B, C dtype), OutT (y dtype), P, N (multiples of 4), H, G, C (tokens per
 // chunk, a multiple of 4), KT (a multiple of 4), NT (threads per threadgroup), SF (threadgroup
 // floats: bricks/ssd/msl.py: out_floats).
@@ -54,28 +56,8 @@ for (int t = tid; t < C; t += NT) {
   Dt[t] = t0 + t < T ? dt[(int64_t(b) * T + t0 + t) * H + h] : 0.0f;
 }
 
-float cb[MT1][4][4];
-float acc[MT2][4][4];
-#pragma clang loop unroll(full)
-for (int m = 0; m < MT1; ++m) {
-  #pragma clang loop unroll(full)
-  for (int u = 0; u < 4; ++u) {
-    #pragma clang loop unroll(full)
-    for (int v = 0; v < 4; ++v) {
-      cb[m][u][v] = 0.0f;
-    }
-  }
-}
-#pragma clang loop unroll(full)
-for (int m = 0; m < MT2; ++m) {
-  #pragma clang loop unroll(full)
-  for (int u = 0; u < 4; ++u) {
-    #pragma clang loop unroll(full)
-    for (int v = 0; v < 4; ++v) {
-      acc[m][u][v] = 0.0f;
-    }
-  }
-}
+float cb[MT1][4][4] = {};
+float acc[MT2][4][4] = {};
 
 // phase A: C.B and C.S0 over slices of N
 const int64_t s0 = ((int64_t(b) * NC + c) * H + h) * P * N;
@@ -96,27 +78,13 @@ for (int n0 = 0; n0 < N; n0 += KT) {
   threadgroup_barrier(mem_flags::mem_threadgroup);
   #pragma clang loop unroll(full)
   for (int m = 0; m < MT1; ++m) {
-    const int tile = tid + m * NT;
-    int tr = int((sqrt(8.0f * float(tile) + 1.0f) - 1.0f) * 0.5f);  // tile = tr (tr + 1) / 2 + ic
-    tr += (tr + 1) * (tr + 2) / 2 <= tile ? 1 : 0;  // the float root's rounding, either way
-    tr -= tr * (tr + 1) / 2 > tile ? 1 : 0;
-    const int ic = tile - tr * (tr + 1) / 2;
-    if (tile < TRI) {  // only the lower triangle's tiles: M is zero above the diagonal
+    const int tile = tid + m * NT;  // only the lower triangle's tiles: M is 0 above it
+    if (tile < TRI) {
+      const int tr = bricks::tri_row(tile);
+      const int t4 = tr * 4;
+      const int i4 = (tile - tr * (tr + 1) / 2) * 4;
       for (int k = 0; k < KT; ++k) {
-        float cv[4];
-        float bv[4];
-        #pragma clang loop unroll(full)
-        for (int u = 0; u < 4; ++u) {
-          cv[u] = At[k * CS + tr * 4 + u];
-          bv[u] = Bt[k * CS + ic * 4 + u];
-        }
-        #pragma clang loop unroll(full)
-        for (int u = 0; u < 4; ++u) {
-          #pragma clang loop unroll(full)
-          for (int v = 0; v < 4; ++v) {
-            cb[m][u][v] = fma(cv[u], bv[v], cb[m][u][v]);
-          }
-        }
+        bricks::fma_outer4(cb[m], bricks::ld4(At + k * CS + t4), bricks::ld4(Bt + k * CS + i4));
       }
     }
   }
@@ -127,20 +95,7 @@ for (int n0 = 0; n0 < N; n0 += KT) {
       const int t4 = (tile / TP) * 4;
       const int p4 = (tile % TP) * 4;
       for (int k = 0; k < KT; ++k) {
-        float cv[4];
-        float sv[4];
-        #pragma clang loop unroll(full)
-        for (int u = 0; u < 4; ++u) {
-          cv[u] = At[k * CS + t4 + u];
-          sv[u] = St[k * PS + p4 + u];
-        }
-        #pragma clang loop unroll(full)
-        for (int u = 0; u < 4; ++u) {
-          #pragma clang loop unroll(full)
-          for (int v = 0; v < 4; ++v) {
-            acc[m][u][v] = fma(cv[u], sv[v], acc[m][u][v]);
-          }
-        }
+        bricks::fma_outer4(acc[m], bricks::ld4(At + k * CS + t4), bricks::ld4(St + k * PS + p4));
       }
     }
   }
@@ -159,10 +114,8 @@ for (int e = tid; e < C * C; e += NT) {  // the tiles above the diagonal: zeros
 #pragma clang loop unroll(full)
 for (int m = 0; m < MT1; ++m) {
   const int tile = tid + m * NT;
-  int tr = int((sqrt(8.0f * float(tile) + 1.0f) - 1.0f) * 0.5f);
-  tr += (tr + 1) * (tr + 2) / 2 <= tile ? 1 : 0;
-  tr -= tr * (tr + 1) / 2 > tile ? 1 : 0;
   if (tile < TRI) {
+    const int tr = bricks::tri_row(tile);
     const int t4 = tr * 4;
     const int i4 = (tile - tr * (tr + 1) / 2) * 4;
     #pragma clang loop unroll(full)
@@ -205,20 +158,7 @@ for (int m = 0; m < MT2; ++m) {
     const int t4 = (tile / TP) * 4;
     const int p4 = (tile % TP) * 4;
     for (int i = 0; i < t4 + 4; ++i) {  // M_ti = 0 for i > t
-      float mv[4];
-      float xv[4];
-      #pragma clang loop unroll(full)
-      for (int u = 0; u < 4; ++u) {
-        mv[u] = Mt[i * CS + t4 + u];
-        xv[u] = Xs[i * P + p4 + u];
-      }
-      #pragma clang loop unroll(full)
-      for (int u = 0; u < 4; ++u) {
-        #pragma clang loop unroll(full)
-        for (int v = 0; v < 4; ++v) {
-          acc[m][u][v] = fma(mv[u], xv[v], acc[m][u][v]);
-        }
-      }
+      bricks::fma_outer4(acc[m], bricks::ld4(Mt + i * CS + t4), bricks::ld4(Xs + i * P + p4));
     }
     #pragma clang loop unroll(full)
     for (int u = 0; u < 4; ++u) {

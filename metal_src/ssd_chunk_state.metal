@@ -7,6 +7,8 @@
 // product runs as 4x4 register tiles of scalar FMAs over KT-token slices of the chunk held in
 // threadgroup memory (the inputs scaled once, as floats). CUDA twin: cuda_src/ssd_chunk_state.cu.
 //
+// The tiles: metal_src/tile4.h (ld4, fma_outer4, tri_row).
+//
 // Template: InT (x, B dtype), P, N (head dim, state size; multiples of 4), H, G (head h reads
 // group h / (H / G)), C (tokens per chunk, a multiple of KT), KT, NT (threads per
 // threadgroup), SF (threadgroup floats: 2 C + KT (P + N), bricks/ssd/msl.py: state_floats).
@@ -55,17 +57,7 @@ for (int t = tid; t < C; t += NT) {
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
 
-float acc[MT][4][4];
-#pragma clang loop unroll(full)
-for (int m = 0; m < MT; ++m) {
-  #pragma clang loop unroll(full)
-  for (int u = 0; u < 4; ++u) {
-    #pragma clang loop unroll(full)
-    for (int v = 0; v < 4; ++v) {
-      acc[m][u][v] = 0.0f;
-    }
-  }
-}
+float acc[MT][4][4] = {};
 for (int k0 = 0; k0 < C; k0 += KT) {
   for (int e = tid; e < KT * P; e += NT) {
     const int k = e / P;
@@ -84,20 +76,7 @@ for (int k0 = 0; k0 < C; k0 += KT) {
       const int p4 = (tile / TN) * 4;
       const int n4 = (tile % TN) * 4;
       for (int k = 0; k < KT; ++k) {
-        float xv[4];
-        float bv[4];
-        #pragma clang loop unroll(full)
-        for (int u = 0; u < 4; ++u) {
-          xv[u] = Xs[k * P + p4 + u];
-          bv[u] = Bs[k * N + n4 + u];
-        }
-        #pragma clang loop unroll(full)
-        for (int u = 0; u < 4; ++u) {
-          #pragma clang loop unroll(full)
-          for (int v = 0; v < 4; ++v) {
-            acc[m][u][v] = fma(xv[u], bv[v], acc[m][u][v]);
-          }
-        }
+        bricks::fma_outer4(acc[m], bricks::ld4(Xs + k * P + p4), bricks::ld4(Bs + k * N + n4));
       }
     }
   }

@@ -259,7 +259,7 @@ def test_cuda_twin_emulated(case, segment, monkeypatch):
                              args["state"], backend="cuda")
             mx.eval(out)
         n_seg = 1 if segment is None else -(-args["x"].shape[1] // segment)
-        assert names == list(ssd_cuda.KERNELS) * n_seg
+        assert names == list(ssd_cuda.msl.KERNELS) * n_seg
         return out
 
     _kernel_check(run, case)
@@ -282,7 +282,7 @@ def test_cuda_twin_compiles(dtype):
         dtp, A = mx.zeros((b, T, H)), mx.zeros((H,))
         with cudacheck.recorded_launches(ssd_cuda) as rec:
             run_kernel(x, dtp, A, Bm, Bm, mx.ones((H,), dtype), backend="cuda")
-        assert [r.name for r in rec] == list(ssd_cuda.KERNELS)
+        assert [r.name for r in rec] == list(ssd_cuda.msl.KERNELS)
         for r in rec:
             for arch in ("sm_80", "sm_90a", "sm_120"):
                 res = r.compile(arch)

@@ -6,8 +6,6 @@ from __future__ import annotations
 from mlx_bricks.bricks.ssd import msl
 from mlx_bricks.kernels import launch
 
-KERNELS = msl.KERNELS
-
 
 def launch_ssd_cuda(x, dtp, A, B, C, D, state, out_dtype):
     """Run the twin (arguments as ``msl.run_steps``). Returns ``(y, state)``."""

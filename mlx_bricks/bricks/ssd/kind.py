@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlx_bricks.bricks.ssd import cuda as ssd_cuda
 from mlx_bricks.bricks.ssd import msl
 from mlx_bricks.bricks.ssd.op import (
     CHUNK,
@@ -91,7 +90,7 @@ class SSD(ScanKind):
     ``(y, final state)``, both checked."""
 
     name = "ssd"
-    cuda_kernels = ssd_cuda.KERNELS
+    cuda_kernels = msl.KERNELS
     op_name = "ssd"
     activations = ("x", "B", "C", "dt")
     composites = (Composite("chunked", _chunked),)

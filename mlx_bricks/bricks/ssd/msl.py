@@ -9,7 +9,7 @@ mamba_ssm's ``ssd_combined`` orders the SSD steps (Dao & Gu 2024, section 6):
 
 Each MSL file has its CUDA twin of the same name in ``cuda_src/`` (same inputs, outputs,
 template and geometry; ``cuda.py``). The products are 4x4 register tiles of float32 FMAs from
-slices in threadgroup (shared) memory. What they compute: ``op.py``. A prompt runs in segments
+slices in threadgroup (shared) memory (``metal_src/tile4.h``; the twins: ``cuda_src/tile4.cuh``). What they compute: ``op.py``. A prompt runs in segments
 of :data:`SEGMENT` tokens, the state chained between them, so the per-chunk states in flight
 stay bounded (2 x SEGMENT / chunk x H x P x N floats: 134 MB at Nemotron-3-Nano's 64 x 64 x 128
 with chunks of 64).
@@ -31,13 +31,14 @@ MAX_STATE = 16384
 SHARED_LIMIT = {"cuda": 48 * 1024}
 METAL_SHARED_LIMIT = 32 * 1024
 
-for _name, _inputs, _outputs in (
-        ("ssd_chunk_state", ("x", "dt", "A", "Bm", "iparams"), ("dS", "Lc")),
-        ("ssd_state_pass", ("dS", "Lc", "state_in", "iparams"), ("S0", "state_out")),
-        ("ssd_chunk_out", ("x", "dt", "Bm", "Cm", "D", "Lc", "S0", "iparams"), ("y",))):
-    kernels.register(kernels.KernelSpec(
+for _name, _inputs, _outputs, _tiles in (
+        ("ssd_chunk_state", ("x", "dt", "A", "Bm", "iparams"), ("dS", "Lc"), True),
+        ("ssd_state_pass", ("dS", "Lc", "state_in", "iparams"), ("S0", "state_out"), False),
+        ("ssd_chunk_out", ("x", "dt", "Bm", "Cm", "D", "Lc", "S0", "iparams"), ("y",), True)):
+    kernels.register(kernels.KernelSpec(  # _tiles: the step runs 4x4 FMA tiles
         name=_name, body=f"{_name}.metal", input_names=_inputs, output_names=_outputs,
-        cuda_body=f"{_name}.cu", cuda_headers=("mma.cuh",)))
+        headers=("tile4.h",) if _tiles else (), cuda_body=f"{_name}.cu",
+        cuda_headers=("mma.cuh", "tile4.cuh") if _tiles else ("mma.cuh",)))
 
 #: The steps, in launch order.
 KERNELS = ("ssd_chunk_state", "ssd_state_pass", "ssd_chunk_out")

@@ -223,7 +223,7 @@ def ssd(x, dt, A_log, B, C, D=None, dt_bias=None, state=None, mask=None, *,
     limit = check_time_step_limit(time_step_limit)
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
-    b = op_backend("ssd_chunk_out", backend)  # the CUDA twin's last step: it has one
+    b = op_backend(msl.KERNELS[-1], backend)  # every step has its CUDA twin
     dtp, A = ssd_gates(dt, A_log, dt_bias, mask, limit)
     if b == "reference" or msl.kernel_reason(x, B, b) is not None:
         return ssd_chunked(x, dtp, A, B, C, D, state, chunk=chunk)
