@@ -217,8 +217,15 @@ def _kernel_check(run, case):
 
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
 def test_kernel(kernel_backend, case):
-    """The op on every backend (reference: the composite) against the float64 recurrence."""
+    """The op on every backend (reference: the composite) against the float64 recurrence; on
+    the kernel backends each of the three steps launched once (one segment)."""
+    from mlx_bricks import kernels
+
+    steps = ("ssd_chunk_state", "ssd_state_pass", "ssd_chunk_out")
+    before = [kernels.LAUNCH_COUNTS[(k, kernel_backend)] for k in steps]
     _kernel_check(lambda a, dtp, A, m: ssd(**a, mask=m, backend=kernel_backend), case)
+    launched = [kernels.LAUNCH_COUNTS[(k, kernel_backend)] - n for k, n in zip(steps, before)]
+    assert launched == ([0, 0, 0] if kernel_backend == "reference" else [1, 1, 1])
 
 
 def test_kernel_reasons():
