@@ -5,10 +5,10 @@
 //   Lc[b, c, h, t] = L_t
 //   dS[b, c, h, p, n] = sum_t x_tp dt_t exp(L_C - L_t) B_tn      (the state from zero)
 // bricks/ssd/op.py has the derivation (Dao & Gu 2024, section 6, "chunk states").
-// The (P x N) product runs as 4x4 register tiles of scalar FMAs over KT-token slices of the
-// chunk held in shared memory (the inputs scaled once, as floats).
-//
-// The tiles: cuda_src/tile4.cuh (ld4, fma_outer4, tri_row).
+// The (P x N) product runs over KT-token slices of the chunk held in shared memory (the inputs
+// scaled once): for bfloat16 inputs (MMA below) on tensor cores, x dt exp(L_C - L_t) split in
+// two bf16s times B (cuda_src/ssd_mma.cuh), one 16 x 16 output unit per warp at a time; else as
+// 4x4 register tiles of scalar float FMAs (cuda_src/tile4.cuh), as the MSL kernel.
 //
 // Template: InT (x, B dtype), P, N (head dim, state size; multiples of 4), H, G (head h reads
 // group h / (H / G)), C (tokens per chunk, a multiple of KT), KT, NT (threads per block).
@@ -16,7 +16,8 @@
 //   tokens); A (H) float (-exp(A_log)); Bm (B, T, G, N) InT; iparams int32 [T, n_chunks].
 // Outputs: dS (B, n_chunks, H, P, N) float; Lc (B, n_chunks, H, C) float; all written.
 // Grid: (NT * n_chunks, H, B) threads, blocks of (NT, 1, 1). Shared memory (dynamic, in this
-// order): Lt, Wt (C floats each), Xs (KT x P), Bs (KT x N) floats: msl.state_floats (SF).
+// order): Lt, Wt (C floats each), then Xs (KT x P), Bs (KT x N) floats (msl.state_floats: SF);
+// MMA: Xh, Xl (KT x (P + 8)) and Bs (KT x (N + 8)) bf16s in the same bytes.
 
 const int T = iparams[0];
 const int NC = iparams[1];
@@ -35,8 +36,6 @@ constexpr int MT = (TILES + NT - 1) / NT;  // tiles per thread
 extern __shared__ __align__(16) unsigned char smem[];
 float* Lt = reinterpret_cast<float*>(smem);
 float* Wt = Lt + C;
-float* Xs = Wt + C;       // (k, p): x_tp dt_t exp(L_C - L_t)
-float* Bs = Xs + KT * P;  // (k, n)
 
 const float a_h = A[h];
 for (int t = tid; t < C; t += NT) {  // the time steps loaded in parallel, summed by one thread
@@ -58,44 +57,116 @@ for (int t = tid; t < C; t += NT) {
 }
 __syncthreads();
 
-float acc[MT][4][4] = {};
-for (int k0 = 0; k0 < C; k0 += KT) {
-  for (int e = tid; e < KT * P; e += NT) {
-    const int k = e / P;
-    const int t = t0 + k0 + k;
-    Xs[e] = t < T ? Wt[k0 + k] * bricks::to_float(x[((int64_t(b) * T + t) * H + h) * P + e % P])
-                  : 0.0f;
-  }
-  for (int e = tid; e < KT * N; e += NT) {
-    const int t = t0 + k0 + e / N;
-    Bs[e] = t < T ? bricks::to_float(Bm[((int64_t(b) * T + t) * G + g) * N + e % N]) : 0.0f;
-  }
-  __syncthreads();
+// bf16 inputs in whole 16 x 16 units whose slices fit the scalar path's bytes: tensor cores
+constexpr bool MMA = bricks::SameType<InT, __nv_bfloat16>::value && P % 16 == 0 &&
+                     N % 16 == 0 && KT % 16 == 0 &&
+                     8 * C + 2 * KT * (2 * (P + 8) + N + 8) <= 4 * SF;
+if constexpr (MMA) {
+  constexpr int PP = P + 8;
+  constexpr int NP = N + 8;
+  constexpr int NW = NT / 32;
+  // (at least 1: the branch is compiled, not run, for shapes without whole units)
+  constexpr int UN = N / 16 > 0 ? N / 16 : 1;  // 16 x 16 output units per row of units
+  constexpr int UNITS = (P / 16) * UN;
+  constexpr int MU = UNITS > 0 ? (UNITS + NW - 1) / NW : 1;  // units per warp, consecutive
+  __nv_bfloat16* Xh = reinterpret_cast<__nv_bfloat16*>(Wt + C);  // (k, p), hi and lo
+  __nv_bfloat16* Xl = Xh + KT * PP;
+  __nv_bfloat16* Bs = Xl + KT * PP;  // (k, n)
+  const int warp = tid / 32;
+  float acc[MU][2][4] = {};
+  for (int k0 = 0; k0 < C; k0 += KT) {
+    for (int e = tid; e < KT * P; e += NT) {
+      const int k = e / P;
+      const int p = e % P;
+      const int t = t0 + k0 + k;
+      const float v =
+          t < T ? Wt[k0 + k] * bricks::to_float(x[((int64_t(b) * T + t) * H + h) * P + p]) : 0.0f;
+      bricks::split_bf16(v, Xh[k * PP + p], Xl[k * PP + p]);
+    }
+    for (int e = tid; e < KT * N; e += NT) {
+      const int k = e / N;
+      const int t = t0 + k0 + k;
+      Bs[k * NP + e % N] = bricks::as_bf16(t < T ? Bm[((int64_t(b) * T + t) * G + g) * N + e % N]
+                                                 : InT(0.0f));
+    }
+    __syncthreads();
 #pragma unroll
+    for (int u = 0; u < MU; ++u) {
+      const int unit = warp * MU + u;  // warp-uniform
+      if (unit < UNITS) {
+        const int p0 = (unit / UN) * 16;
+        const int n0 = (unit % UN) * 16;
+#pragma unroll
+        for (int kk = 0; kk < KT; kk += 16) {
+          uint32_t ah[4], al[4], bb[4];
+          bricks::frag_a_t(ah, Xh, PP, p0, kk);
+          bricks::frag_a_t(al, Xl, PP, p0, kk);
+          bricks::frag_b2_t(bb, Bs, NP, kk, n0);
+          bricks::mma2(acc[u], ah, bb);
+          bricks::mma2(acc[u], al, bb);
+        }
+      }
+    }
+    __syncthreads();
+  }
+  const int lg = (tid % 32) / 4;
+  const int lt = tid % 4;
+#pragma unroll
+  for (int u = 0; u < MU; ++u) {
+    const int unit = warp * MU + u;
+    if (unit < UNITS) {
+      const int p0 = (unit / UN) * 16;
+      const int n0 = (unit % UN) * 16;
+      float* dst = dS + (((int64_t(b) * NC + c) * H + h) * P + p0 + lg) * N + n0 + 2 * lt;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(acc[u][j][0], acc[u][j][1]);
+        *reinterpret_cast<float2*>(dst + 8 * N + 8 * j) = make_float2(acc[u][j][2], acc[u][j][3]);
+      }
+    }
+  }
+} else {
+  float* Xs = Wt + C;       // (k, p): x_tp dt_t exp(L_C - L_t)
+  float* Bs = Xs + KT * P;  // (k, n)
+  float acc[MT][4][4] = {};
+  for (int k0 = 0; k0 < C; k0 += KT) {
+    for (int e = tid; e < KT * P; e += NT) {
+      const int k = e / P;
+      const int t = t0 + k0 + k;
+      Xs[e] = t < T ? Wt[k0 + k] * bricks::to_float(x[((int64_t(b) * T + t) * H + h) * P + e % P])
+                    : 0.0f;
+    }
+    for (int e = tid; e < KT * N; e += NT) {
+      const int t = t0 + k0 + e / N;
+      Bs[e] = t < T ? bricks::to_float(Bm[((int64_t(b) * T + t) * G + g) * N + e % N]) : 0.0f;
+    }
+    __syncthreads();
+  #pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      const int tile = tid + m * NT;
+      if (tile < TILES) {
+        const int p4 = (tile / TN) * 4;
+        const int n4 = (tile % TN) * 4;
+        for (int k = 0; k < KT; ++k) {
+          bricks::fma_outer4(acc[m], bricks::ld4(Xs + k * P + p4), bricks::ld4(Bs + k * N + n4));
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  #pragma unroll
   for (int m = 0; m < MT; ++m) {
     const int tile = tid + m * NT;
     if (tile < TILES) {
       const int p4 = (tile / TN) * 4;
       const int n4 = (tile % TN) * 4;
-      for (int k = 0; k < KT; ++k) {
-        bricks::fma_outer4(acc[m], bricks::ld4(Xs + k * P + p4), bricks::ld4(Bs + k * N + n4));
+      float* dst = dS + (((int64_t(b) * NC + c) * H + h) * P + p4) * N + n4;
+  #pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        *reinterpret_cast<float4*>(dst + u * N) =
+            make_float4(acc[m][u][0], acc[m][u][1], acc[m][u][2], acc[m][u][3]);
       }
-    }
-  }
-  __syncthreads();
-}
-
-#pragma unroll
-for (int m = 0; m < MT; ++m) {
-  const int tile = tid + m * NT;
-  if (tile < TILES) {
-    const int p4 = (tile / TN) * 4;
-    const int n4 = (tile % TN) * 4;
-    float* dst = dS + (((int64_t(b) * NC + c) * H + h) * P + p4) * N + n4;
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      *reinterpret_cast<float4*>(dst + u * N) =
-          make_float4(acc[m][u][0], acc[m][u][1], acc[m][u][2], acc[m][u][3]);
     }
   }
 }

@@ -191,6 +191,10 @@ KERNEL_CASES = [  # (b, T, H, P, G, N, dtype, state, D, mask)
     (2, 20, 2, 24, 1, 32, F16, False, False, True),  # padded batch
     (1, 150, 4, 12, 2, 40, F32, True, True, False),  # 3 chunks, N past a slice, P of 4s
     (1, 70, 2, 128, 1, 8, BF16, False, True, False),  # chunks of 32
+    # the CUDA twin's tensor-core products (bf16, P and N multiples of 16): 3 chunks, N past a
+    # slice, a state; a padded batch
+    (1, 150, 4, 32, 2, 48, BF16, True, True, False),
+    (2, 90, 2, 16, 1, 32, BF16, False, False, True),
 ]
 
 
@@ -275,8 +279,8 @@ def test_cuda_twin_emulated(case, segment, monkeypatch):
 @pytest.mark.parametrize("dtype", [BF16, F32])
 def test_cuda_twin_compiles(dtype):
     """The twin's three steps compile with nvcc for sm_80, sm_90a and sm_120 as MLX would
-    build them (Nemotron-3's shapes: 64 heads of 64, 8 groups, N = 128; and a head dim of 128),
-    in registers (no local memory), their shared memory within the 48 KB a block gets without
+    build them (Nemotron-3's shapes: 64 heads of 64, 8 groups, N = 128; a head dim of 128; a
+    small shape whose tensor-core branch has no whole unit but is compiled), in registers (no local memory), their shared memory within the 48 KB a block gets without
     opting in."""
     from mlx_bricks import cudacheck
     from mlx_bricks.bricks.ssd import cuda as ssd_cuda
@@ -284,7 +288,8 @@ def test_cuda_twin_compiles(dtype):
 
     if cudacheck.find_nvcc() is None:
         pytest.skip("nvcc not found")
-    for b, T, H, P, G, N in ((1, 64, 64, 64, 8, 128), (1, 64, 8, 128, 1, 128)):
+    for b, T, H, P, G, N in ((1, 64, 64, 64, 8, 128), (1, 64, 8, 128, 1, 128),
+                             (1, 16, 2, 8, 1, 8)):
         x, Bm = mx.zeros((b, T, H, P), dtype), mx.zeros((b, T, G, N), dtype)
         dtp, A = mx.zeros((b, T, H)), mx.zeros((H,))
         with cudacheck.recorded_launches(ssd_cuda) as rec:

@@ -38,7 +38,7 @@ for _name, _inputs, _outputs, _tiles in (
     kernels.register(kernels.KernelSpec(  # _tiles: the step runs 4x4 FMA tiles
         name=_name, body=f"{_name}.metal", input_names=_inputs, output_names=_outputs,
         headers=("tile4.h",) if _tiles else (), cuda_body=f"{_name}.cu",
-        cuda_headers=("mma.cuh", "tile4.cuh") if _tiles else ("mma.cuh",)))
+        cuda_headers=("mma.cuh", "tile4.cuh", "ssd_mma.cuh") if _tiles else ("mma.cuh",)))
 
 #: The steps, in launch order.
 KERNELS = ("ssd_chunk_state", "ssd_state_pass", "ssd_chunk_out")
