@@ -40,8 +40,7 @@ constexpr int TP = P / 4;   // tiles per row of the (C x P) output
 constexpr int TRI = TC * (TC + 1) / 2;  // the lower triangle's tiles of C.B
 constexpr int MT1 = (TRI + NT - 1) / NT;
 constexpr int MT2 = (TC * TP + NT - 1) / NT;
-static_assert(SF >= 2 * C + C * CS + KT * (2 * CS + PS) && SF >= 2 * C + C * CS + C * P,
-              "shared floats");
+
 
 extern __shared__ __align__(16) unsigned char smem[];
 float* Lt = reinterpret_cast<float*>(smem);
@@ -62,6 +61,8 @@ constexpr int MMA_BYTES_B = 2 * (2 * C * CP + C * PP);
 constexpr bool MMA = bricks::SameType<InT, __nv_bfloat16>::value && C % 16 == 0 &&
                      P % 16 == 0 && N % 16 == 0 && KT % 16 == 0 &&
                      8 * C + (MMA_BYTES_A > MMA_BYTES_B ? MMA_BYTES_A : MMA_BYTES_B) <= 4 * SF;
+static_assert(MMA || (SF >= 2 * C + C * CS + KT * (2 * CS + PS) && SF >= 2 * C + C * CS + C * P),
+              "shared floats");
 if constexpr (MMA) {
   constexpr int NW = NT / 32;
   // (at least 1: the branch is compiled, not run, for shapes without whole units)
@@ -87,19 +88,27 @@ if constexpr (MMA) {
   // phase A: C.B and C.S0 over slices of N
   const int64_t s0 = ((int64_t(b) * NC + c) * H + h) * P * N;
   for (int n0 = 0; n0 < N; n0 += KT) {
-    for (int e = tid; e < C * KT; e += NT) {
-      const int t = e / KT;
-      const int k = e % KT;
-      const bool inside = t0 + t < T && n0 + k < N;
-      const int64_t src = ((int64_t(b) * T + t0 + t) * G + g) * N + n0 + k;
-      Cs[t * KP + k] = bricks::as_bf16(inside ? Cm[src] : InT(0.0f));
-      Bs[t * KP + k] = bricks::as_bf16(inside ? Bm[src] : InT(0.0f));
+#pragma unroll  // loads issued together
+    for (int r = 0; r < (C * KT + NT - 1) / NT; ++r) {
+      const int e = tid + r * NT;
+      if ((C * KT) % NT == 0 || e < C * KT) {
+        const int t = e / KT;
+        const int k = e % KT;
+        const bool inside = t0 + t < T && n0 + k < N;
+        const int64_t src = ((int64_t(b) * T + t0 + t) * G + g) * N + n0 + k;
+        Cs[t * KP + k] = bricks::as_bf16(inside ? Cm[src] : InT(0.0f));
+        Bs[t * KP + k] = bricks::as_bf16(inside ? Bm[src] : InT(0.0f));
+      }
     }
-    for (int e = tid; e < P * KT; e += NT) {
-      const int p = e / KT;
-      const int k = e % KT;
-      bricks::split_bf16(n0 + k < N ? S0[s0 + p * N + n0 + k] : 0.0f, Sh[p * KP + k],
-                         Sl[p * KP + k]);
+#pragma unroll  // loads issued together
+    for (int r = 0; r < (P * KT + NT - 1) / NT; ++r) {
+      const int e = tid + r * NT;
+      if ((P * KT) % NT == 0 || e < P * KT) {
+        const int p = e / KT;
+        const int k = e % KT;
+        bricks::split_bf16(n0 + k < N ? S0[s0 + p * N + n0 + k] : 0.0f, Sh[p * KP + k],
+                           Sl[p * KP + k]);
+      }
     }
     __syncthreads();
 #pragma unroll
@@ -170,11 +179,15 @@ if constexpr (MMA) {
       acc[m][j][3] *= g1;
     }
   }
-  for (int e = tid; e < C * P; e += NT) {
-    const int i = e / P;
-    const int p = e % P;
-    Xs[i * PP + p] =
-        bricks::as_bf16(t0 + i < T ? x[((int64_t(b) * T + t0 + i) * H + h) * P + p] : InT(0.0f));
+#pragma unroll  // loads issued together
+  for (int r = 0; r < (C * P + NT - 1) / NT; ++r) {
+    const int e = tid + r * NT;
+    if ((C * P) % NT == 0 || e < C * P) {
+      const int i = e / P;
+      const int p = e % P;
+      Xs[i * PP + p] =
+          bricks::as_bf16(t0 + i < T ? x[((int64_t(b) * T + t0 + i) * H + h) * P + p] : InT(0.0f));
+    }
   }
   __syncthreads();
 

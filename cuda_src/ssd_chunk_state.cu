@@ -28,7 +28,7 @@ const int b = int(blockIdx.z);
 const int g = h / (H / G);
 const int t0 = c * C;
 static_assert(C % KT == 0 && P % 4 == 0 && N % 4 == 0, "whole slices and 4x4 tiles");
-static_assert(SF >= 2 * C + KT * (P + N), "shared floats");
+
 constexpr int TN = N / 4;                 // tiles per row of the (P x N) product
 constexpr int TILES = (P / 4) * TN;
 constexpr int MT = (TILES + NT - 1) / NT;  // tiles per thread
@@ -61,6 +61,7 @@ __syncthreads();
 constexpr bool MMA = bricks::SameType<InT, __nv_bfloat16>::value && P % 16 == 0 &&
                      N % 16 == 0 && KT % 16 == 0 &&
                      8 * C + 2 * KT * (2 * (P + 8) + N + 8) <= 4 * SF;
+static_assert(MMA || SF >= 2 * C + KT * (P + N), "shared floats");
 if constexpr (MMA) {
   constexpr int PP = P + 8;
   constexpr int NP = N + 8;
@@ -75,19 +76,28 @@ if constexpr (MMA) {
   const int warp = tid / 32;
   float acc[MU][2][4] = {};
   for (int k0 = 0; k0 < C; k0 += KT) {
-    for (int e = tid; e < KT * P; e += NT) {
-      const int k = e / P;
-      const int p = e % P;
-      const int t = t0 + k0 + k;
-      const float v =
-          t < T ? Wt[k0 + k] * bricks::to_float(x[((int64_t(b) * T + t) * H + h) * P + p]) : 0.0f;
-      bricks::split_bf16(v, Xh[k * PP + p], Xl[k * PP + p]);
+#pragma unroll  // loads issued together
+    for (int r = 0; r < (KT * P + NT - 1) / NT; ++r) {
+      const int e = tid + r * NT;
+      if ((KT * P) % NT == 0 || e < KT * P) {
+        const int k = e / P;
+        const int p = e % P;
+        const int t = t0 + k0 + k;
+        const float xv = t < T ? bricks::to_float(x[((int64_t(b) * T + t) * H + h) * P + p]) : 0.0f;
+        const float v = Wt[k0 + k] * xv;  // Wt is 0 past T
+        bricks::split_bf16(v, Xh[k * PP + p], Xl[k * PP + p]);
+      }
     }
-    for (int e = tid; e < KT * N; e += NT) {
-      const int k = e / N;
-      const int t = t0 + k0 + k;
-      Bs[k * NP + e % N] = bricks::as_bf16(t < T ? Bm[((int64_t(b) * T + t) * G + g) * N + e % N]
-                                                 : InT(0.0f));
+#pragma unroll  // loads issued together
+    for (int r = 0; r < (KT * N + NT - 1) / NT; ++r) {
+      const int e = tid + r * NT;
+      if ((KT * N) % NT == 0 || e < KT * N) {
+        const int k = e / N;
+        const int t = t0 + k0 + k;
+        const int n = e % N;
+        Bs[k * NP + n] =
+            bricks::as_bf16(t < T ? Bm[((int64_t(b) * T + t) * G + g) * N + n] : InT(0.0f));
+      }
     }
     __syncthreads();
 #pragma unroll

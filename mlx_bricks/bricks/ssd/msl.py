@@ -9,7 +9,10 @@ mamba_ssm's ``ssd_combined`` orders the SSD steps (Dao & Gu 2024, section 6):
 
 Each MSL file has its CUDA twin of the same name in ``cuda_src/`` (same inputs, outputs,
 template and geometry; ``cuda.py``). The products are 4x4 register tiles of float32 FMAs from
-slices in threadgroup (shared) memory (``metal_src/tile4.h``; the twins: ``cuda_src/tile4.cuh``). What they compute: ``op.py``. A prompt runs in segments
+slices in threadgroup (shared) memory (``metal_src/tile4.h``; the twins: ``cuda_src/tile4.cuh``);
+on CUDA, for bfloat16 inputs, steps 1 and 3 run their products on tensor cores
+(``cuda_src/ssd_mma.cuh``: mma.sync, float operands split in two bf16s; :func:`mma_floats`).
+What they compute: ``op.py``. A prompt runs in segments
 of :data:`SEGMENT` tokens, the state chained between them, so the per-chunk states in flight
 stay bounded (2 x SEGMENT / chunk x H x P x N floats: 134 MB at Nemotron-3-Nano's 64 x 64 x 128
 with chunks of 64).
@@ -57,6 +60,19 @@ def out_floats(P: int, chunk: int, kt: int) -> int:
     return 2 * chunk + chunk * cs + max(kt * (2 * cs + P + 4), chunk * P)
 
 
+def mma_floats(P: int, N: int, chunk: int, kt: int) -> tuple[int, int] | None:
+    """The CUDA twin's shared floats of steps 1 and 3 on tensor cores (bfloat16 inputs, P, N,
+    chunk and slice multiples of 16; ``cuda_src/ssd_chunk_state.cu`` and ``ssd_chunk_out.cu``
+    lay them out: bf16 arrays with rows padded by 8), or None where the products run as
+    scalar tiles."""
+    if P % 16 or N % 16 or chunk % 16 or kt % 16:
+        return None
+    state = 8 * chunk + 2 * kt * (2 * (P + 8) + N + 8)
+    out = 8 * chunk + max(4 * (kt + 8) * (chunk + P),
+                          2 * (2 * chunk * (chunk + 8) + chunk * (P + 8)))
+    return -(-state // 4), -(-out // 4)
+
+
 def tiles(P: int, N: int, backend: str) -> tuple[int, int] | None:
     """``(chunk, kt)``: tokens per chunk and the slice held in threadgroup memory at once, the
     largest (64, 32, 16 tokens; slices of 32, 16, 8) whose steps fit the backend's threadgroup
@@ -94,7 +110,10 @@ def _segment(launch, backend, x, dtp, A, B, C, D, state, out_dtype):
     geo = [("P", P), ("N", N), ("H", H), ("G", G), ("C", chunk), ("KT", kt), ("NT", THREADS)]
     f32 = mx.float32
     shared = (lambda floats: 4 * floats) if backend == "cuda" else (lambda floats: 0)
-    sf = state_floats(P, N, chunk, kt)
+    sf, of = state_floats(P, N, chunk, kt), out_floats(P, chunk, kt)
+    mma = mma_floats(P, N, chunk, kt) if backend == "cuda" and x.dtype == mx.bfloat16 else None
+    if mma is not None:  # the tensor-core path's own bytes (more blocks per SM)
+        sf, of = mma
     dS, Lc = launch(
         "ssd_chunk_state", backend, shared_memory=shared(sf),
         inputs=[x, dtp, A, B, ip], grid=(THREADS * nc, H, b), threadgroup=(THREADS, 1, 1),
@@ -106,12 +125,11 @@ def _segment(launch, backend, x, dtp, A, B, C, D, state, out_dtype):
         grid=(-(-hpn // THREADS) * THREADS, b, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(b, nc, H, P, N), (b, H, P, N)], output_dtypes=[f32, f32],
         template=[("H", H), ("P", P), ("N", N), ("C", chunk), ("NT", THREADS)])
-    sf = out_floats(P, chunk, kt)
     (y,) = launch(
-        "ssd_chunk_out", backend, shared_memory=shared(sf),
+        "ssd_chunk_out", backend, shared_memory=shared(of),
         inputs=[x, dtp, B, C, D, Lc, S0, ip], grid=(THREADS * nc, H, b),
         threadgroup=(THREADS, 1, 1), output_shapes=[(b, T, H, P)], output_dtypes=[out_dtype],
-        template=[("InT", x.dtype), ("OutT", out_dtype)] + geo + [("SF", sf)])
+        template=[("InT", x.dtype), ("OutT", out_dtype)] + geo + [("SF", of)])
     return y, S
 
 
@@ -125,6 +143,9 @@ def run_steps(x, dtp, A, B, C, D, state, out_dtype, *, backend: str, launch=None
     T = x.shape[1]
     f32 = mx.float32
     dtp, A, D, S = dtp.astype(f32), A.astype(f32), D.astype(f32), state.astype(f32)
+    # one contiguous copy each (a model's x, B, C are slices of its conv output), not one per
+    # launch that reads them
+    x, B, C = mx.contiguous(x), mx.contiguous(B), mx.contiguous(C)
     if T == 0:  # no chunk to launch: no output, the state passes through
         return mx.zeros(x.shape, out_dtype), S
     ys = []
