@@ -3,7 +3,7 @@
 // memory (mma.cuh: the instructions and the fragment layouts). A float operand is split as
 // hi + lo, two bf16s (hi = bf16(v), lo = bf16(v - hi): about 16 significant bits, relative
 // error <= 2^-17), and multiplied twice; the bf16 inputs (x, B, C) are exact. Arrays have row
-// strides (ld, in elements) of a multiple of 8 plus 8: 16-byte rows, no bank conflicts.
+// strides (ld, in elements) of a multiple of 16 plus 8: 16-byte rows, no bank conflicts.
 //   split_bf16(v, hi, lo)            the split
 //   frag_a(a, s, ld, r0, k0)         A (16 x 16) from s[r][k]: rows r0.., columns k0..
 //   frag_a_t(a, s, ld, r0, k0)       A (16 x 16) from s[k][r] (stored transposed)
