@@ -4,10 +4,12 @@
 //   Lc[b, c, h, t] = L_t
 //   dS[b, c, h, p, n] = sum_t x_tp dt_t exp(L_C - L_t) B_tn      (the state from zero)
 // bricks/ssd/op.py has the derivation (Dao & Gu 2024, section 6, "chunk states"). The (P x N)
-// product runs as 4x4 register tiles of scalar FMAs over KT-token slices of the chunk held in
-// threadgroup memory (the inputs scaled once, as floats). CUDA twin: cuda_src/ssd_chunk_state.cu.
+// product runs over KT-token slices of the chunk held in threadgroup memory (the inputs scaled
+// once, as floats): on 8x8 float simdgroup matrices where P and N are multiples of 8, else as
+// 4x4 register tiles of scalar FMAs. CUDA twin: cuda_src/ssd_chunk_state.cu (tensor cores for
+// bfloat16 inputs).
 //
-// The tiles: metal_src/tile4.h (ld4, fma_outer4, tri_row).
+// The scalar tiles: metal_src/tile4.h (ld4, fma_outer4, tri_row).
 //
 // Template: InT (x, B dtype), P, N (head dim, state size; multiples of 4), H, G (head h reads
 // group h / (H / G)), C (tokens per chunk, a multiple of KT), KT, NT (threads per
@@ -57,6 +59,19 @@ for (int t = tid; t < C; t += NT) {
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
 
+// P, N and the slice multiples of 8: the product on 8x8 float simdgroup matrices, each
+// SIMD-group a run of the (P / 8) x (N / 8) output tiles (SG); else 4x4 register tiles
+constexpr bool SG = P % 8 == 0 && N % 8 == 0 && KT % 8 == 0;
+constexpr int NS = NT / 32;  // SIMD-groups
+constexpr int TN8 = N / 8 > 0 ? N / 8 : 1;
+constexpr int TILES8 = (P / 8) * TN8;
+constexpr int MS = TILES8 > 0 ? (TILES8 + NS - 1) / NS : 1;  // tiles per SIMD-group
+const int sg = int(simdgroup_index_in_threadgroup);
+simdgroup_matrix<float, 8, 8> acc8[MS];
+#pragma clang loop unroll(full)
+for (int m = 0; m < MS; ++m) {
+  acc8[m] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+}
 float acc[MT][4][4] = {};
 for (int k0 = 0; k0 < C; k0 += KT) {
   for (int e = tid; e < KT * P; e += NT) {
@@ -69,32 +84,63 @@ for (int k0 = 0; k0 < C; k0 += KT) {
     Bs[e] = t < T ? float(Bm[((int64_t(b) * T + t) * G + g) * N + e % N]) : 0.0f;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  #pragma clang loop unroll(full)
-  for (int m = 0; m < MT; ++m) {
-    const int tile = tid + m * NT;
-    if (tile < TILES) {
-      const int p4 = (tile / TN) * 4;
-      const int n4 = (tile % TN) * 4;
-      for (int k = 0; k < KT; ++k) {
-        bricks::fma_outer4(acc[m], bricks::ld4(Xs + k * P + p4), bricks::ld4(Bs + k * N + n4));
+  if (SG) {
+    #pragma clang loop unroll(full)
+    for (int m = 0; m < MS; ++m) {
+      const int tile = sg * MS + m;  // uniform in the SIMD-group
+      if (tile < TILES8) {
+        const int p8 = (tile / TN8) * 8;
+        const int n8 = (tile % TN8) * 8;
+        for (int k = 0; k < KT; k += 8) {
+          simdgroup_matrix<float, 8, 8> xa;
+          simdgroup_matrix<float, 8, 8> bb;
+          simdgroup_load(xa, Xs + k * P + p8, P, ulong2(0, 0), true);  // (p, k): Xs^T
+          simdgroup_load(bb, Bs + k * N + n8, N);
+          simdgroup_multiply_accumulate(acc8[m], xa, bb, acc8[m]);
+        }
+      }
+    }
+  } else {
+    #pragma clang loop unroll(full)
+    for (int m = 0; m < MT; ++m) {
+      const int tile = tid + m * NT;
+      if (tile < TILES) {
+        const int p4 = (tile / TN) * 4;
+        const int n4 = (tile % TN) * 4;
+        for (int k = 0; k < KT; ++k) {
+          bricks::fma_outer4(acc[m], bricks::ld4(Xs + k * P + p4), bricks::ld4(Bs + k * N + n4));
+        }
       }
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 
-#pragma clang loop unroll(full)
-for (int m = 0; m < MT; ++m) {
-  const int tile = tid + m * NT;
-  if (tile < TILES) {
-    const int p4 = (tile / TN) * 4;
-    const int n4 = (tile % TN) * 4;
-    const int64_t dst = (((int64_t(b) * NC + c) * H + h) * P + p4) * N + n4;
-    #pragma clang loop unroll(full)
-    for (int u = 0; u < 4; ++u) {
+const int64_t ds0 = ((int64_t(b) * NC + c) * H + h) * P * N;
+if (SG) {
+  #pragma clang loop unroll(full)
+  for (int m = 0; m < MS; ++m) {
+    const int tile = sg * MS + m;
+    if (tile < TILES8) {
+      const int p8 = (tile / TN8) * 8;
+      const int n8 = (tile % TN8) * 8;
+      simdgroup_store(acc8[m], dS + ds0 + p8 * N + n8, N);
+    }
+  }
+} else {
+  #pragma clang loop unroll(full)
+  for (int m = 0; m < MT; ++m) {
+    const int tile = tid + m * NT;
+    if (tile < TILES) {
+      const int p4 = (tile / TN) * 4;
+      const int n4 = (tile % TN) * 4;
+      const int64_t dst = ds0 + p4 * N + n4;
       #pragma clang loop unroll(full)
-      for (int v = 0; v < 4; ++v) {
-        dS[dst + u * N + v] = acc[m][u][v];
+      for (int u = 0; u < 4; ++u) {
+        #pragma clang loop unroll(full)
+        for (int v = 0; v < 4; ++v) {
+          dS[dst + u * N + v] = acc[m][u][v];
+        }
       }
     }
   }
