@@ -62,6 +62,7 @@ for (int t = tid; t < C; t += NT) {
 // threadgroup memory transposed (M^T), is decayed there (D on M's diagonal: y = (M + D) x), the
 // state's part round-trips through the slices' region to be decayed, and the outputs leave
 // through it. Else 4x4 register tiles of scalar FMAs.
+static_assert(NT % 32 == 0, "whole SIMD-groups");
 constexpr bool SG = C % 8 == 0 && P % 8 == 0 && KT % 8 == 0;
 const int64_t s0 = ((int64_t(b) * NC + c) * H + h) * P * N;
 const float d_h = D[h];

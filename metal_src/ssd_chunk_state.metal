@@ -61,6 +61,7 @@ threadgroup_barrier(mem_flags::mem_threadgroup);
 
 // P, N and the slice multiples of 8: the product on 8x8 float simdgroup matrices, each
 // SIMD-group a run of the (P / 8) x (N / 8) output tiles (SG); else 4x4 register tiles
+static_assert(NT % 32 == 0, "whole SIMD-groups");
 constexpr bool SG = P % 8 == 0 && N % 8 == 0 && KT % 8 == 0;
 constexpr int NS = NT / 32;  // SIMD-groups
 constexpr int TN8 = N / 8 > 0 ? N / 8 : 1;

@@ -195,6 +195,8 @@ KERNEL_CASES = [  # (b, T, H, P, G, N, dtype, state, D, mask)
     # slice, a state; a padded batch
     (1, 150, 4, 32, 2, 48, BF16, True, True, False),
     (2, 90, 2, 16, 1, 32, BF16, False, False, True),
+    # Metal: step 1 on scalar tiles (N of 4s), step 3 on simdgroup matrices
+    (1, 40, 2, 8, 1, 12, F16, True, True, False),
 ]
 
 

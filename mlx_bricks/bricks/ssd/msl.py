@@ -8,11 +8,12 @@ mamba_ssm's ``ssd_combined`` orders the SSD steps (Dao & Gu 2024, section 6):
 3. ``ssd_chunk_out``: each chunk's outputs from its start state, the D skip fused.
 
 Each MSL file has its CUDA twin of the same name in ``cuda_src/`` (same inputs, outputs,
-template and geometry; ``cuda.py``). The products are 4x4 register tiles of float32 FMAs from
-slices in threadgroup (shared) memory (``metal_src/tile4.h``; the twins: ``cuda_src/tile4.cuh``);
-on CUDA, for bfloat16 inputs, steps 1 and 3 run their products on tensor cores
-(``cuda_src/ssd_mma.cuh``: mma.sync, float operands split in two bf16s; :func:`mma_floats`).
-What they compute: ``op.py``. A prompt runs in segments
+template and geometry; ``cuda.py``). Steps 1 and 3 multiply slices held in threadgroup
+(shared) memory: on Metal as 8x8 float simdgroup matrices where the sizes are multiples of 8,
+else as 4x4 register tiles of float32 FMAs (``metal_src/tile4.h``; the twins:
+``cuda_src/tile4.cuh``); on CUDA, for bfloat16 inputs, on tensor cores (``cuda_src/ssd_mma.cuh``:
+mma.sync, float operands split in two bf16s; :func:`mma_floats`). What they compute:
+``op.py``. A prompt runs in segments
 of :data:`SEGMENT` tokens, the state chained between them, so the per-chunk states in flight
 stay bounded (2 x SEGMENT / chunk x H x P x N floats: 134 MB at Nemotron-3-Nano's 64 x 64 x 128
 with chunks of 64).
@@ -38,7 +39,7 @@ for _name, _inputs, _outputs, _tiles in (
         ("ssd_chunk_state", ("x", "dt", "A", "Bm", "iparams"), ("dS", "Lc"), True),
         ("ssd_state_pass", ("dS", "Lc", "state_in", "iparams"), ("S0", "state_out"), False),
         ("ssd_chunk_out", ("x", "dt", "Bm", "Cm", "D", "Lc", "S0", "iparams"), ("y",), True)):
-    kernels.register(kernels.KernelSpec(  # _tiles: the step runs 4x4 FMA tiles
+    kernels.register(kernels.KernelSpec(  # _tiles: the step multiplies tiles
         name=_name, body=f"{_name}.metal", input_names=_inputs, output_names=_outputs,
         headers=("tile4.h",) if _tiles else (), cuda_body=f"{_name}.cu",
         cuda_headers=("mma.cuh", "tile4.cuh", "ssd_mma.cuh") if _tiles else ("mma.cuh",)))
