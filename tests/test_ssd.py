@@ -234,6 +234,28 @@ def test_kernel(kernel_backend, case):
     assert launched == ([0, 0, 0] if kernel_backend == "reference" else [1, 1, 1])
 
 
+def _f32_skip_args():
+    args = inputs(b=1, T=80, H=4, P=16, G=2, N=32, dtype=BF16, seed=5)
+    args["D"] = args["D"].astype(F32)  # a float32 D: y in float32 (mlx-lm's x * D promotes)
+    return args
+
+
+def _f32_skip_check(y, S, args, what):
+    y64, S64 = ssd64(**to64(args))
+    ny, nS = ssd_stock(**args)
+    assert y.dtype == F32 and ny.dtype == F32
+    assert_dtype_close(y, y64, ny, dtype=BF16, ulps=4, what=f"{what} y")
+    assert_dtype_close(S, S64, nS, dtype=F32, factor=4.0, ulps=64, what=f"{what} state")
+
+
+def test_kernel_float32_skip(kernel_backend):
+    """bfloat16 inputs with a float32 D: the kernels write y in float32 (OutT), as mlx-lm's
+    ``x * D`` promotes it."""
+    args = _f32_skip_args()
+    y, S = ssd(**args, backend=kernel_backend)
+    _f32_skip_check(y, S, args, kernel_backend)
+
+
 def test_kernel_reasons():
     from mlx_bricks.bricks.ssd import msl
 
@@ -276,6 +298,23 @@ def test_cuda_twin_emulated(case, segment, monkeypatch):
         return out
 
     _kernel_check(run, case)
+
+
+def test_cuda_twin_emulated_float32_skip():
+    """The twin's tensor-core path with a float32 D (y in float32) on the CPU emulation."""
+    from tests import cuda_emu
+    from mlx_bricks.bricks.ssd import cuda as ssd_cuda
+    from mlx_bricks.bricks.ssd.op import run_kernel
+
+    if cuda_emu.toolchain() is None:
+        pytest.skip("no host C++ compiler or CUDA headers")
+    args = _f32_skip_args()
+    dtp, A = ssd_gates(args["dt"], args["A_log"], args["dt_bias"])
+    with cuda_emu.emulated_launches(ssd_cuda):
+        y, S = run_kernel(args["x"], dtp, A, args["B"], args["C"], args["D"], args["state"],
+                          backend="cuda")
+        mx.eval(y, S)
+    _f32_skip_check(y, S, args, "cuda twin")
 
 
 @pytest.mark.parametrize("dtype", [BF16, F32])
