@@ -200,15 +200,6 @@ __device__ __forceinline__ void chunk4_f32(const uint32_t* w, int c, float s, fl
 
 // Two T of a pair register (computed in T) stored as two O at dst (O = T: the bits as they are;
 // else each converted from T through float, rounded to nearest even: MLX's astype).
-template <typename A, typename B>
-struct Same {
-  static constexpr bool value = false;
-};
-template <typename A>
-struct Same<A, A> {
-  static constexpr bool value = true;
-};
-
 template <typename T, typename O>
 __device__ __forceinline__ void store_pairs(const uint32_t (&p)[4], O* dst) {
   if constexpr (Same<T, O>::value) {

@@ -84,6 +84,16 @@ __device__ __forceinline__ T from_float(float v) {
   return Num<T>::from_float(v);
 }
 
+// Same<A, B>::value: whether two types are one (NVRTC has no <type_traits>), for if constexpr.
+template <typename A, typename B>
+struct Same {
+  static constexpr bool value = false;
+};
+template <typename A>
+struct Same<A, A> {
+  static constexpr bool value = true;
+};
+
 // Two floats -> one 32-bit register holding two T (low half = lo), round to nearest even.
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi);

@@ -52,15 +52,17 @@ for (int t = tid; t < C; t += NT) {
   Dt[t] = t0 + t < T ? dt[(int64_t(b) * T + t0 + t) * H + h] : 0.0f;
 }
 
-// bf16 inputs in whole 16 x 16 units whose arrays fit the scalar path's bytes: tensor cores
+// bf16 inputs in whole 16 x 16 units whose arrays fit SF (msl.mma_floats sizes it): tensor cores
 constexpr int KP = KT + 8;  // MMA row strides (bf16s)
 constexpr int CP = C + 8;
 constexpr int PP = P + 8;
 constexpr int MMA_BYTES_A = 4 * KP * (C + P);
 constexpr int MMA_BYTES_B = 2 * (2 * C * CP + C * PP);
-constexpr bool MMA = bricks::SameType<InT, __nv_bfloat16>::value && C % 16 == 0 &&
+constexpr bool MMA = bricks::Same<InT, __nv_bfloat16>::value && C % 16 == 0 &&
                      P % 16 == 0 && N % 16 == 0 && KT % 16 == 0 &&
                      8 * C + (MMA_BYTES_A > MMA_BYTES_B ? MMA_BYTES_A : MMA_BYTES_B) <= 4 * SF;
+const int64_t s0 = ((int64_t(b) * NC + c) * H + h) * P * N;  // this chunk's S0
+const float d_h = D[h];
 static_assert(MMA || (SF >= 2 * C + C * CS + KT * (2 * CS + PS) && SF >= 2 * C + C * CS + C * P),
               "shared floats");
 if constexpr (MMA) {
@@ -86,7 +88,6 @@ if constexpr (MMA) {
   float acc[MU2][2][4] = {};
 
   // phase A: C.B and C.S0 over slices of N
-  const int64_t s0 = ((int64_t(b) * NC + c) * H + h) * P * N;
   for (int n0 = 0; n0 < N; n0 += KT) {
 #pragma unroll  // loads issued together
     for (int r = 0; r < (C * KT + NT - 1) / NT; ++r) {
@@ -191,7 +192,6 @@ if constexpr (MMA) {
   }
   __syncthreads();
 
-  const float d_h = D[h];
 #pragma unroll
   for (int m = 0; m < MU2; ++m) {
     const int unit = warp + m * NW;
@@ -232,7 +232,6 @@ if constexpr (MMA) {
   float acc[MT2][4][4] = {};
 
   // phase A: C.B and C.S0 over slices of N
-  const int64_t s0 = ((int64_t(b) * NC + c) * H + h) * P * N;
   for (int n0 = 0; n0 < N; n0 += KT) {
     for (int e = tid; e < C * KT; e += NT) {
       const int t = e / KT;
@@ -322,7 +321,6 @@ if constexpr (MMA) {
   }
   __syncthreads();
 
-  const float d_h = D[h];
   #pragma unroll
   for (int m = 0; m < MT2; ++m) {
     const int tile = tid + m * NT;

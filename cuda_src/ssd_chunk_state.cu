@@ -57,8 +57,8 @@ for (int t = tid; t < C; t += NT) {
 }
 __syncthreads();
 
-// bf16 inputs in whole 16 x 16 units whose slices fit the scalar path's bytes: tensor cores
-constexpr bool MMA = bricks::SameType<InT, __nv_bfloat16>::value && P % 16 == 0 &&
+// bf16 inputs in whole 16 x 16 units whose arrays fit SF (msl.mma_floats sizes it): tensor cores
+constexpr bool MMA = bricks::Same<InT, __nv_bfloat16>::value && P % 16 == 0 &&
                      N % 16 == 0 && KT % 16 == 0 &&
                      8 * C + 2 * KT * (2 * (P + 8) + N + 8) <= 4 * SF;
 static_assert(MMA || SF >= 2 * C + KT * (P + N), "shared floats");

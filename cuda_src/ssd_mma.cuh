@@ -64,15 +64,6 @@ __device__ __forceinline__ void mma2(float (&d)[2][4], const uint32_t (&a)[4],
   mma_16816<__nv_bfloat16>(d[1], a, b1);
 }
 
-template <typename A, typename B>
-struct SameType {
-  static constexpr bool value = false;
-};
-template <typename A>
-struct SameType<A, A> {
-  static constexpr bool value = true;
-};
-
 }  // namespace bricks
 
 #endif  // MLX_BRICKS_SSD_MMA_CUH

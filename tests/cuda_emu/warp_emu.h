@@ -192,6 +192,8 @@ template <typename T>
 inline float to_float(T v) { return Num<T>::to_float(v); }
 template <typename T>
 inline T from_float(float v) { return Num<T>::from_float(v); }
+template <typename A, typename B>
+using Same = std::is_same<A, B>;  // mma.cuh's Same
 
 template <typename T>
 inline uint32_t pack2(float lo, float hi) {
