@@ -18,6 +18,7 @@ from mlx_bricks.bricks.short_conv.kind import SHORT_CONV
 from mlx_bricks.bricks.ssd.kind import SSD_KIND
 from mlx_bricks.patch import patch_model
 from mlx_bricks.runtime.kind import Act
+from mlx_bricks.tune.timing import time_interleaved
 
 
 BACKEND = "cuda" if mx.cuda.is_available() else "reference"
@@ -50,15 +51,8 @@ def split(fn, reps=7):
 
 
 def many(fn, n=20, reps=5):
-    mx.eval(arrays(fn()))
-    mx.synchronize()
-    runs = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        mx.eval(arrays([fn() for _ in range(n)]))
-        mx.synchronize()
-        runs.append((time.perf_counter() - t) / n)
-    return med(runs)
+    """Median seconds per call over ``reps`` evaluations of ``n`` calls (the tuner's timing)."""
+    return time_interleaved({"fn": fn}, repeats=reps, min_calls=n, max_calls=n).median("fn")
 
 
 def main(T):

@@ -11,8 +11,8 @@ LIMIT=${LIMIT:-240}
 for s in "$@"; do
   echo "=== $s ($(date +%T))"
   case $s in
-    tests) timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider -rfE -k "cuda" tests/test_ssd.py \
-             tests/test_selective_scan.py tests/test_ssm_patch.py > "$OUT/tests.log" 2>&1
+    tests) timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider -rfE -k "cuda" \
+             tests/test_ssd.py tests/test_selective_scan.py tests/test_ssm_patch.py > "$OUT/tests.log" 2>&1
            echo "rc=$?"; tail -n 8 "$OUT/tests.log" ;;
     *) timeout "$LIMIT" python3 -m mlx_bricks.bench --backend cuda --repeats "${REPEATS:-3}" \
          --only "$s" --out "$OUT/$s.json" > "$OUT/$s.log" 2>&1

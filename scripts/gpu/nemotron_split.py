@@ -4,7 +4,6 @@ model (bench.ssm.NEMOTRON3_4LAYER) stock and patched, then each with its scan re
 python3 scripts/gpu/nemotron_split.py [T]; prints one JSON line (seconds, medians)."""
 import json
 import sys
-import time
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -14,18 +13,12 @@ from mlx_bricks.bench.e2e import _models
 from mlx_bricks.bench.ssm import NEMOTRON3_4LAYER
 from mlx_bricks.bricks.ssd import kind as ssd_kind
 from mlx_bricks.patch import patch_model
+from mlx_bricks.tune.timing import time_interleaved
 
 
 def timed(fn, reps=7):
-    mx.eval(fn())
-    mx.synchronize()
-    runs = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        mx.eval(fn())
-        mx.synchronize()
-        runs.append(time.perf_counter() - t)
-    return sorted(runs)[reps // 2]
+    """Median seconds of one evaluated call (the tuner's timing, one call per evaluation)."""
+    return time_interleaved({"fn": fn}, repeats=reps, max_calls=1).median("fn")
 
 
 def main(T):

@@ -19,6 +19,7 @@ from mlx_bricks.bricks.short_conv.kind import SHORT_CONV
 from mlx_bricks.bricks.ssd.kind import SSD_KIND
 from mlx_bricks.nn.mixer import BricksMixer
 from mlx_bricks.patch import patch_model
+from mlx_bricks.tune.timing import time_interleaved
 
 RECORDS: dict = {}
 CAPTURED: dict = {}
@@ -42,15 +43,8 @@ def synced(label, fn):
 
 
 def timed(fn, reps=7):
-    mx.eval(arrays(fn()))
-    mx.synchronize()
-    runs = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        mx.eval(arrays(fn()))
-        mx.synchronize()
-        runs.append(time.perf_counter() - t)
-    return sorted(runs)[reps // 2]
+    """Median seconds of one evaluated call (the tuner's timing, one call per evaluation)."""
+    return time_interleaved({"fn": fn}, repeats=reps, max_calls=1).median("fn")
 
 
 def main(T):

@@ -4,24 +4,17 @@ machine: python3 scripts/gpu/ssd_steps.py [T ...]; prints one JSON line per T (s
 medians of 20 calls in one eval each)."""
 import json
 import sys
-import time
 
 import mlx.core as mx
 
 from mlx_bricks.bricks.ssd import msl
 from mlx_bricks.bricks.ssd.op import run_kernel, ssd_gates, ssd_stock
+from mlx_bricks.tune.timing import time_interleaved
 
 
 def timed(fn, reps=20):
-    mx.eval(fn())
-    mx.synchronize()
-    runs = []
-    for _ in range(5):
-        t = time.perf_counter()
-        mx.eval([fn() for _ in range(reps)])
-        mx.synchronize()
-        runs.append((time.perf_counter() - t) / reps)
-    return sorted(runs)[len(runs) // 2]
+    """Median seconds per call over 5 evaluations of ``reps`` calls (the tuner's timing)."""
+    return time_interleaved({"fn": fn}, repeats=5, min_calls=reps, max_calls=reps).median("fn")
 
 
 def main(T):
