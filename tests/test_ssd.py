@@ -185,7 +185,7 @@ def test_kind_check(dtype):
 # CPU). Chunks are 64 tokens (32 where P = 128: threadgroup memory), N walked in slices of 32
 # (16 on Metal where the 64-token chunk needs it)
 
-KERNEL_CASES = [  # (b, T, H, P, G, N, dtype, state, D, mask)
+KERNEL_CASES = [  # (b, T, H, P, G, N, dtype, state, D (True, False or F32), mask)
     (1, 1, 2, 8, 1, 8, F32, True, True, False),
     (1, 37, 4, 16, 2, 16, BF16, True, True, False),  # one partial chunk
     (2, 20, 2, 24, 1, 32, F16, False, False, True),  # padded batch
@@ -197,12 +197,18 @@ KERNEL_CASES = [  # (b, T, H, P, G, N, dtype, state, D, mask)
     (2, 90, 2, 16, 1, 32, BF16, False, False, True),
     # Metal: step 1 on scalar tiles (N of 4s), step 3 on simdgroup matrices
     (1, 40, 2, 8, 1, 12, F16, True, True, False),
+    # bf16 inputs with a float32 D: y in float32 (mlx-lm's x * D promotes; the twin's
+    # tensor-core path writes OutT)
+    (1, 80, 4, 16, 2, 32, BF16, True, F32, False),
 ]
 
 
 def _kernel_check(run, case):
     b, T, H, P, G, N, dtype, state, D, masked = case
-    args = inputs(b=b, T=T, H=H, P=P, G=G, N=N, dtype=dtype, state=state, D=D, seed=T)
+    args = inputs(b=b, T=T, H=H, P=P, G=G, N=N, dtype=dtype, state=state, D=D is not False,
+                  seed=T)
+    if D is F32:
+        args["D"] = args["D"].astype(F32)
     mask = None
     if masked:
         m = np.ones((b, T), bool)
@@ -216,7 +222,7 @@ def _kernel_check(run, case):
         keep = mx.array(np.array(mask)[:, :, None, None])
         y, ny = mx.where(keep, y, 0), mx.where(keep, ny, 0)
         y64 = np.where(np.array(mask)[:, :, None, None], y64, 0.0)
-    assert S.dtype == F32 and S.shape == (b, H, P, N)
+    assert S.dtype == F32 and S.shape == (b, H, P, N) and y.dtype == ny.dtype
     assert_dtype_close(y, y64, ny, dtype=dtype, ulps=64 if dtype == F32 else 4, what=f"{case} y")
     assert_dtype_close(S, S64, nS, dtype=F32, factor=4.0, ulps=64, what=f"{case} state")
 
@@ -232,28 +238,6 @@ def test_kernel(kernel_backend, case):
     _kernel_check(lambda a, dtp, A, m: ssd(**a, mask=m, backend=kernel_backend), case)
     launched = [kernels.LAUNCH_COUNTS[(k, kernel_backend)] - n for k, n in zip(steps, before)]
     assert launched == ([0, 0, 0] if kernel_backend == "reference" else [1, 1, 1])
-
-
-def _f32_skip_args():
-    args = inputs(b=1, T=80, H=4, P=16, G=2, N=32, dtype=BF16, seed=5)
-    args["D"] = args["D"].astype(F32)  # a float32 D: y in float32 (mlx-lm's x * D promotes)
-    return args
-
-
-def _f32_skip_check(y, S, args, what):
-    y64, S64 = ssd64(**to64(args))
-    ny, nS = ssd_stock(**args)
-    assert y.dtype == F32 and ny.dtype == F32
-    assert_dtype_close(y, y64, ny, dtype=BF16, ulps=4, what=f"{what} y")
-    assert_dtype_close(S, S64, nS, dtype=F32, factor=4.0, ulps=64, what=f"{what} state")
-
-
-def test_kernel_float32_skip(kernel_backend):
-    """bfloat16 inputs with a float32 D: the kernels write y in float32 (OutT), as mlx-lm's
-    ``x * D`` promotes it."""
-    args = _f32_skip_args()
-    y, S = ssd(**args, backend=kernel_backend)
-    _f32_skip_check(y, S, args, kernel_backend)
 
 
 def test_kernel_reasons():
@@ -300,29 +284,12 @@ def test_cuda_twin_emulated(case, segment, monkeypatch):
     _kernel_check(run, case)
 
 
-def test_cuda_twin_emulated_float32_skip():
-    """The twin's tensor-core path with a float32 D (y in float32) on the CPU emulation."""
-    from tests import cuda_emu
-    from mlx_bricks.bricks.ssd import cuda as ssd_cuda
-    from mlx_bricks.bricks.ssd.op import run_kernel
-
-    if cuda_emu.toolchain() is None:
-        pytest.skip("no host C++ compiler or CUDA headers")
-    args = _f32_skip_args()
-    dtp, A = ssd_gates(args["dt"], args["A_log"], args["dt_bias"])
-    with cuda_emu.emulated_launches(ssd_cuda):
-        y, S = run_kernel(args["x"], dtp, A, args["B"], args["C"], args["D"], args["state"],
-                          backend="cuda")
-        mx.eval(y, S)
-    _f32_skip_check(y, S, args, "cuda twin")
-
-
 @pytest.mark.parametrize("dtype", [BF16, F32])
 def test_cuda_twin_compiles(dtype):
     """The twin's three steps compile with nvcc for sm_80, sm_90a and sm_120 as MLX would
     build them (Nemotron-3's shapes: 64 heads of 64, 8 groups, N = 128; a head dim of 128; a
-    small shape whose tensor-core branch has no whole unit but is compiled), in registers (no local memory), their shared memory within the 48 KB a block gets without
-    opting in."""
+    small shape whose tensor-core branch has no whole unit but is compiled), in registers (no
+    local memory), their shared memory within the 48 KB a block gets without opting in."""
     from mlx_bricks import cudacheck
     from mlx_bricks.bricks.ssd import cuda as ssd_cuda
     from mlx_bricks.bricks.ssd.op import run_kernel
