@@ -12,7 +12,8 @@ report and these figures:
   ``generate_step``, stopping at EOS) are identical;
 * ``prompt_tps_stock``, ``prompt_tps_patched``, ``prompt_tps_ratio`` (patched / stock): prompt
   tokens / median wall time of a full prefill with a fresh KV cache (chunks of
-  ``--prefill-step-size``, evaluating the last position's logits, as mlx-lm's generate does),
+  ``--prefill-step-size``, the cache states evaluated, then the last token's logits, as
+  mlx-lm's generate does),
   over ``--repeats`` runs each after one warm-up run, stock and patched alternating on the same
   model instance (the patched one run through its original classes for stock).
 
@@ -112,15 +113,18 @@ def _prefill(model, prompt, step: int):
 
 
 def _timed_prefill(model, prompt, step: int) -> float:
-    """Seconds of one prefill, evaluating the last position's logits like mlx-lm's generate."""
+    """Seconds of one prefill as mlx-lm's ``generate_step`` runs it: the prompt but its last
+    token in chunks of ``step``, each chunk's cache states evaluated (no logits: mlx-lm never
+    computes them for prompt positions), then the last token's logits."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
     start = time.perf_counter()
-    for i in range(0, prompt.size, step):
-        logits = model(prompt[None, i : i + step], cache=cache)
-        mx.eval(logits[:, -1, :])  # mlx-lm also evaluates each chunk (through the cache state)
+    for i in range(0, prompt.size - 1, step):
+        model(prompt[None, i : min(i + step, prompt.size - 1)], cache=cache)
+        mx.eval([c.state for c in cache])
+    mx.eval(model(prompt[None, -1:], cache=cache)[:, -1, :])
     return time.perf_counter() - start
 
 

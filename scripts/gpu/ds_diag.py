@@ -1,6 +1,8 @@
 """Why a DeepSeek-V3-shaped 4-layer prefill fails on the GPU machine at T tokens: stock's and the
 patched forward's errors, and each tuner decision's variant errors. Usage:
-python3 scripts/gpu/ds_diag.py T [stock] [brick]; prints lines."""
+python3 scripts/gpu/ds_diag.py T [stock] [brick]; prints lines. DS_TUNE: the patch's tune mode
+(default auto; "off" runs the bricks unmeasured, so stock's MoE never runs in the process)."""
+import os
 import sys
 
 import mlx.core as mx
@@ -11,7 +13,7 @@ from mlx_bricks.patch import patch_model
 
 T = int(sys.argv[1])
 stock, patched = e2e._models(DEEPSEEK_V3_4LAYER, "bf16")
-report = patch_model(patched, tune="auto")
+report = patch_model(patched, tune=os.environ.get("DS_TUNE", "auto"))
 tokens = mx.random.randint(0, DEEPSEEK_V3_4LAYER.vocab, (1, T), key=mx.random.key(T))
 for name in sys.argv[2:]:
     model = stock if name == "stock" else patched
