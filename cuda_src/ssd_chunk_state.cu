@@ -27,7 +27,8 @@ const int h = int(blockIdx.y);
 const int b = int(blockIdx.z);
 const int g = h / (H / G);
 const int t0 = c * C;
-static_assert(C % KT == 0 && P % 4 == 0 && N % 4 == 0, "whole slices and 4x4 tiles");
+static_assert(C % KT == 0 && P % 4 == 0 && N % 4 == 0 && NT % 32 == 0,
+              "whole slices, 4x4 tiles and warps");
 
 constexpr int TN = N / 4;                 // tiles per row of the (P x N) product
 constexpr int TILES = (P / 4) * TN;
@@ -38,15 +39,22 @@ float* Lt = reinterpret_cast<float*>(smem);
 float* Wt = Lt + C;
 
 const float a_h = A[h];
-for (int t = tid; t < C; t += NT) {  // the time steps loaded in parallel, summed by one thread
+for (int t = tid; t < C; t += NT) {  // the time steps loaded in parallel, summed by warp 0
   Lt[t] = t0 + t < T ? dt[(int64_t(b) * T + t0 + t) * H + h] * a_h : 0.0f;
 }
 __syncthreads();
-if (tid == 0) {  // C sequential adds in shared memory: nothing next to the products
-  float acc = 0.0f;
-  for (int t = 0; t < C; ++t) {
-    acc += Lt[t];
-    Lt[t] = acc;
+if (tid < 32) {  // inclusive sums in pieces of 32: a shuffle scan each, the carry broadcast
+  float carry = 0.0f;
+  for (int t0s = 0; t0s < C; t0s += 32) {
+    float v = t0s + tid < C ? Lt[t0s + tid] : 0.0f;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const float u = __shfl_up_sync(0xffffffffu, v, unsigned(d));
+      v += tid >= d ? u : 0.0f;
+    }
+    v += carry;
+    if (t0s + tid < C) Lt[t0s + tid] = v;
+    carry = __shfl_sync(0xffffffffu, v, 31);
   }
 }
 __syncthreads();

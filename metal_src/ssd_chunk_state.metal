@@ -40,15 +40,19 @@ threadgroup float* Xs = Wt + C;       // (k, p): x_tp dt_t exp(L_C - L_t)
 threadgroup float* Bs = Xs + KT * P;  // (k, n)
 
 const float a_h = A[h];
-for (int t = tid; t < C; t += NT) {  // the time steps loaded in parallel, summed by one thread
+for (int t = tid; t < C; t += NT) {  // the time steps loaded in parallel, summed by SIMD-group 0
   Lt[t] = t0 + t < T ? dt[(int64_t(b) * T + t0 + t) * H + h] * a_h : 0.0f;
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
-if (tid == 0) {  // C sequential adds in threadgroup memory: nothing next to the products
-  float acc = 0.0f;
-  for (int t = 0; t < C; ++t) {
-    acc += Lt[t];
-    Lt[t] = acc;
+if (simdgroup_index_in_threadgroup == 0) {  // inclusive sums in pieces of 32, the carry broadcast
+  const int lane = int(thread_index_in_simdgroup);
+  float carry = 0.0f;
+  for (int t0s = 0; t0s < C; t0s += 32) {
+    const float v = simd_prefix_inclusive_sum(t0s + lane < C ? Lt[t0s + lane] : 0.0f) + carry;
+    if (t0s + lane < C) {
+      Lt[t0s + lane] = v;
+    }
+    carry = simd_broadcast(v, 31);
   }
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);

@@ -1,7 +1,7 @@
 // warp_emu.h -- run a CUDA twin's kernel body on the CPU (tests only; nothing here ships).
 //
 // Every CUDA thread of a block is an OS thread; __syncthreads, named barriers and __syncwarp are
-// std::barriers; warp collectives (__shfl_xor_sync, ldmatrix, mma.sync m16n8k16) exchange the
+// std::barriers; warp collectives (__shfl_xor_sync / _up_sync / _sync, ldmatrix, mma.sync m16n8k16) exchange the
 // lanes' registers through per-warp scratch between two warp barriers and then compute each
 // lane's result from the PTX ISA fragment layouts (the same layouts cuda_src/mma.cuh documents).
 // cp.async copies land at cp_async_wait (the latest moment the PTX memory model allows), so a
@@ -137,6 +137,18 @@ inline float __shfl_xor_sync(unsigned, float v, int m) {
   uint32_t mine = emu::fbits(v), all[32][1];
   emu::exchange<1>(&mine, all);
   return emu::bitsf(all[emu::lane() ^ m][0]);
+}
+// shfl.sync.up: lanes below the delta keep their own value (PTX ISA); idx: any source lane.
+inline float __shfl_up_sync(unsigned, float v, unsigned d) {
+  uint32_t mine = emu::fbits(v), all[32][1];
+  emu::exchange<1>(&mine, all);
+  const int l = emu::lane();
+  return l >= int(d) ? emu::bitsf(all[l - int(d)][0]) : v;
+}
+inline float __shfl_sync(unsigned, float v, int src) {
+  uint32_t mine = emu::fbits(v), all[32][1];
+  emu::exchange<1>(&mine, all);
+  return emu::bitsf(all[src & 31][0]);
 }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
