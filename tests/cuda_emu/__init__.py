@@ -312,7 +312,8 @@ def _build_source(src: str, tag: str) -> Path:
         raise FileNotFoundError("no host C++ compiler or CUDA headers for the CUDA emulator")
     cxx, inc = tc
     flags = _SANITIZE_FLAGS if _sanitize() else []
-    digest = hashlib.sha1((src + cxx + " ".join(flags)).encode()).hexdigest()[:16]
+    emu_headers = "".join(h.read_text() for h in sorted(HERE.glob("*.h")))  # included by path
+    digest = hashlib.sha1((src + emu_headers + cxx + " ".join(flags)).encode()).hexdigest()[:16]
     exe = _CACHE / f"{tag}_{digest}"
     if exe.is_file():
         return exe

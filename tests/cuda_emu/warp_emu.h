@@ -76,7 +76,7 @@ struct Block {
   std::unique_ptr<std::barrier<>> named[16];
   unsigned char* smem = nullptr;
   uint32_t smem_size = 0;
-  uint32_t xch[8][32][16];  // per-warp register exchange
+  uint32_t xch[32][32][16];  // per-warp register exchange (up to 1,024 threads)
 };
 
 struct Pending {

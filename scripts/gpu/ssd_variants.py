@@ -1,0 +1,63 @@
+"""The SSD CUDA twin's launch geometry variants, timed interleaved in one process on one
+Nemotron-3-Nano-shaped Mamba-2 layer (64 heads of 64, 8 groups, N 128, bf16): tokens per chunk,
+slice and threads per block (``msl.tiles`` and ``msl.THREADS`` replaced per call), each output
+against the committed geometry's. Usage on the GPU machine: python3 scripts/gpu/ssd_variants.py
+[T ...]; prints one JSON line per T (seconds per call, medians)."""
+import json
+import sys
+
+import mlx.core as mx
+
+from mlx_bricks.bricks.ssd import msl
+from mlx_bricks.bricks.ssd.op import run_kernel, ssd_gates, ssd_stock
+from mlx_bricks.tune.timing import time_interleaved
+
+VARIANTS = {"c64_k32_t256": (64, 32, 256), "c64_k32_t512": (64, 32, 512),
+            "c128_k32_t256": (128, 32, 256), "c128_k32_t512": (128, 32, 512),
+            "c128_k16_t512": (128, 16, 512)}
+
+
+def main(T):
+    b, H, P, G, N = 1, 64, 64, 8, 128
+    k = mx.random.split(mx.random.key(T), 6)
+    x = mx.random.normal((b, T, H, P), key=k[0]).astype(mx.bfloat16)
+    B = mx.random.normal((b, T, G, N), key=k[1]).astype(mx.bfloat16)
+    C = mx.random.normal((b, T, G, N), key=k[2]).astype(mx.bfloat16)
+    dt = mx.random.normal((b, T, H), key=k[3]).astype(mx.bfloat16)
+    A_log = mx.log(mx.random.uniform(1.0, 16.0, (H,), key=k[4]))
+    bias = mx.log(mx.expm1(mx.random.uniform(0.001, 0.1, (H,), key=k[5])))
+    D = mx.ones((H,), mx.bfloat16)
+    dtp, A = ssd_gates(dt, A_log, bias, None, (0.0, float("inf")))
+    mx.eval(x, B, C, dtp, A)
+    tiles, threads = msl.tiles, msl.THREADS
+
+    def variant(chunk, kt, nt):
+        def fn():
+            msl.tiles, msl.THREADS = (lambda P, N, backend: (chunk, kt)), nt
+            try:
+                return run_kernel(x, dtp, A, B, C, D, None, backend="cuda")
+            finally:
+                msl.tiles, msl.THREADS = tiles, threads
+        return fn
+
+    fns = {name: variant(*v) for name, v in VARIANTS.items()}
+    fns["stock"] = lambda: ssd_stock(x, dt, A_log, B, C, D, bias, None,
+                                     time_step_limit=(0.0, float("inf")))
+    out = {"T": T}
+    want = fns["c64_k32_t256"]()[0].astype(mx.float32)
+    for name, fn in fns.items():
+        try:
+            got = fn()[0].astype(mx.float32)
+            out[f"{name}_max_abs_diff"] = mx.abs(got - want).max().item()
+        except Exception as e:  # noqa: BLE001 - a variant may not build here: say so
+            out[f"{name}_error"] = str(e)[:200]
+    ok = {n: f for n, f in fns.items() if f"{n}_error" not in out}
+    timing = time_interleaved(ok, repeats=7, min_calls=10, max_calls=10)
+    for name in ok:
+        out[f"{name}_s"] = timing.median(name)
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    for t in (sys.argv[1:] or ["2048", "8192"]):
+        main(int(t))
