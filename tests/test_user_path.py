@@ -66,6 +66,14 @@ def test_gpu_models_have_the_real_models_shapes():
         spec.with_layers(0)
     with pytest.raises(ValueError, match="layers must be at least 6 for gemma3_12b_q4"):
         um.GPU_MODELS["gemma3_12b_q4"].with_layers(4)
+    # nemotron_h takes its layer count from the pattern: cut with it, and mlx-lm agrees
+    from mlx_lm.models.nemotron_h import ModelArgs
+
+    nemo = um.GPU_MODELS["nemotron3_nano_q4"]
+    assert len(nemo.config["hybrid_override_pattern"]) == nemo.config["num_hidden_layers"] == 52
+    cut = nemo.with_layers(8).config
+    assert "".join(cut["hybrid_override_pattern"]) == "MEMEM*EM"
+    assert ModelArgs.from_dict(cut).num_hidden_layers == 8
 
 
 @pytest.mark.parametrize("tokens", [31, 48, 128, 777, 2240])

@@ -73,6 +73,8 @@ class ModelSpec:
             raise ValueError(f"layers must be at least {pattern} for {self.name} (one global "
                              f"layer every {pattern}), got {layers}")
         text = {**self.text, "num_hidden_layers": layers}
+        if "hybrid_override_pattern" in text:  # nemotron_h: the layer stack is the pattern's
+            text["hybrid_override_pattern"] = text["hybrid_override_pattern"][:layers]
         nested = "text_config" in self.config
         return dataclasses.replace(self, config={**self.config, "text_config": text} if nested
                                    else text)
@@ -119,6 +121,20 @@ _GPT_OSS_20B = dict(model_type="gpt_oss", hidden_size=2880, num_hidden_layers=24
                     vocab_size=201088, sliding_window=128, rope_theta=150000,
                     rms_norm_eps=1e-5)
 
+# Nemotron-3-Nano-30B-A3B: Mamba-2 (M), MoE (E, 128 relu2 experts of 1856, top-6, a shared
+# expert) and attention (*) layers; mlx-lm's nemotron_h counts the layers from the pattern.
+_NEMOTRON3_NANO = dict(
+    model_type="nemotron_h", vocab_size=131072, hidden_size=2688, intermediate_size=1856,
+    num_hidden_layers=52, hybrid_override_pattern=list(
+        "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"),
+    max_position_embeddings=262144, num_attention_heads=32, num_key_value_heads=2, head_dim=128,
+    attention_bias=False, mamba_num_heads=64, mamba_head_dim=64, mamba_proj_bias=False,
+    ssm_state_size=128, conv_kernel=4, n_groups=8, mlp_bias=False, layer_norm_epsilon=1e-5,
+    use_bias=False, use_conv_bias=True, moe_intermediate_size=1856,
+    moe_shared_expert_intermediate_size=3712, n_group=1, n_routed_experts=128,
+    n_shared_experts=1, topk_group=1, num_experts_per_tok=6, norm_topk_prob=True,
+    routed_scaling_factor=2.5)
+
 #: The GPU group's models, at their real sizes (the device script cuts the layers:
 #: :data:`GPU_LAYERS`).
 GPU_MODELS = {s.name: s for s in (
@@ -130,13 +146,15 @@ GPU_MODELS = {s.name: s for s in (
     ModelSpec("qwen35_35b_a3b_q4", _QWEN35_35B_A3B, bits=4, what="Qwen3.5-35B-A3B 4-bit"),
     ModelSpec("gpt_oss_20b_mxfp4", _GPT_OSS_20B, bits=4, group_size=32, mode="mxfp4",
               what="gpt-oss-20b MXFP4"),
+    ModelSpec("nemotron3_nano_q4", _NEMOTRON3_NANO, bits=4, what="Nemotron-3-Nano-30B-A3B 4-bit"),
 )}
 
 #: The prompt lengths of each GPU model (all of :data:`GPU_PROMPTS` for the 4-bit llama, the
 #: middle ones for the others): what fits one device call.
 GPU_PLAN = {"llama3_8b_q4": GPU_PROMPTS, "qwen3_30b_a3b_q4": (2240, 8192),
             "gemma3_12b_q4": (2240, 8192), "llama3_8b_q8": (2240,), "llama3_8b_bf16": (2240,),
-            "qwen35_35b_a3b_q4": (2240, 8192, 32768), "gpt_oss_20b_mxfp4": (2240, 8192, 32768)}
+            "qwen35_35b_a3b_q4": (2240, 8192, 32768), "gpt_oss_20b_mxfp4": (2240, 8192, 32768),
+            "nemotron3_nano_q4": (2240, 8192)}
 
 # The small models' vocabulary is the default model's tokenizer's (49152): the prompts' ids and
 # the sampled ones decode.
