@@ -312,8 +312,10 @@ def _build_source(src: str, tag: str) -> Path:
         raise FileNotFoundError("no host C++ compiler or CUDA headers for the CUDA emulator")
     cxx, inc = tc
     flags = _SANITIZE_FLAGS if _sanitize() else []
+    opts = [cxx, "-std=c++20", "-O1", *flags, "-pthread", "-w", "-I", str(HERE), "-I",
+            str(CUDA_SRC), "-I", inc]
     emu_headers = "".join(h.read_text() for h in sorted(HERE.glob("*.h")))  # included by path
-    digest = hashlib.sha1((src + emu_headers + cxx + " ".join(flags)).encode()).hexdigest()[:16]
+    digest = hashlib.sha1((src + emu_headers + " ".join(opts)).encode()).hexdigest()[:16]
     exe = _CACHE / f"{tag}_{digest}"
     if exe.is_file():
         return exe
@@ -321,8 +323,7 @@ def _build_source(src: str, tag: str) -> Path:
     cpp = _CACHE / f"{tag}_{digest}.cpp"
     cpp.write_text(src)
     tmp = exe.with_suffix(f".tmp{os.getpid()}")
-    cmd = [cxx, "-std=c++20", "-O1", *flags, "-pthread", "-w", "-I", str(HERE), "-I",
-           str(CUDA_SRC), "-I", inc, "-o", str(tmp), str(cpp)]
+    cmd = [*opts, "-o", str(tmp), str(cpp)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"host compile failed:\n{res.stderr[-6000:]}")

@@ -1,8 +1,8 @@
 // warp_emu.h -- run a CUDA twin's kernel body on the CPU (tests only; nothing here ships).
 //
 // Every CUDA thread of a block is an OS thread; __syncthreads, named barriers and __syncwarp are
-// std::barriers; warp collectives (__shfl_xor_sync / _up_sync / _sync, ldmatrix, mma.sync m16n8k16) exchange the
-// lanes' registers through per-warp scratch between two warp barriers and then compute each
+// std::barriers; warp collectives (__shfl_xor_sync / _up_sync / _sync, ldmatrix, mma.sync
+// m16n8k16) exchange the lanes' registers through per-warp scratch between two warp barriers and then compute each
 // lane's result from the PTX ISA fragment layouts (the same layouts cuda_src/mma.cuh documents).
 // cp.async copies land at cp_async_wait (the latest moment the PTX memory model allows), so a
 // read of a tile before its wait sees stale data. The kernel source is compiled unchanged by a
@@ -558,6 +558,10 @@ namespace emu {
 template <typename F>
 inline void launch(Dim3 grid, int nthreads, uint32_t smem_bytes, int n_named, int named_count,
                    F kernel) {
+  if (nthreads <= 0 || nthreads > 1024) {  // CUDA's limit, and xch's 32 warps
+    std::fprintf(stderr, "emu: %d threads per block (1 to 1,024)\n", nthreads);
+    std::abort();
+  }
   g_dim = grid;
   g_bdim = Dim3{unsigned(nthreads), 1, 1};
   for (unsigned bz = 0; bz < grid.z; ++bz)
