@@ -17,8 +17,14 @@ def timed(fn, reps=20):
     return time_interleaved({"fn": fn}, repeats=5, min_calls=reps, max_calls=reps).median("fn")
 
 
-def main(T):
-    b, H, P, G, N = 1, 64, 64, 8, 128
+#: One Nemotron-3-Nano Mamba-2 layer: batch, heads, head dim, groups, state size.
+SHAPE = (1, 64, 64, 8, 128)
+
+
+def layer_inputs(T):
+    """Model-like bf16 inputs of one layer at T tokens, evaluated: ``(x, dt, A_log, dt_bias, B,
+    C, D)`` (time steps raw; softplus values of 0.001-0.1 around the bias, A in [1, 16])."""
+    b, H, P, G, N = SHAPE
     k = mx.random.split(mx.random.key(T), 6)
     x = mx.random.normal((b, T, H, P), key=k[0]).astype(mx.bfloat16)
     B = mx.random.normal((b, T, G, N), key=k[1]).astype(mx.bfloat16)
@@ -27,8 +33,15 @@ def main(T):
     A_log = mx.log(mx.random.uniform(1.0, 16.0, (H,), key=k[4]))
     bias = mx.log(mx.expm1(mx.random.uniform(0.001, 0.1, (H,), key=k[5])))
     D = mx.ones((H,), mx.bfloat16)
+    mx.eval(x, B, C, dt, A_log, bias)
+    return x, dt, A_log, bias, B, C, D
+
+
+def main(T):
+    b, H, P, G, N = SHAPE
+    x, dt, A_log, bias, B, C, D = layer_inputs(T)
     dtp, A = ssd_gates(dt, A_log, bias, None, (0.0, float("inf")))
-    mx.eval(x, B, C, dtp, A)
+    mx.eval(dtp, A)
     S = mx.zeros((b, H, P, N), mx.float32)
     out = {"T": T, "tiles": msl.tiles(P, N, "cuda")}
     out["op_s"] = timed(lambda: run_kernel(x, dtp, A, B, C, D, None, backend="cuda"))

@@ -11,6 +11,7 @@ import mlx.core as mx
 from mlx_bricks.bricks.ssd import msl
 from mlx_bricks.bricks.ssd.op import run_kernel, ssd_gates, ssd_stock
 from mlx_bricks.tune.timing import time_interleaved
+from ssd_steps import layer_inputs  # this folder (sys.path[0] when run as a script)
 
 VARIANTS = {"c64_k32_t256": (64, 32, 256), "c64_k32_t512": (64, 32, 512),
             "c128_k32_t256": (128, 32, 256), "c128_k32_t512": (128, 32, 512),
@@ -18,17 +19,9 @@ VARIANTS = {"c64_k32_t256": (64, 32, 256), "c64_k32_t512": (64, 32, 512),
 
 
 def main(T):
-    b, H, P, G, N = 1, 64, 64, 8, 128
-    k = mx.random.split(mx.random.key(T), 6)
-    x = mx.random.normal((b, T, H, P), key=k[0]).astype(mx.bfloat16)
-    B = mx.random.normal((b, T, G, N), key=k[1]).astype(mx.bfloat16)
-    C = mx.random.normal((b, T, G, N), key=k[2]).astype(mx.bfloat16)
-    dt = mx.random.normal((b, T, H), key=k[3]).astype(mx.bfloat16)
-    A_log = mx.log(mx.random.uniform(1.0, 16.0, (H,), key=k[4]))
-    bias = mx.log(mx.expm1(mx.random.uniform(0.001, 0.1, (H,), key=k[5])))
-    D = mx.ones((H,), mx.bfloat16)
+    x, dt, A_log, bias, B, C, D = layer_inputs(T)
     dtp, A = ssd_gates(dt, A_log, bias, None, (0.0, float("inf")))
-    mx.eval(x, B, C, dtp, A)
+    mx.eval(dtp, A)
     tiles, threads = msl.tiles, msl.THREADS
 
     def variant(chunk, kt, nt):
