@@ -257,8 +257,10 @@ def setup(shape, dtype: str, M: int, *, tune: str = "auto", fmt=None):
             quantized with ``nn.quantize`` (MLX affine), on both sides; or a microscaling mode
             (``"mxfp4"``): the MoE experts only.
 
-    Where stock's forward raises (MLX 0.32.4 CUDA's ``gather_qmm`` at 65,536 rows),
-    ``bench.core.run_one`` records ``stock_error`` and reports no stock figure.
+    Where stock's forward raises (MLX 0.32.4 CUDA's ``gather_qmm`` at 65,536 routed rows, its
+    sort kernels above 65,535 rows; an 8,192-token prompt's prefill step of 8,191 tokens with
+    top-8 routes 65,528), ``bench.core.run_one`` records ``stock_error`` and reports no stock
+    figure.
 
     Raises:
         ValueError: an unknown dtype.
