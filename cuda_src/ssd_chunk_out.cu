@@ -89,28 +89,20 @@ if constexpr (MMA) {
 
   // phase A: C.B and C.S0 over slices of N
   for (int n0 = 0; n0 < N; n0 += KT) {
-#pragma unroll  // loads issued together
-    for (int r = 0; r < (C * KT + NT - 1) / NT; ++r) {
-      const int e = tid + r * NT;
-      if ((C * KT) % NT == 0 || e < C * KT) {
-        const int t = e / KT;
-        const int k = e % KT;
-        const bool inside = t0 + t < T && n0 + k < N;
-        const int64_t src = ((int64_t(b) * T + t0 + t) * G + g) * N + n0 + k;
-        Cs[t * KP + k] = bricks::as_bf16(inside ? Cm[src] : InT(0.0f));
-        Bs[t * KP + k] = bricks::as_bf16(inside ? Bm[src] : InT(0.0f));
-      }
-    }
-#pragma unroll  // loads issued together
-    for (int r = 0; r < (P * KT + NT - 1) / NT; ++r) {
-      const int e = tid + r * NT;
-      if ((P * KT) % NT == 0 || e < P * KT) {
-        const int p = e / KT;
-        const int k = e % KT;
-        bricks::split_bf16(n0 + k < N ? S0[s0 + p * N + n0 + k] : 0.0f, Sh[p * KP + k],
-                           Sl[p * KP + k]);
-      }
-    }
+    bricks::fill<C * KT, NT>(tid, [&](int e) {
+      const int t = e / KT;
+      const int k = e % KT;
+      const bool inside = t0 + t < T && n0 + k < N;
+      const int64_t src = ((int64_t(b) * T + t0 + t) * G + g) * N + n0 + k;
+      Cs[t * KP + k] = bricks::as_bf16(inside ? Cm[src] : InT(0.0f));
+      Bs[t * KP + k] = bricks::as_bf16(inside ? Bm[src] : InT(0.0f));
+    });
+    bricks::fill<P * KT, NT>(tid, [&](int e) {
+      const int p = e / KT;
+      const int k = e % KT;
+      bricks::split_bf16(n0 + k < N ? S0[s0 + p * N + n0 + k] : 0.0f, Sh[p * KP + k],
+                         Sl[p * KP + k]);
+    });
     __syncthreads();
 #pragma unroll
     for (int m = 0; m < MU1; ++m) {
@@ -180,16 +172,12 @@ if constexpr (MMA) {
       acc[m][j][3] *= g1;
     }
   }
-#pragma unroll  // loads issued together
-  for (int r = 0; r < (C * P + NT - 1) / NT; ++r) {
-    const int e = tid + r * NT;
-    if ((C * P) % NT == 0 || e < C * P) {
-      const int i = e / P;
-      const int p = e % P;
-      Xs[i * PP + p] =
-          bricks::as_bf16(t0 + i < T ? x[((int64_t(b) * T + t0 + i) * H + h) * P + p] : InT(0.0f));
-    }
-  }
+  bricks::fill<C * P, NT>(tid, [&](int e) {
+    const int i = e / P;
+    const int p = e % P;
+    Xs[i * PP + p] =
+        bricks::as_bf16(t0 + i < T ? x[((int64_t(b) * T + t0 + i) * H + h) * P + p] : InT(0.0f));
+  });
   __syncthreads();
 
 #pragma unroll

@@ -84,29 +84,21 @@ if constexpr (MMA) {
   const int warp = tid / 32;
   float acc[MU][2][4] = {};
   for (int k0 = 0; k0 < C; k0 += KT) {
-#pragma unroll  // loads issued together
-    for (int r = 0; r < (KT * P + NT - 1) / NT; ++r) {
-      const int e = tid + r * NT;
-      if ((KT * P) % NT == 0 || e < KT * P) {
-        const int k = e / P;
-        const int p = e % P;
-        const int t = t0 + k0 + k;
-        const float xv = t < T ? bricks::to_float(x[((int64_t(b) * T + t) * H + h) * P + p]) : 0.0f;
-        const float v = Wt[k0 + k] * xv;  // Wt is 0 past T
-        bricks::split_bf16(v, Xh[k * PP + p], Xl[k * PP + p]);
-      }
-    }
-#pragma unroll  // loads issued together
-    for (int r = 0; r < (KT * N + NT - 1) / NT; ++r) {
-      const int e = tid + r * NT;
-      if ((KT * N) % NT == 0 || e < KT * N) {
-        const int k = e / N;
-        const int t = t0 + k0 + k;
-        const int n = e % N;
-        Bs[k * NP + n] =
-            bricks::as_bf16(t < T ? Bm[((int64_t(b) * T + t) * G + g) * N + n] : InT(0.0f));
-      }
-    }
+    bricks::fill<KT * P, NT>(tid, [&](int e) {
+      const int k = e / P;
+      const int p = e % P;
+      const int t = t0 + k0 + k;
+      const float xv = t < T ? bricks::to_float(x[((int64_t(b) * T + t) * H + h) * P + p]) : 0.0f;
+      const float v = Wt[k0 + k] * xv;  // Wt is 0 past T
+      bricks::split_bf16(v, Xh[k * PP + p], Xl[k * PP + p]);
+    });
+    bricks::fill<KT * N, NT>(tid, [&](int e) {
+      const int k = e / N;
+      const int t = t0 + k0 + k;
+      const int n = e % N;
+      Bs[k * NP + n] =
+          bricks::as_bf16(t < T ? Bm[((int64_t(b) * T + t) * G + g) * N + n] : InT(0.0f));
+    });
     __syncthreads();
 #pragma unroll
     for (int u = 0; u < MU; ++u) {

@@ -13,6 +13,8 @@
 //   mma2(d, a, b)                    d[j] += A B_j for the two tiles of b
 //   as_bf16(v)                       an input element as bf16 (exact for bf16: the MMA path's;
 //                                    any type, so that the scalar instantiations compile it)
+//   fill<COUNT, NT>(tid, f)          f(e) for this thread's e of 0 .. COUNT - 1 (tid, tid + NT,
+//                                    ...), unrolled: the loads of a slice fill issue together
 #ifndef MLX_BRICKS_SSD_MMA_CUH
 #define MLX_BRICKS_SSD_MMA_CUH
 
@@ -28,6 +30,17 @@ __device__ __forceinline__ __nv_bfloat16 as_bf16(__nv_bfloat16 v) { return v; }
 template <typename T>
 __device__ __forceinline__ __nv_bfloat16 as_bf16(T v) {
   return __float2bfloat16_rn(to_float(v));
+}
+
+template <int COUNT, int NT, typename F>
+__device__ __forceinline__ void fill(int tid, F&& f) {
+#pragma unroll  // loads issued together
+  for (int r = 0; r < (COUNT + NT - 1) / NT; ++r) {
+    const int e = tid + r * NT;
+    if (COUNT % NT == 0 || e < COUNT) {
+      f(e);
+    }
+  }
 }
 
 // ldmatrix: lane l gives the address of row l % 8 of 8x8 matrix l / 8; the four matrices in
