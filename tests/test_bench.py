@@ -312,3 +312,26 @@ def test_gpt_oss_groups_are_registered_and_build_on_a_tiny_shape():
     scale = mx.abs(ref).max().item()
     assert mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item() <= 0.05 * scale
     e2e._MODELS.clear()
+
+
+def test_prefill_runs_the_prompt_as_mlx_lm_does():
+    """``bench.e2e.prefill`` (the e2e forward and the patch check's timing): the last token's
+    logits after the rest of the prompt went into the cache, in one chunk or several, equal one
+    whole-prompt call's last position (stock mlx-lm, float32 weights)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_bricks.bench.e2e import LlamaShape, _models, prefill
+
+    tiny = LlamaShape(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, head_dim=64,
+                      vocab=64)
+    model = _models(tiny, "fp16", None)[0]
+    model.set_dtype(mx.float32)
+    tokens = mx.random.randint(0, 64, (1, 37), key=mx.random.key(3))
+    want = model(tokens, cache=make_prompt_cache(model))[:, -1, :]
+    for step in (None, 8, 36, 100):
+        got = prefill(model, tokens, step)
+        assert got.shape == (1, 64)
+        assert mx.allclose(got, want, atol=1e-5, rtol=1e-5).item(), step
+    one = prefill(model, tokens[:, :1])
+    assert mx.allclose(one, model(tokens[:, :1])[:, -1, :], atol=1e-5, rtol=1e-5).item()

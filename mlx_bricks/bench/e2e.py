@@ -44,6 +44,24 @@ FORMATS = {"": None, "_q4g64": (4, 64), "_q8g64": (8, 64)}
 #: What one timed forward is (recorded in each result).
 MEASURES = ("prefill as mlx_lm generate_step: M - 1 tokens into a fresh cache, its states "
             "evaluated, then the last token's logits")
+
+
+def prefill(model, tokens, step: int | None = None):
+    """One prompt as mlx-lm's ``generate_step`` runs it: ``tokens`` (1, M) int but the last
+    into a fresh cache (``make_prompt_cache``) in chunks of ``step`` tokens (None: one chunk),
+    each chunk's cache states evaluated (no logits: mlx-lm never computes them for prompt
+    positions), then the last token's logits, returned lazy: (1, vocab) in the model's dtype.
+    Source: mlx_lm 0.32.2 ``generate.generate_step``."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    n = tokens.shape[1]
+    step = step or max(1, n - 1)
+    for i in range(0, n - 1, step):
+        model(tokens[:, i:min(i + step, n - 1)], cache=cache)
+        mx.eval([c.state for c in cache])
+    return model(tokens[:, -1:], cache=cache)[:, -1, :]
 #: Prompt lengths (one prefill chunk each).
 M_VALUES = (512, 2048, 8192)
 
@@ -266,7 +284,6 @@ def setup(shape, dtype: str, M: int, *, tune: str = "auto", fmt=None):
         ValueError: an unknown dtype.
     """
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_bricks.patch import patch_model
 
@@ -277,11 +294,7 @@ def setup(shape, dtype: str, M: int, *, tune: str = "auto", fmt=None):
     tokens = mx.random.randint(0, shape.vocab, (1, M), key=mx.random.key(M))
 
     def forward(model):
-        cache = make_prompt_cache(model)
-        if M > 1:  # mlx-lm's prefill step: the cache filled, no logits
-            model(tokens[:, :-1], cache=cache)
-            mx.eval([c.state for c in cache])
-        return model(tokens[:, -1:], cache=cache)[:, -1, :]
+        return prefill(model, tokens)
 
     def info() -> dict:
         tuning = report.tuning()

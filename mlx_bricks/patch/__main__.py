@@ -113,18 +113,14 @@ def _prefill(model, prompt, step: int):
 
 
 def _timed_prefill(model, prompt, step: int) -> float:
-    """Seconds of one prefill as mlx-lm's ``generate_step`` runs it: the prompt but its last
-    token in chunks of ``step``, each chunk's cache states evaluated (no logits: mlx-lm never
-    computes them for prompt positions), then the last token's logits."""
+    """Seconds of one prefill as mlx-lm's ``generate_step`` runs it (``bench.e2e.prefill``:
+    chunks of ``step`` tokens, the cache states evaluated, then the last token's logits)."""
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
 
-    cache = make_prompt_cache(model)
+    from mlx_bricks.bench.e2e import prefill
+
     start = time.perf_counter()
-    for i in range(0, prompt.size - 1, step):
-        model(prompt[None, i : min(i + step, prompt.size - 1)], cache=cache)
-        mx.eval([c.state for c in cache])
-    mx.eval(model(prompt[None, -1:], cache=cache)[:, -1, :])
+    mx.eval(prefill(model, prompt[None], step))
     return time.perf_counter() - start
 
 
