@@ -10,14 +10,11 @@ import time
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_bricks.bench.e2e import _models
-from mlx_bricks.bench.ssm import NEMOTRON3_4LAYER
 from mlx_bricks.bricks.short_conv.kind import SHORT_CONV
 from mlx_bricks.bricks.ssd.kind import SSD_KIND
-from mlx_bricks.patch import patch_model
 from mlx_bricks.runtime.kind import Act
+from nemotron_models import SHAPE, forward, models  # this folder (sys.path[0] as a script)
 from mlx_bricks.tune.timing import time_interleaved
 
 
@@ -56,13 +53,11 @@ def many(fn, n=20, reps=5):
 
 
 def main(T):
-    shape = NEMOTRON3_4LAYER
-    stock, patched = _models(shape, "bf16", None)
-    patch_model(patched, tune="auto")
-    tokens = mx.random.randint(0, shape.vocab, (1, T), key=mx.random.key(T))
+    shape = SHAPE
+    stock, patched, tokens = models(T)
     out = {"T": T}
     for name, m in (("stock", stock), ("patched", patched)):
-        b, r, t = split(lambda m=m: m(tokens, cache=make_prompt_cache(m))[:, -1, :])
+        b, r, t = split(forward(m, tokens))
         out.update({f"{name}_build_s": b, f"{name}_eval_s": r, f"{name}_total_s": t})
     H, P, G, N = shape.heads, shape.head_dim, shape.groups, shape.state
     C = H * P + 2 * G * N

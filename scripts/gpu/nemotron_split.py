@@ -6,14 +6,11 @@ import json
 import sys
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_lm.models.nemotron_h as nh
-from mlx_bricks.bench.e2e import _models
-from mlx_bricks.bench.ssm import NEMOTRON3_4LAYER
 from mlx_bricks.bricks.ssd import kind as ssd_kind
-from mlx_bricks.patch import patch_model
 from mlx_bricks.tune.timing import time_interleaved
+from nemotron_models import forward, models  # this folder (sys.path[0] as a script)
 
 
 def timed(fn, reps=7):
@@ -22,13 +19,10 @@ def timed(fn, reps=7):
 
 
 def main(T):
-    shape = NEMOTRON3_4LAYER
-    stock, patched = _models(shape, "bf16", None)
-    patch_model(patched, tune="auto")
-    tokens = mx.random.randint(0, shape.vocab, (1, T), key=mx.random.key(T))
+    stock, patched, tokens = models(T)
 
     def fwd(model):
-        return lambda: model(tokens, cache=make_prompt_cache(model))[:, -1, :]
+        return forward(model, tokens)
 
     out = {"T": T, "stock_s": timed(fwd(stock)), "patched_s": timed(fwd(patched))}
     real_update, real_brick = nh.ssm_update, ssd_kind.SSD.brick

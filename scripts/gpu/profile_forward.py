@@ -7,26 +7,13 @@ import ctypes
 import sys
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_bricks.bench.e2e import _models
-from mlx_bricks.bench.ssm import NEMOTRON3_4LAYER
-from mlx_bricks.patch import patch_model
+from nemotron_models import forward, models  # this folder (sys.path[0] as a script)
 
 
 def main(which, T, n):
-    shape = NEMOTRON3_4LAYER
-    stock, patched = _models(shape, "bf16", None)
-    model = stock
-    if which == "patched":
-        patch_model(patched, tune="auto")
-        model = patched
-    tokens = mx.random.randint(0, shape.vocab, (1, T), key=mx.random.key(T))
-
-    def fwd():  # mlx-lm's prefill step (bench.e2e.MEASURES): cache states, no logits
-        cache = make_prompt_cache(model)
-        model(tokens, cache=cache)
-        return [c.state for c in cache]
+    stock, patched, tokens = models(T)
+    fwd = forward(patched if which == "patched" else stock, tokens)
 
     for _ in range(3):
         mx.eval(fwd())

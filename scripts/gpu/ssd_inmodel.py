@@ -10,16 +10,13 @@ import time
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_lm.models.nemotron_h as nh
-from mlx_bricks.bench.e2e import _models
-from mlx_bricks.bench.ssm import NEMOTRON3_4LAYER
 from mlx_bricks.bricks.short_conv.kind import SHORT_CONV
 from mlx_bricks.bricks.ssd.kind import SSD_KIND
 from mlx_bricks.nn.mixer import BricksMixer
-from mlx_bricks.patch import patch_model
 from mlx_bricks.tune.timing import time_interleaved
+from nemotron_models import forward, models  # this folder (sys.path[0] as a script)
 
 RECORDS: dict = {}
 CAPTURED: dict = {}
@@ -48,12 +45,8 @@ def timed(fn, reps=7):
 
 
 def main(T):
-    shape = NEMOTRON3_4LAYER
-    stock, patched = _models(shape, "bf16", None)
-    patch_model(patched, tune="auto")
-    tokens = mx.random.randint(0, shape.vocab, (1, T), key=mx.random.key(T))
-    fwd = {n: (lambda m=m: m(tokens, cache=make_prompt_cache(m))[:, -1, :])
-           for n, m in (("stock", stock), ("patched", patched))}
+    stock, patched, tokens = models(T)
+    fwd = {"stock": forward(stock, tokens), "patched": forward(patched, tokens)}
     out = {"T": T, **{f"{n}_s": timed(f) for n, f in fwd.items()}}
 
     real = {"block": nh.NemotronHBlock.__call__, "mixer": nh.NemotronHMamba2Mixer.__call__,

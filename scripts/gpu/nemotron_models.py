@@ -1,0 +1,28 @@
+"""The 4-layer Nemotron-3-Nano-shaped model (bench.ssm.NEMOTRON3_4LAYER) the GPU diagnostics
+time: bf16, stock and patched (tune auto) on the same parameters, a T-token prompt, and one
+forward as a single call (what ``bench.e2e.prefill`` evaluates in mlx-lm's prefill step: the
+layers into a fresh cache, no LM head), for scripts that time or split one graph."""
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_bricks.bench.e2e import _models
+from mlx_bricks.bench.ssm import NEMOTRON3_4LAYER
+from mlx_bricks.patch import patch_model
+
+SHAPE = NEMOTRON3_4LAYER
+
+
+def models(T):
+    """``(stock, patched, tokens)``: the two models and a (1, T) prompt."""
+    stock, patched = _models(SHAPE, "bf16", None)
+    patch_model(patched, tune="auto")
+    return stock, patched, mx.random.randint(0, SHAPE.vocab, (1, T), key=mx.random.key(T))
+
+
+def forward(model, tokens):
+    """A zero-argument forward of ``model`` on ``tokens``: the cache states, lazy."""
+    def fwd():
+        cache = make_prompt_cache(model)
+        model(tokens, cache=cache)
+        return [c.state for c in cache]
+    return fwd
