@@ -335,3 +335,29 @@ def test_prefill_runs_the_prompt_as_mlx_lm_does():
         assert mx.allclose(got, want, atol=1e-5, rtol=1e-5).item(), step
     one = prefill(model, tokens[:, :1])
     assert mx.allclose(one, model(tokens[:, :1])[:, -1, :], atol=1e-5, rtol=1e-5).item()
+
+
+def test_e2e_quantized_nemotron_h_quantizes_the_backbone_layers():
+    # nemotron_h keeps its layers under backbone.layers: the 4-bit benchmarks quantize those
+    # linears (Mamba-2 and attention projections), not the embedding or the LM head, and the
+    # patched forward stays within bf16 reach of stock's.
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from mlx_bricks.bench import e2e
+    from mlx_bricks.bench.ssm import NemotronHShape
+
+    assert "e2e_nemotron3_4layer_bf16_q4g64_t8192" in BENCHMARKS
+    assert "e2e_lfm2_1b_4layer_bf16_q4g64_t2048" in BENCHMARKS
+    tiny = NemotronHShape(hidden=128, heads=4, head_dim=16, groups=2, state=16, vocab=64)
+    patched_fwd, stock_fwd, info = e2e.setup(tiny, "bf16", 32, fmt=(4, 64))
+    stock, _ = e2e._models(tiny, "bf16", (4, 64))
+    layers = stock.backbone.layers
+    assert isinstance(layers[0].mixer.in_proj, nn.QuantizedLinear)
+    assert isinstance(layers[2].mixer.q_proj, nn.QuantizedLinear)
+    assert type(stock.backbone.embeddings) is nn.Embedding
+    assert type(stock.lm_head) is nn.Linear
+    assert info()["model"]["weights"] == "affine 4-bit, group_size 64"
+    a, b = patched_fwd().astype(mx.float32), stock_fwd().astype(mx.float32)
+    assert a.shape == b.shape == (1, 64)
+    assert mx.abs(a - b).max().item() <= 0.05 * mx.abs(b).max().item() + 0.05

@@ -223,9 +223,11 @@ def _quantized_layer(path: str, module) -> bool:
     import mlx.nn as nn
     from mlx_lm.models.switch_layers import SwitchLinear
 
-    # "model.layers." or, in the multimodal wrappers (qwen3_5), "language_model.model.layers."
+    # "model.layers.", "backbone.layers." (nemotron_h, mamba) or, in the multimodal wrappers
+    # (qwen3_5), "language_model.model.layers."
     return (isinstance(module, (nn.Linear, SwitchLinear))
-            and (path.startswith("model.layers.") or ".model.layers." in path)
+            and (path.startswith(("model.layers.", "backbone.layers."))
+                 or ".model.layers." in path)
             and not path.endswith("mlp.gate"))
 
 

@@ -308,6 +308,11 @@ def benchmarks() -> dict:
                 f"full-model prefill, T={T} tokens, bf16: {what}, {shape.describe()}, random "
                 "weights; stock mlx-lm vs patch_model(tune='auto')",
                 lambda shape=shape, T=T: setup(shape, "bf16", T))
+            table[f"e2e_{name}_bf16_q4g64_t{T}"] = Benchmark(
+                f"e2e_{name}_bf16_q4g64_t{T}", KERNEL,
+                "the same with the decoder layers' linears 4-bit gs64 (MLX affine) on both "
+                "sides, as mlx-community's 4-bit checkpoints",
+                lambda shape=shape, T=T: setup(shape, "bf16", T, fmt=(4, 64)))
     for name, shape, what in models:
         table[f"decode_{name}_bf16"] = Benchmark(
             f"decode_{name}_bf16", KERNEL,

@@ -3,6 +3,7 @@ time: bf16, stock and patched (tune auto) on the same parameters, a T-token prom
 forward as a single call (what ``bench.e2e.prefill`` evaluates in mlx-lm's prefill step: the
 layers into a fresh cache, no LM head), for scripts that time or split one graph."""
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_bricks.bench.e2e import _models
@@ -20,9 +21,11 @@ def models(T):
 
 
 def forward(model, tokens):
-    """A zero-argument forward of ``model`` on ``tokens``: the cache states, lazy."""
+    """A zero-argument forward of ``model`` on ``tokens``: the cache states' arrays (a tuple,
+    lazy; unset entries and offsets left out)."""
     def fwd():
         cache = make_prompt_cache(model)
         model(tokens, cache=cache)
-        return [c.state for c in cache]
+        states = tree_flatten([c.state for c in cache])
+        return tuple(a for _, a in states if isinstance(a, mx.array))
     return fwd
