@@ -86,22 +86,26 @@ if constexpr (MMA) {
   const int lt = tid % 4;
   float cb[MU1][2][4] = {};
   float acc[MU2][2][4] = {};
+  // rows of 8 bf16s / 4 floats in one 16-byte load each (N, KT, P multiples of 16: a vector
+  // lies wholly inside N or wholly past it; any alignment of x, B, C served)
+  const bool vc = bricks::aligned16(Cm) && bricks::aligned16(Bm);
+  const bool vx = bricks::aligned16(x);
 
   // phase A: C.B and C.S0 over slices of N
   for (int n0 = 0; n0 < N; n0 += KT) {
-    bricks::fill<C * KT, NT>(tid, [&](int e) {
-      const int t = e / KT;
-      const int k = e % KT;
+    bricks::fill<C * KT / 8, NT>(tid, [&](int e) {
+      const int t = e / (KT / 8);
+      const int k = (e % (KT / 8)) * 8;
       const bool inside = t0 + t < T && n0 + k < N;
       const int64_t src = ((int64_t(b) * T + t0 + t) * G + g) * N + n0 + k;
-      Cs[t * KP + k] = bricks::as_bf16(inside ? Cm[src] : InT(0.0f));
-      Bs[t * KP + k] = bricks::as_bf16(inside ? Bm[src] : InT(0.0f));
+      bricks::st8(Cs + t * KP + k, bricks::ld8(Cm, src, inside, vc));
+      bricks::st8(Bs + t * KP + k, bricks::ld8(Bm, src, inside, vc));
     });
-    bricks::fill<P * KT, NT>(tid, [&](int e) {
-      const int p = e / KT;
-      const int k = e % KT;
-      bricks::split_bf16(n0 + k < N ? S0[s0 + p * N + n0 + k] : 0.0f, Sh[p * KP + k],
-                         Sl[p * KP + k]);
+    bricks::fill<P * KT / 4, NT>(tid, [&](int e) {  // S0: step 2's output, 16-byte rows
+      const int p = e / (KT / 4);
+      const int k = (e % (KT / 4)) * 4;
+      bricks::split4(bricks::ld4f(S0, s0 + p * N + n0 + k, n0 + k < N), Sh + p * KP + k,
+                     Sl + p * KP + k);
     });
     __syncthreads();
 #pragma unroll
@@ -172,11 +176,11 @@ if constexpr (MMA) {
       acc[m][j][3] *= g1;
     }
   }
-  bricks::fill<C * P, NT>(tid, [&](int e) {
-    const int i = e / P;
-    const int p = e % P;
-    Xs[i * PP + p] =
-        bricks::as_bf16(t0 + i < T ? x[((int64_t(b) * T + t0 + i) * H + h) * P + p] : InT(0.0f));
+  bricks::fill<C * P / 8, NT>(tid, [&](int e) {
+    const int i = e / (P / 8);
+    const int p = (e % (P / 8)) * 8;
+    bricks::st8(Xs + i * PP + p,
+                bricks::ld8(x, ((int64_t(b) * T + t0 + i) * H + h) * P + p, t0 + i < T, vx));
   });
   __syncthreads();
 
@@ -195,15 +199,17 @@ if constexpr (MMA) {
         bricks::mma2(acc[m], al, bx);
       }
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int t = tb * 16 + lg + (q / 2) * 8;
+      for (int r = 0; r < 2; ++r) {  // rows lg and lg + 8: two adjacent outputs per store
+        const int t = tb * 16 + lg + r * 8;
         if (t0 + t < T) {
           const int64_t dst = ((int64_t(b) * T + t0 + t) * H + h) * P;
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
-            const int p = p0 + 8 * j + 2 * lt + q % 2;
-            y[dst + p] = bricks::from_float<OutT>(
-                acc[m][j][q] + d_h * __bfloat162float(Xs[t * PP + p]));
+            const int p = p0 + 8 * j + 2 * lt;
+            const float2 xs = bricks::unpack2<__nv_bfloat16>(
+                *reinterpret_cast<const uint32_t*>(Xs + t * PP + p));
+            bricks::st2(y + dst + p, acc[m][j][2 * r] + d_h * xs.x,
+                        acc[m][j][2 * r + 1] + d_h * xs.y);
           }
         }
       }

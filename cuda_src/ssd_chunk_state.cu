@@ -82,22 +82,24 @@ if constexpr (MMA) {
   __nv_bfloat16* Xl = Xh + KT * PP;
   __nv_bfloat16* Bs = Xl + KT * PP;  // (k, n)
   const int warp = tid / 32;
+  // rows of 8 bf16s in one 16-byte load each (P, N multiples of 16; any alignment served)
+  const bool vx = bricks::aligned16(x);
+  const bool vb = bricks::aligned16(Bm);
   float acc[MU][2][4] = {};
   for (int k0 = 0; k0 < C; k0 += KT) {
-    bricks::fill<KT * P, NT>(tid, [&](int e) {
-      const int k = e / P;
-      const int p = e % P;
+    bricks::fill<KT * P / 8, NT>(tid, [&](int e) {
+      const int k = e / (P / 8);
+      const int p = (e % (P / 8)) * 8;
       const int t = t0 + k0 + k;
-      const float xv = t < T ? bricks::to_float(x[((int64_t(b) * T + t) * H + h) * P + p]) : 0.0f;
-      const float v = Wt[k0 + k] * xv;  // Wt is 0 past T
-      bricks::split_bf16(v, Xh[k * PP + p], Xl[k * PP + p]);
+      const uint4 v = bricks::ld8(x, ((int64_t(b) * T + t) * H + h) * P + p, t < T, vx);
+      bricks::split8(v, Wt[k0 + k], Xh + k * PP + p, Xl + k * PP + p);  // Wt is 0 past T
     });
-    bricks::fill<KT * N, NT>(tid, [&](int e) {
-      const int k = e / N;
+    bricks::fill<KT * N / 8, NT>(tid, [&](int e) {
+      const int k = e / (N / 8);
+      const int n = (e % (N / 8)) * 8;
       const int t = t0 + k0 + k;
-      const int n = e % N;
-      Bs[k * NP + n] =
-          bricks::as_bf16(t < T ? Bm[((int64_t(b) * T + t) * G + g) * N + n] : InT(0.0f));
+      bricks::st8(Bs + k * NP + n,
+                  bricks::ld8(Bm, ((int64_t(b) * T + t) * G + g) * N + n, t < T, vb));
     });
     __syncthreads();
 #pragma unroll

@@ -15,6 +15,17 @@
 //                                    any type, so that the scalar instantiations compile it)
 //   fill<COUNT, NT>(tid, f)          f(e) for this thread's e of 0 .. COUNT - 1 (tid, tid + NT,
 //                                    ...), unrolled: the loads of a slice fill issue together
+//   aligned16(p)                     whether p may be read 16 bytes at a time
+//   ld8(base, off, inside, vec)      base[off .. off + 7] (bf16s) as one 16-byte word: one load
+//                                    where vec (base + off 16-byte aligned), else eight; zeros
+//                                    where !inside (base + off not formed)
+//   ld4f(base, off, inside)          the same for four floats (one 16-byte load, aligned)
+//   st8(s, v)                        16 bytes into shared memory (s 16-byte aligned)
+//   split8(v, w, hi, lo)             w * each of v's bf16s, split: 8 hi and 8 lo bf16s stored
+//   split4(v, hi, lo)                four floats split: 4 hi and 4 lo bf16s stored (8 bytes)
+//   st2(p, a, b)                     two outputs p[0], p[1] in one store (p 2-element aligned)
+// The vector forms move the same values as the element-wise ones (splits round as split_bf16):
+// fewer load / store instructions and less index arithmetic per element.
 #ifndef MLX_BRICKS_SSD_MMA_CUH
 #define MLX_BRICKS_SSD_MMA_CUH
 
@@ -40,6 +51,66 @@ __device__ __forceinline__ void fill(int tid, F&& f) {
     if (COUNT % NT == 0 || e < COUNT) {
       f(e);
     }
+  }
+}
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+  return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
+}
+
+// (any T, so that the scalar instantiations compile the tensor-core branch; it runs for bf16)
+template <typename T>
+__device__ __forceinline__ uint4 ld8(const T* base, int64_t off, bool inside, bool vec) {
+  if (!inside) return make_uint4(0u, 0u, 0u, 0u);
+  if (vec) return *reinterpret_cast<const uint4*>(base + off);
+  const unsigned short* q = reinterpret_cast<const unsigned short*>(base + off);
+  uint32_t w[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) w[e] = uint32_t(q[2 * e]) | (uint32_t(q[2 * e + 1]) << 16);
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+__device__ __forceinline__ float4 ld4f(const float* base, int64_t off, bool inside) {
+  return inside ? *reinterpret_cast<const float4*>(base + off) : make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+__device__ __forceinline__ void st8(__nv_bfloat16* s, uint4 v) {
+  *reinterpret_cast<uint4*>(s) = v;
+}
+
+// (hi, lo) of a and b as two packed pairs, rounded as split_bf16
+__device__ __forceinline__ void split_pair(float a, float b, uint32_t& hi, uint32_t& lo) {
+  hi = pack2<__nv_bfloat16>(a, b);
+  const float2 h = unpack2<__nv_bfloat16>(hi);
+  lo = pack2<__nv_bfloat16>(a - h.x, b - h.y);
+}
+
+__device__ __forceinline__ void split8(uint4 v, float w, __nv_bfloat16* hi, __nv_bfloat16* lo) {
+  const uint32_t in[4] = {v.x, v.y, v.z, v.w};
+  uint32_t h[4], l[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 f = unpack2<__nv_bfloat16>(in[e]);
+    split_pair(w * f.x, w * f.y, h[e], l[e]);
+  }
+  *reinterpret_cast<uint4*>(hi) = make_uint4(h[0], h[1], h[2], h[3]);
+  *reinterpret_cast<uint4*>(lo) = make_uint4(l[0], l[1], l[2], l[3]);
+}
+
+__device__ __forceinline__ void split4(float4 v, __nv_bfloat16* hi, __nv_bfloat16* lo) {
+  uint32_t h0, h1, l0, l1;
+  split_pair(v.x, v.y, h0, l0);
+  split_pair(v.z, v.w, h1, l1);
+  *reinterpret_cast<uint2*>(hi) = make_uint2(h0, h1);
+  *reinterpret_cast<uint2*>(lo) = make_uint2(l0, l1);
+}
+
+template <typename T>
+__device__ __forceinline__ void st2(T* p, float a, float b) {
+  if constexpr (Same<T, float>::value) {
+    *reinterpret_cast<float2*>(p) = make_float2(a, b);
+  } else {
+    *reinterpret_cast<uint32_t*>(p) = pack2<T>(a, b);
   }
 }
 

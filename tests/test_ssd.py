@@ -284,6 +284,31 @@ def test_cuda_twin_emulated(case, segment, monkeypatch):
     _kernel_check(run, case)
 
 
+def test_cuda_twin_unaligned_rows(monkeypatch):
+    """The tensor-core steps' 16-byte row loads where x, B and C start 2 bytes past a 16-byte
+    boundary (the element-wise fallback) give the aligned run's outputs bit for bit."""
+    from tests import cuda_emu
+    from mlx_bricks.bricks.ssd import cuda as ssd_cuda
+    from mlx_bricks.bricks.ssd.op import run_kernel
+
+    if cuda_emu.toolchain() is None:
+        pytest.skip("no host C++ compiler or CUDA headers")
+    case = (1, 150, 4, 32, 2, 48, BF16, True, True, False)  # 3 chunks, N past a slice
+    shift = {"ssd_chunk_state": {"x": 2, "Bm": 2}, "ssd_chunk_out": {"x": 2, "Bm": 2, "Cm": 2}}
+    outs = []
+    for offsets in (None, shift):
+        def run(args, dtp, A, mask, offsets=offsets):
+            with cuda_emu.emulated_launches(ssd_cuda, offsets=offsets):
+                out = run_kernel(args["x"], dtp, A, args["B"], args["C"], args["D"],
+                                 args["state"], backend="cuda")
+                mx.eval(out)
+            outs.append(out)
+            return out
+        _kernel_check(run, case)
+    (y0, s0), (y1, s1) = outs
+    assert mx.array_equal(y0, y1) and mx.array_equal(s0, s1)
+
+
 @pytest.mark.parametrize("dtype", [BF16, F32])
 def test_cuda_twin_compiles(dtype):
     """The twin's three steps compile with nvcc for sm_80, sm_90a and sm_120 as MLX would

@@ -393,8 +393,9 @@ def test_bench_groups_build_on_tiny_shapes(tmp_path, monkeypatch):
     from mlx_bricks.bench.e2e import setup
 
     monkeypatch.setenv("MLX_BRICKS_HOME", str(tmp_path))
-    assert len(GROUPS["ssm"]) == 10 and len(GROUPS["ssm_cpu"]) == 5
-    assert len(GROUPS["mamba1"]) == 8
+    # the 4-layer models at 2,048 / 8,192 tokens, bf16 and 4-bit (q4g64) weights
+    assert len(GROUPS["ssm"]) == 14 and len(GROUPS["ssm_cpu"]) == 5
+    assert len(GROUPS["mamba1"]) == 12
     assert {BENCHMARKS[n].backend for n in GROUPS["ssm"] + GROUPS["mamba1"]} == {KERNEL}
     assert {BENCHMARKS[n].backend for n in GROUPS["ssm_cpu"]} == {CPU}
     tiny = ssm.NemotronHShape(hidden=64, heads=4, head_dim=16, groups=2, state=16, vocab=256)

@@ -381,12 +381,14 @@ def run_kernel(name: str, inputs, output_shapes, output_dtypes, grid, threadgrou
 
 
 @contextlib.contextmanager
-def emulated_launches(*modules):
+def emulated_launches(*modules, offsets=None):
     """Within the block, ``launch`` in each of ``modules`` (modules that did
     ``from mlx_bricks.kernels import launch``) runs its CUDA launches through
     :func:`run_kernel` on the CPU and returns their outputs, so an op's whole CUDA path
-    (geometry, template, inputs, chained launches) runs without a GPU. Yields the list of
-    launched kernel names."""
+    (geometry, template, inputs, chained launches) runs without a GPU. ``offsets``: kernel
+    name -> {input name: bytes past a 64-byte boundary} (:func:`run_kernel`'s offsets, by the
+    spec's input names). Yields the list of launched kernel names."""
+    from mlx_bricks import kernels
     names: list[str] = []
 
     def fake(name, backend, *, shared_memory=0, inputs, output_shapes, output_dtypes, grid,
@@ -396,8 +398,10 @@ def emulated_launches(*modules):
         if init_value is not None:
             raise NotImplementedError("init_value is not emulated")
         names.append(name)
+        by_name = (offsets or {}).get(name, {})
+        off = [by_name.get(n, 0) for n in kernels.spec(name).input_names]
         return run_kernel(name, inputs, output_shapes, output_dtypes, grid, threadgroup,
-                          template, shared_memory)
+                          template, shared_memory, offsets=off)
 
     with cudacheck.launches_replaced(fake, *modules):
         yield names
