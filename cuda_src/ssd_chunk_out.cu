@@ -90,21 +90,22 @@ if constexpr (MMA) {
   // lies wholly inside N or wholly past it; any alignment of x, B, C served)
   const bool vc = bricks::aligned16(Cm) && bricks::aligned16(Bm);
   const bool vx = bricks::aligned16(x);
+  const bool vs = bricks::aligned16(S0);  // step 2's output: aligned as MLX allocates
 
   // phase A: C.B and C.S0 over slices of N
   for (int n0 = 0; n0 < N; n0 += KT) {
     bricks::fill<C * KT / 8, NT>(tid, [&](int e) {
-      const int t = e / (KT / 8);
-      const int k = (e % (KT / 8)) * 8;
+      const int t = e / bricks::V8<KT>;
+      const int k = (e % bricks::V8<KT>) * 8;
       const bool inside = t0 + t < T && n0 + k < N;
       const int64_t src = ((int64_t(b) * T + t0 + t) * G + g) * N + n0 + k;
       bricks::st8(Cs + t * KP + k, bricks::ld8(Cm, src, inside, vc));
       bricks::st8(Bs + t * KP + k, bricks::ld8(Bm, src, inside, vc));
     });
-    bricks::fill<P * KT / 4, NT>(tid, [&](int e) {  // S0: step 2's output, 16-byte rows
-      const int p = e / (KT / 4);
-      const int k = (e % (KT / 4)) * 4;
-      bricks::split4(bricks::ld4f(S0, s0 + p * N + n0 + k, n0 + k < N), Sh + p * KP + k,
+    bricks::fill<P * KT / 4, NT>(tid, [&](int e) {
+      const int p = e / bricks::V4<KT>;
+      const int k = (e % bricks::V4<KT>) * 4;
+      bricks::split4(bricks::ld4f(S0, s0 + p * N + n0 + k, n0 + k < N, vs), Sh + p * KP + k,
                      Sl + p * KP + k);
     });
     __syncthreads();
@@ -177,8 +178,8 @@ if constexpr (MMA) {
     }
   }
   bricks::fill<C * P / 8, NT>(tid, [&](int e) {
-    const int i = e / (P / 8);
-    const int p = (e % (P / 8)) * 8;
+    const int i = e / bricks::V8<P>;
+    const int p = (e % bricks::V8<P>) * 8;
     bricks::st8(Xs + i * PP + p,
                 bricks::ld8(x, ((int64_t(b) * T + t0 + i) * H + h) * P + p, t0 + i < T, vx));
   });
@@ -200,6 +201,7 @@ if constexpr (MMA) {
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {  // rows lg and lg + 8: two adjacent outputs per store
+        // (y is this launch's own output: aligned as MLX allocates; p is even)
         const int t = tb * 16 + lg + r * 8;
         if (t0 + t < T) {
           const int64_t dst = ((int64_t(b) * T + t0 + t) * H + h) * P;

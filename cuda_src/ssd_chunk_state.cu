@@ -88,15 +88,15 @@ if constexpr (MMA) {
   float acc[MU][2][4] = {};
   for (int k0 = 0; k0 < C; k0 += KT) {
     bricks::fill<KT * P / 8, NT>(tid, [&](int e) {
-      const int k = e / (P / 8);
-      const int p = (e % (P / 8)) * 8;
+      const int k = e / bricks::V8<P>;
+      const int p = (e % bricks::V8<P>) * 8;
       const int t = t0 + k0 + k;
       const uint4 v = bricks::ld8(x, ((int64_t(b) * T + t) * H + h) * P + p, t < T, vx);
       bricks::split8(v, Wt[k0 + k], Xh + k * PP + p, Xl + k * PP + p);  // Wt is 0 past T
     });
     bricks::fill<KT * N / 8, NT>(tid, [&](int e) {
-      const int k = e / (N / 8);
-      const int n = (e % (N / 8)) * 8;
+      const int k = e / bricks::V8<N>;
+      const int n = (e % bricks::V8<N>) * 8;
       const int t = t0 + k0 + k;
       bricks::st8(Bs + k * NP + n,
                   bricks::ld8(Bm, ((int64_t(b) * T + t) * G + g) * N + n, t < T, vb));

@@ -11,19 +11,20 @@
 //                                    tile 0 in b[0], b[1], tile 1 in b[2], b[3]
 //   frag_b2_t(b, s, ld, k0, n0)      the same from s[k][n]
 //   mma2(d, a, b)                    d[j] += A B_j for the two tiles of b
-//   as_bf16(v)                       an input element as bf16 (exact for bf16: the MMA path's;
-//                                    any type, so that the scalar instantiations compile it)
 //   fill<COUNT, NT>(tid, f)          f(e) for this thread's e of 0 .. COUNT - 1 (tid, tid + NT,
 //                                    ...), unrolled: the loads of a slice fill issue together
 //   aligned16(p)                     whether p may be read 16 bytes at a time
 //   ld8(base, off, inside, vec)      base[off .. off + 7] (bf16s) as one 16-byte word: one load
 //                                    where vec (base + off 16-byte aligned), else eight; zeros
 //                                    where !inside (base + off not formed)
-//   ld4f(base, off, inside)          the same for four floats (one 16-byte load, aligned)
+//   ld4f(base, off, inside, vec)     the same for four floats
 //   st8(s, v)                        16 bytes into shared memory (s 16-byte aligned)
 //   split8(v, w, hi, lo)             w * each of v's bf16s, split: 8 hi and 8 lo bf16s stored
 //   split4(v, hi, lo)                four floats split: 4 hi and 4 lo bf16s stored (8 bytes)
-//   st2(p, a, b)                     two outputs p[0], p[1] in one store (p 2-element aligned)
+//   st2(p, a, b)                     two outputs p[0], p[1] in one store (p 2-element aligned:
+//                                    an even offset into a kernel's own output)
+//   V8<X>, V4<X>                     X / 8, X / 4 rounded up to 1 (the tensor-core branch is
+//                                    compiled, not run, for shapes whose rows are not 8 wide)
 // The vector forms move the same values as the element-wise ones (splits round as split_bf16):
 // fewer load / store instructions and less index arithmetic per element.
 #ifndef MLX_BRICKS_SSD_MMA_CUH
@@ -36,13 +37,6 @@ __device__ __forceinline__ void split_bf16(float v, __nv_bfloat16& hi, __nv_bflo
   lo = __float2bfloat16_rn(v - __bfloat162float(hi));
 }
 
-__device__ __forceinline__ __nv_bfloat16 as_bf16(__nv_bfloat16 v) { return v; }
-
-template <typename T>
-__device__ __forceinline__ __nv_bfloat16 as_bf16(T v) {
-  return __float2bfloat16_rn(to_float(v));
-}
-
 template <int COUNT, int NT, typename F>
 __device__ __forceinline__ void fill(int tid, F&& f) {
 #pragma unroll  // loads issued together
@@ -53,6 +47,11 @@ __device__ __forceinline__ void fill(int tid, F&& f) {
     }
   }
 }
+
+template <int X>
+constexpr int V8 = X / 8 > 0 ? X / 8 : 1;
+template <int X>
+constexpr int V4 = X / 4 > 0 ? X / 4 : 1;
 
 __device__ __forceinline__ bool aligned16(const void* p) {
   return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
@@ -70,8 +69,11 @@ __device__ __forceinline__ uint4 ld8(const T* base, int64_t off, bool inside, bo
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-__device__ __forceinline__ float4 ld4f(const float* base, int64_t off, bool inside) {
-  return inside ? *reinterpret_cast<const float4*>(base + off) : make_float4(0.f, 0.f, 0.f, 0.f);
+__device__ __forceinline__ float4 ld4f(const float* base, int64_t off, bool inside, bool vec) {
+  if (!inside) return make_float4(0.f, 0.f, 0.f, 0.f);
+  if (vec) return *reinterpret_cast<const float4*>(base + off);
+  const float* q = base + off;
+  return make_float4(q[0], q[1], q[2], q[3]);
 }
 
 __device__ __forceinline__ void st8(__nv_bfloat16* s, uint4 v) {

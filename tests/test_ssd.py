@@ -286,15 +286,18 @@ def test_cuda_twin_emulated(case, segment, monkeypatch):
 
 def test_cuda_twin_unaligned_rows(monkeypatch):
     """The tensor-core steps' 16-byte row loads where x, B and C start 2 bytes past a 16-byte
-    boundary (the element-wise fallback) give the aligned run's outputs bit for bit."""
+    boundary, and S0 4 bytes past one (the element-wise fallbacks), give the aligned run's
+    outputs bit for bit; under ASan + UBSan, so a vector load on a misaligned row fails."""
     from tests import cuda_emu
     from mlx_bricks.bricks.ssd import cuda as ssd_cuda
     from mlx_bricks.bricks.ssd.op import run_kernel
 
     if cuda_emu.toolchain() is None:
         pytest.skip("no host C++ compiler or CUDA headers")
+    monkeypatch.setenv("MLX_BRICKS_CUDA_EMU_SANITIZE", "1")
     case = (1, 150, 4, 32, 2, 48, BF16, True, True, False)  # 3 chunks, N past a slice
-    shift = {"ssd_chunk_state": {"x": 2, "Bm": 2}, "ssd_chunk_out": {"x": 2, "Bm": 2, "Cm": 2}}
+    shift = {"ssd_chunk_state": {"x": 2, "Bm": 2},
+             "ssd_chunk_out": {"x": 2, "Bm": 2, "Cm": 2, "S0": 4}}
     outs = []
     for offsets in (None, shift):
         def run(args, dtp, A, mask, offsets=offsets):
