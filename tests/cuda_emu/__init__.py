@@ -398,8 +398,11 @@ def emulated_launches(*modules, offsets=None):
         if init_value is not None:
             raise NotImplementedError("init_value is not emulated")
         names.append(name)
-        by_name = (offsets or {}).get(name, {})
-        off = [by_name.get(n, 0) for n in kernels.spec(name).input_names]
+        by_name = (offsets or {}).get(name)
+        off = None  # (a launch may pass fewer inputs than its spec names: optional ones)
+        if by_name:
+            off = [by_name.get(n, 0) for n in kernels.spec(name).input_names[:len(inputs)]]
+            off += [0] * (len(inputs) - len(off))
         return run_kernel(name, inputs, output_shapes, output_dtypes, grid, threadgroup,
                           template, shared_memory, offsets=off)
 
