@@ -7,8 +7,9 @@ a prompt of M tokens run as mlx-lm's ``generate_step`` runs it (one prefill step
 first M - 1 tokens into a fresh cache, the cache states evaluated (no logits: mlx-lm never
 computes them for prompt positions), then the last token's logits (:data:`MEASURES`).
 Until 2026-12-07 a forward evaluated the last position's logits of one M-token call, which
-also ran the LM head over every prompt position (a cost both sides paid and users never do). The patched side's first call (the timer's warm-up)
-takes the tuning decisions it needs; the result reports them.
+also ran the LM head over every prompt position (a cost both sides paid and users never do).
+The patched side's first call (the timer's warm-up) takes the tuning decisions it needs; the
+result reports them.
 
 The lead's H200 command (bf16 and fp16, M = 512 / 2048 / 8192, one process)::
 
@@ -62,6 +63,8 @@ def prefill(model, tokens, step: int | None = None):
         model(tokens[:, i:min(i + step, n - 1)], cache=cache)
         mx.eval([c.state for c in cache])
     return model(tokens[:, -1:], cache=cache)[:, -1, :]
+
+
 #: Prompt lengths (one prefill chunk each).
 M_VALUES = (512, 2048, 8192)
 

@@ -350,6 +350,8 @@ def run_kernel(name: str, inputs, output_shapes, output_dtypes, grid, threadgrou
     exe = _build_source(_generic_source(name, [a.dtype for a in inputs], output_dtypes,
                                         template), f"twin_{name}")
     offsets = offsets or [0] * len(inputs)
+    if len(offsets) != len(inputs):  # zip would drop the inputs past the shorter list
+        raise ValueError(f"offsets has {len(offsets)} entries for {len(inputs)} inputs")
     parts = [struct.pack("<q", len(inputs))]
     for a, off in zip(inputs, offsets):
         a = mx.contiguous(a)

@@ -2,8 +2,9 @@
 //
 // Every CUDA thread of a block is an OS thread; __syncthreads, named barriers and __syncwarp are
 // std::barriers; warp collectives (__shfl_xor_sync / _up_sync / _sync, ldmatrix, mma.sync
-// m16n8k16) exchange the lanes' registers through per-warp scratch between two warp barriers and then compute each
-// lane's result from the PTX ISA fragment layouts (the same layouts cuda_src/mma.cuh documents).
+// m16n8k16) exchange the lanes' registers through per-warp scratch between two warp barriers
+// and then compute each lane's result from the PTX ISA fragment layouts (the same layouts
+// cuda_src/mma.cuh documents).
 // cp.async copies land at cp_async_wait (the latest moment the PTX memory model allows), so a
 // read of a tile before its wait sees stale data. The kernel source is compiled unchanged by a
 // host C++20 compiler: this header replaces cuda_src/mma.cuh (same names, same semantics) and
