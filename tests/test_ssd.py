@@ -284,6 +284,46 @@ def test_cuda_twin_emulated(case, segment, monkeypatch):
     _kernel_check(run, case)
 
 
+@pytest.mark.parametrize("slices", [(16, 16), (64, 32), (64, 64)])
+@pytest.mark.parametrize("case", [c for c in KERNEL_CASES if c[6] == BF16 and c[3] % 16 == 0
+                                  and c[5] % 16 == 0], ids=str)
+def test_cuda_twin_mma_slices(case, slices, monkeypatch):
+    """The tensor-core steps with other slices than the default (msl.MMA_SLICE_MAX, steps 1
+    and 3): 16 tokens / state columns, and 64 (the whole chunk in step 1, N in slices of 64
+    in step 3), as launched."""
+    from tests import cuda_emu
+    from mlx_bricks.bricks.ssd import cuda as ssd_cuda
+    from mlx_bricks.bricks.ssd.op import run_kernel
+
+    if cuda_emu.toolchain() is None:
+        pytest.skip("no host C++ compiler or CUDA headers")
+    msl = ssd_cuda.msl
+    monkeypatch.setattr(msl, "MMA_SLICE_MAX", dict(zip(msl.KERNELS[::2], slices)))
+    chunk, _ = msl.tiles(case[3], case[5], "cuda")
+    want = [max(s for s in (16, 32, 64) if s <= top and chunk % s == 0) for top in slices]
+    launched = []
+
+    def run(args, dtp, A, mask):
+        with cuda_emu.emulated_launches(ssd_cuda):
+            fake = ssd_cuda.launch
+
+            def spy(name, backend, **kw):  # the slices the launches asked for
+                launched.extend(v for k, v in kw["template"] if k == "KT")
+                return fake(name, backend, **kw)
+
+            ssd_cuda.launch = spy
+            try:
+                out = run_kernel(args["x"], dtp, A, args["B"], args["C"], args["D"],
+                                 args["state"], backend="cuda")
+                mx.eval(out)
+            finally:
+                ssd_cuda.launch = fake
+        return out
+
+    _kernel_check(run, case)
+    assert launched == want
+
+
 def test_cuda_twin_unaligned_rows(monkeypatch):
     """The tensor-core steps' 16-byte row loads where x, B and C start 2 bytes past a 16-byte
     boundary, and S0 4 bytes past one (the element-wise fallbacks), give the aligned run's

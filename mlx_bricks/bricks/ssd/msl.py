@@ -74,6 +74,25 @@ def mma_floats(P: int, N: int, chunk: int, kt: int) -> tuple[int, int] | None:
     return -(-state // 4), -(-out // 4)
 
 
+#: The largest slice each tensor-core step takes (step 1: tokens, step 3: state columns).
+MMA_SLICE_MAX = {"ssd_chunk_state": 32, "ssd_chunk_out": 32}
+
+
+def mma_slice(P: int, N: int, chunk: int, kt: int, backend: str, step: str) -> int:
+    """The slice of the CUDA twin's tensor-core ``step`` (``ssd_chunk_state`` or
+    ``ssd_chunk_out``): the largest multiple of 16 up to its :data:`MMA_SLICE_MAX` that divides
+    ``chunk`` and whose :func:`mma_floats` fit the backend's shared memory (larger: fewer fills
+    and barriers per chunk, more registers), else ``kt`` (the scalar path's)."""
+    limit = SHARED_LIMIT.get(backend, METAL_SHARED_LIMIT)
+    i = KERNELS.index(step) // 2  # mma_floats' entry: 0 for step 1, 1 for step 3
+    top = MMA_SLICE_MAX[step]
+    for s in range(top - top % 16, 0, -16):
+        floats = mma_floats(P, N, chunk, s)
+        if chunk % s == 0 and floats is not None and 4 * floats[i] <= limit:
+            return s
+    return kt
+
+
 def tiles(P: int, N: int, backend: str) -> tuple[int, int] | None:
     """``(chunk, kt)``: tokens per chunk and the slice held in threadgroup memory at once, the
     largest (64, 32, 16 tokens; slices of 32, 16, 8) whose steps fit the backend's threadgroup
@@ -108,18 +127,20 @@ def _segment(launch, backend, x, dtp, A, B, C, D, state, out_dtype):
     chunk, kt = tiles(P, N, backend)
     nc = -(-T // chunk)
     ip = mx.array([T, nc], mx.int32)
-    geo = [("P", P), ("N", N), ("H", H), ("G", G), ("C", chunk), ("KT", kt), ("NT", THREADS)]
     f32 = mx.float32
     shared = (lambda floats: 4 * floats) if backend == "cuda" else (lambda floats: 0)
     sf, of = state_floats(P, N, chunk, kt), out_floats(P, chunk, kt)
-    mma = mma_floats(P, N, chunk, kt) if backend == "cuda" and x.dtype == mx.bfloat16 else None
-    if mma is not None:  # the tensor-core path's own bytes (more blocks per SM)
-        sf, of = mma
+    kt1 = kt3 = kt
+    if backend == "cuda" and x.dtype == mx.bfloat16 and mma_floats(P, N, chunk, kt):
+        # the tensor-core path's own slices and bytes (more blocks per SM)
+        kt1, kt3 = (mma_slice(P, N, chunk, kt, backend, k) for k in KERNELS[::2])
+        sf, of = mma_floats(P, N, chunk, kt1)[0], mma_floats(P, N, chunk, kt3)[1]
+    geo = [("P", P), ("N", N), ("H", H), ("G", G), ("C", chunk), ("NT", THREADS)]
     dS, Lc = launch(
         "ssd_chunk_state", backend, shared_memory=shared(sf),
         inputs=[x, dtp, A, B, ip], grid=(THREADS * nc, H, b), threadgroup=(THREADS, 1, 1),
         output_shapes=[(b, nc, H, P, N), (b, nc, H, chunk)], output_dtypes=[f32, f32],
-        template=[("InT", x.dtype)] + geo + [("SF", sf)])
+        template=[("InT", x.dtype)] + geo + [("KT", kt1), ("SF", sf)])
     hpn = H * P * N
     S0, S = launch(
         "ssd_state_pass", backend, inputs=[dS, Lc, state, ip],
@@ -130,7 +151,7 @@ def _segment(launch, backend, x, dtp, A, B, C, D, state, out_dtype):
         "ssd_chunk_out", backend, shared_memory=shared(of),
         inputs=[x, dtp, B, C, D, Lc, S0, ip], grid=(THREADS * nc, H, b),
         threadgroup=(THREADS, 1, 1), output_shapes=[(b, T, H, P)], output_dtypes=[out_dtype],
-        template=[("InT", x.dtype), ("OutT", out_dtype)] + geo + [("SF", of)])
+        template=[("InT", x.dtype), ("OutT", out_dtype)] + geo + [("KT", kt3), ("SF", of)])
     return y, S
 
 
