@@ -75,7 +75,9 @@ def mma_floats(P: int, N: int, chunk: int, kt: int) -> tuple[int, int] | None:
 
 
 #: The largest slice each tensor-core step takes (step 1: tokens, step 3: state columns).
-MMA_SLICE_MAX = {"ssd_chunk_state": 32, "ssd_chunk_out": 32}
+#: H100, one Nemotron-3-Nano layer (bench/results/2026-12-07-h100-session7.md): 64 / 64 took
+#: the op 0.717 -> 0.493 ms at 2,048 tokens, 1.764 -> 1.660 at 8,192 against 32 / 32.
+MMA_SLICE_MAX = {"ssd_chunk_state": 64, "ssd_chunk_out": 64}
 
 
 def mma_slice(P: int, N: int, chunk: int, kt: int, backend: str, step: str) -> int:
