@@ -324,6 +324,34 @@ def test_cuda_twin_mma_slices(case, slices, monkeypatch):
     assert launched == want
 
 
+@pytest.mark.parametrize("case", [KERNEL_CASES[1], KERNEL_CASES[3], KERNEL_CASES[6]], ids=str)
+def test_state_pass_vec4(case, monkeypatch):
+    """Step 2 with four state elements a thread (msl.STATE_VEC) on the MSL emulator and the
+    CUDA twin (emulated), against the float64 recurrence; the twin's element-wise fallback
+    (dS 4 bytes past a 16-byte boundary, under ASan + UBSan) bit-equal to its 16-byte path."""
+    from tests import cuda_emu
+    from mlx_bricks.bricks.ssd import cuda as ssd_cuda
+    from mlx_bricks.bricks.ssd.op import run_kernel
+
+    monkeypatch.setattr(ssd_cuda.msl, "STATE_VEC", {"cuda": 4, "emulator": 4, "metal": 4})
+    _kernel_check(lambda a, dtp, A, m: ssd(**a, mask=m, backend="emulator"), case)
+    if cuda_emu.toolchain() is None:
+        pytest.skip("no host C++ compiler or CUDA headers")
+    monkeypatch.setenv("MLX_BRICKS_CUDA_EMU_SANITIZE", "1")
+    outs = []
+    for offsets in (None, {"ssd_state_pass": {"dS": 4}}):
+        def run(args, dtp, A, mask, offsets=offsets):
+            with cuda_emu.emulated_launches(ssd_cuda, offsets=offsets):
+                out = run_kernel(args["x"], dtp, A, args["B"], args["C"], args["D"],
+                                 args["state"], backend="cuda")
+                mx.eval(out)
+            outs.append(out)
+            return out
+        _kernel_check(run, case)
+    (y0, s0), (y1, s1) = outs
+    assert mx.array_equal(y0, y1) and mx.array_equal(s0, s1)
+
+
 def test_cuda_twin_unaligned_rows(monkeypatch):
     """The tensor-core steps' 16-byte row loads where x, B and C start 2 bytes past a 16-byte
     boundary, and S0 4 bytes past one (the element-wise fallbacks), give the aligned run's

@@ -9,6 +9,10 @@ F=${2:-1}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 cd "$(dirname "$0")"
+# the patched model's tuning decisions measured first, outside ncu (its instrumentation makes
+# the tuner's first measurements take minutes); the profiled run reads them from the cache
+timeout 240 python3 profile_forward.py patched "$T" 0 > "$OUT/tune_$T.log" 2>&1
+echo "tuning rc=$?"
 for w in stock patched; do
   echo "=== $w T=$T ($(date +%T))"
   ncu --profile-from-start off --metrics gpu__time_duration.sum --csv \

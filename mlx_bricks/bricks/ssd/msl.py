@@ -74,6 +74,10 @@ def mma_floats(P: int, N: int, chunk: int, kt: int) -> tuple[int, int] | None:
     return -(-state // 4), -(-out // 4)
 
 
+#: State elements per thread of step 2 by backend (1 or 4: the CUDA twin's 16-byte loads and
+#: stores; unmeasured: 1 until a GPU run shows 4 pays, scripts/gpu/ssd_variants.py).
+STATE_VEC = {"cuda": 1}
+
 #: The largest slice each tensor-core step takes (step 1: tokens, step 3: state columns).
 #: H100, one Nemotron-3-Nano layer (bench/results/2026-12-07-h100-session7.md): 64 / 64 took
 #: the op 0.717 -> 0.493 ms at 2,048 tokens, 1.764 -> 1.660 at 8,192 against 32 / 32.
@@ -143,12 +147,13 @@ def _segment(launch, backend, x, dtp, A, B, C, D, state, out_dtype):
         inputs=[x, dtp, A, B, ip], grid=(THREADS * nc, H, b), threadgroup=(THREADS, 1, 1),
         output_shapes=[(b, nc, H, P, N), (b, nc, H, chunk)], output_dtypes=[f32, f32],
         template=[("InT", x.dtype)] + geo + [("KT", kt1), ("SF", sf)])
-    hpn = H * P * N
+    vec = STATE_VEC.get(backend, 1) if N % 4 == 0 else 1
+    threads = -(-H * P * N // vec)
     S0, S = launch(
         "ssd_state_pass", backend, inputs=[dS, Lc, state, ip],
-        grid=(-(-hpn // THREADS) * THREADS, b, 1), threadgroup=(THREADS, 1, 1),
+        grid=(-(-threads // THREADS) * THREADS, b, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(b, nc, H, P, N), (b, H, P, N)], output_dtypes=[f32, f32],
-        template=[("H", H), ("P", P), ("N", N), ("C", chunk), ("NT", THREADS)])
+        template=[("H", H), ("P", P), ("N", N), ("C", chunk), ("NT", THREADS), ("VEC", vec)])
     (y,) = launch(
         "ssd_chunk_out", backend, shared_memory=shared(of),
         inputs=[x, dtp, B, C, D, Lc, S0, ip], grid=(THREADS * nc, H, b),
