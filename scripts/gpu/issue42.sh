@@ -2,6 +2,9 @@
 # Issue 42's GPU measurements, one benchmark per process (JSON under $OUT, partial results kept),
 # after MLX is installed (scripts/gpu/install.sh). Usage: bash scripts/gpu/issue42.sh STEP...
 #   tests    the SSD and selective-scan twins and the Mamba / attention-mixer patch on cuda
+#   ncu      kernel time per forward of the Nemotron-3-Nano-shaped model at 8,192 (ncu_forward.sh)
+#   variants the SSD twin's geometry variants at 2,048 and 8,192 tokens (ssd_variants.py)
+#   last     a whole-prompt forward against mlx-lm's prefill step (nemotron_last_step.py)
 #   NAME     one benchmark of `python -m mlx_bricks.bench` (e.g. e2e_jamba_4layer_bf16_t2048)
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -11,9 +14,16 @@ LIMIT=${LIMIT:-240}
 for s in "$@"; do
   echo "=== $s ($(date +%T))"
   case $s in
-    tests) timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider -rfE -k "cuda" \
+    tests) timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider -rfE -n 4 -k "cuda" \
              tests/test_ssd.py tests/test_selective_scan.py tests/test_ssm_patch.py > "$OUT/tests.log" 2>&1
            echo "rc=$?"; tail -n 8 "$OUT/tests.log" ;;
+    ncu) OUT="$OUT/ncu" timeout "$LIMIT" bash scripts/gpu/ncu_forward.sh 8192 1 ;;
+    variants) (cd scripts/gpu && timeout "$LIMIT" python3 ssd_variants.py 2048 8192 \
+                 > "$OUT/ssd_variants.jsonl" 2> "$OUT/ssd_variants.err")
+              echo "rc=$?"; cat "$OUT/ssd_variants.jsonl" ;;
+    last) (cd scripts/gpu && timeout "$LIMIT" python3 nemotron_last_step.py 2048 8192 \
+             > "$OUT/last_step.jsonl" 2> "$OUT/last_step.err")
+          echo "rc=$?"; cat "$OUT/last_step.jsonl" ;;
     *) timeout "$LIMIT" python3 -m mlx_bricks.bench --backend cuda --repeats "${REPEATS:-3}" \
          --only "$s" --out "$OUT/$s.json" > "$OUT/$s.log" 2>&1
        echo "rc=$?"; python3 - "$OUT/$s.json" <<'PY' || tail -n 5 "$OUT/$s.log"
