@@ -284,13 +284,28 @@ def test_cuda_twin_emulated(case, segment, monkeypatch):
     _kernel_check(run, case)
 
 
-@pytest.mark.parametrize("slices", [(16, 16), (32, 32), (64, 32)])
-@pytest.mark.parametrize("case", [c for c in KERNEL_CASES if c[6] == BF16 and c[3] % 16 == 0
-                                  and c[5] % 16 == 0], ids=str)
-def test_cuda_twin_mma_slices(case, slices, monkeypatch):
-    """The tensor-core steps with other slices than the default (msl.MMA_SLICE_MAX: 64 and
-    64, the whole chunk in step 1, N in slices of 64 in step 3): 16 and 32 tokens / state
-    columns, and steps 1 and 3 apart, as launched."""
+# the tensor-core cases (bf16, P and N multiples of 16) and the slices steps 1 and 3 take (step
+# 1: the largest dividing the chunk; step 3: the fewest columns past N, then the largest) under
+# MMA_SLICE_MAX (16, 16), (32, 32) and the default (64, 64)
+MMA_SLICE_CASES = {
+    KERNEL_CASES[1]: ((16, 16), (32, 16), (64, 16)),     # N 16
+    KERNEL_CASES[5]: ((16, 16), (32, 16), (64, 48)),     # N 48
+    KERNEL_CASES[6]: ((16, 16), (32, 32), (64, 32)),     # a padded batch
+    KERNEL_CASES[8]: ((16, 16), (32, 32), (64, 32)),     # float32 D
+    (1, 150, 2, 32, 1, 80, BF16, True, True, False): ((16, 16), (32, 16), (64, 16)),
+    (1, 130, 2, 16, 1, 128, BF16, False, True, False): ((16, 16), (32, 32), (64, 64)),
+    (1, 70, 2, 128, 1, 96, BF16, True, True, False): ((16, 16), (32, 32), (32, 48)),  # chunk 32
+    # chunks of 16, step 3's tensor-core slices too large: its scalar tiles (slice 16)
+    (1, 40, 1, 496, 1, 16, BF16, True, True, False): ((16, 16), (16, 16), (16, 16)),
+}
+
+
+@pytest.mark.parametrize("which", range(3), ids=["max16", "max32", "default"])
+@pytest.mark.parametrize("case", list(MMA_SLICE_CASES), ids=str)
+def test_cuda_twin_mma_slices(case, which, monkeypatch):
+    """The tensor-core steps with the slices msl.mma_slice picks (as launched) under three
+    MMA_SLICE_MAX settings, against the float64 recurrence: 16 to 64 tokens in step 1, 16 to
+    64 state columns in step 3 (the last slice partial where it does not divide N)."""
     from tests import cuda_emu
     from mlx_bricks.bricks.ssd import cuda as ssd_cuda
     from mlx_bricks.bricks.ssd.op import run_kernel
@@ -298,9 +313,9 @@ def test_cuda_twin_mma_slices(case, slices, monkeypatch):
     if cuda_emu.toolchain() is None:
         pytest.skip("no host C++ compiler or CUDA headers")
     msl = ssd_cuda.msl
-    monkeypatch.setattr(msl, "MMA_SLICE_MAX", dict(zip(msl.KERNELS[::2], slices)))
-    chunk, _ = msl.tiles(case[3], case[5], "cuda")
-    want = [max(s for s in (16, 32, 64) if s <= top and chunk % s == 0) for top in slices]
+    if which < 2:
+        top = (16, 32)[which]
+        monkeypatch.setattr(msl, "MMA_SLICE_MAX", dict.fromkeys(msl.KERNELS[::2], top))
     launched = []
 
     def run(args, dtp, A, mask):
@@ -321,7 +336,28 @@ def test_cuda_twin_mma_slices(case, slices, monkeypatch):
         return out
 
     _kernel_check(run, case)
-    assert launched == want
+    assert launched == list(MMA_SLICE_CASES[case][which])
+
+
+def test_mma_slices_fit():
+    """Over every P, N (multiples of 16, P x N within MAX_STATE) the slices picked fit the
+    48 KB a CUDA block gets and step 1's divide its chunk; up to P = 256 neither step is left
+    without one (past it step 3's may not fit: scalar tiles)."""
+    from mlx_bricks.bricks.ssd import msl
+
+    for P in range(16, 1025, 16):
+        for N in range(16, msl.MAX_STATE // P + 1, 16):
+            t = msl.tiles(P, N, "cuda")
+            if t is None:
+                continue
+            chunk = t[0]
+            s1, s3 = (msl.mma_slice(P, N, chunk, "cuda", k) for k in msl.KERNELS[::2])
+            assert P > 256 or (s1 is not None and s3 is not None), (P, N)
+            if s1 is not None:
+                assert chunk % s1 == 0, (P, N, s1)
+                assert 4 * msl.mma_floats(P, N, chunk, s1)[0] <= 48 * 1024, (P, N, s1)
+            if s3 is not None:
+                assert 4 * msl.mma_floats(P, N, chunk, s3)[1] <= 48 * 1024, (P, N, s3)
 
 
 @pytest.mark.parametrize("case", [KERNEL_CASES[1], KERNEL_CASES[3], KERNEL_CASES[6]], ids=str)

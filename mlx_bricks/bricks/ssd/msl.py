@@ -84,19 +84,22 @@ STATE_VEC = {"cuda": 1}
 MMA_SLICE_MAX = {"ssd_chunk_state": 64, "ssd_chunk_out": 64}
 
 
-def mma_slice(P: int, N: int, chunk: int, kt: int, backend: str, step: str) -> int:
-    """The slice of the CUDA twin's tensor-core ``step`` (``ssd_chunk_state`` or
-    ``ssd_chunk_out``): the largest multiple of 16 up to its :data:`MMA_SLICE_MAX` that divides
-    ``chunk`` and whose :func:`mma_floats` fit the backend's shared memory (larger: fewer fills
-    and barriers per chunk, more registers), else ``kt`` (the scalar path's)."""
+def mma_slice(P: int, N: int, chunk: int, backend: str, step: str) -> int | None:
+    """The slice of the CUDA twin's tensor-core ``step``, a multiple of 16 up to its
+    :data:`MMA_SLICE_MAX` whose :func:`mma_floats` fit the backend's shared memory, or None
+    (none fits: the step runs scalar tiles). Step 1 (``ssd_chunk_state``) walks the chunk's
+    tokens: the largest that divides ``chunk``. Step 3 (``ssd_chunk_out``) walks N: the one
+    with the fewest columns past N (the last slice's zeros), then the largest (fewer fills and
+    barriers per chunk, more registers)."""
+    if mma_floats(P, N, chunk, 16) is None:  # P, N or chunk not a multiple of 16
+        return None
     limit = SHARED_LIMIT.get(backend, METAL_SHARED_LIMIT)
     i = KERNELS.index(step) // 2  # mma_floats' entry: 0 for step 1, 1 for step 3
-    top = MMA_SLICE_MAX[step]
-    for s in range(top - top % 16, 0, -16):
-        floats = mma_floats(P, N, chunk, s)
-        if chunk % s == 0 and floats is not None and 4 * floats[i] <= limit:
-            return s
-    return kt
+    fits = [s for s in range(16, MMA_SLICE_MAX[step] + 1, 16)
+            if 4 * mma_floats(P, N, chunk, s)[i] <= limit and (i or chunk % s == 0)]
+    if not fits:
+        return None
+    return max(fits) if i == 0 else min(fits, key=lambda s: (-(-N // s) * s, -s))
 
 
 def tiles(P: int, N: int, backend: str) -> tuple[int, int] | None:
@@ -137,10 +140,13 @@ def _segment(launch, backend, x, dtp, A, B, C, D, state, out_dtype):
     shared = (lambda floats: 4 * floats) if backend == "cuda" else (lambda floats: 0)
     sf, of = state_floats(P, N, chunk, kt), out_floats(P, chunk, kt)
     kt1 = kt3 = kt
-    if backend == "cuda" and x.dtype == mx.bfloat16 and mma_floats(P, N, chunk, kt):
-        # the tensor-core path's own slices and bytes (more blocks per SM)
-        kt1, kt3 = (mma_slice(P, N, chunk, kt, backend, k) for k in KERNELS[::2])
-        sf, of = mma_floats(P, N, chunk, kt1)[0], mma_floats(P, N, chunk, kt3)[1]
+    if backend == "cuda" and x.dtype == mx.bfloat16:
+        # the tensor-core path's own slices and bytes (more blocks per SM), step by step
+        s1, s3 = (mma_slice(P, N, chunk, backend, k) for k in KERNELS[::2])
+        if s1 is not None:
+            kt1, sf = s1, mma_floats(P, N, chunk, s1)[0]
+        if s3 is not None:
+            kt3, of = s3, mma_floats(P, N, chunk, s3)[1]
     geo = [("P", P), ("N", N), ("H", H), ("G", G), ("C", chunk), ("NT", THREADS)]
     dS, Lc = launch(
         "ssd_chunk_state", backend, shared_memory=shared(sf),
