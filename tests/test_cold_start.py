@@ -393,10 +393,10 @@ def test_first_token_guard_matches_the_h100_measurements():
 
 def test_saved_per_token_counts_each_piece_kind():
     """The cost model is per model: a Gated DeltaNet mixer adds its own rate (per state
-    element, its projections not counted as linears), dense quantized linears theirs; on the
-    real Qwen3.5-35B-A3B shape (30 Gated DeltaNet layers of 32 x 128 x 128) the bricks pay from
-    a few hundred tokens where the per-GiB rule alone (only the attention layers' linears,
-    the MoE experts being stock on CUDA) said tens of thousands."""
+    element) and its projections that run as linear stages the dense rate, dense quantized
+    linears theirs; on the real Qwen3.5-35B-A3B shape (30 Gated DeltaNet layers of 32 x 128 x
+    128) the bricks pay from a few hundred tokens where the per-GiB rule alone (only the
+    attention layers' linears, the MoE experts being stock on CUDA) said tens of thousands."""
     from mlx_bricks.bricks.gated_delta.kind import SAVED_S_PER_TOKEN_STATE
     from mlx_bricks.nn.gate import model_gate
 
@@ -409,8 +409,14 @@ def test_saved_per_token_counts_each_piece_kind():
     dense = [m for m in modules if m not in gdn]
     assert gdn and dense
     per_state = SAVED_S_PER_TOKEN_STATE["cuda"]
+    # the mixers' big projections run as linear stages (the small in_proj_b / in_proj_a stay
+    # the module's own layers, not counted)
+    stage_bytes = sum(sum(getattr(m[p], n).nbytes for n in ("weight", "scales", "biases"))
+                      for m in gdn for p in ("in_proj_qkv", "in_proj_z", "out_proj"))
+    assert stage_bytes > 0
     want = (sum(per_state * m.num_v_heads * m.head_k_dim * m.head_v_dim for m in gdn)
-            + prior.SAVED_S_PER_TOKEN_GIB["cuda"] * prior.quantized_linear_bytes(dense) / 2**30)
+            + prior.SAVED_S_PER_TOKEN_GIB["cuda"]
+            * (prior.quantized_linear_bytes(dense) + stage_bytes) / 2**30)
     assert prior.saved_s_per_token("cuda", modules) == pytest.approx(want)
     assert prior.saved_s_per_token("metal", modules) == 0  # nothing measured there
     unpatch_model(model)

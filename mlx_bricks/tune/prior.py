@@ -218,22 +218,26 @@ def saved_s_per_token(backend: str, modules) -> float:
       :data:`SAVED_S_PER_TOKEN_GIB` per GiB (:func:`quantized_linear_bytes`);
     * a module whose piece has ``prior_saving(module, backend)`` (a token mixer of
       ``patch.modules.MIXERS``: seconds per token it saves there, from its brick's own
-      measurements, e.g. a Gated DeltaNet layer against stock's token loop); its projections
-      run its own code (stock), so they are not counted as linears.
+      measurements, e.g. a Gated DeltaNet layer against stock's token loop), plus its
+      projections that run as ``linear`` stages (the piece's ``stage_names``: the GEMM brick,
+      tuned as every linear) at the dense rate; the ones it keeps as its own layers (stock)
+      are not counted.
 
     Pieces the prior keeps stock on ``backend`` (MoE experts and microscaled weights on CUDA,
     float weights) add nothing.
     """
-    dense, total = [], 0.0
+    dense, stages, total = [], [], 0.0
     for m in modules:
         piece = getattr(getattr(m, "_bricks_state", None), "piece", None)
         saving = getattr(piece, "prior_saving", None)
         if saving is None:
             dense.append(m)
-        else:
-            total += saving(m, backend)
-    return total + (SAVED_S_PER_TOKEN_GIB.get(backend, 0.0) * quantized_linear_bytes(dense)
-                    / 2**30)
+            continue
+        total += saving(m, backend)
+        names = getattr(piece, "stage_names", None)
+        stages += [m[n] for n in (names(m, None) if names is not None else ())]
+    return total + (SAVED_S_PER_TOKEN_GIB.get(backend, 0.0)
+                    * quantized_linear_bytes(dense + stages) / 2**30)
 
 
 def quantized_linear_bytes(modules) -> int:
