@@ -295,6 +295,7 @@ MMA_SLICE_CASES = {
     (1, 150, 2, 32, 1, 80, BF16, True, True, False): ((16, 16), (32, 16), (64, 16)),
     (1, 130, 2, 16, 1, 128, BF16, False, True, False): ((16, 16), (32, 32), (64, 64)),
     (1, 70, 2, 128, 1, 96, BF16, True, True, False): ((16, 16), (32, 32), (32, 48)),  # chunk 32
+    (1, 45, 1, 128, 1, 128, BF16, True, True, False): ((16, 16), (32, 32), (32, 64)),  # 46 KB
     # chunks of 16, step 3's tensor-core slices too large: its scalar tiles (slice 16)
     (1, 40, 1, 496, 1, 16, BF16, True, True, False): ((16, 16), (16, 16), (16, 16)),
 }
