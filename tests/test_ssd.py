@@ -361,48 +361,14 @@ def test_mma_slices_fit():
                 assert 4 * msl.mma_floats(P, N, chunk, s3)[1] <= 48 * 1024, (P, N, s3)
 
 
-@pytest.mark.parametrize("case", [KERNEL_CASES[1], KERNEL_CASES[3], KERNEL_CASES[6]], ids=str)
-def test_state_pass_vec4(case, monkeypatch):
-    """Step 2 with four state elements a thread (msl.STATE_VEC) on the MSL emulator and the
-    CUDA twin (emulated), against the float64 recurrence; the twin's element-wise fallback
-    (dS 4 bytes past a 16-byte boundary, under ASan + UBSan) bit-equal to its 16-byte path."""
+def _shifted_inputs_bit_equal(case, shift):
+    """The emulated twin on ``case`` as launched and with the inputs of ``shift`` (kernel name
+    -> {input name: bytes past a 64-byte boundary}) moved, each against the float64
+    recurrence (``_kernel_check``); the two runs' outputs bit-equal."""
     from tests import cuda_emu
     from mlx_bricks.bricks.ssd import cuda as ssd_cuda
     from mlx_bricks.bricks.ssd.op import run_kernel
 
-    monkeypatch.setattr(ssd_cuda.msl, "STATE_VEC", {"cuda": 4, "emulator": 4, "metal": 4})
-    _kernel_check(lambda a, dtp, A, m: ssd(**a, mask=m, backend="emulator"), case)
-    if cuda_emu.toolchain() is None:
-        pytest.skip("no host C++ compiler or CUDA headers")
-    monkeypatch.setenv("MLX_BRICKS_CUDA_EMU_SANITIZE", "1")
-    outs = []
-    for offsets in (None, {"ssd_state_pass": {"dS": 4}}):
-        def run(args, dtp, A, mask, offsets=offsets):
-            with cuda_emu.emulated_launches(ssd_cuda, offsets=offsets):
-                out = run_kernel(args["x"], dtp, A, args["B"], args["C"], args["D"],
-                                 args["state"], backend="cuda")
-                mx.eval(out)
-            outs.append(out)
-            return out
-        _kernel_check(run, case)
-    (y0, s0), (y1, s1) = outs
-    assert mx.array_equal(y0, y1) and mx.array_equal(s0, s1)
-
-
-def test_cuda_twin_unaligned_rows(monkeypatch):
-    """The tensor-core steps' 16-byte row loads where x, B and C start 2 bytes past a 16-byte
-    boundary, and S0 4 bytes past one (the element-wise fallbacks), give the aligned run's
-    outputs bit for bit; under ASan + UBSan, so a vector load on a misaligned row fails."""
-    from tests import cuda_emu
-    from mlx_bricks.bricks.ssd import cuda as ssd_cuda
-    from mlx_bricks.bricks.ssd.op import run_kernel
-
-    if cuda_emu.toolchain() is None:
-        pytest.skip("no host C++ compiler or CUDA headers")
-    monkeypatch.setenv("MLX_BRICKS_CUDA_EMU_SANITIZE", "1")
-    case = (1, 150, 4, 32, 2, 48, BF16, True, True, False)  # 3 chunks, N past a slice
-    shift = {"ssd_chunk_state": {"x": 2, "Bm": 2},
-             "ssd_chunk_out": {"x": 2, "Bm": 2, "Cm": 2, "S0": 4}}
     outs = []
     for offsets in (None, shift):
         def run(args, dtp, A, mask, offsets=offsets):
@@ -415,6 +381,37 @@ def test_cuda_twin_unaligned_rows(monkeypatch):
         _kernel_check(run, case)
     (y0, s0), (y1, s1) = outs
     assert mx.array_equal(y0, y1) and mx.array_equal(s0, s1)
+
+
+@pytest.mark.parametrize("case", [KERNEL_CASES[1], KERNEL_CASES[3], KERNEL_CASES[6]], ids=str)
+def test_state_pass_vec4(case, monkeypatch):
+    """Step 2 with four state elements a thread (msl.STATE_VEC) on the MSL emulator and the
+    CUDA twin (emulated), against the float64 recurrence; the twin's element-wise fallback
+    (dS 4 bytes past a 16-byte boundary, under ASan + UBSan) bit-equal to its 16-byte path."""
+    from tests import cuda_emu
+    from mlx_bricks.bricks.ssd import cuda as ssd_cuda
+
+    monkeypatch.setattr(ssd_cuda.msl, "STATE_VEC", {"cuda": 4, "emulator": 4, "metal": 4})
+    _kernel_check(lambda a, dtp, A, m: ssd(**a, mask=m, backend="emulator"), case)
+    if cuda_emu.toolchain() is None:
+        pytest.skip("no host C++ compiler or CUDA headers")
+    monkeypatch.setenv("MLX_BRICKS_CUDA_EMU_SANITIZE", "1")
+    _shifted_inputs_bit_equal(case, {"ssd_state_pass": {"dS": 4}})
+
+
+def test_cuda_twin_unaligned_rows(monkeypatch):
+    """The tensor-core steps' 16-byte row loads where x, B and C start 2 bytes past a 16-byte
+    boundary, and S0 4 bytes past one (the element-wise fallbacks), give the aligned run's
+    outputs bit for bit; under ASan + UBSan, so a vector load on a misaligned row fails."""
+    from tests import cuda_emu
+
+    if cuda_emu.toolchain() is None:
+        pytest.skip("no host C++ compiler or CUDA headers")
+    monkeypatch.setenv("MLX_BRICKS_CUDA_EMU_SANITIZE", "1")
+    case = (1, 150, 4, 32, 2, 48, BF16, True, True, False)  # 3 chunks, N past a slice
+    shift = {"ssd_chunk_state": {"x": 2, "Bm": 2},
+             "ssd_chunk_out": {"x": 2, "Bm": 2, "Cm": 2, "S0": 4}}
+    _shifted_inputs_bit_equal(case, shift)
 
 
 @pytest.mark.parametrize("dtype", [BF16, F32])
