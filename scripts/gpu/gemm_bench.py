@@ -44,6 +44,12 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
 SHAPES = {"qo": (4096, 4096), "kv": (1024, 4096), "gate_up": (14336, 4096),
           "down": (4096, 14336)}
 M_SIZES = (2048, 8192, 512)
+#: ``--model lfm2``: LFM2-1.2B's projections (conv in / out, q / o, k / v, MLP) at M = 2,048,
+#: and the dequant composite also at the cap the 4-layer benchmark model gets (1/32 of its
+#: weights, 12.4 MiB).
+LFM2_SHAPES = {"conv_in": (6144, 2048), "qo": (2048, 2048), "kv": (512, 2048),
+               "gate_up": (8192, 2048), "down": (2048, 8192)}
+SMALL_CAP = None
 FORMATS = ((4, 64), (8, 64))
 #: The previous CUDA twin's best tile on the H200 (docs/bench.md), for reference.
 OLD_TILE = "wg128x256"
@@ -167,7 +173,11 @@ def linear_cases(bench: Bench):
     from mlx_bricks.bricks.gemm.kind import LINEAR
 
     dtype = mx.bfloat16
+    from mlx_bricks.options import CAP_SETTING
+
     dequant = next(c for c in LINEAR.composites if c.name == "dequant").bind({})
+    small = (None if SMALL_CAP is None else next(
+        c for c in LINEAR.composites if c.name == "dequant").bind({CAP_SETTING: SMALL_CAP}))
     for bits, gs in FORMATS:
         for M in M_SIZES:
             for sname, (N, K) in SHAPES.items():
@@ -184,6 +194,9 @@ def linear_cases(bench: Bench):
                         "composite_dequant": lambda: dequant.run({"x": x, "weight": qw}, "cuda"),
                         f"twin_{OLD_TILE}": lambda: gemm_cuda.linear(x, qw, tile=OLD_TILE),
                     }
+                    if small is not None:
+                        variants["composite_dequant_small_cap"] = lambda: small.run(
+                            {"x": x, "weight": qw}, "cuda")
                     for t in gemm_cuda.tile_names(gemm_cuda.WS_TILES, bits=bits):
                         variants[f"ws_{t}"] = lambda t=t: gemm_cuda.linear(x, qw, tile=t)
                     return variants, ref, {"M": M, "N": N, "K": K, "weights": f"q{bits}g{gs}"}
@@ -304,7 +317,14 @@ def main(argv=None):
                    help="seconds after which the remaining cases are skipped")
     p.add_argument("--only", nargs="*", default=[], help="substrings of case names to run")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--model", choices=("llama8b", "lfm2"), default="llama8b",
+                   help="whose projections: Llama-3-8B's (default) or LFM2-1.2B's at M 2,048")
     a = p.parse_args(argv)
+    global SHAPES, M_SIZES, SMALL_CAP, FORMATS
+    groups = (linear_cases, swiglu_cases, moe_cases)
+    if a.model == "lfm2":  # 4-bit gs64, no MoE
+        SHAPES, M_SIZES, SMALL_CAP, FORMATS = LFM2_SHAPES, (2048,), 12998920, ((4, 64),)
+        groups = groups[:2]
     import mlx.core as mx
 
     if not mx.cuda.is_available():
@@ -312,7 +332,7 @@ def main(argv=None):
         return 2
     bench = Bench(a.out, a.budget, a.only, a.repeats)
     print(f"device {bench.doc['device']}, peak {bench.peak} TFLOP/s, mlx {mx.__version__}")
-    for group in (linear_cases, swiglu_cases, moe_cases):
+    for group in groups:
         try:
             group(bench)
         except Exception as e:  # noqa: BLE001
