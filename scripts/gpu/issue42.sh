@@ -5,6 +5,10 @@
 #   ncu      kernel time per forward of the Nemotron-3-Nano-shaped model at 8,192 (ncu_forward.sh)
 #   variants the SSD twin's geometry variants at 2,048 and 8,192 tokens (ssd_variants.py)
 #   last     a whole-prompt forward against mlx-lm's prefill step (nemotron_last_step.py)
+#   gemm-lfm2     LFM2-1.2B's 4-bit projections at M 2,048: ws tiles, stock qmm, cuBLAS bf16,
+#                 the dequant composite at 256 and 12.4 MiB caps (gemm_bench.py --model lfm2)
+#   overhead-lfm2 the 4-bit LFM2-shaped forward's graph building vs evaluation (tunes first)
+#   ncu-lfm2      its kernels per forward at 2,048, stock and patched (ncu_forward.sh)
 #   NAME     one benchmark of `python -m mlx_bricks.bench` (e.g. e2e_jamba_4layer_bf16_t2048)
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -18,6 +22,13 @@ for s in "$@"; do
              tests/test_ssd.py tests/test_selective_scan.py tests/test_ssm_patch.py > "$OUT/tests.log" 2>&1
            echo "rc=$?"; tail -n 8 "$OUT/tests.log" ;;
     ncu) OUT="$OUT/ncu" timeout "$LIMIT" bash scripts/gpu/ncu_forward.sh 8192 1 ;;
+    gemm-lfm2) MLX_ENABLE_TF32=0 timeout "$LIMIT" python3 scripts/gpu/gemm_bench.py --model lfm2 \
+                 --budget $((LIMIT - 40)) --out "$OUT/gemm_lfm2.json" > "$OUT/gemm_lfm2.log" 2>&1
+               echo "rc=$?"; grep -v "^ " "$OUT/gemm_lfm2.log" | cut -c1-110 | tail -n 45 ;;
+    overhead-lfm2) (cd scripts/gpu && MODEL=lfm2_q4 timeout "$LIMIT" python3 forward_overhead.py \
+                     2048 > "$OUT/overhead_lfm2.json" 2> "$OUT/overhead_lfm2.err")
+                   echo "rc=$?"; cat "$OUT/overhead_lfm2.json"; tail -n 3 "$OUT/overhead_lfm2.err" ;;
+    ncu-lfm2) MODEL=lfm2_q4 OUT="$OUT/ncu_lfm2" timeout "$LIMIT" bash scripts/gpu/ncu_forward.sh 2048 1 ;;
     variants) (cd scripts/gpu && timeout "$LIMIT" python3 ssd_variants.py 2048 8192 \
                  > "$OUT/ssd_variants.jsonl" 2> "$OUT/ssd_variants.err")
               echo "rc=$?"; cat "$OUT/ssd_variants.jsonl" ;;
