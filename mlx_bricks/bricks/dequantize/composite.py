@@ -19,7 +19,7 @@ the dequantizer allocates besides it (:data:`MX_CPU_BYTES`: the tiled ``mx.dequa
 CPU holds 7 to 57 times a float16 tile), gate and up side by side counted together. The tiles
 are made one after the other: each tile's packed rows wait, through ``mx.depends``, for the
 product of the tile before. A tile has at least one row: a cap below one row's bytes is
-rounded up to one row.
+rounded up to one row. The tiles a weight needs split its rows evenly (within one row).
 """
 from __future__ import annotations
 
@@ -279,9 +279,10 @@ class DenseTiles:
         if self.gemm == "blas":
             return self._blas_linear(x, weights, biases, finish)
         rows = max(1, min(N, int(self.cap // max(1.0, K * self._value_bytes(weights, dtype)))))
+        n_tiles = -(-N // rows)  # the fewest tiles, their rows within one of each other
         outs = []
-        for n0 in range(0, N, rows):
-            n1 = min(N, n0 + rows)
+        for i in range(n_tiles):  # (no small last GEMM)
+            n0, n1 = i * N // n_tiles, (i + 1) * N // n_tiles
             parts = [_rows(wt, n0, n1) for wt in weights]
             # Wait for the tile before (one tile alive at a time); the first tile waits for x,
             # so no layer's weights are dequantized before the layers ahead of it have run.
