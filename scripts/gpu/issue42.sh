@@ -9,6 +9,8 @@
 #                 the dequant composite at 256 and 12.4 MiB caps (gemm_bench.py --model lfm2)
 #   overhead-lfm2 the 4-bit LFM2-shaped forward's graph building vs evaluation (tunes first)
 #   ncu-lfm2      its kernels per forward at 2,048, stock and patched (ncu_forward.sh)
+#   lfm2-cap      its benchmark (2,048 tokens) tuned afresh with the dequant cap at CAP MiB
+#                 (default 64) in a copy of the home without its tuning decisions
 #   NAME     one benchmark of `python -m mlx_bricks.bench` (e.g. e2e_jamba_4layer_bf16_t2048)
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -28,6 +30,10 @@ for s in "$@"; do
     overhead-lfm2) (cd scripts/gpu && MODEL=lfm2_q4 timeout "$LIMIT" python3 forward_overhead.py \
                      2048 > "$OUT/overhead_lfm2.json" 2> "$OUT/overhead_lfm2.err")
                    echo "rc=$?"; cat "$OUT/overhead_lfm2.json"; tail -n 3 "$OUT/overhead_lfm2.err" ;;
+    lfm2-cap) h=$(python3 -c "from mlx_bricks.home import home; print(home())")
+              rm -rf /tmp/hcap && cp -r "$h" /tmp/hcap && rm -rf /tmp/hcap/tune
+              MLX_BRICKS_HOME=/tmp/hcap MLX_BRICKS_DEQUANT_CAP=${CAP:-64} OUT="$OUT/cap${CAP:-64}" \
+                LIMIT=$LIMIT bash "$0" e2e_lfm2_1b_4layer_bf16_q4g64_t2048 ;;
     ncu-lfm2) MODEL=lfm2_q4 OUT="$OUT/ncu_lfm2" timeout "$LIMIT" bash scripts/gpu/ncu_forward.sh 2048 1 ;;
     variants) (cd scripts/gpu && timeout "$LIMIT" python3 ssd_variants.py 2048 8192 \
                  > "$OUT/ssd_variants.jsonl" 2> "$OUT/ssd_variants.err")
