@@ -190,7 +190,9 @@ def test_tiles_of_a_microscaled_weight_stay_under_the_cap(monkeypatch):
     mx.eval(v.run(args, "reference"))
     rows = int(cap // (256 * d.peak(4, mx.float16, "mxfp4")))
     assert rows * 256 * d.peak(4, mx.float16, "mxfp4") <= cap and N // rows >= 3
-    assert tiles == [(rows, "mxfp4")] * (N // rows) + ([(N % rows, "mxfp4")] if N % rows else [])
+    k = -(-N // rows)  # the fewest tiles of at most `rows` rows, rows split evenly
+    assert tiles == [((i + 1) * N // k - i * N // k, "mxfp4") for i in range(k)]
+    assert max(r for r, _ in tiles) - min(r for r, _ in tiles) <= 1
 
 
 @pytest.mark.parametrize("mode", MICRO)
