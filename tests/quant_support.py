@@ -112,6 +112,13 @@ def dequant64(w) -> np.ndarray:
     return s * unpack64(w) + b
 
 
+def even_tiles(n: int, most: int) -> list[int]:
+    """The rows of each tile the dequant composites split ``n`` rows into: the fewest tiles of
+    at most ``most`` rows, within one row of each other."""
+    k = -(-n // most)
+    return [(i + 1) * n // k - i * n // k for i in range(k)]
+
+
 def dequant(w):
     """The same-dtype weight MLX would multiply by: ``mx.dequantize`` (float: as is)."""
     return w.dequantize() if isinstance(w, QuantizedWeight) else w

@@ -20,7 +20,7 @@ from mlx_bricks.bricks.gemm.kind import LINEAR
 from mlx_bricks.bricks.norm_qkv.kind import RMS_NORM_QKV
 from mlx_bricks.bricks.swiglu.kind import SWIGLU_MLP
 from mlx_bricks.formats.affine import QuantizedWeight
-from tests.quant_support import DTYPES, dequant64, mlp_case, product, randn, weight
+from tests.quant_support import DTYPES, dequant64, even_tiles, mlp_case, product, randn, weight
 from tests.support import require_backend
 from tests.tolerance import assert_dtype_close, to_f64
 
@@ -260,11 +260,7 @@ def test_tiles_never_exceed_the_cap(monkeypatch, how, backend):
     per_row_gu = 128 * (2 * peak(4, dt) + 2 * (4 / 8 + 2 * 2 / 64))
     rows_gu = int(cap // per_row_gu)
     rows_d = int(cap // (F * peak(8, dt)))
-
-    def even(n, most):  # the fewest tiles of at most `most` rows, rows split evenly
-        k = -(-n // most)
-        return [(i + 1) * n // k - i * n // k for i in range(k)]
-    gu, d = even(F, rows_gu), even(128, rows_d)
+    gu, d = even_tiles(F, rows_gu), even_tiles(128, rows_d)
     assert tiles == ([(2 * r, 128, 4) for r in gu] + [(r, F, 8) for r in d])
     assert len(tiles) > 4
     for rows, K, bits in tiles:
@@ -273,8 +269,8 @@ def test_tiles_never_exceed_the_cap(monkeypatch, how, backend):
     mx.eval(v[f"{name}_split"].run(args, backend))
     rows_1 = int(cap // (128 * peak(4, dt)))
     assert sum(r for r, K, _ in tiles if K == 128) == 2 * F
-    assert max(r for r, K, _ in tiles if K == 128) == max(even(F, rows_1))
-    assert max(even(F, rows_1)) <= rows_1 < F
+    assert max(r for r, K, _ in tiles if K == 128) == max(even_tiles(F, rows_1))
+    assert max(even_tiles(F, rows_1)) <= rows_1 < F
 
 
 def test_a_cap_below_one_row_is_one_row(monkeypatch):

@@ -40,6 +40,7 @@ from mlx_bricks.patch import patch_model
 from tests.quant_support import (
     DTYPES,
     dequant64,
+    even_tiles,
     microscaled,
     mlp_case,
     product,
@@ -190,8 +191,7 @@ def test_tiles_of_a_microscaled_weight_stay_under_the_cap(monkeypatch):
     mx.eval(v.run(args, "reference"))
     rows = int(cap // (256 * d.peak(4, mx.float16, "mxfp4")))
     assert rows * 256 * d.peak(4, mx.float16, "mxfp4") <= cap and N // rows >= 3
-    k = -(-N // rows)  # the fewest tiles of at most `rows` rows, rows split evenly
-    assert tiles == [((i + 1) * N // k - i * N // k, "mxfp4") for i in range(k)]
+    assert tiles == [(r, "mxfp4") for r in even_tiles(N, rows)]
     assert max(r for r, _ in tiles) - min(r for r, _ in tiles) <= 1
 
 

@@ -11,6 +11,7 @@ import time
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from mlx_bricks.bench.ssm import NemotronHShape
 from mlx_bricks.bricks.short_conv.kind import SHORT_CONV
 from mlx_bricks.bricks.ssd.kind import SSD_KIND
 from mlx_bricks.runtime.kind import Act
@@ -59,7 +60,7 @@ def main(T):
     for name, m in (("stock", stock), ("patched", patched)):
         b, r, t = split(forward(m, tokens))
         out.update({f"{name}_build_s": b, f"{name}_eval_s": r, f"{name}_total_s": t})
-    if not hasattr(shape, "state"):  # MODEL=lfm2_q4 (nemotron_models): the split only
+    if not isinstance(shape, NemotronHShape):  # MODEL=lfm2_q4 (nemotron_models): the split only
         print(json.dumps(out), flush=True)
         return
     H, P, G, N = shape.heads, shape.head_dim, shape.groups, shape.state

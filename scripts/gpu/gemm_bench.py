@@ -171,13 +171,12 @@ def linear_cases(bench: Bench):
 
     from mlx_bricks.bricks.gemm import cuda as gemm_cuda
     from mlx_bricks.bricks.gemm.kind import LINEAR
-
-    dtype = mx.bfloat16
     from mlx_bricks.options import CAP_SETTING
 
-    dequant = next(c for c in LINEAR.composites if c.name == "dequant").bind({})
-    small = (None if SMALL_CAP is None else next(
-        c for c in LINEAR.composites if c.name == "dequant").bind({CAP_SETTING: SMALL_CAP}))
+    dtype = mx.bfloat16
+    composite = next(c for c in LINEAR.composites if c.name == "dequant")
+    dequant = composite.bind({})
+    small = None if SMALL_CAP is None else composite.bind({CAP_SETTING: SMALL_CAP})
     for bits, gs in FORMATS:
         for M in M_SIZES:
             for sname, (N, K) in SHAPES.items():
