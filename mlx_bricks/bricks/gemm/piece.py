@@ -9,8 +9,11 @@ layer's ``all_sum``, its bias and the residual once.
 """
 from __future__ import annotations
 
+import mlx.nn as nn
+
 from mlx_bricks.bricks.gemm.kind import LINEAR
 from mlx_bricks.formats.layers import (
+    QUANTIZED_SHARDED,
     bias_of,
     is_row_sharded,
     partial_product,
@@ -57,10 +60,36 @@ def stage_names(module, names, dtype) -> tuple[str, ...]:
     from mlx_bricks.formats.layers import linear_reason
 
     dispatch = getattr(module.__dict__.get("_bricks_state"), "dispatch", None)
-    return tuple(n for n in names
-                 if linear_reason(n, module.get(n), dtype) is None
-                 and not is_row_sharded(module.get(n))
-                 and (dispatch is None or dispatch.admits([weight_of(module.get(n))])))
+    names = tuple(names)
+    # What the answer depends on, compared by identity: the layers, their weights (a
+    # quantized layer's view is itself kept while its arrays are: formats.layers.weight_of),
+    # their biases and the dispatch. Kept in the module's __dict__ (asked once per call).
+    layers = tuple(module.get(n) for n in names)
+    deps = (dispatch,) + tuple(x for m in layers for x in (
+        (m, type(m), _weight_dep(m), m.get("bias")) if isinstance(m, nn.Module) else (m,)))
+    memo = module.__dict__.setdefault(STAGES_MEMO, {})
+    hit = memo.get((names, dtype))
+    if hit is not None and len(hit[0]) == len(deps) and all(
+            a is b for a, b in zip(hit[0], deps)):
+        return hit[1]
+    staged = tuple(n for n, m in zip(names, layers)
+                   if linear_reason(n, m, dtype) is None
+                   and not is_row_sharded(m)
+                   and (dispatch is None or dispatch.admits([weight_of(m)])))
+    memo[(names, dtype)] = (deps, staged)
+    return staged
+
+
+def _weight_dep(layer):
+    """The weight object :func:`stage_names`' answer depends on: a quantized layer's weight
+    view (kept while its arrays are), else the layer's ``weight`` entry (None without one)."""
+    if isinstance(layer, nn.QuantizedLinear) or type(layer) in QUANTIZED_SHARDED:
+        return weight_of(layer)
+    return layer.get("weight")
+
+
+#: Where :func:`stage_names` keeps its answers (the mixer module's ``__dict__``).
+STAGES_MEMO = "_bricks_stages"
 
 
 def run_linear(run, module, name, x):

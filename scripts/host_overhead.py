@@ -1,0 +1,103 @@
+"""Host time of building one prefill graph, stock vs patched, on a machine without a GPU: the
+``cuda`` backend simulated (every kernel launch replaced by lazy zeros of its outputs, as
+``mlx_bricks.cudacheck.recorded_launches`` does; the first-call guard passed), the patched
+model's decisions taken from a GPU run's benchmark JSON (``--decisions``) or, without one, the
+ops' own rules (``tune="off"``). What it measures is the Python and MLX graph-building time that
+``mlx_lm.generate`` spends before each prefill chunk is evaluated (the GPU idles meanwhile).
+
+Usage: python scripts/host_overhead.py [--model lfm2|llama] [--tokens 2047]
+       [--decisions bench/results/2026-12-07-h100-session8/e2e_lfm2_..._run1.json] [--profile]
+Prints one JSON line: median milliseconds of each side (interleaved runs), launches per forward.
+"""
+import argparse
+import collections
+import cProfile
+import importlib
+import json
+import pstats
+import statistics
+import time
+
+import mlx.core as mx
+
+from mlx_bricks import backends, kernels
+from mlx_bricks.cuda import toolchain
+
+LAUNCHING = ("gated_delta.msl", "gemm.msl", "gemm.cuda", "selective_scan.cuda", "dequantize.msl",
+             "dequantize.cuda", "decode.op", "swiglu.msl", "swiglu.cuda", "moe.msl", "moe.cuda",
+             "ssd.cuda", "short_conv.cuda", "norm_qkv.msl", "norm_qkv.cuda")
+
+
+def simulate_cuda(launches: collections.Counter) -> None:
+    """Make this process believe it has an sm_90 GPU whose kernels return zeros."""
+    backends.cuda_capability = toolchain.cuda_capability = lambda: (9, 0)
+    backends._status_cache["cuda"] = backends.Availability(True, "simulated")
+    backends._status_cache["metal"] = backends.Availability(False, "simulated")
+
+    def fake(name, backend, *, output_shapes, output_dtypes, **_):
+        launches[name] += 1
+        return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+    for m in LAUNCHING:
+        importlib.import_module(f"mlx_bricks.bricks.{m}").launch = fake
+    kernels.launch = fake
+    from mlx_bricks.runtime import guard
+    guard.GUARD.run = lambda kind, variant, args, backend, key, stock: (
+        kind.run(variant, args, backend), None)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=("lfm2", "llama"), default="lfm2")
+    ap.add_argument("--tokens", type=int, default=2047)
+    ap.add_argument("--decisions", help="a benchmark JSON with the patched run's decisions")
+    ap.add_argument("--repeats", type=int, default=40)
+    ap.add_argument("--profile", action="store_true", help="also print a cProfile listing")
+    a = ap.parse_args()
+    launches = collections.Counter()
+    simulate_cuda(launches)
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_bricks.bench.e2e import LLAMA_8B_4LAYER, _models
+    from mlx_bricks.bench.ssm import LFM2_1B_4LAYER
+    from mlx_bricks.patch import patch_model
+    from mlx_bricks.tune.tuner import Decision
+
+    shape = {"lfm2": LFM2_1B_4LAYER, "llama": LLAMA_8B_4LAYER}[a.model]
+    stock, patched = _models(shape, "bf16", (4, 64))
+    report = patch_model(patched, backend="cuda", tune="auto" if a.decisions else "off")
+    if a.decisions:
+        for d in json.load(open(a.decisions))["results"][0]["tuning"]["decisions"]:
+            report.dispatch.decisions[d["key"]] = Decision.from_dict(d["key"], d)
+    tokens = mx.random.randint(0, 1000, (1, a.tokens), key=mx.random.key(0))
+
+    def build(model):
+        cache = make_prompt_cache(model)
+        model(tokens, cache=cache)
+        return [c.state for c in cache]
+
+    sides = {"stock": lambda: build(stock), "patched": lambda: build(patched)}
+    times = {k: [] for k in sides}
+    launches.clear()
+    for f in sides.values():
+        f()
+    per_forward = dict(launches)
+    for _ in range(a.repeats):
+        for k, f in sides.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    ms = {k: round(1e3 * statistics.median(v), 3) for k, v in times.items()}
+    print(json.dumps({"model": a.model, "tokens": a.tokens, "build_ms": ms,
+                      "patched_over_stock_ms": round(ms["patched"] - ms["stock"], 3),
+                      "launches_per_forward": per_forward}))
+    if a.profile:
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(30):
+            build(patched)
+        pr.disable()
+        pstats.Stats(pr).sort_stats("cumulative").print_stats(40)
+
+
+if __name__ == "__main__":
+    main()
