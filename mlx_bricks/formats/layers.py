@@ -104,26 +104,10 @@ def weight_of(linear):
     affine ``nn.QuantizedLinear`` or a quantized tensor-parallel linear (its local shard), a
     ``MicroscaledWeight`` for one in ``mxfp4`` / ``nvfp4`` / ``mxfp8``."""
     if isinstance(linear, nn.QuantizedLinear) or type(linear) in QUANTIZED_SHARDED:
-        # Built once per layer and reused while the layer holds the same arrays and format (a
-        # patched forward asks for each weight several times per call; 5 us each).
-        arrays = (linear.get("weight"), linear.get("scales"), linear.get("biases"))
-        fmt = (getattr(linear, "group_size", None), getattr(linear, "bits", None),
-               getattr(linear, "mode", MODE))
-        memo = linear.__dict__.get(WEIGHT_MEMO)
-        if memo is not None and memo[1] == fmt and all(a is b for a, b in zip(memo[0], arrays)):
-            return memo[2]
-        if is_microscaled_mode(fmt[2]):
-            w = MicroscaledWeight.from_module(linear)
-        else:
-            w = QuantizedWeight.from_module(linear)
-        linear.__dict__[WEIGHT_MEMO] = (arrays, fmt, w)
-        return w
+        if is_microscaled_mode(getattr(linear, "mode", MODE)):
+            return MicroscaledWeight.from_module(linear)
+        return QuantizedWeight.from_module(linear)
     return linear.weight
-
-
-#: Where :func:`weight_of` keeps a quantized layer's weight view (the layer's ``__dict__``,
-#: not its parameters).
-WEIGHT_MEMO = "_bricks_weight_of"
 
 
 def bias_of(linear):

@@ -24,7 +24,7 @@ from mlx_bricks.bricks.norm_qkv.piece import KIND as RMS_NORM_QKV
 from mlx_bricks.bricks.norm_qkv.piece import rms_norm_reason
 from mlx_bricks.bricks.swiglu.piece import MLP_PIECE
 from mlx_bricks.bricks.swiglu.variants import VARIANT_ENV_VAR, resolve_variant
-from mlx_bricks.formats.layers import WEIGHT_MEMO, linear_reason, weight_of
+from mlx_bricks.formats.layers import linear_reason, weight_of
 from mlx_bricks.formats.q8_0 import KV_QUANTS, QK8_0
 from mlx_bricks.nn import (
     BricksAttention,
@@ -516,7 +516,7 @@ def _route_q8_0_cache(model, report: PatchReport, backend: str) -> None:
 
 #: What the patch keeps in modules' ``__dict__`` besides its state (dropped by
 #: :func:`unpatch_model`).
-MEMOS = (WEIGHT_MEMO, STAGES_MEMO)
+MEMOS = (STAGES_MEMO,)
 
 def unpatch_model(model) -> int:
     """Give every patched module of ``model`` its original class back (stock behaviour).
@@ -530,7 +530,7 @@ def unpatch_model(model) -> int:
         raise TypeError(f"model must be an mlx.nn.Module, got {type(model).__name__}")
     ungate_model(model)  # every patched module back to its bricks class first
     restored = sum(detach(m) for m in model.modules())
-    for m in model.modules():  # the weight views and stage lists the patch kept
+    for m in model.modules():  # the stage lists the patch kept
         for memo in MEMOS:
             m.__dict__.pop(memo, None)
     model.__dict__.pop("_bricks_report", None)

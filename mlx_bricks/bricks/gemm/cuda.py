@@ -202,24 +202,25 @@ def tile_names(tiles: dict = TILES, cc: tuple[int, int] | None = None, weight_op
     """Tiles a GPU of capability ``cc`` (default: this one) can run for a weight format:
     wgmma tiles need sm_90, every tile's shared memory must fit."""
     cc = device_capability() if cc is None else cc
-    # a pure function of its arguments, asked on every call of a brick: kept per tile table
-    # (the entry holds the table, so its id is not reused while the entry lives)
-    key = (id(tiles), len(tiles), cc, weight_operands, bits)
-    hit = _TILE_NAMES.get(key)
-    if hit is not None and hit[0] is tiles:
-        return hit[1]
     limit = max_shared_memory(cc)
+    # asked on every call of a brick: the answer is kept per table, its tiles (the entry
+    # holds both, so no id in the key is reused while it lives) and the limit
+    key = (id(tiles), cc, limit, weight_operands, bits)
+    hit = _TILE_NAMES.get(key)
+    if hit is not None and hit[0] is tiles and len(hit[1]) == len(tiles) and all(
+            k == n and t is v for (k, t), (n, v) in zip(hit[1], tiles.items())):
+        return hit[2]
     names = tuple(n for n, t in tiles.items()
                   if (not t.wgmma or cc[0] == 9) and (bits or 0) <= t.max_bits
                   and (bits in WS_BITS and ws_plan(t, bits, weight_operands, cc) is not None
                        if t.ws else
                        shared_memory_bytes(t, weight_operands, bits) <= limit))
     if len(_TILE_NAMES) < 256:
-        _TILE_NAMES[key] = (tiles, names)
+        _TILE_NAMES[key] = (tiles, tuple(tiles.items()), names)
     return names
 
 
-#: :func:`tile_names`' answers: key -> (the tile table, the names).
+#: :func:`tile_names`' answers: key -> (the tile table, its items, the names).
 _TILE_NAMES: dict = {}
 
 

@@ -9,11 +9,13 @@ layer's ``all_sum``, its bias and the residual once.
 """
 from __future__ import annotations
 
+import weakref
+
+import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_bricks.bricks.gemm.kind import LINEAR
 from mlx_bricks.formats.layers import (
-    QUANTIZED_SHARDED,
     bias_of,
     is_row_sharded,
     partial_product,
@@ -61,31 +63,60 @@ def stage_names(module, names, dtype) -> tuple[str, ...]:
 
     dispatch = getattr(module.__dict__.get("_bricks_state"), "dispatch", None)
     names = tuple(names)
-    # What the answer depends on, compared by identity: the layers, their weights (a
-    # quantized layer's view is itself kept while its arrays are: formats.layers.weight_of),
-    # their biases and the dispatch. Kept in the module's __dict__ (asked once per call).
     layers = tuple(module.get(n) for n in names)
-    deps = (dispatch,) + tuple(x for m in layers for x in (
-        (m, type(m), _weight_dep(m), m.get("bias")) if isinstance(m, nn.Module) else (m,)))
+    # Asked on every call of the mixer: the answer is kept in the module's __dict__ while
+    # what it depends on is unchanged (:func:`_depends`), holding none of it alive.
+    objs, vals = _depends(dispatch, layers)
     memo = module.__dict__.setdefault(STAGES_MEMO, {})
-    hit = memo.get((names, dtype))
-    if hit is not None and len(hit[0]) == len(deps) and all(
-            a is b for a, b in zip(hit[0], deps)):
-        return hit[1]
+    key = (names, str(dtype))
+    hit = memo.get(key)
+    if hit is not None and hit[1] == vals and len(hit[0]) == len(objs) and all(
+            r() is o for r, o in zip(hit[0], objs)):
+        return hit[2]
     staged = tuple(n for n, m in zip(names, layers)
                    if linear_reason(n, m, dtype) is None
                    and not is_row_sharded(m)
                    and (dispatch is None or dispatch.admits([weight_of(m)])))
-    memo[(names, dtype)] = (deps, staged)
+    if objs is not None:
+        memo[key] = (tuple(weakref.ref(o) for o in objs), vals, staged)
     return staged
 
 
-def _weight_dep(layer):
-    """The weight object :func:`stage_names`' answer depends on: a quantized layer's weight
-    view (kept while its arrays are), else the layer's ``weight`` entry (None without one)."""
-    if isinstance(layer, nn.QuantizedLinear) or type(layer) in QUANTIZED_SHARDED:
-        return weight_of(layer)
-    return layer.get("weight")
+#: A layer's arrays :func:`stage_names`' answer depends on (besides the layer itself).
+_ARRAYS = ("weight", "scales", "biases", "bias", "global_scale")
+
+
+def _depends(dispatch, layers):
+    """``(objects, values)`` :func:`stage_names`' answer depends on: the dispatch, the layers
+    and their arrays (compared by identity, through weak references), and the layers' types,
+    formats and arrays' dtypes and shapes (an in-place update keeps an array's identity but
+    may change its dtype), and where the dispatch has composites only, whether MLX runs on
+    the CPU (``Dispatch.admits``). ``(None, None)`` for a layer that is not a module (not
+    kept)."""
+    objs, vals = [dispatch], []
+    if dispatch is not None and getattr(dispatch, "composites_only", False):
+        from mlx_bricks.cpu import on_cpu
+
+        vals.append(on_cpu())
+    for m in layers:
+        if m is None:
+            vals.append(None)
+            continue
+        if not isinstance(m, nn.Module):
+            return None, None
+        objs.append(m)
+        vals.append((type(m), getattr(m, "group_size", None), getattr(m, "bits", None),
+                     getattr(m, "mode", None)))
+        for name in _ARRAYS:
+            a = m.get(name)
+            if isinstance(a, mx.array):
+                objs.append(a)
+                vals.append((name, str(a.dtype), tuple(a.shape)))  # (a Dtype cannot be copied)
+            elif a is not None:
+                return None, None
+    if dispatch is None:
+        objs = objs[1:]
+    return objs, tuple(vals)
 
 
 #: Where :func:`stage_names` keeps its answers (the mixer module's ``__dict__``).
