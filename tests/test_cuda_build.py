@@ -240,6 +240,16 @@ def test_enabled_reads_the_switch(monkeypatch):
     assert cuda_build.enabled() and cuda_build.mode() == "mlx"
     monkeypatch.setenv(cuda_build.ENV_VAR, "Precompiled")
     assert cuda_build.enabled() and cuda_build.mode() == "precompiled"
+    # read at every launch (parsed once per value): a bad value fails each time, a later good
+    # one is seen
+    for _ in range(2):
+        monkeypatch.setenv(cuda_build.ENV_VAR, "sometimes")
+        with pytest.raises(cuda_build.env.EnvError, match="MLX_BRICKS_CUDA_CACHE"):
+            cuda_build.mode()
+    monkeypatch.setenv(cuda_build.ENV_VAR, "off")
+    assert cuda_build.mode() == "off"
+    monkeypatch.delenv(cuda_build.ENV_VAR)
+    assert cuda_build.mode() == "mlx"
 
 
 # ---------------------------------------------------------------------------------------------

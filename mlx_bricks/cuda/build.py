@@ -88,7 +88,17 @@ def mode() -> str:
     Raises:
         env.EnvError: another value.
     """
-    return env.get(ENV_VAR)
+    global _MODE
+    raw = os.environ.get(ENV_VAR)
+    if _MODE is not None and _MODE[0] == raw:  # parsed once per value (read per launch)
+        return _MODE[1]
+    value = env.get(ENV_VAR)
+    _MODE = (raw, value)
+    return value
+
+
+#: ``(raw value, parsed)`` of the last :func:`mode` read.
+_MODE: tuple | None = None
 
 
 def enabled() -> bool:
@@ -394,12 +404,16 @@ class CudaKernel:
         import mlx.core as mx
 
         arrays = [a if isinstance(a, mx.array) else mx.array(a) for a in inputs]
-        key = (route, tuple((n, v if isinstance(v, (bool, int)) else _dtype_name(v))
-                            for n, v in template),
-               tuple((a.dtype, a.ndim) for a in arrays), tuple(output_dtypes))
-        if key not in self.variants:
-            self.variants[key] = self._variant(template, arrays, output_dtypes, route)
-        found = self.variants[key]
+        key = (route, tuple(template), tuple((a.dtype, a.ndim) for a in arrays),
+               tuple(output_dtypes))
+        try:  # (ints, bools and dtypes: hashable; anything else by its text)
+            found = self.variants.get(key, _MISSING)
+        except TypeError:
+            key = (route, tuple((n, v if isinstance(v, (bool, int)) else _dtype_name(v))
+                                for n, v in template), key[2], key[3])
+            found = self.variants.get(key, _MISSING)
+        if found is _MISSING:
+            found = self.variants[key] = self._variant(template, arrays, output_dtypes, route)
         if found is None:
             return self.stock()(**kw)
         unit, cubin = found
@@ -410,6 +424,10 @@ class CudaKernel:
             threadgroup=tuple(threadgroup), shared_memory=self.shared_memory,
             init_value=init_value, ensure_row_contiguous=self.ensure_row_contiguous,
             stream=stream)
+
+
+#: A variant :class:`CudaKernel` has not looked up yet.
+_MISSING = object()
 
 
 # ---------------------------------------------------------------------------------------------
