@@ -89,9 +89,9 @@ def mode() -> str:
         env.EnvError: another value.
     """
     global _MODE
-    raw = os.environ.get(ENV_VAR)
-    if _MODE is not None and _MODE[0] == raw:  # parsed once per value (read per launch)
-        return _MODE[1]
+    raw, memo = os.environ.get(ENV_VAR), _MODE  # (one read of the pair: threads rebind it)
+    if memo is not None and memo[0] == raw:  # parsed once per value (read per launch)
+        return memo[1]
     value = env.get(ENV_VAR)
     _MODE = (raw, value)
     return value
