@@ -155,8 +155,10 @@ def backend_status(name: str) -> Availability:
 
 
 def clear_status_cache() -> None:
-    """Forget probed availability (for tests that change the environment)."""
+    """Forget probed availability and the device's compute capability (for tests that change
+    the environment)."""
     _status_cache.clear()
+    cuda_capability.cache_clear()
 
 
 def available_backends() -> dict[str, Availability]:

@@ -13,6 +13,7 @@ MLX's own device headers are not installed with its wheel (they live inside ``li
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import re
 import sys
@@ -38,8 +39,11 @@ class CompileError(RuntimeError):
 MIN_CUDA_CAPABILITY = (8, 0)
 
 
+@functools.lru_cache(maxsize=1)
 def cuda_capability() -> tuple[int, int] | None:
-    """``(major, minor)`` of the default CUDA device as MLX reports it, or None without one."""
+    """``(major, minor)`` of the default CUDA device as MLX reports it, or None without one.
+    Asked once per process (``mx.device_info`` costs ~12 us and the GEMM twins ask per launch);
+    ``cuda_capability.cache_clear()`` forgets it."""
     import mlx.core as mx
 
     cuda = getattr(mx, "cuda", None)
