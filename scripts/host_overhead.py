@@ -14,32 +14,35 @@ import collections
 import cProfile
 import importlib
 import json
+import pkgutil
 import pstats
 import statistics
+import sys
 import time
 
 import mlx.core as mx
 
-from mlx_bricks import backends, kernels
+from mlx_bricks import backends, cudacheck, kernels
 from mlx_bricks.cuda import toolchain
 
-LAUNCHING = ("gated_delta.msl", "gemm.msl", "gemm.cuda", "selective_scan.cuda", "dequantize.msl",
-             "dequantize.cuda", "decode.op", "swiglu.msl", "swiglu.cuda", "moe.msl", "moe.cuda",
-             "ssd.cuda", "short_conv.cuda", "norm_qkv.msl", "norm_qkv.cuda")
+def launching_modules() -> list:
+    """``mlx_bricks.kernels`` and every brick module holding its ``launch`` (``from
+    mlx_bricks.kernels import launch``): what ``cudacheck.recorded_launches`` must replace."""
+    import mlx_bricks.bricks as bricks
+
+    for info in pkgutil.walk_packages(bricks.__path__, "mlx_bricks.bricks."):
+        importlib.import_module(info.name)
+    return [kernels] + [m for n, m in sorted(sys.modules.items())
+                        if n.startswith("mlx_bricks.bricks.")
+                        and getattr(m, "launch", None) is kernels.launch]
 
 
-def simulate_cuda(launches: collections.Counter) -> None:
-    """Make this process believe it has an sm_90 GPU whose kernels return zeros."""
+def simulate_cuda() -> None:
+    """Make this process believe it has an sm_90 GPU (launches: ``recorded_launches``), its
+    first-call guard passing every brick."""
     backends.cuda_capability = toolchain.cuda_capability = lambda: (9, 0)
     backends._status_cache["cuda"] = backends.Availability(True, "simulated")
     backends._status_cache["metal"] = backends.Availability(False, "simulated")
-
-    def fake(name, backend, *, output_shapes, output_dtypes, **_):
-        launches[name] += 1
-        return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
-    for m in LAUNCHING:
-        importlib.import_module(f"mlx_bricks.bricks.{m}").launch = fake
-    kernels.launch = fake
     from mlx_bricks.runtime import guard
     guard.GUARD.run = lambda kind, variant, args, backend, key, stock: (
         kind.run(variant, args, backend), None)
@@ -53,8 +56,13 @@ def main():
     ap.add_argument("--repeats", type=int, default=40)
     ap.add_argument("--profile", action="store_true", help="also print a cProfile listing")
     a = ap.parse_args()
-    launches = collections.Counter()
-    simulate_cuda(launches)
+    simulate_cuda()
+    with cudacheck.recorded_launches(*launching_modules()) as records:
+        measure(a, records)
+
+
+def measure(a, records: list) -> None:
+    """The builds of :func:`main`'s arguments ``a``; ``records``: the launches recorded."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_bricks.bench.e2e import LLAMA_8B_4LAYER, _models
@@ -77,10 +85,11 @@ def main():
 
     sides = {"stock": lambda: build(stock), "patched": lambda: build(patched)}
     times = {k: [] for k in sides}
-    launches.clear()
     for f in sides.values():
         f()
-    per_forward = dict(launches)
+    records.clear()
+    build(patched)
+    per_forward = dict(collections.Counter(r.name for r in records))
     for _ in range(a.repeats):
         for k, f in sides.items():
             t0 = time.perf_counter()

@@ -518,6 +518,7 @@ def _route_q8_0_cache(model, report: PatchReport, backend: str) -> None:
 #: :func:`unpatch_model`).
 MEMOS = (STAGES_MEMO,)
 
+
 def unpatch_model(model) -> int:
     """Give every patched module of ``model`` its original class back (stock behaviour).
 
