@@ -46,6 +46,29 @@ DEFAULT_CAP_MIB = 256
 #: 4-layer hidden-512 4-bit model on the CPU peaked 1.12x stock with whole weights dequantized
 #: at once (0.126 vs 0.113 GB, 2026-12-05) and 0.99x with 2 MiB tiles, at the same speed.
 DEFAULT_CAP_FRACTION = 32
+#: The dispatch setting that marks the cap as the user's (``patch_model(dequant_cap=...)`` or
+#: ``MLX_BRICKS_DEQUANT_CAP``): True keeps it strict; False (a default cap) lets
+#: :func:`call_cap` raise it per call on :data:`QUEUED_BACKENDS`. Absent: strict.
+CAP_STRICT_SETTING = "dequant_cap_strict"
+#: Backends whose device runs behind the host: every buffer a queued command uses stays alive
+#: until the command has run, so the dequantized tiles are bounded while queued (``InFlight``
+#: in ``bricks/dequantize/composite.py``), and each bound is a wait of the host on the device.
+QUEUED_BACKENDS = ("cuda", "metal")
+
+
+def call_cap(cap: int, strict: bool, backend: str, out_bytes: int) -> int:
+    """The cap of one call in bytes: ``cap``, or, where the cap is a default (``strict``
+    False) and ``backend`` queues (:data:`QUEUED_BACKENDS`), at least ``out_bytes``, the
+    bytes the call's products write. A transient weight no larger than the output the call
+    allocates anyway at most doubles the call's own memory, while tiles under a model-sized
+    cap cost a host wait each: on an H100 a 2,048-row LFM2 MLP (12.4 MiB default cap, 4-bit)
+    ran its dequantize-then-GEMM composite in 0.80-0.87 ms tiled against 0.34 ms with whole
+    weights and stock's 1.11 ms (bench/results/2026-12-07-h100-session9.md). The CPU keeps the
+    cap: its tiles run in order with no wait, and whole weights there cost memory, no time.
+    """
+    if strict or backend not in QUEUED_BACKENDS:
+        return cap
+    return max(cap, int(out_bytes))
 
 
 def parse_cap(value, name: str) -> int:

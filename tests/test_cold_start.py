@@ -328,6 +328,11 @@ def test_tuner_refuses_a_variant_over_stock_peak_plus_the_cap():
     assert d.variants["lean"]["ok"]
     d = tune_op(k, args, "reference", variants=[Variant("hungry", fn=hungry)], budget_s=0.2)
     assert d.variants["hungry"]["ok"]  # no cap: no limit
+    # a cap raised per call (options.call_cap): a function of stock's output bytes
+    seen = []
+    d = tune_op(k, args, "reference", variants=[Variant("hungry", fn=hungry)], budget_s=0.2,
+                memory_cap=lambda out_bytes: seen.append(out_bytes) or 32 * 2**20)
+    assert seen == [64 * 1024 * 4] and d.variants["hungry"]["ok"]
 
 
 def test_server_on_the_cpu_serves_from_the_prior_at_once(monkeypatch):

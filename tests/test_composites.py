@@ -282,6 +282,49 @@ def test_a_cap_below_one_row_is_one_row(monkeypatch):
     assert tiles == [(1, 256, 4)] * 6
 
 
+def test_a_default_cap_grows_to_the_call_output_on_a_gpu(monkeypatch):
+    """A default cap (not the user's) is raised per call to the bytes the call's products
+    write where the device queues (``options.call_cap``): fewer, larger tiles of the same
+    values; the user's cap, and any cap on a backend that does not queue, stay as they are."""
+    tiles, peak = _record_tiles(monkeypatch)
+    dt = mx.float16
+    K, N, M = 128, 96, 64
+    w = weight(N, K, Q4, dt, 1)
+    x = randn((1, M, K), dt, 0)
+    want, naive = to_f64(x) @ dequant64(w).T, product(x, w)
+    cap = 8 << 10
+    per_row = K * peak(4, dt)
+    out_bytes = M * N * dt.size
+    assert cap < out_bytes  # the call writes more than the cap: it grows
+
+    def tile_rows(strict, backend):
+        tiles.clear()
+        y = composite.DenseTiles(cap, "mx", backend, strict=strict).linear(x, (w,), (None,))
+        assert_dtype_close(y, want, naive, dtype=dt, what=backend)
+        composite.IN_FLIGHT.reset()
+        return [r for r, _, _ in tiles]
+
+    assert tile_rows(False, "cuda") == even_tiles(N, int(out_bytes // per_row))
+    for strict, backend in ((True, "cuda"), (True, "reference"), (False, "reference")):
+        assert tile_rows(strict, backend) == even_tiles(N, int(cap // per_row)), (strict, backend)
+    assert int(cap // per_row) < int(out_bytes // per_row)
+
+
+def test_call_cap_and_whose_cap_it_is(monkeypatch):
+    from mlx_bricks.options import call_cap
+
+    assert call_cap(10, False, "cuda", 25) == 25 and call_cap(10, False, "metal", 5) == 10
+    assert call_cap(10, True, "cuda", 25) == 10 and call_cap(10, False, "reference", 25) == 10
+    assert call_cap(10, False, "emulator", 25) == 10
+    monkeypatch.delenv(composite.CAP_ENV_VAR, raising=False)
+    assert not composite.cap_is_strict({})  # the default
+    assert composite.cap_is_strict({composite.CAP_SETTING: 1})  # the patch's, unmarked
+    assert not composite.cap_is_strict({composite.CAP_SETTING: 1,
+                                        composite.CAP_STRICT_SETTING: False})
+    monkeypatch.setenv(composite.CAP_ENV_VAR, "2")
+    assert composite.cap_is_strict({})
+
+
 @pytest.mark.parametrize("fmt", [Q4, Q3])
 def test_cpu_peak_memory_stays_under_the_cap(fmt):
     """On the CPU the tiled mx.dequantize + GEMM holds at most the cap (the output aside)."""

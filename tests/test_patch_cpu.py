@@ -66,6 +66,9 @@ def test_quantized_model_runs_the_composites(dtype):
     calls = report.calls()  # two prefills (the logits, the greedy prompt)
     n = 2 * len(model.layers)
     assert calls["rms_norm_qkv"] == calls["linear"] == calls["swiglu_mlp"] == n
+    from mlx_bricks.options import CAP_SETTING, CAP_STRICT_SETTING
+
+    assert report.dispatch.common == {CAP_SETTING: 1 << 20, CAP_STRICT_SETTING: True}
     text = str(report)
     assert "dequant_cap=1 MiB (argument)" in text
     assert "composites of stock ops (no kernel backend)" in text

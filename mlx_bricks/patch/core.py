@@ -16,7 +16,14 @@ from mlx_bricks.backends import active_backend
 from mlx_bricks.options import KV_CACHES
 from mlx_bricks.bricks.attention.msl import SUPPORTED_HEAD_DIMS
 from mlx_bricks.bricks.attention.piece import KIND as ATTENTION
-from mlx_bricks.bricks.dequantize.composite import CAP_SETTING, MIB, resolve_cap, warm_first_use
+from mlx_bricks.bricks.dequantize.composite import (
+    CAP_SETTING,
+    CAP_STRICT_SETTING,
+    MIB,
+    QUEUED_BACKENDS,
+    resolve_cap,
+    warm_first_use,
+)
 from mlx_bricks.bricks.gemm.piece import KIND as LINEAR
 from mlx_bricks.bricks.gemm.piece import STAGES_MEMO
 from mlx_bricks.bricks.moe.piece import switch_classes
@@ -397,8 +404,10 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
         dequant_cap: the most memory, in MiB (a number > 0, fractions allowed), one row tile
             of a composite's dequantized weight may hold while it is made (the float tile and
             the dequantizer's temporaries); None: ``MLX_BRICKS_DEQUANT_CAP``, else 256 or
-            1/32 of the model's weight bytes (at least 1), whichever is smaller. The
-            report shows it (``options``). See ``bricks/dequantize/composite.py``.
+            1/32 of the model's weight bytes (at least 1), whichever is smaller; a default
+            cap (not this argument's, not the variable's) grows per call on a GPU to the
+            bytes the call's products write (``options.call_cap``). The report shows it
+            (``options``). See ``bricks/dequantize/composite.py``.
         progress: show the tuner's progress bar on stderr (None: when stderr is a terminal).
 
     Returns:
@@ -430,6 +439,9 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
                          f"got {tune!r}")
     cap, cap_source = resolve_cap(dequant_cap, _weight_bytes(model))
     choice = active_backend(backend)
+    strict = cap_source in ("argument", "env")
+    grows = "" if strict or choice.name not in QUEUED_BACKENDS else \
+        "; per call at least the call's output"
     fixed = mlp_variant is not None or bool(os.environ.get(VARIANT_ENV_VAR, "").strip())
     mlp_variant = resolve_variant(mlp_variant, "mlp_variant")
 
@@ -438,7 +450,7 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
     arch, layout = lookup(model_type, model)
     opts = {"attention": attention, "mlp": mlp, "fuse_block": fuse_block, "kv_quant": kv_quant,
             "kv_cache": kv_cache, "mlp_variant": mlp_variant, "tune": tune,
-            "dequant_cap": f"{cap / MIB:g} MiB ({cap_source})"}
+            "dequant_cap": f"{cap / MIB:g} MiB ({cap_source}{grows})"}
     # No kernel backend: only the composites can beat stock (reference is the same math as
     # stock), and only by measurement or the prior; which modules they take: Dispatch.admits
     # (quantized weights, and bfloat16 ones where MLX runs on the CPU).
@@ -448,7 +460,7 @@ def patch_model(model, *, attention=True, mlp=True, fuse_block=True, kv_quant=No
     else:
         dispatch = Dispatch(choice, tune, progress=progress, settings={
             MLP_PIECE.kind.name: {"variant": mlp_variant, "fixed": fixed}},
-            common={CAP_SETTING: cap})
+            common={CAP_SETTING: cap, CAP_STRICT_SETTING: strict})
     report = PatchReport(model_type=model_type, architecture=arch, backend=choice,
                          options=opts, dispatch=dispatch)
     layers = getattr(model, "layers", None)

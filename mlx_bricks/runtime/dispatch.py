@@ -27,7 +27,7 @@ import mlx.core as mx
 
 from mlx_bricks.backends import BackendChoice, neural_accelerators
 from mlx_bricks.kernels import is_built
-from mlx_bricks.options import CAP_SETTING, TUNE_MODES
+from mlx_bricks.options import CAP_SETTING, CAP_STRICT_SETTING, TUNE_MODES, call_cap
 from mlx_bricks.runtime.guard import GUARD
 from mlx_bricks.runtime.kind import Key, Variant
 from mlx_bricks.runtime.kind import kind as kind_of
@@ -184,6 +184,15 @@ class Dispatch:
             self._cache = DecisionCache()
         return self._cache
 
+    def _memory_cap(self):
+        """The tuner's memory bound: the dequantize cap, raised per call as the composites
+        raise it (``options.call_cap`` of stock's output bytes); None without a cap."""
+        cap = self.common.get(CAP_SETTING)
+        if cap is None:
+            return None
+        strict = self.common.get(CAP_STRICT_SETTING, True)
+        return lambda out_bytes: call_cap(cap, strict, self.backend, out_bytes)
+
     def _settings(self, k) -> dict:
         return {**self.common, **self.settings.get(k.name, {})}
 
@@ -248,7 +257,7 @@ class Dispatch:
             return self._decided(
                 full, lambda: tune_op(k, args, self.backend, variants=candidates(),
                                       guard=GUARD, progress=self.progress,
-                                      memory_cap=self.common.get(CAP_SETTING)), usable=usable)
+                                      memory_cap=self._memory_cap()), usable=usable)
         d = self._decided(full, lambda: prior_decision(k, args, candidates(), self.backend,
                                                        full), usable=usable)
         if d.brick and d.source == "cache":

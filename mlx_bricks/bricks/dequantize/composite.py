@@ -20,6 +20,8 @@ CPU holds 7 to 57 times a float16 tile), gate and up side by side counted togeth
 are made one after the other: each tile's packed rows wait, through ``mx.depends``, for the
 product of the tile before. A tile has at least one row: a cap below one row's bytes is
 rounded up to one row. The tiles a weight needs split its rows evenly (within one row).
+A default cap (not the user's) grows per call on a GPU to the bytes the call's products write
+(:func:`~mlx_bricks.options.call_cap`).
 """
 from __future__ import annotations
 
@@ -38,9 +40,12 @@ from mlx_bricks.formats.affine import QuantizedWeight
 from mlx_bricks.formats.microscaling import MicroscaledWeight
 from mlx_bricks.options import (  # noqa: F401  (the cap's vocabulary, re-exported)
     CAP_SETTING,
+    CAP_STRICT_SETTING,
     DEFAULT_CAP_FRACTION,
     DEFAULT_CAP_MIB,
     MIB,
+    QUEUED_BACKENDS,
+    call_cap,
     parse_cap,
 )
 from mlx_bricks.runtime.kind import Composite
@@ -81,6 +86,15 @@ def cap_of(settings: dict) -> int:
     :func:`resolve_cap`'s."""
     cap = settings.get(CAP_SETTING)
     return cap if cap is not None else resolve_cap()[0]
+
+
+def cap_is_strict(settings: dict) -> bool:
+    """Whether the cap of a kind's settings is the user's (never raised per call,
+    :func:`~mlx_bricks.options.call_cap`): the patch's word, else whether
+    :func:`resolve_cap` finds one set (an argument cannot reach here: the environment)."""
+    if CAP_SETTING in settings:
+        return settings.get(CAP_STRICT_SETTING, True)
+    return resolve_cap()[1] == "env"
 
 
 #: Bytes per value of a row tile that the tiled ``mx.dequantize`` + GEMM holds at its peak on
@@ -149,10 +163,9 @@ def _rows(weight, n0: int, n1: int):
     return weight[n0:n1]
 
 
-#: Backends whose device runs behind the host: every buffer a queued command uses stays alive
-#: until the command has run, so a whole forward's dequantized tiles could be alive at once
-#: (H200, 2026-12-04: 1.5-2.9 GB above stock with a 256 MiB cap; docs/bench.md).
-QUEUED_BACKENDS = ("cuda", "metal")
+#: (:data:`~mlx_bricks.options.QUEUED_BACKENDS`: unbounded, a whole forward's dequantized tiles
+#: could be alive at once there: H200, 2026-12-04, 1.5-2.9 GB above stock with a 256 MiB cap;
+#: docs/bench.md.)
 
 
 class InFlight:
@@ -237,10 +250,15 @@ class DenseTiles:
         backend: the resolved backend (the brick's dequantize runs on it).
         gemm: ``"mlx"``: each tile's product is MLX's (lazy); ``"blas"``: NumPy's float32
             product through its BLAS, eagerly (:func:`blas_linear`; for the CPU).
+        strict: ``cap`` is the user's; False: each :meth:`linear` call's cap is
+            :func:`~mlx_bricks.options.call_cap`'s (raised to the call's output bytes on a
+            GPU).
     """
 
-    def __init__(self, cap: int, how: str, backend: str, gemm: str = "mlx"):
+    def __init__(self, cap: int, how: str, backend: str, gemm: str = "mlx",
+                 strict: bool = True):
         self.cap = cap
+        self.strict = strict
         self.dequantizer = DEQUANTIZERS[how]
         self.backend = backend
         self.gemm = gemm
@@ -278,7 +296,9 @@ class DenseTiles:
         N, K = weights[0].shape
         if self.gemm == "blas":
             return self._blas_linear(x, weights, biases, finish)
-        rows = max(1, min(N, int(self.cap // max(1.0, K * self._value_bytes(weights, dtype)))))
+        cap = call_cap(self.cap, self.strict, self.backend,
+                       x.size // max(1, K) * N * len(weights) * dtype.size)
+        rows = max(1, min(N, int(cap // max(1.0, K * self._value_bytes(weights, dtype)))))
         n_tiles = -(-N // rows)  # the fewest tiles, their rows within one of each other
         outs = []
         for i in range(n_tiles):  # (no small last GEMM)
@@ -297,7 +317,7 @@ class DenseTiles:
             outs.append(out)
             self.last = out
             if self.backend in QUEUED_BACKENDS:
-                IN_FLIGHT.queued(out, (n1 - n0) * K * dtype.size * len(weights), self.cap)
+                IN_FLIGHT.queued(out, (n1 - n0) * K * dtype.size * len(weights), cap)
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
 
     def _blas_linear(self, x, weights: tuple, biases: tuple, finish=None):
@@ -440,7 +460,8 @@ def dequant_composites(fn, applies, *, suffix: str = "", kwargs: dict | None = N
     the SwiGLU style, ``{"variant": "fused"}``)."""
     def run(how, gemm="mlx"):
         def composite(args, backend, settings):
-            return fn(args, DenseTiles(cap_of(settings), how, backend, gemm))
+            return fn(args, DenseTiles(cap_of(settings), how, backend, gemm,
+                                       cap_is_strict(settings)))
         return composite
 
     kw = dict(kwargs or {})

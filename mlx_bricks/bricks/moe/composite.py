@@ -10,8 +10,9 @@ included), multiplied by ``gather_mm`` with the rows' expert indices, its bias a
 up tiles side by side with the activation applied per tile (it is elementwise), then the down
 projection's tiles over D. A tile's rows are as many as fit the cap (``DenseTiles``'s rule,
 ``bricks/dequantize/composite.py``: the dequantizer's peak bytes per value, gate and up counted
-together, at least one row), and each tile's packed arrays wait (``mx.depends``) for the
-previous tile's output, so one tile is alive at a time.
+together, at least one row; a default cap raised on a GPU to the projection's output bytes),
+and each tile's packed arrays wait (``mx.depends``) for the previous tile's output, so one tile
+is alive at a time.
 
 Dequantizing every expert costs O(E N D) per call against the grouped GEMM's O(tokens k N D):
 it pays at prefill sizes, where most experts see rows (the tuner weighs it against stock per
@@ -26,7 +27,13 @@ import dataclasses
 
 import mlx.core as mx
 
-from mlx_bricks.bricks.dequantize.composite import DEQUANTIZERS, cap_of, quantized
+from mlx_bricks.bricks.dequantize.composite import (
+    DEQUANTIZERS,
+    call_cap,
+    cap_is_strict,
+    cap_of,
+    quantized,
+)
 from mlx_bricks.bricks.moe.op import (
     ACTIVATION_PARAMS,
     SORT_THRESHOLD,
@@ -82,11 +89,14 @@ def _value_bytes(weight, dtype) -> float:
 
 
 class _Tiles:
-    """Sequenced, capped tiles of one call (module docstring)."""
+    """Sequenced, capped tiles of one call (module docstring); ``strict``, ``backend``: a
+    default cap is raised per projection to its output bytes on a GPU (``call_cap``)."""
 
-    def __init__(self, cap: int, first):
+    def __init__(self, cap: int, first, strict: bool = True, backend: str = "reference"):
         self.cap = cap
         self.last = first
+        self.strict = strict
+        self.backend = backend
 
     def project(self, xs, weights: tuple, biases: tuple, idx, do_sort: bool, out_dtype,
                 finish=None):
@@ -96,7 +106,9 @@ class _Tiles:
         cdt = xs.dtype
         E, N, K = expert_shape(weights[0])
         per_row = E * K * sum(_value_bytes(w, cdt) for w in weights)
-        rows = max(1, min(N, int(self.cap // max(1.0, per_row))))
+        cap = call_cap(self.cap, self.strict, self.backend,
+                       idx.size * N * len(weights) * out_dtype.size)
+        rows = max(1, min(N, int(cap // max(1.0, per_row))))
         outs = []
         for n0 in range(0, N, rows):
             n1 = min(N, n0 + rows)
@@ -132,7 +144,7 @@ def dequant_moe(args: dict, backend: str, settings: dict):
         order = mx.argsort(flat)
         inv_order = mx.argsort(order)
         xe, idx = xe.flatten(0, -3)[order // k], flat[order]
-    tiles = _Tiles(cap_of(settings), x)
+    tiles = _Tiles(cap_of(settings), x, cap_is_strict(settings), backend)
     if args.get("w_gate") is None:  # gate-less experts (SwitchMLP): up, then its activation
         a = tiles.project(xe.astype(cdt), (args["w_up"],), (args.get("b_up"),), idx, do_sort,
                           dtype, finish=lambda u: activation_reference(act, u, None))
