@@ -2,34 +2,51 @@
 // arguments, launch geometry and steps; that file documents them). Header: mma.cuh.
 // MLX launches ceil(grid / threadgroup) blocks: threads past CH do nothing.
 
-const int T = iparams[0];
+const int T = int(x_shape[1]);
 const int c = int(blockIdx.x * blockDim.x + threadIdx.x);
 const int run = int(blockIdx.y * blockDim.y + threadIdx.y);
 const int b = int(blockIdx.z * blockDim.z + threadIdx.z);
 static_assert(K >= 2 && K <= 8, "2 to 8 taps");
 if (c < CH) {
-  const int64_t row0 = int64_t(b) * T;
+  // the strides of the rows (t) walked in the loops; adjacent threads read adjacent channels
+  // (an absent part's strides are never read: its input may have fewer dimensions)
+  const int64_t xt = x_strides[1];
+  const int64_t xb = int64_t(b) * x_strides[0] + int64_t(c) * x_strides[2];
+  const int64_t gt = GATE_IN ? gate_in_strides[1] : 0;
+  const int64_t gb = GATE_IN ? int64_t(b) * gate_in_strides[0] + int64_t(c) * gate_in_strides[2]
+                             : 0;
+  const int64_t ot = GATE_OUT ? gate_out_strides[1] : 0;
+  const int64_t ob = GATE_OUT ? int64_t(b) * gate_out_strides[0] +
+                                    int64_t(c) * gate_out_strides[2] : 0;
+  const int64_t mt = MASK ? mask_strides[1] : 0;
+  const int64_t mb = MASK ? int64_t(b) * mask_strides[0] : 0;
+  const int64_t st = STATE ? state_in_strides[1] : 0;
+  const int64_t sb = STATE ? int64_t(b) * state_in_strides[0] + int64_t(c) * state_in_strides[2]
+                           : 0;
+  const int64_t yb = int64_t(b) * T * CH + c;
   float wk[K];
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    wk[k] = w[c * K + k];
+    wk[k] = bricks::to_float(w[int64_t(c) * w_strides[0] + int64_t(k) * w_strides[1]]);
   }
-  const float bc = BIAS ? bricks::to_float(bias[c]) : 0.0f;
+  const float bc = BIAS ? bricks::to_float(bias[int64_t(c) * bias_strides[0]]) : 0.0f;
   // the window: win[j] holds u at position t - (K - 1) + j
   float win[K];
   const int t0 = run * TT;
 #pragma unroll
   for (int j = 0; j < K - 1; ++j) {
     const int pos = t0 - (K - 1) + j;
-    float u;
+    float u = 0.0f;
     if (pos < 0) {
-      u = bricks::to_float(state_in[(int64_t(b) * (K - 1) + (K - 1) + pos) * CH + c]);
+      if (STATE) {
+        u = bricks::to_float(state_in[sb + int64_t(K - 1 + pos) * st]);
+      }
     } else {
-      const int64_t i = (row0 + pos) * CH + c;
       u = GATE_IN ? bricks::to_float(bricks::from_float<InT>(
-                        bricks::to_float(gate_in[i]) * bricks::to_float(x[i])))
-                  : bricks::to_float(x[i]);
-      if (MASK && mask[row0 + pos] == 0) {
+                        bricks::to_float(gate_in[gb + pos * gt]) *
+                        bricks::to_float(x[xb + pos * xt])))
+                  : bricks::to_float(x[xb + pos * xt]);
+      if (MASK && mask[mb + pos * mt] == 0) {
         u = 0.0f;
       }
     }
@@ -37,11 +54,11 @@ if (c < CH) {
   }
   const int t1 = min(t0 + TT, T);
   for (int t = t0; t < t1; ++t) {
-    const int64_t i = (row0 + t) * CH + c;
     float u = GATE_IN ? bricks::to_float(bricks::from_float<InT>(
-                            bricks::to_float(gate_in[i]) * bricks::to_float(x[i])))
-                      : bricks::to_float(x[i]);
-    if (MASK && mask[row0 + t] == 0) {
+                            bricks::to_float(gate_in[gb + t * gt]) *
+                            bricks::to_float(x[xb + t * xt])))
+                      : bricks::to_float(x[xb + t * xt]);
+    if (MASK && mask[mb + t * mt] == 0) {
       u = 0.0f;
     }
     win[K - 1] = u;
@@ -54,9 +71,9 @@ if (c < CH) {
       acc = acc / (1.0f + expf(-acc));
     }
     if (GATE_OUT) {
-      acc *= bricks::to_float(gate_out[i]);
+      acc *= bricks::to_float(gate_out[ob + t * ot]);
     }
-    y[i] = bricks::from_float<InT>(acc);
+    y[yb + int64_t(t) * CH] = bricks::from_float<InT>(acc);
 #pragma unroll
     for (int k = 0; k < K - 1; ++k) {
       win[k] = win[k + 1];
@@ -64,18 +81,21 @@ if (c < CH) {
   }
   // the next state (the first run's threads): [state_in, u][ends + j], j < K - 1
   if (run == 0) {
-    const int e0 = ends[b];
+    const int e0 = ENDS ? ends[int64_t(b) * ends_strides[0]] : T;
     for (int j = 0; j < K - 1; ++j) {
       const int idx = e0 + j;  // position in [state_in, u]
-      float u;
+      float u = 0.0f;
       if (idx < K - 1) {
-        u = bricks::to_float(state_in[(int64_t(b) * (K - 1) + idx) * CH + c]);
+        if (STATE) {
+          u = bricks::to_float(state_in[sb + int64_t(idx) * st]);
+        }
       } else {
-        const int64_t i = (row0 + idx - (K - 1)) * CH + c;
+        const int64_t p = idx - (K - 1);
         u = GATE_IN ? bricks::to_float(bricks::from_float<InT>(
-                          bricks::to_float(gate_in[i]) * bricks::to_float(x[i])))
-                    : bricks::to_float(x[i]);
-        if (MASK && mask[row0 + idx - (K - 1)] == 0) {
+                          bricks::to_float(gate_in[gb + p * gt]) *
+                          bricks::to_float(x[xb + p * xt])))
+                    : bricks::to_float(x[xb + p * xt]);
+        if (MASK && mask[mb + p * mt] == 0) {
           u = 0.0f;
         }
       }

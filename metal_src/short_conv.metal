@@ -5,42 +5,64 @@
 // channels (coalesced rows). Per token t of channel c:
 //   u_t = InT(gate_in_t * x_t), 0 where the mask is False (rounded as mlx-lm's product)
 //   y_t = OutT(act(sum_k w[c][k] u_{t + k - (K - 1)} + bias[c]) * gate_out_t)
-// with u at negative positions read from state_in. The threads of the first token run also
-// write the next state: the K - 1 inputs of [state_in, u] starting at ends[b] (the last K - 1
-// when ends[b] == T).
+// with u at negative positions read from state_in (zeros without one). The threads of the
+// first token run also write the next state: the K - 1 inputs of [state_in, u] starting at
+// ends[b] (the last K - 1 when ends[b] == T, or without ends).
 //
-// Template: InT (x, gates, bias, state dtype), CH (channels), K (taps, 2..8), TT (tokens per
-// thread), GATE_IN, GATE_OUT, BIAS, MASK, SILU (0 / 1: which parts are present).
-// Inputs (row-contiguous): x, gate_in, gate_out (B, T, CH) InT (an absent gate: one element,
-//   not read); w (CH, K) float; bias (CH) InT (absent: one element); state_in (B, K - 1, CH)
-//   InT; mask (B, T) uint8 (absent: one element); ends (B) int32 in [0, T]; iparams int32 [T].
+// Template: InT (x and gates dtype), CH (channels), K (taps, 2..8), TT (tokens per thread),
+// GATE_IN, GATE_OUT, BIAS, STATE, MASK, ENDS, SILU (0 / 1: which parts are present).
+// Inputs, read through their strides (views such as the three column blocks of one in-
+// projection's output come without a copy): x, gate_in, gate_out (B, T, CH) InT; w (CH, K, ...)
+// any float; bias (CH) any float; state_in (B, K - 1, CH) any float; mask (B, T) uint8; ends
+// (B) int32 in [0, T]. An absent part's input is any array, never read. T is x_shape[1].
 // Outputs: y (B, T, CH) InT; state_out (B, K - 1, CH) InT; every element written.
 // Grid: (CH, ceil(T / TT), B) threads; threads past CH (a CUDA block's tail) do nothing.
 
-const int T = iparams[0];
+const int T = int(x_shape[1]);
 const int c = int(thread_position_in_grid.x);
 const int run = int(thread_position_in_grid.y);
 const int b = int(thread_position_in_grid.z);
 static_assert(K >= 2 && K <= 8, "2 to 8 taps");
 if (c < CH) {
-  const int64_t row0 = int64_t(b) * T;
+  // the strides of the rows (t) walked in the loops; adjacent threads read adjacent channels
+  // (an absent part's strides are never read: its input may have fewer dimensions)
+  const int64_t xt = x_strides[1];
+  const int64_t xb = int64_t(b) * x_strides[0] + int64_t(c) * x_strides[2];
+  const int64_t gt = GATE_IN ? gate_in_strides[1] : 0;
+  const int64_t gb = GATE_IN ? int64_t(b) * gate_in_strides[0] + int64_t(c) * gate_in_strides[2]
+                             : 0;
+  const int64_t ot = GATE_OUT ? gate_out_strides[1] : 0;
+  const int64_t ob = GATE_OUT ? int64_t(b) * gate_out_strides[0] +
+                                    int64_t(c) * gate_out_strides[2] : 0;
+  const int64_t mt = MASK ? mask_strides[1] : 0;
+  const int64_t mb = MASK ? int64_t(b) * mask_strides[0] : 0;
+  const int64_t st = STATE ? state_in_strides[1] : 0;
+  const int64_t sb = STATE ? int64_t(b) * state_in_strides[0] + int64_t(c) * state_in_strides[2]
+                           : 0;
+  const int64_t yb = int64_t(b) * T * CH + c;
   float wk[K];
   for (int k = 0; k < K; ++k) {
-    wk[k] = w[c * K + k];
+    // lint-ok: strided-scalar-load K <= 8 taps, read once per thread
+    wk[k] = float(w[int64_t(c) * w_strides[0] + int64_t(k) * w_strides[1]]);
   }
-  const float bc = BIAS ? float(bias[c]) : 0.0f;
+  const float bc = BIAS ? float(bias[int64_t(c) * bias_strides[0]]) : 0.0f;
   // the window: win[j] holds u at position t - (K - 1) + j
   float win[K];
   const int t0 = run * TT;
   for (int j = 0; j < K - 1; ++j) {
     const int pos = t0 - (K - 1) + j;
-    float u;
+    float u = 0.0f;
     if (pos < 0) {
-      u = float(state_in[(int64_t(b) * (K - 1) + (K - 1) + pos) * CH + c]);
+      if (STATE) {
+        // lint-ok: strided-scalar-load K - 1 state rows per thread, adjacent threads' channels
+        u = float(state_in[sb + int64_t(K - 1 + pos) * st]);
+      }
     } else {
-      const int64_t i = (row0 + pos) * CH + c;
-      u = GATE_IN ? float(InT(float(gate_in[i]) * float(x[i]))) : float(x[i]);
-      if (MASK && mask[row0 + pos] == 0) {
+      // lint-ok: strided-scalar-load adjacent threads read adjacent channels of each row
+      u = GATE_IN ? float(InT(float(gate_in[gb + pos * gt]) * float(x[xb + pos * xt])))
+                  : float(x[xb + pos * xt]);  // lint-ok: strided-scalar-load (as above)
+      // lint-ok: strided-scalar-load one byte per row, the same for a threadgroup
+      if (MASK && mask[mb + pos * mt] == 0) {
         u = 0.0f;
       }
     }
@@ -48,9 +70,11 @@ if (c < CH) {
   }
   const int t1 = min(t0 + TT, T);
   for (int t = t0; t < t1; ++t) {
-    const int64_t i = (row0 + t) * CH + c;
-    float u = GATE_IN ? float(InT(float(gate_in[i]) * float(x[i]))) : float(x[i]);
-    if (MASK && mask[row0 + t] == 0) {
+    // lint-ok: strided-scalar-load adjacent threads read adjacent channels of each row
+    float u = GATE_IN ? float(InT(float(gate_in[gb + t * gt]) * float(x[xb + t * xt])))
+                      : float(x[xb + t * xt]);  // lint-ok: strided-scalar-load (as above)
+    // lint-ok: strided-scalar-load one byte per row, the same for a threadgroup
+    if (MASK && mask[mb + t * mt] == 0) {
       u = 0.0f;
     }
     win[K - 1] = u;
@@ -62,25 +86,31 @@ if (c < CH) {
       acc = acc / (1.0f + exp(-acc));
     }
     if (GATE_OUT) {
-      acc *= float(gate_out[i]);
+      acc *= float(gate_out[ob + t * ot]);  // lint-ok: strided-scalar-load (adjacent channels)
     }
-    y[i] = InT(acc);
+    y[yb + int64_t(t) * CH] = InT(acc);
     for (int k = 0; k < K - 1; ++k) {
       win[k] = win[k + 1];
     }
   }
   // the next state (the first run's threads): [state_in, u][ends + j], j < K - 1
   if (run == 0) {
-    const int e0 = ends[b];
+    const int e0 = ENDS ? ends[int64_t(b) * ends_strides[0]] : T;
     for (int j = 0; j < K - 1; ++j) {
       const int idx = e0 + j;  // position in [state_in, u]
-      float u;
+      float u = 0.0f;
       if (idx < K - 1) {
-        u = float(state_in[(int64_t(b) * (K - 1) + idx) * CH + c]);
+        if (STATE) {
+          // lint-ok: strided-scalar-load K - 1 state rows per thread, adjacent channels
+          u = float(state_in[sb + int64_t(idx) * st]);
+        }
       } else {
-        const int64_t i = (row0 + idx - (K - 1)) * CH + c;
-        u = GATE_IN ? float(InT(float(gate_in[i]) * float(x[i]))) : float(x[i]);
-        if (MASK && mask[row0 + idx - (K - 1)] == 0) {
+        const int64_t p = idx - (K - 1);
+        // lint-ok: strided-scalar-load K - 1 rows per thread, adjacent threads' channels
+        u = GATE_IN ? float(InT(float(gate_in[gb + p * gt]) * float(x[xb + p * xt])))
+                    : float(x[xb + p * xt]);  // lint-ok: strided-scalar-load (as above)
+        // lint-ok: strided-scalar-load one byte per row
+        if (MASK && mask[mb + p * mt] == 0) {
           u = 0.0f;
         }
       }

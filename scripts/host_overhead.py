@@ -55,6 +55,7 @@ def main():
     ap.add_argument("--decisions", help="a benchmark JSON with the patched run's decisions")
     ap.add_argument("--repeats", type=int, default=40)
     ap.add_argument("--profile", action="store_true", help="also print a cProfile listing")
+    ap.add_argument("--sort", default="cumulative", help="the listing's order (pstats keys)")
     a = ap.parse_args()
     simulate_cuda()
     with cudacheck.recorded_launches(*launching_modules()) as records:
@@ -105,7 +106,7 @@ def measure(a, records: list) -> None:
         for _ in range(30):
             build(patched)
         pr.disable()
-        pstats.Stats(pr).sort_stats("cumulative").print_stats(40)
+        pstats.Stats(pr).sort_stats(a.sort).print_stats(40)
 
 
 if __name__ == "__main__":

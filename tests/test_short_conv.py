@@ -166,6 +166,42 @@ def test_kernel(kernel_backend, case):
     check(args, mask=mask, lengths=lens, backend=kernel_backend, what=str(case))
 
 
+def _view_args(dtype=BF16, b=2, T=21, C=40, K=3):
+    """LFM2's layout: x and both gates the column blocks of one in-projection output (views,
+    row stride 3 C), the state a slice of a wider array, the taps a (C, K, 1) weight."""
+    rng = np.random.default_rng(5)
+    a = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32)).astype(dtype)  # noqa
+    Bg, Cg, x = mx.split(a(b, T, 3 * C), 3, axis=-1)
+    state = a(b, K + 1, C)[:, 2:]
+    return dict(x=x, weight=a(C, K, 1), bias=None, state=state, gate_in=Bg, gate_out=Cg,
+                activation=None)
+
+
+def test_kernel_reads_views(kernel_backend):
+    check(_view_args(), backend=kernel_backend, what="views")
+    check(_view_args(F32, b=1, T=5, C=8, K=4), lengths=mx.array([3]), backend=kernel_backend,
+          what="views, lengths")
+
+
+def test_cuda_twin_emulated_reads_views():
+    """The twin on the CPU with the views passed as MLX passes them (their own strides)."""
+    from tests import cuda_emu
+    from mlx_bricks.bricks.short_conv import cuda as conv_cuda
+    from mlx_bricks.bricks.short_conv.op import run_kernel
+
+    if cuda_emu.toolchain() is None:
+        pytest.skip("no host C++ compiler or CUDA headers")
+    a = _view_args()
+    order = ("x", "weight", "bias", "state", "mask", "gate_in", "gate_out", "activation",
+             "lengths")
+    with cuda_emu.emulated_launches(conv_cuda):
+        y, S = run_kernel(*(a.get(n) for n in order), backend="cuda")
+        mx.eval(y, S)
+    y64, S64 = conv64(**a)
+    assert mx.array_equal(S, S64)
+    assert_dtype_close(y, y64, short_conv_stock(**a)[0], dtype=BF16, what="views")
+
+
 def test_kernel_reason_and_fallback():
     from mlx_bricks.bricks.short_conv import msl
 
@@ -254,8 +290,8 @@ def test_cuda_twin_under_the_sanitizers(monkeypatch):
 
     def shifted(*args):
         src = generic(*args)
-        assert src.count("y[i] = ") == 1
-        return src.replace("y[i] = ", "y[i + CH] = ")
+        assert src.count("y[yb + int64_t(t) * CH] = ") == 1
+        return src.replace("y[yb + int64_t(t) * CH] = ", "y[yb + int64_t(t + 1) * CH] = ")
 
     monkeypatch.setattr(cuda_emu, "_generic_source", shifted)
     with pytest.raises(RuntimeError, match="AddressSanitizer"):

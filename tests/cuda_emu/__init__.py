@@ -336,7 +336,8 @@ def run_kernel(name: str, inputs, output_shapes, output_dtypes, grid, threadgrou
     """Run one launch of CUDA twin ``name`` on the CPU, as ``kernels.launch`` would on the GPU.
 
     Args:
-        inputs: ``mx.array`` per input of the spec (passed row-contiguous, MLX's strides).
+        inputs: ``mx.array`` per input of the spec (passed row-contiguous, MLX's strides; for a
+            spec with ``ensure_row_contiguous=False``, views as they are).
         output_shapes, output_dtypes, grid (threads, MLX's convention), threadgroup, template,
             shared_memory: the launch's arguments.
         offsets: per input, bytes past a 64-byte boundary where its data starts (default 0),
@@ -353,7 +354,18 @@ def run_kernel(name: str, inputs, output_shapes, output_dtypes, grid, threadgrou
     if len(offsets) != len(inputs):  # zip would drop the inputs past the shorter list
         raise ValueError(f"offsets has {len(offsets)} entries for {len(inputs)} inputs")
     parts = [struct.pack("<q", len(inputs))]
+    views = not kernels.spec(name).ensure_row_contiguous
     for a, off in zip(inputs, offsets):
+        if views:  # as MLX passes them: a view's own strides over the memory it spans
+            from mlx_bricks.emulator import _to_input
+
+            t = _to_input(a, row_contiguous=False)
+            raw = np.ascontiguousarray(t.data).view(np.uint8).tobytes()
+            shape = list(t.shape) + [0] * (10 - len(t.shape))
+            strides = list(t.strides) + [0] * (10 - len(t.strides))
+            parts.append(struct.pack("<21q", len(t.shape), *shape, *strides) +
+                         struct.pack("<2q", len(raw), off) + raw)
+            continue
         a = mx.contiguous(a)
         raw = np.array(a.reshape(-1).view(mx.uint8)).tobytes() if a.size else b""
         shape = list(a.shape) + [0] * (10 - a.ndim)

@@ -15,9 +15,10 @@ MIN_K, MAX_K = 2, 8
 kernels.register(kernels.KernelSpec(
     name="short_conv",
     body="short_conv.metal",
-    input_names=("x", "gate_in", "gate_out", "w", "bias", "state_in", "mask", "ends",
-                 "iparams"),
+    input_names=("x", "gate_in", "gate_out", "w", "bias", "state_in", "mask", "ends"),
     output_names=("y", "state_out"),
+    # views (the in-projection's column blocks, a cache's state) are read in place
+    ensure_row_contiguous=False,
     cuda_body="short_conv.cu",
     cuda_headers=("mma.cuh",),
 ))
@@ -31,28 +32,39 @@ def kernel_reason(weight) -> str | None:
     return None
 
 
+#: One-element arrays standing for absent byte and int32 inputs, by dtype (never read; made
+#: once, so a launch adds no operation for them).
+_ABSENT: dict = {}
+
+
+def _absent(dtype):
+    a = _ABSENT.get(dtype)
+    if a is None:
+        a = _ABSENT[dtype] = mx.zeros((1,), dtype)
+    return a
+
+
 def launch_kwargs(x, weight, bias=None, state=None, mask=None, gate_in=None, gate_out=None,
                   activation=None, lengths=None) -> dict:
     """The kernel call's arguments (inputs, geometry, outputs, template), shared by the MSL
-    kernel and the CUDA twin; arguments as the op takes them (checked)."""
+    kernel and the CUDA twin; arguments as the op takes them (checked). The arrays go as
+    they are (views included; an absent gate, bias or state: ``x``, never read): the only
+    operations besides the launch are the mask's cast to bytes and the lengths' clip."""
     b, T, C = x.shape
     K = weight.shape[1]
-    dummy = mx.zeros((1,), x.dtype)
-    if state is None:
-        state = mx.zeros((b, K - 1, C), x.dtype)
-    ends = (mx.full((b,), T, mx.int32) if lengths is None
-            else mx.clip(lengths, 0, T).astype(mx.int32))
+    ends = None if lengths is None else mx.clip(lengths, 0, T).astype(mx.int32)
     return dict(
-        inputs=[x, dummy if gate_in is None else gate_in, dummy if gate_out is None else gate_out,
-                weight.reshape(C, K).astype(mx.float32), dummy if bias is None else bias, state,
-                mx.zeros((1,), mx.uint8) if mask is None else mask.astype(mx.uint8), ends,
-                mx.array([T], mx.int32)],
+        inputs=[x, x if gate_in is None else gate_in, x if gate_out is None else gate_out,
+                weight, x if bias is None else bias, x if state is None else state,
+                _absent(mx.uint8) if mask is None else mask.astype(mx.uint8),
+                _absent(mx.int32) if ends is None else ends],
         grid=(C, max(1, -(-T // TOKENS)), b), threadgroup=(min(THREADS, C), 1, 1),
         output_shapes=[(b, T, C), (b, K - 1, C)],
         output_dtypes=[x.dtype, x.dtype],
         template=[("InT", x.dtype), ("CH", C), ("K", K), ("TT", TOKENS),
                   ("GATE_IN", int(gate_in is not None)), ("GATE_OUT", int(gate_out is not None)),
-                  ("BIAS", int(bias is not None)), ("MASK", int(mask is not None)),
+                  ("BIAS", int(bias is not None)), ("STATE", int(state is not None)),
+                  ("MASK", int(mask is not None)), ("ENDS", int(ends is not None)),
                   ("SILU", int(activation == "silu"))],
     )
 
