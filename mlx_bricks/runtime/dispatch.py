@@ -186,12 +186,13 @@ class Dispatch:
 
     def _memory_cap(self):
         """The tuner's memory bound: the dequantize cap, raised per call as the composites
-        raise it (``options.call_cap`` of stock's output bytes); None without a cap."""
+        raise it (``options.call_cap``), to stock's peak for the call (which holds the
+        products a composite's tiles are bounded by); None without a cap."""
         cap = self.common.get(CAP_SETTING)
         if cap is None:
             return None
         strict = self.common.get(CAP_STRICT_SETTING, True)
-        return lambda out_bytes: call_cap(cap, strict, self.backend, out_bytes)
+        return lambda stock_peak: call_cap(cap, strict, self.backend, stock_peak)
 
     def _settings(self, k) -> dict:
         return {**self.common, **self.settings.get(k.name, {})}

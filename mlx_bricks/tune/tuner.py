@@ -138,15 +138,6 @@ def _peak_of(fn):
     return out, max(0, mx.get_peak_memory() - before)
 
 
-def _nbytes(tree) -> int:
-    """Bytes of every array in ``tree`` (an op's output: an array, or lists / tuples of them)."""
-    if isinstance(tree, mx.array):
-        return tree.nbytes
-    if isinstance(tree, (list, tuple)):
-        return sum(map(_nbytes, tree))
-    return 0
-
-
 def tune_op(kind, args: dict, backend: str, *, variants: list | None = None,
             repeats: int = REPEATS, seed: int = 0, guard=None,
             progress: bool | None = None, budget_s: float | None = ROUND_BUDGET_S,
@@ -170,9 +161,9 @@ def tune_op(kind, args: dict, backend: str, *, variants: list | None = None,
         budget_s: seconds of timed rounds per candidate (``timing.time_interleaved``); None:
             ``repeats`` rounds whatever a call costs.
         memory_cap: bytes a variant's peak memory may exceed stock's by (the dequantize cap),
-            or a function of the bytes of stock's output giving them (a cap raised per call,
-            ``options.call_cap``); a variant over it is no candidate (its ``error`` says by how
-            much). None: no limit.
+            or a function of stock's peak bytes (what its call allocates, its products
+            included) giving them (a cap raised per call, ``options.call_cap``); a variant
+            over it is no candidate (its ``error`` says by how much). None: no limit.
 
     Returns:
         The :class:`Decision` (``source="measured"``).
@@ -199,8 +190,8 @@ def tune_op(kind, args: dict, backend: str, *, variants: list | None = None,
             naive, stock_peak = _peak_of(lambda: kind.stock(synth))
         except KERNEL_ERRORS as e:
             naive, stock_error = None, f"stock failed: {one_line(e)}"
-        if callable(memory_cap):
-            memory_cap = None if stock_error else memory_cap(_nbytes(naive))
+        if callable(memory_cap):  # (stock's peak holds its products: a grown cap's bound)
+            memory_cap = None if stock_error else memory_cap(stock_peak)
         for v in candidates:
             bar.set_postfix_str(f"check {v.name}")
             reason = (None if guard is None
