@@ -53,12 +53,14 @@ if (c < CH) {
     win[j] = u;
   }
   const int t1 = min(t0 + TT, T);
+  // each input's element at token t, advanced by its row stride (no multiply per token)
+  int64_t ix = xb + t0 * xt, ig = gb + t0 * gt, io = ob + t0 * ot, im = mb + t0 * mt;
+  int64_t iy = yb + int64_t(t0) * CH;
   for (int t = t0; t < t1; ++t) {
     float u = GATE_IN ? bricks::to_float(bricks::from_float<InT>(
-                            bricks::to_float(gate_in[gb + t * gt]) *
-                            bricks::to_float(x[xb + t * xt])))
-                      : bricks::to_float(x[xb + t * xt]);
-    if (MASK && mask[mb + t * mt] == 0) {
+                            bricks::to_float(gate_in[ig]) * bricks::to_float(x[ix])))
+                      : bricks::to_float(x[ix]);
+    if (MASK && mask[im] == 0) {
       u = 0.0f;
     }
     win[K - 1] = u;
@@ -71,13 +73,18 @@ if (c < CH) {
       acc = acc / (1.0f + expf(-acc));
     }
     if (GATE_OUT) {
-      acc *= bricks::to_float(gate_out[ob + t * ot]);
+      acc *= bricks::to_float(gate_out[io]);
     }
-    y[yb + int64_t(t) * CH] = bricks::from_float<InT>(acc);
+    y[iy] = bricks::from_float<InT>(acc);
 #pragma unroll
     for (int k = 0; k < K - 1; ++k) {
       win[k] = win[k + 1];
     }
+    ix += xt;
+    ig += gt;
+    io += ot;
+    im += mt;
+    iy += CH;
   }
   // the next state (the first run's threads): [state_in, u][ends + j], j < K - 1
   if (run == 0) {

@@ -69,12 +69,12 @@ if (c < CH) {
     win[j] = u;
   }
   const int t1 = min(t0 + TT, T);
+  // each input's element at token t, advanced by its row stride (no multiply per token)
+  int64_t ix = xb + t0 * xt, ig = gb + t0 * gt, io = ob + t0 * ot, im = mb + t0 * mt;
+  int64_t iy = yb + int64_t(t0) * CH;
   for (int t = t0; t < t1; ++t) {
-    // lint-ok: strided-scalar-load adjacent threads read adjacent channels of each row
-    float u = GATE_IN ? float(InT(float(gate_in[gb + t * gt]) * float(x[xb + t * xt])))
-                      : float(x[xb + t * xt]);  // lint-ok: strided-scalar-load (as above)
-    // lint-ok: strided-scalar-load one byte per row, the same for a threadgroup
-    if (MASK && mask[mb + t * mt] == 0) {
+    float u = GATE_IN ? float(InT(float(gate_in[ig]) * float(x[ix]))) : float(x[ix]);
+    if (MASK && mask[im] == 0) {
       u = 0.0f;
     }
     win[K - 1] = u;
@@ -86,12 +86,17 @@ if (c < CH) {
       acc = acc / (1.0f + exp(-acc));
     }
     if (GATE_OUT) {
-      acc *= float(gate_out[ob + t * ot]);  // lint-ok: strided-scalar-load (adjacent channels)
+      acc *= float(gate_out[io]);
     }
-    y[yb + int64_t(t) * CH] = InT(acc);
+    y[iy] = InT(acc);
     for (int k = 0; k < K - 1; ++k) {
       win[k] = win[k + 1];
     }
+    ix += xt;
+    ig += gt;
+    io += ot;
+    im += mt;
+    iy += CH;
   }
   // the next state (the first run's threads): [state_in, u][ends + j], j < K - 1
   if (run == 0) {

@@ -177,10 +177,27 @@ def _view_args(dtype=BF16, b=2, T=21, C=40, K=3):
                 activation=None)
 
 
+def _mixed_layouts(dtype=BF16, b=2, T=19, C=24, K=8):
+    """Every input in a layout of its own: gate_in transposed, gate_out broadcast over the
+    batch (stride 0), the taps transposed, the bias every other element, the state
+    transposed; a mask and lengths."""
+    rng = np.random.default_rng(7)
+    a = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32)).astype(dtype)  # noqa
+    m = np.ones((b, T), bool)
+    m[-1, :4] = False
+    args = dict(x=a(b, T, C), weight=a(K, C).T[..., None], bias=a(2 * C)[::2],
+                state=a(b, C, K - 1).transpose(0, 2, 1),
+                gate_in=a(T, b, C).transpose(1, 0, 2),
+                gate_out=mx.broadcast_to(a(1, T, C), (b, T, C)), activation="silu")
+    return args, mx.array(m), mx.array([T, 7][:b])
+
+
 def test_kernel_reads_views(kernel_backend):
     check(_view_args(), backend=kernel_backend, what="views")
     check(_view_args(F32, b=1, T=5, C=8, K=4), lengths=mx.array([3]), backend=kernel_backend,
           what="views, lengths")
+    args, mask, lens = _mixed_layouts()
+    check(args, mask=mask, lengths=lens, backend=kernel_backend, what="mixed layouts")
 
 
 def test_cuda_twin_emulated_reads_views():
@@ -191,15 +208,26 @@ def test_cuda_twin_emulated_reads_views():
 
     if cuda_emu.toolchain() is None:
         pytest.skip("no host C++ compiler or CUDA headers")
-    a = _view_args()
     order = ("x", "weight", "bias", "state", "mask", "gate_in", "gate_out", "activation",
              "lengths")
-    with cuda_emu.emulated_launches(conv_cuda):
-        y, S = run_kernel(*(a.get(n) for n in order), backend="cuda")
-        mx.eval(y, S)
-    y64, S64 = conv64(**a)
-    assert mx.array_equal(S, S64)
-    assert_dtype_close(y, y64, short_conv_stock(**a)[0], dtype=BF16, what="views")
+    args, mask, lens = _mixed_layouts()
+    for what, a in (("views", _view_args()),
+                    ("mixed layouts", dict(args, mask=mask, lengths=lens))):
+        with cuda_emu.emulated_launches(conv_cuda):
+            y, S = run_kernel(*(a.get(n) for n in order), backend="cuda")
+            mx.eval(y, S)
+        y64, S64 = conv64(**a)
+        assert mx.array_equal(S, S64), what
+        assert_dtype_close(y, y64, short_conv_stock(**a)[0], dtype=BF16, what=what)
+
+
+def test_grid_limits_fall_back():
+    from mlx_bricks.bricks.short_conv import msl
+
+    w = mx.zeros((8, 3, 1))
+    assert msl.kernel_reason(w, (1, 16 * 65535, 8)) is None
+    assert "grid" in msl.kernel_reason(w, (1, 16 * 65535 + 1, 8))
+    assert "grid" in msl.kernel_reason(w, (65536, 4, 8))
 
 
 def test_kernel_reason_and_fallback():
@@ -290,8 +318,8 @@ def test_cuda_twin_under_the_sanitizers(monkeypatch):
 
     def shifted(*args):
         src = generic(*args)
-        assert src.count("y[yb + int64_t(t) * CH] = ") == 1
-        return src.replace("y[yb + int64_t(t) * CH] = ", "y[yb + int64_t(t + 1) * CH] = ")
+        assert src.count("y[iy] = ") == 1
+        return src.replace("y[iy] = ", "y[iy + CH] = ")
 
     monkeypatch.setattr(cuda_emu, "_generic_source", shifted)
     with pytest.raises(RuntimeError, match="AddressSanitizer"):

@@ -80,7 +80,7 @@ class ShortConv(ScanKind):
     prior_composite = "shifted"
 
     def kernel_reason(self, args):
-        return msl.kernel_reason(args["weight"])
+        return msl.kernel_reason(args["weight"], tuple(args["x"].shape))
 
     def key(self, args):
         b, T, C = args["x"].shape

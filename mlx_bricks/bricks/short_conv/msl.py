@@ -24,11 +24,19 @@ kernels.register(kernels.KernelSpec(
 ))
 
 
-def kernel_reason(weight) -> str | None:
-    """Why the kernel does not compute a convolution of these taps (None: it does)."""
+#: The most threadgroups along a CUDA grid's y and z (token runs, batch rows).
+MAX_GRID_YZ = 65535
+
+
+def kernel_reason(weight, shape=None) -> str | None:
+    """Why the kernel does not compute a convolution of these taps over an input of ``shape``
+    ``(b, T, C)`` (None: it does)."""
     K = weight.shape[1]
     if not MIN_K <= K <= MAX_K:
         return f"K {K} taps: the kernel keeps {MIN_K} to {MAX_K} in registers"
+    if shape is not None and (-(-shape[1] // TOKENS) > MAX_GRID_YZ or shape[0] > MAX_GRID_YZ):
+        return (f"{shape[0]} rows of {shape[1]} tokens: over the grid's {MAX_GRID_YZ} batch "
+                f"rows or runs of {TOKENS} tokens")
     return None
 
 
@@ -40,7 +48,9 @@ _ABSENT: dict = {}
 def _absent(dtype):
     a = _ABSENT.get(dtype)
     if a is None:
-        a = _ABSENT[dtype] = mx.zeros((1,), dtype)
+        a = mx.zeros((1,), dtype)
+        mx.eval(a)  # evaluated: a lazy array belongs to its maker's thread's stream
+        _ABSENT[dtype] = a
     return a
 
 

@@ -164,7 +164,7 @@ def short_conv(x, weight, bias=None, state=None, mask=None, *, gate_in=None, gat
     check_short_conv_args(x, weight, bias, state, mask, gate_in, gate_out, activation, lengths)
     args = (x, weight, bias, state, mask, gate_in, gate_out, activation, lengths)
     b = op_backend("short_conv", backend)
-    if b == "reference" or msl.kernel_reason(weight) is not None:
+    if b == "reference" or msl.kernel_reason(weight, x.shape) is not None:
         return short_conv_composite(*args)
     return run_kernel(*args, backend=b)
 
