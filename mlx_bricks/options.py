@@ -51,17 +51,19 @@ DEFAULT_CAP_FRACTION = 32
 #: :func:`call_cap` raise it per call on :data:`QUEUED_BACKENDS`. Absent: strict.
 CAP_STRICT_SETTING = "dequant_cap_strict"
 #: Backends whose device runs behind the host: every buffer a queued command uses stays alive
-#: until the command has run, so the dequantized tiles are bounded while queued (``InFlight``
-#: in ``bricks/dequantize/composite.py``), and each bound is a wait of the host on the device.
+#: until the command has run (unbounded, a whole forward's dequantized tiles were alive at once:
+#: H200, 2026-12-04, 1.5-2.9 GB above stock with a 256 MiB cap; docs/bench.md), so the tiles
+#: are bounded while queued (``InFlight`` in ``bricks/dequantize/composite.py``), and each
+#: bound is a wait of the host on the device.
 QUEUED_BACKENDS = ("cuda", "metal")
 
 
 def call_cap(cap: int, strict: bool, backend: str, out_bytes: int) -> int:
     """The cap of one call in bytes: ``cap``, or, where the cap is a default (``strict``
     False) and ``backend`` queues (:data:`QUEUED_BACKENDS`), at least ``out_bytes``, the
-    bytes the call's products write. A transient weight no larger than the output the call
-    allocates anyway at most doubles the call's own memory, while tiles under a model-sized
-    cap cost a host wait each: on an H100 a 2,048-row LFM2 MLP (12.4 MiB default cap, 4-bit)
+    bytes the call's products write: a transient weight tile no larger than the products the
+    call allocates anyway (the tiles' outputs and their concatenation come on top), while
+    tiles under a model-sized cap cost a host wait each: on an H100 a 2,048-row LFM2 MLP (12.4 MiB default cap, 4-bit)
     ran its dequantize-then-GEMM composite in 0.80-0.87 ms tiled against 0.34 ms with whole
     weights and stock's 1.11 ms (bench/results/2026-12-07-h100-session9.md). The CPU keeps the
     cap: its tiles run in order with no wait, and whole weights there cost memory, no time.

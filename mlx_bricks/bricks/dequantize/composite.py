@@ -163,11 +163,6 @@ def _rows(weight, n0: int, n1: int):
     return weight[n0:n1]
 
 
-#: (:data:`~mlx_bricks.options.QUEUED_BACKENDS`: unbounded, a whole forward's dequantized tiles
-#: could be alive at once there: H200, 2026-12-04, 1.5-2.9 GB above stock with a 256 MiB cap;
-#: docs/bench.md.)
-
-
 class InFlight:
     """Bounds the dequantized float bytes queued ahead of a GPU to about one cap.
 

@@ -92,7 +92,7 @@ class _Tiles:
     """Sequenced, capped tiles of one call (module docstring); ``strict``, ``backend``: a
     default cap is raised per projection to its output bytes on a GPU (``call_cap``)."""
 
-    def __init__(self, cap: int, first, strict: bool = True, backend: str = "reference"):
+    def __init__(self, cap: int, first, strict: bool, backend: str):
         self.cap = cap
         self.last = first
         self.strict = strict
